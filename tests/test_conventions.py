@@ -1,0 +1,738 @@
+"""Static checks of the project's conventions (../shared/STYLE.md); no model is loaded.
+
+Each check is a pure function that takes text (or paths) and returns a list of problems, one
+readable line each. The tests assert that the list is empty for the real repository, and a
+negative self-test per checker feeds it a small bad input and asserts that it complains, so that
+a checker that silently stopped checking would be noticed.
+
+  a. `# Detail N: <title>` tags vs the registry docs/details.md (and the 25 titles)
+  b. tests named in the registry exist
+  c. every field of an `...Args` dataclass has a docstring and is read
+  d. same-named top-level helpers are identical across stage scripts (single-file design)
+  e. importing a stage script runs nothing (subprocess)
+  f. `python <script> --help` exits 0 and lists every flag (subprocess)
+  g. every repository path that README.md names exists
+
+Tests about stage scripts are parametrized over the scripts that exist, so they grow as stages land.
+"""
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+REGISTRY = REPO / "docs" / "details.md"
+README = REPO / "README.md"
+# CI clones the repository with ../shared beside it; checks that read it skip when it is absent.
+SHARED_DETAILS = REPO.parent / "shared" / "DETAILS.md"
+
+# The stage scripts, in pipeline order. A new stage script must be added here.
+STAGE_SCRIPTS = ("preprocess_tldr.py", "sft.py", "reward.py", "dpo.py", "ppo.py", "judge.py")
+PRESENT_STAGES = [name for name in STAGE_SCRIPTS if (REPO / name).is_file()]
+
+# The 25 titles, exactly as in ../shared/DETAILS.md (test_titles_match_shared_details checks them).
+TITLES = {
+    1: "Dataset specification",
+    2: "Truncate the paragraph, not the sentence",
+    3: "Leading space, EOS at the end, a distinct [PAD]",
+    4: "SFT and preference lengths differ",
+    5: "Pre-tokenize; right-pad query+response, left-pad queries",
+    6: "The preference validation split is out of distribution",
+    7: "Disable dropout",
+    8: "Tech stack",
+    9: "SFT setup",
+    10: "RM setup",
+    11: "Reward head initialisation",
+    12: "Extract the reward at the EOS token",
+    13: "Non-EOS reward logits are not valid rewards",
+    14: "Left- vs right-padded reward extraction",
+    15: "Reward normalisation from SFT reference summaries",
+    16: "Accuracy differs by batch / confidence / split",
+    17: "Agreement with an LLM judge",
+    18: "RM calibration",
+    19: "DPO as a reward model",
+    20: "PPO setup",
+    21: "Reuse the SFT prompts, reshuffle at each pass",
+    22: "Value model initialised from the RM",
+    23: "EOS trick",
+    24: "Reward whitening is optional",
+    25: "Advantage whitening",
+}
+
+SUBPROCESS_TIMEOUT_S = 300
+
+
+def tagged_files(repo: Path) -> dict[str, str]:
+    """Files whose `# Detail N:` tags are checked: root *.py and benchmark/ scripts -> their text."""
+    paths = sorted(repo.glob("*.py"))
+    paths += sorted(p for p in (repo / "benchmark").rglob("*") if p.suffix in (".py", ".sh"))
+    return {p.relative_to(repo).as_posix(): p.read_text() for p in paths if p.is_file()}
+
+
+def stage_sources(repo: Path) -> dict[str, str]:
+    """The stage scripts that exist -> their text."""
+    return {name: (repo / name).read_text() for name in STAGE_SCRIPTS if (repo / name).is_file()}
+
+
+# ---------------------------------------------------------------------------------------------
+# a. Tags vs registry
+# ---------------------------------------------------------------------------------------------
+
+# A tag is a comment `# Detail N: <title>`, alone on its line or after code.
+TAG_RE = re.compile(r"#\s*Detail\s+(\d+)\s*:\s*(.*?)\s*$")
+WHERE_RE = re.compile(r"`?([^`\s()]+)`?(\s*\(planned\))?")
+TEST_RE = re.compile(r"`?(tests/[\w/]+\.py)::(\w+)`?")
+
+
+@dataclass
+class Row:
+    """One row of docs/details.md."""
+
+    n: int
+    title: str
+    stages: str
+    where: list[tuple[str, bool]]  # (path, planned)
+    tests: list[tuple[str, str]]  # (tests/file.py, test name); empty when the cell says planned
+
+
+def parse_registry(text: str) -> tuple[dict[int, Row], list[str]]:
+    """docs/details.md -> ({N: Row}, problems met while parsing)."""
+    rows: dict[int, Row] = {}
+    problems = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or not cells[0].isdigit():
+            continue  # prose, the header row, the separator row
+        where_at = f"docs/details.md:{lineno}"
+        if len(cells) != 5:
+            problems.append(f"{where_at}: expected 5 cells (N | Title | Stages | Where | Test), got {len(cells)}")
+            continue
+        n, title, stages, where_cell, test_cell = int(cells[0]), cells[1], cells[2], cells[3], cells[4]
+        if n in rows:
+            problems.append(f"{where_at}: Detail {n} has a second row")
+        where = []
+        for item in filter(None, (s.strip() for s in where_cell.split(","))):
+            m = WHERE_RE.fullmatch(item)
+            if m is None:
+                problems.append(f"{where_at}: cannot read where-entry {item!r} (want `file` or `file` (planned))")
+            else:
+                where.append((m.group(1), m.group(2) is not None))
+        if not where:
+            problems.append(f"{where_at}: Detail {n} lists no file under 'Where in the code'")
+        tests = []
+        if test_cell != "planned":
+            for item in (s.strip() for s in test_cell.split(",")):
+                m = TEST_RE.fullmatch(item)
+                if m is None:
+                    want = "tests/<file>.py::<name> or planned"
+                    problems.append(f"{where_at}: cannot read test entry {item!r} (want {want})")
+                else:
+                    tests.append((m.group(1), m.group(2)))
+        rows[n] = Row(n, title, stages, where, tests)
+    return rows, problems
+
+
+def check_registry_rows(rows: dict[int, Row], titles: dict[int, str]) -> list[str]:
+    """The registry has exactly the rows 1..25, in order, with the paper's titles."""
+    problems = []
+    if list(rows) != sorted(titles):
+        missing = sorted(set(titles) - set(rows))
+        extra = sorted(set(rows) - set(titles))
+        problems.append(
+            f"registry rows are {list(rows)}; missing {missing}, unknown {extra}, want 1..{len(titles)} in order"
+        )
+    for n, row in rows.items():
+        if n in titles and row.title != titles[n]:
+            problems.append(f"registry Detail {n}: title {row.title!r} != {titles[n]!r}")
+    return problems
+
+
+def find_tags(text: str) -> list[tuple[int, int, str]]:
+    """Source text -> [(line number, N, title)] for every `# Detail N: <title>` comment."""
+    tags = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        m = TAG_RE.search(line)
+        if m:
+            tags.append((lineno, int(m.group(1)), m.group(2)))
+    return tags
+
+
+def check_tags(sources: dict[str, str], rows: dict[int, Row], titles: dict[int, str], repo: Path) -> list[str]:
+    """Tags in `sources` ({relative path: text}) agree with the registry rows, both ways."""
+    problems = []
+    tagged: dict[tuple[int, str], list[int]] = {}  # (N, file) -> lines
+    for path, text in sources.items():
+        for lineno, n, title in find_tags(text):
+            if n not in titles:
+                problems.append(f"{path}:{lineno}: Detail {n} does not exist (1..{len(titles)})")
+                continue
+            if title != titles[n]:
+                problems.append(f"{path}:{lineno}: Detail {n} tagged {title!r}, the title is {titles[n]!r}")
+            tagged.setdefault((n, path), []).append(lineno)
+    for (n, path), lines in sorted(tagged.items()):
+        if len(lines) > 1:
+            problems.append(f"{path}: Detail {n} tagged {len(lines)} times (lines {lines}); tag it once, where it acts")
+        row = rows.get(n)
+        listed = row is not None and (path, False) in row.where
+        if not listed:
+            planned = row is not None and (path, True) in row.where
+            hint = "drop its '(planned)'" if planned else "add it"
+            problems.append(
+                f"{path}:{lines[0]}: tags Detail {n}, but docs/details.md does not list {path} "
+                f"under 'Where in the code' ({hint})"
+            )
+    for n, row in sorted(rows.items()):
+        for path, planned in row.where:
+            if planned:
+                continue
+            if not (repo / path).is_file():
+                problems.append(f"docs/details.md: Detail {n} lists {path}, which does not exist (planned?)")
+            elif (n, path) not in tagged and not any(t[1] == n for t in find_tags((repo / path).read_text())):
+                problems.append(f"docs/details.md: Detail {n} lists {path}, which carries no '# Detail {n}:' tag")
+    return problems
+
+
+def parse_details_table(text: str) -> dict[int, tuple[str, str]]:
+    """../shared/DETAILS.md -> {N: (title, stages)} from its table (first three cells of a row)."""
+    out = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0].isdigit() and len(cells) >= 3:
+            out[int(cells[0])] = (cells[1], cells[2])
+    return out
+
+
+def test_registry_rows_match_details_titles():
+    rows, problems = parse_registry(REGISTRY.read_text())
+    problems += check_registry_rows(rows, TITLES)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.skipif(not SHARED_DETAILS.is_file(), reason=f"{SHARED_DETAILS} is absent (it sits beside the clone in CI)")
+def test_titles_match_shared_details():
+    """The hard-coded titles and the registry's stages are those of ../shared/DETAILS.md."""
+    shared = parse_details_table(SHARED_DETAILS.read_text())
+    rows, _ = parse_registry(REGISTRY.read_text())
+    problems = []
+    for n, (title, stages) in shared.items():
+        if TITLES.get(n) != title:
+            problems.append(f"Detail {n}: TITLES has {TITLES.get(n)!r}, DETAILS.md has {title!r}")
+        if n in rows and rows[n].stages != stages:
+            problems.append(f"Detail {n}: registry stages {rows[n].stages!r}, DETAILS.md has {stages!r}")
+    assert len(shared) == len(TITLES), f"DETAILS.md has {len(shared)} details, TITLES has {len(TITLES)}"
+    assert not problems, "\n".join(problems)
+
+
+def test_tags_match_registry():
+    rows, problems = parse_registry(REGISTRY.read_text())
+    problems += check_tags(tagged_files(REPO), rows, TITLES, REPO)
+    assert not problems, "\n".join(problems)
+
+
+def test_registry_and_tag_checkers_catch_mistakes(tmp_path):
+    titles = {1: "Alpha", 2: "Beta"}
+    bad_registry = textwrap.dedent("""\
+        | N | Title | Stages | Where in the code | Test |
+        |---|---|---|---|---|
+        | 1 | Alpha | x | `a.py`, `b.py`, `c.py` (planned) | planned |
+        | 3 | Gamma | x | `a.py` | planned |
+        | 4 | Delta | x |  | nonsense |
+        """)
+    rows, parse_problems = parse_registry(bad_registry)
+    assert any("lists no file" in p for p in parse_problems)
+    assert any("cannot read test entry" in p for p in parse_problems)
+    row_problems = check_registry_rows(rows, titles)
+    assert any("missing [2]" in p and "unknown [3, 4]" in p for p in row_problems)
+    rows[2] = Row(2, "Bet", "x", [("a.py", False)], [])
+    assert any("title 'Bet'" in p for p in check_registry_rows(rows, titles))
+
+    (tmp_path / "a.py").write_text("x = 1  # Detail 1: Alpha\n")
+    sources = {
+        "a.py": "x = 1  # Detail 1: Alpha\n",
+        "c.py": "# Detail 1: Alpha\n# Detail 2: beta\n# Detail 2: Beta\n# Detail 9: Nine\n",
+    }
+    problems = "\n".join(check_tags(sources, rows, titles, tmp_path))
+    assert "c.py:2: Detail 2 tagged 'beta'" in problems  # wrong title
+    assert "c.py: Detail 2 tagged 2 times" in problems  # tagged twice in one file
+    assert "c.py:1: tags Detail 1, but docs/details.md does not list c.py" in problems  # listed as planned
+    assert "drop its '(planned)'" in problems
+    assert "Detail 9 does not exist" in problems
+    assert "Detail 1 lists b.py, which does not exist" in problems  # listed, not planned, absent
+    assert "Detail 2 lists a.py, which carries no '# Detail 2:' tag" in problems  # listed, untagged
+    assert "a.py:1" not in problems  # the one correct tag is not reported
+
+
+# ---------------------------------------------------------------------------------------------
+# b. Tests named in the registry exist
+# ---------------------------------------------------------------------------------------------
+
+
+def check_registry_tests(rows: dict[int, Row], repo: Path) -> list[str]:
+    """Every `tests/<file>.py::<name>` of the registry names a file that defines `def <name>(`."""
+    problems = []
+    for n, row in sorted(rows.items()):
+        for path, name in row.tests:
+            file = repo / path
+            if not file.is_file():
+                problems.append(f"docs/details.md: Detail {n} names {path}::{name}, but {path} does not exist")
+            elif not re.search(rf"\bdef {name}\(", file.read_text()):
+                problems.append(f"docs/details.md: Detail {n} names {path}::{name}, but {path} defines no {name}")
+    return problems
+
+
+def test_registry_tests_exist():
+    rows, problems = parse_registry(REGISTRY.read_text())
+    problems += check_registry_tests(rows, REPO)
+    assert not problems, "\n".join(problems)
+
+
+def test_registry_test_checker_catches_missing_tests(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("def test_here():\n    pass\n\ndef test_there_too():\n    pass\n")
+    tests = [("tests/test_a.py", "test_here"), ("tests/test_a.py", "test_there"), ("tests/test_b.py", "test_x")]
+    rows = {1: Row(1, "Alpha", "x", [], tests)}
+    problems = check_registry_tests(rows, tmp_path)
+    assert len(problems) == 2, problems
+    assert "defines no test_there" in problems[0]  # a prefix of another test's name does not count
+    assert "tests/test_b.py does not exist" in problems[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# c. Every Args field has a docstring and is read
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_dataclass_decorator(node: ast.expr) -> bool:
+    """True for `@dataclass`, `@dataclasses.dataclass` and their called forms `@dataclass(...)`."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    return name == "dataclass"
+
+
+def args_classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
+    """Every `@dataclass` class whose name ends with `Args`, at any depth -> its node."""
+    return {
+        node.name: node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        and node.name.endswith("Args")
+        and any(map(_is_dataclass_decorator, node.decorator_list))
+    }
+
+
+def _names_in(annotation: ast.expr) -> set[str]:
+    """All identifiers in an annotation: `tyro.conf.Suppress[int]` -> {tyro, conf, Suppress, int}."""
+    names = set()
+    for node in ast.walk(annotation):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.update(re.findall(r"\w+", node.value))  # string annotations
+    return names
+
+
+def dataclass_fields(cls: ast.ClassDef) -> list[tuple[ast.AnnAssign, bool]]:
+    """The fields of a dataclass body -> [(annotated assignment, has a docstring right after)]."""
+    fields = []
+    for i, stmt in enumerate(cls.body):
+        if not isinstance(stmt, ast.AnnAssign) or not isinstance(stmt.target, ast.Name):
+            continue  # methods, docstrings, plain class attributes
+        if "ClassVar" not in _names_in(stmt.annotation):
+            nxt = cls.body[i + 1] if i + 1 < len(cls.body) else None
+            documented = isinstance(nxt, ast.Expr) and isinstance(getattr(nxt.value, "value", None), str)
+            fields.append((stmt, documented))
+    return fields
+
+
+def check_args_fields(source: str, filename: str) -> list[str]:
+    """Every field of every `...Args` dataclass has a docstring and is read outside its class."""
+    tree = ast.parse(source)
+    classes = args_classes(tree)
+    if not classes:
+        return [f"{filename}: no `@dataclass class Args` (every stage script takes its flags from one)"]
+    problems = []
+    for cls in classes.values():
+        inside = range(cls.lineno, cls.end_lineno + 1)
+        read = {
+            node.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.lineno not in inside
+        }
+        for stmt, documented in dataclass_fields(cls):
+            name = stmt.target.id
+            if not documented:
+                problems.append(f'{filename}:{stmt.lineno}: {cls.name}.{name} has no """docstring""" (its --help)')
+            if name not in read:
+                kind = "derived field" if "Suppress" in _names_in(stmt.annotation) else "flag"
+                problems.append(
+                    f"{filename}:{stmt.lineno}: {cls.name}.{name} is never read (no `.{name}` outside the class); "
+                    f"remove the {kind}"
+                )
+    return problems
+
+
+@pytest.mark.parametrize("script", PRESENT_STAGES)
+def test_args_fields_documented_and_read(script):
+    problems = check_args_fields((REPO / script).read_text(), script)
+    assert not problems, "\n".join(problems)
+
+
+def test_args_checker_catches_undocumented_and_unread():
+    source = textwrap.dedent('''\
+        import dataclasses
+        from dataclasses import dataclass, field
+        from typing import ClassVar
+        import tyro
+
+        @dataclasses.dataclass
+        class OptimArgs:
+            lr: float = 3e-6
+            """learning rate"""
+            eps: float = 1e-5
+
+        @dataclass(frozen=False)
+        class Args:
+            seed: int = 1
+            """seed"""
+            unused_flag: bool = False
+            """never read"""
+            optim: OptimArgs = field(default_factory=OptimArgs)
+            """optimizer"""
+            batch_size: tyro.conf.Suppress[int] = 0
+            """derived, assigned but never read"""
+            registry: ClassVar[dict] = {}
+
+            def __post_init__(self):
+                print(self.unused_flag)  # inside the class body: does not count
+
+        if __name__ == "__main__":
+            args = tyro.cli(Args)
+            args.batch_size = 4
+            print(args.seed, args.optim.lr, args.optim.eps)
+        ''')
+    problems = check_args_fields(source, "s.py")
+    assert len(problems) == 3, problems
+    assert "OptimArgs.eps has no" in problems[0]
+    assert "Args.unused_flag is never read" in problems[1]
+    assert "Args.batch_size is never read" in problems[2] and "derived field" in problems[2]
+    assert "no `@dataclass class Args`" in check_args_fields("class Args:\n    x: int = 1\n", "t.py")[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# d. Same-named top-level helpers are identical across stage scripts
+# ---------------------------------------------------------------------------------------------
+
+
+def top_level_definitions(source: str) -> dict[str, str]:
+    """Top-level functions and classes (not the `...Args` dataclasses) -> source text incl. decorators."""
+    lines = source.splitlines()
+    tree = ast.parse(source)
+    exempt = set(args_classes(tree))  # each script has its own flags by design
+    out = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name not in exempt:
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            out[node.name] = "\n".join(lines[start - 1 : node.end_lineno])
+    return out
+
+
+def check_shared_definitions(sources: dict[str, str]) -> list[str]:
+    """A name defined at top level in several scripts must have the same source text in all of them."""
+    by_name: dict[str, dict[str, list[str]]] = {}  # name -> {source text: [files]}
+    for path, source in sources.items():
+        for name, text in top_level_definitions(source).items():
+            by_name.setdefault(name, {}).setdefault(text, []).append(path)
+    problems = []
+    for name, versions in sorted(by_name.items()):
+        if len(versions) > 1:
+            groups = " vs ".join("+".join(files) for files in versions.values())
+            first, second = list(versions)[:2]
+            pairs = zip(first.splitlines(), second.splitlines())
+            diff = next((f"{a.strip()!r} / {b.strip()!r}" for a, b in pairs if a != b), "one is longer")
+            problems.append(
+                f"`{name}` differs between {groups} (first difference: {diff}); make them identical or rename one"
+            )
+    return problems
+
+
+def test_shared_helpers_identical():
+    problems = check_shared_definitions(stage_sources(REPO))
+    assert not problems, "\n".join(problems)
+
+
+def test_shared_helper_checker_catches_drift():
+    helper = "def whiten(x, shift_mean=True):\n    return x - x.mean()\n"
+    args = "from dataclasses import dataclass\n@dataclass\nclass Args:\n    {}: int = 1\n"
+    sources = {
+        "a.py": args.format("a") + helper + "class Box:\n    pass\n",
+        "b.py": args.format("b") + helper + "@final\nclass Box:\n    pass\n",
+        "c.py": helper.replace("x.mean()", "x.mean(0)"),
+    }
+    problems = check_shared_definitions(sources)
+    assert len(problems) == 2, problems  # Args differ by design and are not compared
+    assert problems[0].startswith("`Box` differs between a.py vs b.py")  # a decorator counts
+    assert problems[1].startswith("`whiten` differs between a.py+b.py vs c.py")
+
+
+# ---------------------------------------------------------------------------------------------
+# e. Importing a stage script runs nothing
+# ---------------------------------------------------------------------------------------------
+
+
+def has_main_guard(source: str) -> bool:
+    """True when the module has a top-level `if __name__ == "__main__":`."""
+    for node in ast.parse(source).body:
+        test = node.test if isinstance(node, ast.If) else None
+        if (
+            isinstance(test, ast.Compare)
+            and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__"
+            and isinstance(test.ops[0], ast.Eq)
+            and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value == "__main__"
+        ):
+            return True
+    return False
+
+
+def _run(cmd: list[str], workdir: Path) -> subprocess.CompletedProcess | None:
+    """Run `cmd` in `workdir` with the test environment (offline, see conftest.py); None on timeout.
+
+    Wide and colourless so that --help prints each flag whole; no bytecode written beside the scripts.
+    """
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "300", "NO_COLOR": "1"}
+    try:
+        return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def check_import_is_inert(script: Path, workdir: Path) -> list[str]:
+    """`import <module>` from an empty `workdir` succeeds, prints nothing, writes nothing there."""
+    problems = [] if has_main_guard(script.read_text()) else [f'{script.name}: no `if __name__ == "__main__":` block']
+    code = f"import sys; sys.path.insert(0, {str(script.parent)!r}); import {script.stem}"
+    proc = _run([sys.executable, "-c", code], workdir)
+    if proc is None:
+        return problems + [f"{script.name}: import did not finish in {SUBPROCESS_TIMEOUT_S} s"]
+    if proc.returncode != 0:
+        problems.append(f"{script.name}: import failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    if proc.stdout:
+        problems.append(f"{script.name}: import printed to stdout: {proc.stdout[:500]!r}")
+    created = sorted(p.name for p in workdir.iterdir())
+    if created:
+        problems.append(f"{script.name}: import created {created} in the working directory")
+    return problems
+
+
+@pytest.mark.parametrize("script", PRESENT_STAGES)
+def test_import_runs_nothing(script, tmp_path):
+    problems = check_import_is_inert(REPO / script, tmp_path)
+    assert not problems, "\n".join(problems)
+
+
+def test_import_checker_catches_side_effects(tmp_path):
+    (tmp_path / "src").mkdir()
+    for cwd in ("cwd1", "cwd2", "cwd3"):  # one empty working directory per import
+        (tmp_path / cwd).mkdir()
+    noisy = tmp_path / "src" / "noisy_stage.py"
+    noisy.write_text('print("loading")\nopen("cache.txt", "w").write("x")\n')
+    problems = check_import_is_inert(noisy, tmp_path / "cwd1")
+    assert len(problems) == 3, problems
+    assert "no `if __name__" in problems[0]
+    assert "printed to stdout" in problems[1]
+    assert "created ['cache.txt']" in problems[2]
+    broken = tmp_path / "src" / "broken_stage.py"
+    broken.write_text('raise RuntimeError("boom")\nif __name__ == "__main__":\n    pass\n')
+    assert "RuntimeError: boom" in "\n".join(check_import_is_inert(broken, tmp_path / "cwd2"))
+    quiet = tmp_path / "src" / "quiet_stage.py"
+    quiet.write_text('import os\n\nif __name__ == "__main__":\n    print("run")\n')
+    assert check_import_is_inert(quiet, tmp_path / "cwd3") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# f. `--help` exits 0 and lists every flag
+# ---------------------------------------------------------------------------------------------
+
+
+def expected_flags(source: str) -> list[str]:
+    """The flags tyro should show for the script's Args: `field`, or `parent.field` when nested.
+
+    Roots are the `...Args` dataclasses no other one nests; `tyro.conf.Suppress` fields are not flags.
+    """
+    classes = args_classes(ast.parse(source))
+    annotations = [stmt.annotation for cls in classes.values() for stmt, _ in dataclass_fields(cls)]
+    nested_in = set().union(*(_names_in(a) & set(classes) for a in annotations))
+
+    def flags(cls: ast.ClassDef, prefix: str) -> list[str]:
+        out = []
+        for stmt, _ in dataclass_fields(cls):
+            names = _names_in(stmt.annotation)
+            if "Suppress" in names:
+                continue
+            sub = sorted(names & set(classes))
+            out += flags(classes[sub[0]], f"{prefix}{stmt.target.id}.") if sub else [prefix + stmt.target.id]
+        return out
+
+    return [flag for name, cls in classes.items() if name not in nested_in for flag in flags(cls, "")]
+
+
+def check_help_lists_flags(script: Path, workdir: Path) -> list[str]:
+    """`python <script> --help` exits 0 and shows `--<flag>` (underscores or dashes) for each field."""
+    proc = _run([sys.executable, str(script), "--help"], workdir)
+    if proc is None:
+        return [f"{script.name} --help did not finish in {SUBPROCESS_TIMEOUT_S} s"]
+    if proc.returncode != 0:
+        return [f"{script.name} --help exited {proc.returncode}:\n{proc.stderr[-3000:]}"]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)  # drop colour codes, if any
+    problems = []
+    for flag in expected_flags(script.read_text()):
+        pattern = "--" + r"\.".join(re.escape(part).replace("_", "[-_]") for part in flag.split(".")) + r"(?![\w.-])"
+        if not re.search(pattern, text):
+            problems.append(f"{script.name} --help does not show --{flag} (or --{flag.replace('_', '-')})")
+    return problems
+
+
+@pytest.mark.parametrize("script", PRESENT_STAGES)
+def test_help_lists_every_flag(script, tmp_path):
+    problems = check_help_lists_flags(REPO / script, tmp_path)
+    assert not problems, "\n".join(problems)
+
+
+def test_help_checker_catches_missing_flags(tmp_path):
+    header = textwrap.dedent('''\
+        from dataclasses import dataclass, field
+        import tyro
+
+        @dataclass
+        class OptimArgs:
+            learning_rate: float = 3e-6
+            """learning rate"""
+
+        @dataclass
+        class Args:
+            exp_name: str = "x"
+            """run name"""
+            track: bool = False
+            """track with wandb"""
+            optim: OptimArgs = field(default_factory=OptimArgs)
+            """optimizer"""
+            batch_size: tyro.conf.Suppress[int] = 0
+            """derived"""
+
+        ''')
+    assert expected_flags(header) == ["exp_name", "track", "optim.learning_rate"]
+    good = tmp_path / "good.py"  # real tyro: nested, boolean and suppressed fields are matched
+    good.write_text(header + 'if __name__ == "__main__":\n    args = tyro.cli(Args)\n')
+    assert check_help_lists_flags(good, tmp_path) == []
+    hand_rolled = tmp_path / "hand_rolled.py"  # a help text that forgets two flags
+    hand_rolled.write_text(header + 'if __name__ == "__main__":\n    print("usage: [--exp-name STR] [--track-all]")\n')
+    problems = check_help_lists_flags(hand_rolled, tmp_path)
+    assert len(problems) == 2, problems
+    assert "does not show --track " in problems[0] and "--optim.learning_rate" in problems[1]
+    failing = tmp_path / "failing.py"
+    failing.write_text(header + 'if __name__ == "__main__":\n    raise SystemExit(3)\n')
+    assert "--help exited 3" in check_help_lists_flags(failing, tmp_path)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# g. Every path the README names exists
+# ---------------------------------------------------------------------------------------------
+
+PATHLIKE_SUFFIXES = (".py", ".sh", ".md", ".txt", ".yaml", ".yml", ".json", ".png")
+REQUIRED_SUFFIXES = (".py", ".sh", ".md", ".txt", ".yaml", ".yml")  # repository file types
+# Written at run time, never committed (plus the root entries that .gitignore anchors, e.g. /tiny_world/).
+GENERATED_DIRS = {"data", "runs", "models", "output", "wandb"}
+
+
+def readme_paths(text: str) -> list[str]:
+    """Path-like tokens of a README: in `inline code`, fenced code blocks and [link](targets)."""
+    tokens = []
+    fenced = False
+    for line in text.splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+            continue
+        if fenced:
+            tokens += line.split()
+        else:
+            tokens += [t for span in re.findall(r"`([^`]+)`", line) for t in span.split()]
+            tokens += re.findall(r"\]\(([^)\s]+)\)", line)
+    paths = []
+    for token in tokens:
+        if "://" in token:
+            continue  # a URL
+        token = token.split("=", 1)[1] if "=" in token else token  # --flag=path, VAR=path
+        token = token.strip("\"'()[]{},;:")
+        token = re.sub(r"(::\w.*|:\d+|#.*)$", "", token)  # tests/x.py::test_y, file.py:12, doc.md#anchor
+        if (
+            not token
+            or token.startswith(("-", "/", "~", "www."))
+            or any(c in token for c in "$<>{}?@|\\")
+            or not ("/" in token or token.endswith(PATHLIKE_SUFFIXES))
+        ):
+            continue
+        paths.append(token)
+    return paths
+
+
+def check_readme_paths(text: str, repo: Path) -> list[str]:
+    """Paths under an existing top-level entry, or with a repository file type, must exist.
+
+    Exempt: run-time outputs (data/, runs/, models/, output/, wandb/, anchored .gitignore entries),
+    Hub ids (`Org/name`: no file type, first part not a top-level entry), other artifacts (`args.json`).
+    """
+    top = {p.name for p in repo.iterdir()} - {".git"}
+    gitignore = repo / ".gitignore"
+    anchored = re.findall(r"^/([^/\s*]+)/?\s*$", gitignore.read_text(), re.M) if gitignore.is_file() else []
+    generated = GENERATED_DIRS | set(anchored)
+    problems = []
+    for path in dict.fromkeys(readme_paths(text)):  # unique, in order
+        parts = Path(path.removeprefix("./")).parts
+        if not parts or parts[0] in generated or not (parts[0] in top or path.endswith(REQUIRED_SUFFIXES)):
+            continue
+        exists = any(repo.glob(path.removeprefix("./"))) if "*" in path else (repo / path).exists()
+        if not exists:
+            problems.append(f"README.md names {path}, which does not exist")
+    return problems
+
+
+def test_readme_paths_exist():
+    assert README.is_file(), "README.md is missing"
+    problems = check_readme_paths(README.read_text(), REPO)
+    assert not problems, "\n".join(problems)
+
+
+def test_readme_checker_catches_missing_paths(tmp_path):
+    (tmp_path / "benchmark").mkdir()
+    (tmp_path / "benchmark" / "launch_sft.sh").write_text("")
+    (tmp_path / "sft.py").write_text("")
+    (tmp_path / ".gitignore").write_text("/tiny_world/\n")
+    readme = textwrap.dedent("""\
+        Run `python sft.py --output_dir=models/sft`, read `models/sft/args.json`, see [it](benchmark/launch_sft.sh).
+        The model is `EleutherAI/pythia-1b-deduped`; the paper: https://arxiv.org/abs/2403.17031, `https://x.org/a.py`.
+        Outputs land in `tiny_world/sft` and `data/tldr`; `sft.py:12` and `sft.py::main` and `benchmark/*.sh` are fine.
+
+        ```bash
+        bash benchmark/launch_ppo.sh --config=benchmark/zero2.yaml
+        python dpo.py
+        ```
+        See [the registry](docs/details.md#detail-3) and `reward.py`.
+        """)
+    problems = sorted(check_readme_paths(readme, tmp_path))
+    assert problems == [
+        "README.md names benchmark/launch_ppo.sh, which does not exist",
+        "README.md names benchmark/zero2.yaml, which does not exist",
+        "README.md names docs/details.md, which does not exist",
+        "README.md names dpo.py, which does not exist",
+        "README.md names reward.py, which does not exist",
+    ], problems

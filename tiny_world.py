@@ -1,0 +1,552 @@
+"""The embedded tiny TL;DR world: the project's offline default dataset, judge and base model.
+
+The real pipeline reads two Hub datasets and a Pythia checkpoint, none of which can be downloaded
+on an offline machine or in CI. This module builds a small stand-in world that has the same shape,
+so every stage runs the exact code path it runs on the real thing:
+
+- `tldr_3_filtered/`: the SFT dataset, in the schema of `vwxyzjn/summarize_from_feedback_tldr_3_filtered`
+  (id, subreddit, title, post, summary; train / validation / test). `load_dataset(path)`.
+- `summarize_from_feedback/`: the preference dataset, in the schema of `openai/summarize_from_feedback`
+  (config `comparisons`; train / validation, with CNN/DM-like news rows in validation).
+  `load_dataset(path, "comparisons")`.
+- `pythia-tiny/`: a byte-level BPE tokenizer (`<|endoftext|>` = EOS, a distinct `[PAD]`) and a
+  tiny GPT-NeoX (the Pythia architecture, rotary) saved with `save_pretrained`, briefly pretrained
+  on the post text, so `--base_model data/tiny_world/pythia-tiny` loads like `EleutherAI/pythia-1b-deduped`.
+- `WORLD.md` / `world.json`: the world card (sizes, policies, label noise, the best achievable accuracy).
+
+The world has a ground truth. Each post is built from key facts ("my landlord cancelled my lease"),
+a feeling, and irrelevant detail ("it was rainy and I was eating tacos"). `gold_score(post, summary)`
+is a deterministic function of the two texts alone that rewards covering the post's key facts and
+penalises invented facts, irrelevant detail, repetition and rambling. Preference labels are drawn
+from it with Bradley-Terry noise, so the best accuracy any reward model can reach on the labels
+(the noise ceiling) is known and written to the card. The same function is the offline judge of
+model outputs (`judge.py --judge gold`), so it accepts any text.
+
+    python tiny_world.py                                  # builds data/tiny_world (~30 s on 2 cores)
+    python tiny_world.py --out_dir /tmp/w --seed 2        # another world
+
+Same seed, same bytes: every file is a deterministic function of the arguments.
+"""
+
+import json
+import math
+import os
+import random
+import re
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+# ------------------------------------------------------------------------------------------------
+# The lexicon. Key words (actors, verbs, objects, feelings; news officials, actions, things) carry
+# the facts that a summary should keep; filler words only ever appear in irrelevant detail. Every
+# other word (my, the, so, what, should ...) is neutral glue. The gold judge only needs these sets.
+# ------------------------------------------------------------------------------------------------
+SUBREDDITS = ["relationships", "AskReddit", "personalfinance", "tifu", "legaladvice", "jobs",
+              "roommates", "Parenting"]
+ACTORS = ["landlord", "roommate", "boss", "girlfriend", "boyfriend", "sister", "brother", "coworker",
+          "neighbor", "mother", "father", "friend", "wife", "husband", "teacher", "manager", "cousin",
+          "uncle", "aunt", "grandmother", "mechanic", "coach", "dentist", "classmate"]
+VERBS = ["cancelled", "borrowed", "broke", "ignored", "stole", "forgot", "sold", "criticized", "hid",
+         "moved", "lost", "damaged", "refused", "raised", "cut", "read", "returned", "crashed",
+         "ruined", "mocked", "blocked", "skipped", "reported", "deleted", "painted", "locked",
+         "shared", "doubled", "replaced", "missed"]
+OBJECTS = ["lease", "car", "laptop", "birthday", "wallet", "rent", "phone", "wedding", "dog", "bike",
+           "paycheck", "keys", "couch", "promotion", "vacation", "password", "diary", "savings",
+           "apartment", "guitar", "camera", "paperwork", "deposit", "insurance", "schedule", "tuition",
+           "loan", "medication", "passport", "contract", "garden", "fence", "recipe", "budget",
+           "furniture", "invitation", "bonus", "bedroom", "shift", "mortgage"]
+FEELINGS = ["angry", "confused", "hurt", "betrayed", "anxious", "embarrassed", "guilty", "stressed",
+            "jealous", "exhausted"]
+NEWS_ACTORS = ["mayor", "senator", "governor", "police", "council", "minister", "judge", "company",
+               "union", "hospital", "university", "airline", "regulator", "court"]
+NEWS_VERBS = ["approved", "rejected", "announced", "closed", "opened", "investigated", "delayed",
+              "funded", "banned", "expanded", "suspended", "unveiled"]
+NEWS_OBJECTS = ["bridge", "stadium", "railway", "airport", "museum", "tax", "law", "park", "election",
+                "merger", "strike", "vaccine", "pipeline", "curfew", "festival", "subsidy"]
+KEY_WORDS = frozenset(ACTORS + VERBS + OBJECTS + FEELINGS + NEWS_ACTORS + NEWS_VERBS + NEWS_OBJECTS)
+
+WEATHER = ["rainy", "sunny", "windy", "foggy", "snowy", "humid"]
+FOODS = ["tacos", "pasta", "pizza", "noodles", "pancakes", "sushi", "burritos", "soup", "waffles",
+         "curry"]
+PETS = ["whiskers", "biscuit", "pepper", "mittens", "noodle", "ziggy", "luna", "mochi"]
+FURNITURE = ["sofa", "armchair", "beanbag", "futon", "ottoman", "hammock"]
+COLORS = ["purple", "orange", "yellow", "turquoise", "maroon", "beige"]
+CLOTHES = ["hoodie", "sweater", "jacket", "scarf", "sneakers", "beanie"]
+SHOWS = ["cartoons", "documentaries", "sitcoms", "podcasts", "reruns", "anime"]
+PLACES = ["gym", "library", "laundromat", "bakery", "pharmacy", "supermarket"]
+NEWS_FILLER = ["reporters", "cameras", "umbrellas", "crowds", "journalists", "spectators"]
+FILLER_WORDS = frozenset(WEATHER + FOODS + PETS + FURNITURE + COLORS + CLOTHES + SHOWS + PLACES
+                         + NEWS_FILLER)
+
+FACT_SENTENCES = [
+    "So last week my {a} {v} my {o}.", "Then my {a} {v} my {o} without even asking.",
+    "To make it worse, my {a} {v} my {o}.", "It started when my {a} {v} my {o}.",
+    "A few days ago my {a} {v} my {o}.", "Yesterday my {a} {v} my {o} and said nothing.",
+    "On top of that my {a} {v} my {o}.", "Basically my {a} {v} my {o}.",
+]
+FILLER_SENTENCES = [
+    "It was {weather} outside and I was eating {food}.", "My cat {pet} was asleep on the {furniture}.",
+    "I was wearing my {color} {clothes} at the time.", "We had been watching {shows} all evening.",
+    "I had just come back from the {place}.", "For some reason I remember it was {weather} that day.",
+    "Earlier I had {food} with my cat {pet}.", "The {furniture} in the hallway is {color} by the way.",
+]
+FEELING_SENTENCES = ["Honestly I feel {f} about it.", "I am so {f} right now.",
+                     "I feel {f} and I do not know why."]
+QUESTIONS = ["What should I do?", "Am I overreacting?", "How do I handle this?",
+             "Is this normal?", "Any advice?"]
+OPENERS = ["Throwaway account for obvious reasons.", "Long time lurker, first post.",
+           "Sorry for the formatting, I am on mobile.", "Not sure if this is the right place.",
+           "I (24) need some outside perspective.", "This might be long, sorry."]
+RAMBLES = ["honestly i do not even know anymore", "it has been going on for a while now",
+           "which is just a lot to deal with right now", "i keep thinking about it every day",
+           "so yeah that is basically the whole story"]
+NEWS_FACTS = ["The {a} {v} the {o} on Monday.", "Officials said the {a} {v} the {o} after a long debate.",
+              "Earlier this year the {a} {v} the {o}.", "In a surprise move the {a} {v} the {o}."]
+NEWS_FILLERS = ["Dozens of {nf} waited outside in the {weather} weather.",
+                "Local {nf} gathered near the {place} as the news broke.",
+                "Some {nf} were seen eating {food} nearby."]
+
+
+# ------------------------------------------------------------------------------------------------
+# The gold judge: a deterministic function of (post text, summary text) alone.
+# ------------------------------------------------------------------------------------------------
+WORD_RE = re.compile(r"[a-z0-9']+")
+JUDGE_WEIGHTS = {"coverage": 3.0, "invented": 0.8, "irrelevant": 0.4, "repetition": 0.3,
+                 "rambling": 0.1, "empty": 2.0}
+
+
+def words(text):
+    """Lower-cased word tokens of any text (special tokens such as <|endoftext|> become words)."""
+    return WORD_RE.findall(text.lower())
+
+
+def gold_breakdown(post, summary):
+    """The gold judge's score of `summary` for `post`, with the terms that make it up."""
+    post_keys = {w for w in words(post) if w in KEY_WORDS}
+    summary_words = words(summary)
+    summary_keys = {w for w in summary_words if w in KEY_WORDS}
+    coverage = len(summary_keys & post_keys) / max(1, len(post_keys))
+    invented = len(summary_keys - post_keys)  # facts that are not in the post
+    irrelevant = sum(w in FILLER_WORDS for w in summary_words)  # details that do not matter
+    counts = Counter(w for w in summary_words if w in KEY_WORDS or w in FILLER_WORDS)
+    repetition = sum(c - 1 for c in counts.values())
+    # A good summary needs about 2 words per key word of the post; beyond a small margin it rambles.
+    budget = 6 + 2 * len(post_keys)
+    rambling = max(0, len(summary_words) - budget)
+    w = JUDGE_WEIGHTS
+    score = (w["coverage"] * coverage - w["invented"] * invented - w["irrelevant"] * irrelevant
+             - w["repetition"] * repetition - w["rambling"] * rambling
+             - w["empty"] * (len(summary_words) == 0))
+    return {"score": score, "coverage": coverage, "invented": invented, "irrelevant": irrelevant,
+            "repetition": repetition, "rambling": rambling, "n_words": len(summary_words)}
+
+
+def gold_score(post, summary):
+    """The gold judge's scalar score (higher is better); see `gold_breakdown`."""
+    return gold_breakdown(post, summary)["score"]
+
+
+def preference_probability(post, summary_a, summary_b, temperature):
+    """Bradley-Terry probability that a labeller prefers summary_a: sigmoid(gold difference / T)."""
+    diff = gold_score(post, summary_a) - gold_score(post, summary_b)
+    return 1.0 / (1.0 + math.exp(-diff / temperature))
+
+
+# ------------------------------------------------------------------------------------------------
+# Posts, articles and summaries.
+# ------------------------------------------------------------------------------------------------
+def filler_sentence(rng, templates):
+    """One sentence of irrelevant detail."""
+    return rng.choice(templates).format(
+        weather=rng.choice(WEATHER), food=rng.choice(FOODS), pet=rng.choice(PETS).capitalize(),
+        furniture=rng.choice(FURNITURE), color=rng.choice(COLORS), clothes=rng.choice(CLOTHES),
+        shows=rng.choice(SHOWS), place=rng.choice(PLACES), nf=rng.choice(NEWS_FILLER))
+
+
+def make_post(rng, long_tail):
+    """A Reddit-style post: (subreddit, title, post text, facts, feeling)."""
+    n_facts = rng.choice([2, 2, 3, 3, 3, 4])
+    actors, objects = rng.sample(ACTORS, n_facts), rng.sample(OBJECTS, n_facts)
+    facts = [(a, rng.choice(VERBS), o) for a, o in zip(actors, objects)]
+    feeling = rng.choice(FEELINGS) if rng.random() < 0.7 else None
+    # Sentences in reading order: the facts in order, irrelevant detail sprinkled between them.
+    sentences = [rng.choice(OPENERS)] if rng.random() < 0.5 else []
+    for a, v, o in facts:
+        sentences.append(rng.choice(FACT_SENTENCES).format(a=a, v=v, o=o))
+        sentences += [filler_sentence(rng, FILLER_SENTENCES) for _ in range(rng.choice([0, 1, 1, 2]))]
+    if feeling:
+        sentences.append(rng.choice(FEELING_SENTENCES).format(f=feeling))
+    # Cut the sentences into 2-5 paragraphs; the question ends the post in its own paragraph.
+    cuts = sorted(rng.sample(range(1, len(sentences)), min(len(sentences) - 1, rng.randint(1, 4))))
+    paragraphs = [" ".join(sentences[i:j]) for i, j in zip([0] + cuts, cuts + [len(sentences)])]
+    if long_tail:  # a long rant of irrelevant paragraphs: these overflow the query budget (Detail 2)
+        for _ in range(rng.randint(6, 14)):
+            paragraphs.append(" ".join(filler_sentence(rng, FILLER_SENTENCES) for _ in range(3)))
+    if rng.random() < 0.3:  # an edit that restates the facts: posts repeat themselves, which is
+        # also what teaches the base model to copy from earlier in its context during pretraining
+        recap = " and ".join(f"my {a} {v} my {o}" for a, v, o in facts)
+        paragraphs.append(f"Edit: to sum up, {recap}.")
+    paragraphs.append(rng.choice(QUESTIONS))
+    a, v, o = facts[0]
+    question = rng.choice(QUESTIONS)
+    title = f"My {a} {v} my {o}, {question[0].lower()}{question[1:]}"
+    return rng.choice(SUBREDDITS), title, "\n\n".join(paragraphs), facts, feeling
+
+
+def make_article(rng):
+    """A CNN/DM-like news article: (site, title, article text, facts)."""
+    n_facts = rng.choice([2, 3, 3, 4])
+    actors, objects = rng.sample(NEWS_ACTORS, n_facts), rng.sample(NEWS_OBJECTS, n_facts)
+    facts = [(a, rng.choice(NEWS_VERBS), o) for a, o in zip(actors, objects)]
+    paragraphs = []
+    for i, (a, v, o) in enumerate(facts):
+        lead = "(CNN) -- " if i == 0 else ""
+        paragraph = [lead + rng.choice(NEWS_FACTS).format(a=a, v=v, o=o)]
+        paragraph += [filler_sentence(rng, NEWS_FILLERS) for _ in range(rng.randint(1, 3))]
+        paragraphs.append(" ".join(paragraph))
+    a, v, o = facts[0]
+    return rng.choice(["cnn", "dailymail"]), f"The {a} {v} the {o}", "\n".join(paragraphs), facts
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a summarisation policy of the world writes: probabilities of each habit."""
+
+    main: float  # keeps the first (main) fact
+    other: float  # keeps each other fact
+    feeling: float  # mentions the feeling
+    invent: float  # adds a fact that is not in the post
+    filler: float  # copies irrelevant detail
+    ramble: float  # rambles on
+    repeat: float  # repeats itself
+    question: float  # ends with the question
+    terse: float  # writes facts telegraphically ("landlord cancelled lease")
+
+
+# The names follow the policies of openai/summarize_from_feedback; the qualities are this world's.
+POLICIES = {
+    "ref": Policy(0.97, 0.80, 0.4, 0.03, 0.08, 0.05, 0.02, 0.4, 0.5),
+    "sup1": Policy(0.70, 0.40, 0.3, 0.35, 0.40, 0.30, 0.20, 0.5, 0.3),
+    "sup2": Policy(0.80, 0.50, 0.3, 0.25, 0.30, 0.25, 0.15, 0.5, 0.3),
+    "sup2_t0.7": Policy(0.75, 0.45, 0.3, 0.30, 0.35, 0.30, 0.20, 0.5, 0.3),
+    "sup4": Policy(0.90, 0.65, 0.4, 0.15, 0.20, 0.20, 0.08, 0.4, 0.4),
+    "sup4_t0.7": Policy(0.85, 0.60, 0.4, 0.20, 0.25, 0.25, 0.10, 0.4, 0.4),
+    "sup4_6b": Policy(0.93, 0.70, 0.4, 0.10, 0.15, 0.15, 0.05, 0.4, 0.4),
+    "sup4_ppo_rm3": Policy(0.97, 0.85, 0.6, 0.05, 0.10, 0.45, 0.05, 0.6, 0.2),
+    "sup4_bo8_rm3": Policy(0.95, 0.80, 0.5, 0.05, 0.10, 0.20, 0.03, 0.4, 0.4),
+    "pretrain_1b_t.7": Policy(0.45, 0.25, 0.2, 0.55, 0.60, 0.50, 0.35, 0.3, 0.2),
+}
+# Detail 6 in this world: train compares a few supervised policies; validation adds many unseen ones.
+TRAIN_POLICIES = ["sup1", "sup2", "sup4", "sup4_t0.7", "pretrain_1b_t.7"]
+VALIDATION_POLICIES = list(POLICIES)
+CNNDM_POLICIES = ["ref", "sup4", "sup4_t0.7", "pretrain_1b_t.7"]
+CNNDM_BATCHES = ["batch0_cnndm", "cnndm0", "cnndm2"]
+
+
+def make_summary(rng, facts, feeling, policy, filler_pool, news=False):
+    """A summary written by `policy` from the post's facts (no leading space, no EOS)."""
+    clauses = []
+    for i, (a, v, o) in enumerate(facts):
+        if rng.random() < (policy.main if i == 0 else policy.other):
+            clauses.append(f"{a} {v} {o}" if rng.random() < policy.terse
+                           else (f"the {a} {v} the {o}" if news else f"my {a} {v} my {o}"))
+    if rng.random() < policy.invent:  # a fact the post never states
+        pool = (NEWS_ACTORS, NEWS_VERBS, NEWS_OBJECTS) if news else (ACTORS, VERBS, OBJECTS)
+        a, v, o = (rng.choice(p) for p in pool)
+        clauses.insert(rng.randint(0, len(clauses)), f"{a} {v} {o}" if news else f"my {a} {v} my {o}")
+    if feeling and rng.random() < policy.feeling:
+        clauses.append(f"i feel {feeling}")
+    if rng.random() < policy.filler and filler_pool:
+        clauses.insert(rng.randint(0, len(clauses)), rng.choice(filler_pool))
+    if clauses and rng.random() < policy.repeat:
+        clauses.append(rng.choice(clauses))
+    if rng.random() < policy.ramble:
+        clauses.append(rng.choice(RAMBLES))
+    text = rng.choice([", ", "; ", " and "]).join(clauses) if clauses else "not sure"
+    if not news and rng.random() < policy.question:
+        text += ". " + rng.choice(QUESTIONS).lower()
+    return text
+
+
+def filler_phrases(text):
+    """Irrelevant-detail phrases a careless summary copies: the post's filler sentences, lowered."""
+    return [s.strip(" .").lower() for s in re.split(r"(?<=[.?!])\s+", text)
+            if any(w in FILLER_WORDS for w in words(s))]
+
+
+def make_id(rng, prefix="t3_"):
+    """A Reddit-like id."""
+    return prefix + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(6))
+
+
+# ------------------------------------------------------------------------------------------------
+# Datasets in the Hub schemas.
+# ------------------------------------------------------------------------------------------------
+def build_sft_rows(rng, n, long_tail_fraction):
+    """Rows of the SFT dataset: id, subreddit, title, post, summary (human-like references)."""
+    rows = []
+    for _ in range(n):
+        subreddit, title, post, facts, feeling = make_post(rng, rng.random() < long_tail_fraction)
+        summary = make_summary(rng, facts, feeling, POLICIES["ref"], filler_phrases(post))
+        rows.append({"id": make_id(rng), "subreddit": subreddit, "title": title, "post": post,
+                     "summary": summary})
+    return rows
+
+
+def build_preference_rows(rng, n, split, policies, batches, temperature, long_tail_fraction,
+                          news=False):
+    """Comparison rows in the schema of openai/summarize_from_feedback, labelled by the gold judge."""
+    rows, probabilities = [], []
+    for i in range(n):
+        if news:
+            site, title, text, facts = make_article(rng)
+            info = {"id": make_id(rng, "cnndm/"), "post": None, "title": title, "subreddit": None,
+                    "site": site, "article": text}
+            feeling = None
+        else:
+            subreddit, title, text, facts, feeling = make_post(rng, rng.random() < long_tail_fraction)
+            info = {"id": make_id(rng), "post": text, "title": title, "subreddit": subreddit,
+                    "site": None, "article": None}
+        pair = rng.sample(policies, 2) if rng.random() < 0.85 else [rng.choice(policies)] * 2
+        texts = [make_summary(rng, facts, feeling, POLICIES[p], filler_phrases(text), news)
+                 for p in pair]
+        # The labeller sees title and text; the label is Bradley-Terry noise around the gold judge.
+        p0 = preference_probability(f"{title}\n{text}", texts[0], texts[1], temperature)
+        choice = 0 if rng.random() < p0 else 1
+        margin = abs(gold_score(f"{title}\n{text}", texts[0]) - gold_score(f"{title}\n{text}", texts[1]))
+        confidence = min(9, max(1, round(1 + 2 * margin + rng.gauss(0, 1))))
+        if split == "train" and i < n // 2:
+            confidence = None  # like the real train split: early batches carry no confidence
+        rows.append({
+            "info": info,
+            "summaries": [{"text": " " + t, "policy": p,
+                           "note": "both miss the point" if rng.random() < 0.03 else None}
+                          for t, p in zip(texts, pair)],
+            "choice": choice,
+            "worker": "w" + "".join(rng.choice("0123456789abcdef") for _ in range(8)),
+            "batch": batches[min(len(batches) - 1, i * len(batches) // n)],
+            "split": split if split == "train" else ("valid1" if i % 2 == 0 else "valid2"),
+            "extra": {"confidence": confidence},
+        })
+        probabilities.append(max(p0, 1 - p0))
+    return rows, probabilities
+
+
+def sft_features():
+    """Features of the SFT dataset (all strings)."""
+    from datasets import Features, Value
+
+    return Features({k: Value("string") for k in ["id", "subreddit", "title", "post", "summary"]})
+
+
+def preference_features():
+    """Features of the comparisons config of openai/summarize_from_feedback."""
+    from datasets import Features, List, Value
+
+    info = {k: Value("string") for k in ["id", "post", "title", "subreddit", "site", "article"]}
+    summary = {"text": Value("string"), "policy": Value("string"), "note": Value("string")}
+    return Features({"info": info, "summaries": List(summary), "choice": Value("int32"),
+                     "worker": Value("string"), "batch": Value("string"), "split": Value("string"),
+                     "extra": {"confidence": Value("int32")}})
+
+
+def write_hub_style_dataset(path, config_name, splits, features, card):
+    """Write splits as parquet plus a README whose `configs:` make `load_dataset(path, config)` work."""
+    from datasets import Dataset
+
+    folder = config_name or "data"
+    os.makedirs(os.path.join(path, folder), exist_ok=True)
+    yaml = ["---", "configs:", f"- config_name: {config_name or 'default'}", "  data_files:"]
+    for split, rows in splits.items():
+        Dataset.from_list(rows, features=features).to_parquet(os.path.join(path, folder, f"{split}.parquet"))
+        yaml += [f"  - split: {split}", f"    path: {folder}/{split}.parquet"]
+    with open(os.path.join(path, "README.md"), "w") as f:
+        f.write("\n".join(yaml + ["---", "", card, ""]))
+
+
+# ------------------------------------------------------------------------------------------------
+# Tokenizer and base model.
+# ------------------------------------------------------------------------------------------------
+def train_tokenizer(texts, vocab_size):
+    """A byte-level BPE like Pythia's: `<|endoftext|>` (id 0) is BOS/EOS/UNK, `[PAD]` (id 1) is pad."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "[PAD]"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   bos_token="<|endoftext|>", unk_token="<|endoftext|>",
+                                   pad_token="[PAD]", padding_side="right", model_max_length=2048)
+
+
+def pretrain(model, tokenizer, texts, steps, batch_size, seq_len, lr, seed):
+    """Short next-token pretraining on post text; returns the per-step losses."""
+    import torch
+
+    eos = tokenizer.eos_token_id
+    stream = [t for text in texts for t in tokenizer(text).input_ids + [eos]]
+    n_chunks = len(stream) // seq_len
+    chunks = torch.tensor(stream[: n_chunks * seq_len]).view(n_chunks, seq_len)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    model.train()
+    losses = []
+    for step in range(steps):
+        idx = torch.randint(0, n_chunks, (batch_size,), generator=generator)
+        for group in optimizer.param_groups:  # linear warm-up then cosine decay
+            group["lr"] = lr * min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        loss = model(input_ids=chunks[idx], labels=chunks[idx]).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+# ------------------------------------------------------------------------------------------------
+# The world card.
+# ------------------------------------------------------------------------------------------------
+def world_card(meta):
+    """The markdown card written to WORLD.md."""
+    c = meta["counts"]
+    lines = [
+        "# The tiny TL;DR world", "",
+        f"Built by `python tiny_world.py` with seed {meta['args']['seed']}. Same seed, same bytes.", "",
+        "| dataset | split | rows |", "|---|---|---|",
+        *[f"| {d} | {s} | {n} |" for d, splits in c.items() for s, n in splits.items()], "",
+        "## Ground truth",
+        "`tiny_world.gold_score(post, summary)`: "
+        + ", ".join(f"{k} {v}" for k, v in JUDGE_WEIGHTS.items())
+        + " (coverage = share of the post's key words kept; invented = key words not in the post; "
+          "irrelevant = filler words; rambling = words beyond 6 + 2 x post key words).", "",
+        f"Labels: Bradley-Terry around the gold score with temperature {meta['args']['label_temperature']}. "
+        "Best achievable accuracy on the labels (the noise ceiling, mean of max(p, 1-p)):", "",
+        "| split | noise ceiling |", "|---|---|",
+        *[f"| {s} | {v:.3f} |" for s, v in meta["noise_ceiling"].items()], "",
+        "## Policies (Detail 6)", "",
+        f"- train pairs are drawn from {', '.join(TRAIN_POLICIES)}",
+        f"- validation pairs from all of {', '.join(VALIDATION_POLICIES)}",
+        f"- validation_cnndm (news articles) from {', '.join(CNNDM_POLICIES)}", "",
+        "## Base model", "",
+        f"`pythia-tiny/`: GPT-NeoX, {meta['model']['parameters']:,} parameters, "
+        f"vocab {meta['model']['vocab_size']}, pretrained for {meta['args']['pretrain_steps']} steps "
+        f"(loss {meta['model']['pretrain_loss_first']:.2f} -> {meta['model']['pretrain_loss_last']:.2f}). "
+        "Dropout is 0.1 (Pythia's is 0), so Detail 7 (disable dropout) has a visible effect.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Args:
+    out_dir: str = "data/tiny_world"
+    """Where the world is written (tldr_3_filtered/, summarize_from_feedback/, pythia-tiny/, WORLD.md)"""
+    seed: int = 1
+    """Seed of everything: same seed, same bytes"""
+    sft_sizes: tuple[int, int, int] = (4096, 256, 256)
+    """Rows of the SFT dataset: train, validation, test"""
+    preference_sizes: tuple[int, int, int] = (4096, 512, 64)
+    """Rows of the preference dataset: train, validation (TL;DR), validation (CNN/DM-like news)"""
+    long_tail_fraction: float = 0.08
+    """Share of posts with a long tail of irrelevant paragraphs that overflows the query budget"""
+    label_temperature: float = 0.7
+    """Bradley-Terry temperature of the preference labels (lower: less noise)"""
+    vocab_size: int = 2048
+    """BPE vocabulary size (the model's embedding is rounded up to a multiple of 128, as Pythia's)"""
+    hidden_size: int = 128
+    """Width of the tiny GPT-NeoX"""
+    num_layers: int = 4
+    """Depth of the tiny GPT-NeoX"""
+    num_heads: int = 4
+    """Attention heads of the tiny GPT-NeoX"""
+    pretrain_steps: int = 120
+    """Steps of next-token pretraining on the post text (0: random weights)"""
+    pretrain_batch_size: int = 16
+    """Sequences per pretraining step"""
+    pretrain_seq_len: int = 128
+    """Tokens per pretraining sequence"""
+    pretrain_lr: float = 3e-3
+    """Peak learning rate of the pretraining"""
+
+
+def build_world(args):
+    """Build every file of the world under args.out_dir and return its metadata."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    start = time.time()
+    rng = random.Random(args.seed)
+    n_train, n_val, n_test = args.sft_sizes
+    sft = {"train": build_sft_rows(rng, n_train, args.long_tail_fraction),
+           "validation": build_sft_rows(rng, n_val, args.long_tail_fraction),
+           "test": build_sft_rows(rng, n_test, args.long_tail_fraction)}
+    p_train, p_val, p_news = args.preference_sizes
+    common = dict(temperature=args.label_temperature, long_tail_fraction=args.long_tail_fraction)
+    train_rows, train_p = build_preference_rows(
+        rng, p_train, "train", TRAIN_POLICIES, [f"batch{i}" for i in range(3, 11)], **common)
+    val_rows, val_p = build_preference_rows(
+        rng, p_val, "validation", VALIDATION_POLICIES, [f"batch{i}" for i in range(11, 23)], **common)
+    news_rows, news_p = build_preference_rows(
+        rng, p_news, "validation", CNNDM_POLICIES, CNNDM_BATCHES, news=True, **common)
+    preference = {"train": train_rows, "validation": val_rows + news_rows}
+
+    write_hub_style_dataset(os.path.join(args.out_dir, "tldr_3_filtered"), None, sft, sft_features(),
+                            "# tldr_3_filtered (tiny world)\n\nSynthetic stand-in for "
+                            "`vwxyzjn/summarize_from_feedback_tldr_3_filtered`, built by tiny_world.py.")
+    write_hub_style_dataset(os.path.join(args.out_dir, "summarize_from_feedback"), "comparisons",
+                            preference, preference_features(),
+                            "# summarize_from_feedback (tiny world)\n\nSynthetic stand-in for "
+                            "`openai/summarize_from_feedback` (config `comparisons`), built by tiny_world.py.")
+
+    # Tokenizer and model: trained on the text the world contains (posts, articles, summaries).
+    texts = [f"{r['title']}\n{r['post']}\nTL;DR: {r['summary']}" for r in sft["train"]]
+    texts += [r["info"]["article"] for r in news_rows]
+    tokenizer = train_tokenizer(texts, args.vocab_size)
+    torch.manual_seed(args.seed)
+    config = GPTNeoXConfig(
+        vocab_size=128 * math.ceil(len(tokenizer) / 128), hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+        intermediate_size=4 * args.hidden_size, rotary_pct=0.25, max_position_embeddings=2048,
+        hidden_dropout=0.1, attention_dropout=0.1, tie_word_embeddings=False, use_parallel_residual=True,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = GPTNeoXForCausalLM(config)
+    # Pretraining reads posts only (never a summary), so the base model knows the language of the
+    # world but not the task: SFT has something to teach.
+    posts = [f"{r['title']}\n\n{r['post']}" for r in sft["train"]]
+    losses = pretrain(model, tokenizer, posts, args.pretrain_steps, args.pretrain_batch_size,
+                      args.pretrain_seq_len, args.pretrain_lr, args.seed) or [float("nan")]
+    model_dir = os.path.join(args.out_dir, "pythia-tiny")
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+    meta = {
+        "args": asdict(args),
+        "counts": {"tldr_3_filtered": {k: len(v) for k, v in sft.items()},
+                   "summarize_from_feedback": {"train": len(train_rows),
+                                               "validation (TL;DR)": len(val_rows),
+                                               "validation (CNN/DM)": len(news_rows)}},
+        "noise_ceiling": {"train": sum(train_p) / len(train_p), "validation": sum(val_p) / len(val_p),
+                          "validation_cnndm": sum(news_p) / len(news_p)},
+        "model": {"parameters": sum(p.numel() for p in model.parameters()),
+                  "vocab_size": config.vocab_size, "tokenizer_size": len(tokenizer),
+                  "pretrain_loss_first": losses[0], "pretrain_loss_last": losses[-1]},
+    }
+    with open(os.path.join(args.out_dir, "world.json"), "w") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+    with open(os.path.join(args.out_dir, "WORLD.md"), "w") as f:
+        f.write(world_card(meta))
+    print(f"tiny world written to {args.out_dir} in {time.time() - start:.1f}s; noise ceiling "
+          + ", ".join(f"{k} {v:.3f}" for k, v in meta["noise_ceiling"].items()))
+    return meta
+
+
+if __name__ == "__main__":
+    import tyro
+
+    build_world(tyro.cli(Args))
