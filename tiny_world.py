@@ -164,7 +164,7 @@ def filler_sentence(rng, templates):
         shows=rng.choice(SHOWS), place=rng.choice(PLACES), nf=rng.choice(NEWS_FILLER))
 
 
-def make_post(rng, long_tail):
+def make_post(rng, long_tail, recap_probability=0.3):
     """A Reddit-style post: (subreddit, title, post text, facts, feeling)."""
     n_facts = rng.choice([2, 2, 3, 3, 3, 4])
     actors, objects = rng.sample(ACTORS, n_facts), rng.sample(OBJECTS, n_facts)
@@ -183,8 +183,8 @@ def make_post(rng, long_tail):
     if long_tail:  # a long rant of irrelevant paragraphs: these overflow the query budget (Detail 2)
         for _ in range(rng.randint(6, 14)):
             paragraphs.append(" ".join(filler_sentence(rng, FILLER_SENTENCES) for _ in range(3)))
-    if rng.random() < 0.3:  # an edit that restates the facts: posts repeat themselves, which is
-        # also what teaches the base model to copy from earlier in its context during pretraining
+    if rng.random() < recap_probability:  # an edit that restates the facts: Reddit posts repeat
+        # themselves, and copying from earlier in the context is what the base model must learn
         recap = " and ".join(f"my {a} {v} my {o}" for a, v, o in facts)
         paragraphs.append(f"Edit: to sum up, {recap}.")
     paragraphs.append(rng.choice(QUESTIONS))
@@ -385,27 +385,29 @@ def train_tokenizer(texts, vocab_size):
                                    pad_token="[PAD]", padding_side="right", model_max_length=2048)
 
 
-def pretrain(model, tokenizer, texts, steps, batch_size, seq_len, lr, seed):
-    """Short next-token pretraining on post text; returns the per-step losses."""
+def pretrain(model, documents, pad_id, steps, batch_size, lr, seed):
+    """Next-token pretraining on tokenized documents (lists of ids); returns the per-step losses."""
     import torch
 
-    eos = tokenizer.eos_token_id
-    stream = [t for text in texts for t in tokenizer(text).input_ids + [eos]]
-    n_chunks = len(stream) // seq_len
-    chunks = torch.tensor(stream[: n_chunks * seq_len]).view(n_chunks, seq_len)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     model.train()
     losses = []
     for step in range(steps):
-        idx = torch.randint(0, n_chunks, (batch_size,), generator=generator)
+        batch = [documents[i] for i in torch.randint(0, len(documents), (batch_size,), generator=generator)]
+        width = max(len(d) for d in batch)
+        ids = torch.tensor([d + [pad_id] * (width - len(d)) for d in batch])  # (B, T) right-padded
+        mask = ids != pad_id
         for group in optimizer.param_groups:  # linear warm-up then cosine decay
-            group["lr"] = lr * min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        loss = model(input_ids=chunks[idx], labels=chunks[idx]).loss
+            group["lr"] = lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        loss = model(input_ids=ids.masked_fill(~mask, 0), attention_mask=mask.long(),
+                     labels=ids.masked_fill(~mask, -100)).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+        if step % 100 == 0 or step == steps - 1:
+            print(f"pretrain step {step}/{steps} loss {loss.item():.3f}", flush=True)
     model.eval()
     return losses
 
@@ -459,24 +461,28 @@ class Args:
     """Bradley-Terry temperature of the preference labels (lower: less noise)"""
     vocab_size: int = 2048
     """BPE vocabulary size (the model's embedding is rounded up to a multiple of 128, as Pythia's)"""
-    hidden_size: int = 128
+    hidden_size: int = 64
     """Width of the tiny GPT-NeoX"""
-    num_layers: int = 4
-    """Depth of the tiny GPT-NeoX"""
+    num_layers: int = 2
+    """Depth of the tiny GPT-NeoX (2 is the least that can learn to copy from its context)"""
     num_heads: int = 4
     """Attention heads of the tiny GPT-NeoX"""
-    pretrain_steps: int = 120
-    """Steps of next-token pretraining on the post text (0: random weights)"""
+    pretrain_steps: int = 2500
+    """Steps of next-token pretraining (0: random weights; the committed world used the default)"""
+    pretrain_documents: int = 8192
+    """Posts in the pretraining corpus"""
     pretrain_batch_size: int = 16
-    """Sequences per pretraining step"""
-    pretrain_seq_len: int = 128
-    """Tokens per pretraining sequence"""
-    pretrain_lr: float = 3e-3
+    """Documents per pretraining step"""
+    pretrain_seq_len: int = 256
+    """Longest pretraining document in tokens (longer ones are cut)"""
+    pretrain_lr: float = 5e-3
     """Peak learning rate of the pretraining"""
 
 
-def build_world(args):
-    """Build every file of the world under args.out_dir and return its metadata."""
+def build_world(args, with_model=True):
+    """Build every file of the world under args.out_dir and return its metadata.
+
+    with_model=False writes only the datasets and the tokenizer (seconds instead of minutes)."""
     import torch
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
@@ -508,6 +514,10 @@ def build_world(args):
     texts = [f"{r['title']}\n{r['post']}\nTL;DR: {r['summary']}" for r in sft["train"]]
     texts += [r["info"]["article"] for r in news_rows]
     tokenizer = train_tokenizer(texts, args.vocab_size)
+    model_dir = os.path.join(args.out_dir, "pythia-tiny")
+    tokenizer.save_pretrained(model_dir)
+    if not with_model:
+        return None
     torch.manual_seed(args.seed)
     config = GPTNeoXConfig(
         vocab_size=128 * math.ceil(len(tokenizer) / 128), hidden_size=args.hidden_size,
@@ -516,14 +526,19 @@ def build_world(args):
         hidden_dropout=0.1, attention_dropout=0.1, tie_word_embeddings=False, use_parallel_residual=True,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = GPTNeoXForCausalLM(config)
-    # Pretraining reads posts only (never a summary), so the base model knows the language of the
-    # world but not the task: SFT has something to teach.
-    posts = [f"{r['title']}\n\n{r['post']}" for r in sft["train"]]
-    losses = pretrain(model, tokenizer, posts, args.pretrain_steps, args.pretrain_batch_size,
-                      args.pretrain_seq_len, args.pretrain_lr, args.seed) or [float("nan")]
-    model_dir = os.path.join(args.out_dir, "pythia-tiny")
+    # The pretraining corpus is this world's "web text": fresh posts (never a dataset row, never a
+    # TL;DR) that all end with an "Edit: to sum up" recap. Learning to predict the recap teaches
+    # the model to copy facts from earlier in its context, which a tiny model learns only after a
+    # few hundred steps of such text; SFT then only has to point that skill at "TL;DR:".
+    corpus_rng = random.Random(args.seed + 1)
+    documents = []
+    for _ in range(args.pretrain_documents):
+        _, title, post, _, _ = make_post(corpus_rng, long_tail=False, recap_probability=1.0)
+        documents.append(tokenizer(f"{title}\n\n{post}").input_ids[: args.pretrain_seq_len]
+                         + [tokenizer.eos_token_id])
+    losses = pretrain(model, documents, tokenizer.pad_token_id, args.pretrain_steps,
+                      args.pretrain_batch_size, args.pretrain_lr, args.seed) or [float("nan")]
     model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
 
     meta = {
         "args": asdict(args),

@@ -1,0 +1,573 @@
+"""Preprocess Reddit TL;DR for RLHF: tokenized SFT and preference datasets (Details 1-6).
+
+Reads OpenAI's filtered TL;DR posts with human reference summaries (the SFT data) and OpenAI's
+human comparisons of two summaries (the preference data), formats each post as a query, cuts the
+post paragraph by paragraph until the query fits, and tokenizes queries and responses with the
+base model's tokenizer into fixed-length columns, so that no later stage tokenizes anything:
+
+    {output_dir}/sft                train / validation / test                 (sft.py, ppo.py)
+    {output_dir}/preference         train / validation / validation_cnndm     (reward.py, dpo.py)
+    {output_dir}/args.json          these flags, the eos / pad ids and the git commit
+    {output_dir}/policy_pairs.json  comparisons per policy pair and split
+    {output_dir}/visuals/           token_len.png, confidence.png, policies.png
+
+Each dataset folder holds a card (README.md) with a one-line description of every column.
+
+    # tiny world, offline, seconds on a laptop
+    python preprocess_tldr.py --base_model assets/tiny_world/pythia-tiny \
+        --sft_dataset assets/tiny_world/tldr_3_filtered \
+        --preference_dataset assets/tiny_world/summarize_from_feedback \
+        --output_dir data/tiny_tldr --query_length 192 --max_sft_response_length 44 \
+        --max_sft_query_response_length 226 --max_rm_response_length 53 \
+        --max_rm_query_response_length 237 --cnndm_query_length 192 \
+        --cnndm_max_rm_response_length 44 --cnndm_max_rm_query_response_length 193
+    # the paper's datasets with the Pythia tokenizer (every length flag at its paper value)
+    python preprocess_tldr.py --output_dir data/tldr
+    # the same, then publish both datasets with their cards on the Hub
+    python preprocess_tldr.py --output_dir data/tldr --push_to_hub
+
+Details (paper, Appendix B): 1 the two datasets and the split `validation_cnndm`; 2 the query
+format and paragraph truncation; 3 the leading space, the EOS and a [PAD] that is not EOS;
+4 maximum lengths computed, checked against the flags and plotted; 5 left-padded queries and
+right-padded query+response columns; 6 comparisons per policy pair in train vs validation.
+Nothing is logged to a tracker; printed: whether [PAD] was added, the computed vs configured
+length table, the policy pairs per split, the output paths.
+"""
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import datasets
+import tyro
+from transformers import AutoTokenizer
+
+
+@dataclass
+class Args:
+    """Tokenize TL;DR into SFT and preference datasets (see the module docstring of preprocess_tldr.py)."""
+
+    # experiment & output
+    output_dir: str = "data/tldr"
+    """Folder for sft/, preference/, args.json, policy_pairs.json and visuals/"""
+    push_to_hub: bool = False
+    """Also push both datasets and their cards to the Hub (needs a login; off: nothing networked)"""
+    hf_entity: Optional[str] = None
+    """Hub user or organisation to push to (None: the logged-in user, from `whoami()`)"""
+
+    # data
+    sft_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered"
+    """SFT source: Hub id or local dataset dir with splits train/validation/test (Detail 1)"""
+    preference_dataset: str = "openai/summarize_from_feedback"
+    """Preference source: Hub id or local dataset dir with splits train/validation (Detail 1)"""
+    preference_config: str = "comparisons"
+    """Config (subset) of the preference dataset to load"""
+    num_proc: Optional[int] = None
+    """Worker processes for `datasets.map` (None: os.cpu_count())"""
+
+    # model
+    base_model: str = "EleutherAI/pythia-1b-deduped"
+    """Tokenizer source: Hub id or local dir (the length defaults hold for Pythia's tokenizer)"""
+
+    # lengths in tokens: budgets for queries, computed maxima for responses
+    query_length: int = 512
+    """Query length in tokens; longer queries are truncated (Detail 2; paper: 512)"""
+    max_sft_response_length: int = 53
+    """Longest SFT reference response, EOS included (Detail 4; paper: 53)"""
+    max_sft_query_response_length: int = 562
+    """Longest SFT query + reference response, pads excluded (Detail 4; paper: 562)"""
+    max_rm_response_length: int = 169
+    """Longest TL;DR chosen / rejected response (Detail 4; paper: 169)"""
+    max_rm_query_response_length: int = 638
+    """Longest TL;DR query + chosen / rejected response (Detail 4; paper: 638)"""
+    cnndm_query_length: int = 1919
+    """CNN/DM query length in tokens; longer ones are truncated (Detail 2; paper: 2047 - 128 = 1919)"""
+    cnndm_max_rm_response_length: int = 155
+    """Longest CNN/DM chosen / rejected response (Detail 4; paper: 155)"""
+    cnndm_max_rm_query_response_length: int = 2021
+    """Longest CNN/DM query + chosen / rejected response (Detail 4; paper: 2021)"""
+    check_length_correctness: bool = True
+    """Fail unless every computed maximum equals its flag (a larger maximum always fails; reference: True)"""
+
+
+# The query templates of OpenAI's summarize-from-feedback code. No space after "TL;DR:": the
+# response brings its own leading space, so " word" tokenizes as it does in the human summaries.
+TLDR_FORMAT = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
+CNNDM_FORMAT = "Article:\n{article}\n\nTL;DR:\n"
+# The `batch` names of the CNN/DM news comparisons hidden in the preference validation split.
+CNNDM_BATCHES = ("batch0_cnndm", "cnndm0", "cnndm2")
+SFT_SPLITS = ("train", "validation", "test")
+PREFERENCE_SPLITS = ("train", "validation")
+
+
+def response_descriptions(name: str, what: str, flag: str) -> dict:
+    """One-line card descriptions of the seven columns `response_columns` makes for `name`."""
+    return {
+        name: f"{what}: text with a leading space and the EOS text at the end",
+        f"{name}_token": f"`{name}` ids, RIGHT-padded with [PAD] to {flag}_response_length",
+        f"{name}_token_len": f"number of ids of `{name}` (EOS included, pads excluded)",
+        f"query_{name}": f"`query` + `{name}`",
+        f"query_{name}_token": f"unpadded query ids ++ `{name}` ids, RIGHT-padded to {flag}_query_response_length",
+        f"query_{name}_token_len": f"number of non-pad ids in `query_{name}_token`",
+        f"query_{name}_token_response_label": f"`query_{name}_token` with the query ids set to [PAD] (loss labels)",
+    }
+
+
+# Card descriptions; "(source)" marks a column copied unchanged from the source dataset.
+QUERY_DESCRIPTIONS = {
+    "query": "the query text: decoded `query_token` without pads (the post may be truncated)",
+    "query_token": "query ids, LEFT-padded with [PAD] to the query length (ready for generation)",
+    "query_token_len": "number of non-pad ids in `query_token`",
+}
+SFT_DESCRIPTIONS = {
+    "id": "Reddit post id (source)",
+    "subreddit": "subreddit name without r/ (source)",
+    "title": "post title (source)",
+    "post": "post body, untruncated (source)",
+    "summary": "human-written TL;DR of the post, no leading space (source)",
+    **QUERY_DESCRIPTIONS,
+    **response_descriptions("reference_response", "`summary` as a response", "max_sft"),
+}
+PREFERENCE_DESCRIPTIONS = {
+    "info": "the summarized item: id, post, title, subreddit, site (TL;DR) or article (CNN/DM) (source)",
+    "summaries": "the two compared summaries: text (leading space), policy, note (source)",
+    "choice": "index (0 or 1) of the summary the labeler preferred (source)",
+    "worker": "labeler id (source)",
+    "batch": "labeling batch name; CNN/DM batches form `validation_cnndm` (source)",
+    "split": "OpenAI's split tag of the comparison (source)",
+    "extra": "labeler confidence, 1-9, when recorded (source)",
+    **QUERY_DESCRIPTIONS,
+    "chosen_policy": "policy that sampled the chosen summary",
+    "rejected_policy": "policy that sampled the rejected summary",
+    "policies": "the two policy names, sorted and joined with `--`",
+    **response_descriptions("chosen", "the preferred summary", "(cnndm_)max_rm"),
+    **response_descriptions("rejected", "the other summary", "(cnndm_)max_rm"),
+}
+
+
+class DataError(ValueError):
+    """Input data or a length flag the script cannot use; the message says where and what to fix."""
+
+
+def add_pad_token(tokenizer) -> bool:
+    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return False
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return True
+
+
+def load_source(path: str, config: Optional[str], scratch_dir: str):
+    """`datasets.load_dataset(path, config)`; a local folder (laid out like a Hub repo) is cached in `scratch_dir`."""
+    # datasets caches a local folder under its name and config, not its content: a folder written
+    # again in place would be served stale from ~/.cache, features included. So a local folder
+    # gets a fresh cache of its own; a Hub id is cached by its commit and is safe.
+    return datasets.load_dataset(path, config, cache_dir=scratch_dir if os.path.isdir(path) else None)
+
+
+def require_splits(dataset_dict, splits: tuple, source: str) -> None:
+    """Raise DataError naming the missing splits and the splits that exist."""
+    missing = [split for split in splits if split not in dataset_dict]
+    if missing:
+        raise DataError(f"{source}: missing split(s) {missing}; it has splits {sorted(dataset_dict)}")
+
+
+def split_off_cnndm(validation, cnndm_batches: tuple) -> tuple:
+    """Split a preference validation Dataset into (TL;DR rows, CNN/DM rows) by their `batch`."""
+    batches = validation["batch"] if "batch" in validation.column_names else [None] * len(validation)
+    is_cnndm = [batch in cnndm_batches for batch in batches]
+    # Two complementary selections: every row lands in exactly one split, none is dropped.
+    return (validation.select([i for i, cnndm in enumerate(is_cnndm) if not cnndm]),
+            validation.select([i for i, cnndm in enumerate(is_cnndm) if cnndm]))
+
+
+def row_problem(row: dict, kind: str) -> Optional[str]:
+    """What a source row lacks to be processed as `kind` ('sft', 'tldr' or 'cnndm'), None if nothing."""
+    if kind == "sft":
+        fields, prefix, needed = row, "", ("id", "subreddit", "title", "post", "summary")
+    else:
+        fields, prefix = row.get("info"), "info."
+        needed = ("article",) if kind == "cnndm" else ("subreddit", "title", "post")
+        if not isinstance(fields, dict):
+            return f"expected `info` to be a dict, got {fields!r:.80}"
+        summaries = row.get("summaries")
+        if not isinstance(summaries, list) or len(summaries) != 2:
+            return f"expected `summaries` to be a list of 2 summaries, got {summaries!r:.80}"
+        for i, summary in enumerate(summaries):
+            text, policy = (summary.get("text"), summary.get("policy")) if isinstance(summary, dict) else (None, None)
+            # Responses are built as text + EOS only, so each text must bring its own leading space.
+            if not isinstance(text, str) or not text.startswith(" "):
+                return f"expected summaries[{i}].text to be a string starting with a space, got {text!r:.80}"
+            if not isinstance(policy, str):
+                return f"expected summaries[{i}].policy to be a string, got {policy!r:.80}"
+        if row.get("choice") not in (0, 1):
+            return f"expected `choice` to be 0 or 1, got {row.get('choice')!r:.80}"
+        if not isinstance(row.get("batch"), str):
+            return f"expected `batch` to be a string, got {row.get('batch')!r:.80}"
+    for name in needed:
+        if not isinstance(fields.get(name), str):
+            return f"expected {prefix}{name} to be a string, got {fields.get(name)!r:.80}"
+    # An empty body would make a query with nothing to summarize; refuse it rather than train on it.
+    body = "article" if kind == "cnndm" else "post"
+    if not fields[body].strip():
+        return f"expected a non-empty {prefix}{body}, got {fields[body]!r:.80}"
+    return None
+
+
+def validate_rows(rows, split: str, kind: str) -> None:
+    """Raise DataError naming the split and row id of the first row `row_problem` rejects."""
+    for i, row in enumerate(rows):
+        problem = row_problem(row, kind)
+        if problem is not None:  # SFT rows have an `id`, preference rows an `info.id`
+            row_id = row["info"].get("id") if isinstance(row.get("info"), dict) else row.get("id")
+            raise DataError(f"split '{split}', row {i} (id {row_id!r}): {problem}")
+
+
+def truncate_last_paragraph(text: str, separator: str = "\n") -> str:
+    """Cut `text` just before its last separator; without one, drop its last character."""
+    cut = text.rfind(separator)
+    return text[:cut] if cut != -1 else text[:-1]
+
+
+def tokenize_query(tokenizer, format_str: str, fields: dict, truncate_field: str, length: int, where: str) -> list:
+    """Ids of `format_str` filled with `fields`, `truncate_field` shortened to fit `length` ids."""
+    fields = dict(fields)
+    # add_special_tokens=False: every id of every column is placed by this file, never by a template.
+    ids = tokenizer.encode(format_str.format(**fields), add_special_tokens=False)
+    # Detail 2: Truncate the paragraph, not the sentence
+    # Over budget, drop the last paragraph of the post (OpenAI's tasks.py): the model then reads
+    # whole paragraphs, not a post that stops mid-sentence. A post with no newline left loses one
+    # character per pass: slow on a huge post, but rare, and exactly the reference behaviour, so
+    # the released datasets are reproduced token for token.
+    while len(ids) > length:
+        if not fields[truncate_field]:
+            raise DataError(f"{where}: the query has {len(ids)} > {length} tokens even with an empty {truncate_field}")
+        fields[truncate_field] = truncate_last_paragraph(fields[truncate_field])
+        ids = tokenizer.encode(format_str.format(**fields), add_special_tokens=False)
+    return ids
+
+
+def left_pad(ids: list, length: int, pad_id: int) -> list:
+    """`ids` preceded by pads to exactly `length` ids (ids must fit)."""
+    assert len(ids) <= length, f"{len(ids)} ids do not fit in {length}"
+    return [pad_id] * (length - len(ids)) + ids
+
+
+def right_pad(ids: list, length: int, pad_id: int) -> list:
+    """`ids` followed by pads (or cut) to exactly `length` ids."""
+    return ids[:length] + [pad_id] * (length - len(ids))
+
+
+def response_label(query_response: list, query_len: int, pad_id: int) -> list:
+    """Copy of `query_response` with its first `query_len` (query) ids set to pad."""
+    return [pad_id] * query_len + query_response[query_len:]
+
+
+def query_columns(tokenizer, format_str: str, fields: dict, truncate_field: str, length: int, pad_id: int,
+                  where: str) -> tuple:
+    """(query, query_token, query_token_len columns of one row, the unpadded query ids)."""
+    ids = tokenize_query(tokenizer, format_str, fields, truncate_field, length, where)
+    query_token = left_pad(ids, length, pad_id)  # (length,): pads first, the query ends at the last column
+    # [PAD] is special, so decoding drops it; lstrip as in the reference (a no-op for these templates).
+    query = tokenizer.decode(query_token, skip_special_tokens=True).lstrip()
+    return {"query": query, "query_token": query_token, "query_token_len": len(ids)}, ids
+
+
+def response_columns(tokenizer, query: str, query_ids: list, name: str, response: str,
+                     response_length: int, query_response_length: int, pad_id: int) -> dict:
+    """The seven `name` columns (see `response_descriptions`) of one response to one query."""
+    response_ids = tokenizer.encode(response, add_special_tokens=False)
+    # Concatenate ids, never re-tokenize `query + response`: these are exactly the ids the policy
+    # sees when it generates (query ids, then its own response ids), and the first len(query_ids)
+    # positions are the query for sure, so the label mask below is exact. BPE on the joined
+    # string could merge across the boundary and shift the mask by a token.
+    query_response_ids = query_ids + response_ids
+    query_response_token = right_pad(query_response_ids, query_response_length, pad_id)
+    return {
+        name: response,
+        f"{name}_token": right_pad(response_ids, response_length, pad_id),
+        f"{name}_token_len": len(response_ids),
+        # The text twin of the ids (the reference strips the query first, which drops the
+        # newline that ends a CNN/DM query; here text and ids always agree).
+        f"query_{name}": query + response,
+        f"query_{name}_token": query_response_token,
+        f"query_{name}_token_len": len(query_response_ids),
+        f"query_{name}_token_response_label": response_label(query_response_token, len(query_ids), pad_id),
+    }
+
+
+def process_sft_row(row: dict, tokenizer, eos_text: str, pad_id: int, query_length: int,
+                    response_length: int, query_response_length: int, split: str) -> dict:
+    """Query and reference-response columns of one SFT row."""
+    query, query_ids = query_columns(tokenizer, TLDR_FORMAT, row, "post", query_length, pad_id,
+                                     where=f"split '{split}', row id {row['id']!r}")
+    # The human summary has no leading space: add one (" word" after "TL;DR:", as in the preference
+    # data) and end with the EOS text, which tokenizes to the EOS id the SFT model must learn to emit.
+    response = " " + row["summary"] + eos_text
+    return {**query, **response_columns(tokenizer, query["query"], query_ids, "reference_response",
+                                        response, response_length, query_response_length, pad_id)}
+
+
+def process_preference_row(row: dict, tokenizer, eos_text: str, pad_id: int, cnndm: bool, query_length: int,
+                           response_length: int, query_response_length: int, split: str) -> dict:
+    """Query, chosen and rejected columns of one preference row (CNN/DM format if `cnndm`)."""
+    format_str, truncate_field = (CNNDM_FORMAT, "article") if cnndm else (TLDR_FORMAT, "post")
+    query, query_ids = query_columns(tokenizer, format_str, row["info"], truncate_field, query_length, pad_id,
+                                     where=f"split '{split}', row id {row['info']['id']!r}")
+    chosen, rejected = row["summaries"][row["choice"]], row["summaries"][1 - row["choice"]]
+    columns = {**query, "chosen_policy": chosen["policy"], "rejected_policy": rejected["policy"],
+               "policies": "--".join(sorted([chosen["policy"], rejected["policy"]]))}
+    for name, summary in (("chosen", chosen), ("rejected", rejected)):  # the text has its space: add EOS only
+        columns.update(response_columns(tokenizer, query["query"], query_ids, name, summary["text"] + eos_text,
+                                        response_length, query_response_length, pad_id))
+    return columns
+
+
+def column_maxima(tables: dict, columns: tuple) -> dict:
+    """Maximum of each integer column of each non-empty table, keyed '{table name} {column}'."""
+    return {f"{name} {column}": max(table[column]) for name, table in tables.items() for column in columns
+            if len(table) > 0}
+
+
+def length_problem(flag: str, configured: int, maxima: dict, exact: bool) -> Optional[str]:
+    """Why --flag=configured does not suit the computed `maxima` ({where: max}), None if it does."""
+    if not maxima:
+        return None
+    where, computed = max(maxima.items(), key=lambda item: item[1])
+    if computed > configured:  # right_pad has cut these rows: never acceptable
+        return f"{where} reaches {computed} tokens > --{flag} {configured}, so data would be cut: pass --{flag} {computed}"
+    if exact and computed != configured:
+        return (f"--{flag} is {configured} but the longest is {computed} ({where}): pass --{flag} {computed}"
+                " (or --no-check_length_correctness to keep the flag)")
+    return None
+
+
+def policy_pair_counts(dataset_dict, splits: tuple) -> dict:
+    """{split: {"policyA--policyB": number of comparisons}}, most frequent pair first."""
+    return {split: dict(Counter(dataset_dict[split]["policies"]).most_common()) for split in splits}
+
+
+def dataset_card(title: str, intro: str, dataset_dict, descriptions: dict) -> str:
+    """A markdown card: intro, rows per split and a one-line description of every column."""
+    lines = [f"# {title}", "", intro, "", "| split | rows |", "|---|---|"]
+    lines += [f"| {split} | {len(dataset)} |" for split, dataset in dataset_dict.items()]
+    lines += ["", "| column | description |", "|---|---|"]
+    lines += [f"| `{column}` | {descriptions.get(column, 'column of the source dataset, unchanged')} |"
+              for column in next(iter(dataset_dict.values())).column_names]
+    return "\n".join(lines) + "\n"
+
+
+def git_commit(folder: str) -> Optional[str]:
+    """The git commit checked out in `folder`, None outside a git checkout."""
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True)
+    except OSError:
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def plot_visuals(length_panels: list, confidences: dict, pair_counts: dict, folder: str) -> list:
+    """Save token_len.png (4 panels of (title, {label: lengths}, flag)), confidence.png ({split: Counter})
+    and policies.png ({split: {pair: count}}) into `folder`; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    os.makedirs(folder, exist_ok=True)
+    figure, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, (title, series, flag) in zip(axes.flat, length_panels):
+        for label, lengths in series.items():  # one bin per token count, up to the flag or the longest
+            ax.hist(lengths, bins=range(0, max([flag, *lengths]) + 2), alpha=0.5, label=label)
+        ax.axvline(flag, color="black", linestyle="--", label=f"flag {flag}")
+        ax.set(title=title, xlabel="tokens", ylabel="rows")
+        ax.legend()
+    figure.tight_layout()
+    figure.savefig(os.path.join(folder, "token_len.png"))
+
+    keys = sorted(set().union(*confidences.values()))
+    figure, ax = plt.subplots(figsize=(10, 4))
+    for offset, (split, counts) in enumerate(confidences.items()):
+        ax.bar([k + offset / 4 for k in range(len(keys))], [counts[k] for k in keys], width=0.25, label=split)
+    ax.set_xticks(range(len(keys)), keys)
+    ax.set(title="comparisons per labeler confidence", xlabel="confidence", ylabel="rows", yscale="log")
+    ax.legend()
+    figure.tight_layout()
+    figure.savefig(os.path.join(folder, "confidence.png"))
+
+    tallest = max(len(counts) for counts in pair_counts.values())  # 241 pairs in validation: a tall figure
+    figure, axes = plt.subplots(1, len(pair_counts), figsize=(8 * len(pair_counts), 2 + 0.16 * tallest))
+    for ax, (split, counts) in zip(axes, pair_counts.items()):
+        ax.barh(list(counts)[::-1], list(counts.values())[::-1])
+        ax.set(title=f"{split}: {len(counts)} policy pairs", xlabel="comparisons")
+        ax.tick_params(axis="y", labelsize=6)
+    figure.tight_layout()
+    figure.savefig(os.path.join(folder, "policies.png"))
+    plt.close("all")
+    return [os.path.join(folder, name) for name in ("token_len.png", "confidence.png", "policies.png")]
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    num_proc = args.num_proc or os.cpu_count()
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    # ---- tokenizer ----
+    tokenizer = AutoTokenizer.from_pretrained(args.base_model)
+    assert tokenizer.eos_token is not None, f"{args.base_model}: the tokenizer has no EOS token"
+    # Detail 3: Leading space, EOS at the end, a distinct [PAD]
+    # Pythia has no pad token, and the common fix pad = eos would make every loss and attention
+    # mask that ignores pads ignore the EOS too: the SFT model would never learn to stop. A new
+    # [PAD] gets the next free id (50277 for Pythia, inside its 50304-row embedding).
+    if add_pad_token(tokenizer):
+        print(f"added the pad token {tokenizer.pad_token!r} (id {tokenizer.pad_token_id}) to {args.base_model}")
+    pad_id, eos_text = tokenizer.pad_token_id, tokenizer.eos_token
+    assert pad_id != tokenizer.eos_token_id, f"pad id {pad_id} must differ from eos id {tokenizer.eos_token_id}"
+
+    # ---- data: load, split, validate every row before any tokenization ----
+    scratch = tempfile.TemporaryDirectory(dir=args.output_dir)  # removed at exit
+    sft_source = load_source(args.sft_dataset, None, scratch.name)
+    preference_source = load_source(args.preference_dataset, args.preference_config, scratch.name)
+    require_splits(sft_source, SFT_SPLITS, args.sft_dataset)
+    require_splits(preference_source, PREFERENCE_SPLITS, args.preference_dataset)
+    # Detail 1: Dataset specification
+    # The preference validation split hides a few CNN/DM news comparisons (`article` instead of a
+    # post): another query format and far longer queries, so they get their own split and lengths,
+    # and the RM's generalisation to news is measured apart.
+    validation, validation_cnndm = split_off_cnndm(preference_source["validation"], CNNDM_BATCHES)
+    sft = datasets.DatasetDict({split: sft_source[split] for split in SFT_SPLITS})
+    preference = datasets.DatasetDict(
+        train=preference_source["train"], validation=validation, validation_cnndm=validation_cnndm)
+    # A bad row fails here, in seconds, with its split and id, not deep inside a worker process.
+    for split, dataset in sft.items():
+        validate_rows(dataset, split, "sft")
+    for split, dataset in preference.items():
+        validate_rows(dataset, split, "cnndm" if split == "validation_cnndm" else "tldr")
+    print(f"rows: sft {dict(sft.num_rows)}, preference {dict(preference.num_rows)}")
+
+    # ---- tokenize ----
+    # Detail 5: Pre-tokenize; right-pad query+response, left-pad queries
+    # Queries are left-padded (generation appends on the right, so every query must end in the
+    # same column); query+response rows are right-padded (training reads left to right and finds
+    # the EOS as the last non-pad id). Padded once here, every later batch is a plain stack.
+    # map pickles the function and its fn_kwargs (the tokenizer included) into each worker process.
+    common = dict(tokenizer=tokenizer, eos_text=eos_text, pad_id=pad_id)
+    sft = datasets.DatasetDict({split: dataset.map(
+        process_sft_row, num_proc=num_proc, desc=f"sft/{split}",
+        fn_kwargs=dict(**common, split=split, query_length=args.query_length,
+                       response_length=args.max_sft_response_length,
+                       query_response_length=args.max_sft_query_response_length),
+    ) for split, dataset in sft.items()})
+    # CNN/DM rows get widths of their own: padding every TL;DR row to 2021 tokens would triple RM memory.
+    tldr_lengths = dict(query_length=args.query_length, response_length=args.max_rm_response_length,
+                        query_response_length=args.max_rm_query_response_length)
+    cnndm_lengths = dict(query_length=args.cnndm_query_length, response_length=args.cnndm_max_rm_response_length,
+                         query_response_length=args.cnndm_max_rm_query_response_length)
+    preference = datasets.DatasetDict({split: dataset.map(
+        process_preference_row, num_proc=num_proc, desc=f"preference/{split}",
+        fn_kwargs=dict(**common, split=split, cnndm=split == "validation_cnndm",
+                       **(cnndm_lengths if split == "validation_cnndm" else tldr_lengths)),
+    ) for split, dataset in preference.items()})
+
+    # ---- lengths ----
+    # Detail 4: SFT and preference lengths differ
+    # The SFT summaries were filtered to be short (53 Pythia tokens at most), the preference ones
+    # were not (169), and CNN/DM queries are longer still. Every padded width is a flag; compare
+    # each with the true maximum: too small cuts data, too large wastes memory in every batch.
+    sft_tables = {f"sft/{split}": sft[split] for split in SFT_SPLITS}
+    tldr_tables = {f"preference/{split}": preference[split] for split in PREFERENCE_SPLITS}
+    cnndm_tables = {"preference/validation_cnndm": preference["validation_cnndm"]}
+    responses = ("chosen_token_len", "rejected_token_len")
+    query_responses = ("query_chosen_token_len", "query_rejected_token_len")
+    # Query lengths are budgets (truncation makes every query fit) that the data need not reach;
+    # response widths are maxima of the data, so with check_length_correctness they must match.
+    checks = [(flag, getattr(args, flag), column_maxima(tables, columns), exact) for flag, tables, columns, exact in (
+        ("query_length", {**sft_tables, **tldr_tables}, ("query_token_len",), False),
+        ("max_sft_response_length", sft_tables, ("reference_response_token_len",), True),
+        ("max_sft_query_response_length", sft_tables, ("query_reference_response_token_len",), True),
+        ("max_rm_response_length", tldr_tables, responses, True),
+        ("max_rm_query_response_length", tldr_tables, query_responses, True),
+        ("cnndm_query_length", cnndm_tables, ("query_token_len",), False),
+        ("cnndm_max_rm_response_length", cnndm_tables, responses, True),
+        ("cnndm_max_rm_query_response_length", cnndm_tables, query_responses, True),
+    )]  # (flag, configured value, {where: computed maximum}, must equal the flag)
+    # A table to copy flag values from when the tokenizer or the data change.
+    print(f"{'length flag':<36}{'configured':>11}{'computed':>10}  longest in")
+    for flag, configured, maxima, _ in checks:
+        where, computed = max(maxima.items(), key=lambda item: item[1]) if maxima else ("-", "-")
+        print(f"{flag:<36}{configured:>11}{computed:>10}  {where}")
+    problems = [problem for flag, configured, maxima, exact in checks
+                if (problem := length_problem(flag, configured, maxima, exact and args.check_length_correctness))]
+    if problems:
+        raise DataError("length flags do not match the data:\n  " + "\n  ".join(problems))
+
+    # ---- policy pairs ----
+    # Detail 6: The preference validation split is out of distribution
+    # Validation compares summaries of many more policies than train does (paper: 241 vs 47
+    # pairs), so validation accuracy measures generalisation to unseen policies. Record how far
+    # apart the splits are; downstream stages report accuracy per split / batch / confidence.
+    pair_counts = policy_pair_counts(preference, tuple(preference))
+    for split, counts in pair_counts.items():
+        print(f"preference/{split}: {len(counts)} policy pairs, most frequent {list(counts.items())[:3]}")
+    unseen = set(pair_counts["validation"]) - set(pair_counts["train"])
+    print(f"{len(unseen)} of the {len(pair_counts['validation'])} validation policy pairs never occur in train")
+
+    # ---- visuals ----
+    tldr = datasets.concatenate_datasets([preference[split] for split in PREFERENCE_SPLITS])
+    pair = ("chosen", "rejected")
+    visuals = plot_visuals(
+        [("SFT reference response", {s: list(d["reference_response_token_len"]) for s, d in sft.items()},
+          args.max_sft_response_length),
+         ("TL;DR preference response", {c: list(tldr[f"{c}_token_len"]) for c in pair}, args.max_rm_response_length),
+         ("SFT query + reference response", {s: list(d["query_reference_response_token_len"]) for s, d in sft.items()},
+          args.max_sft_query_response_length),
+         ("TL;DR preference query + response", {c: list(tldr[f"query_{c}_token_len"]) for c in pair},
+          args.max_rm_query_response_length)],
+        # `extra.confidence` is None where the labeler gave none (most of train)
+        {split: Counter(str((extra or {}).get("confidence")) for extra in dataset["extra"])
+         for split, dataset in preference.items()},
+        {split: pair_counts[split] for split in PREFERENCE_SPLITS},
+        os.path.join(args.output_dir, "visuals"))
+
+    # ---- save: datasets with cards, counts, args ----
+    commit = git_commit(os.path.dirname(os.path.abspath(__file__)))
+    outputs = {"sft": (sft, args.sft_dataset, SFT_DESCRIPTIONS),
+               "preference": (preference, args.preference_dataset, PREFERENCE_DESCRIPTIONS)}
+    for name, (dataset_dict, source, descriptions) in outputs.items():
+        # Arrow shards that load_from_disk memory-maps: later stages open 100k+ rows in a second.
+        dataset_dict.save_to_disk(os.path.join(args.output_dir, name))
+        # The card sits beside the saved splits: load_from_disk ignores it, a Hub repo shows it.
+        intro = (f"Built from `{source}` by preprocess_tldr.py (commit {commit}) with the tokenizer of "
+                 f"`{args.base_model}` (eos id {tokenizer.eos_token_id}, pad id {pad_id}); "
+                 + ", ".join(f"{flag} {configured}" for flag, configured, _, _ in checks) + ".")
+        with open(os.path.join(args.output_dir, name, "README.md"), "w") as file:
+            file.write(dataset_card(f"TL;DR {name} dataset, pre-tokenized", intro, dataset_dict, descriptions))
+    with open(os.path.join(args.output_dir, "policy_pairs.json"), "w") as file:
+        json.dump(pair_counts, file, indent=2)
+    # The ids let later stages check that their tokenizer matches the one behind the token columns.
+    with open(os.path.join(args.output_dir, "args.json"), "w") as file:
+        json.dump({**asdict(args), "eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad_id,
+                   "git_commit": commit}, file, indent=2)
+    print(f"saved {args.output_dir}/sft, {args.output_dir}/preference, args.json, policy_pairs.json, {visuals}")
+
+    # ---- publish (opt-in: the only networked code of this script) ----
+    if args.push_to_hub:
+        import huggingface_hub  # imported here: without --push_to_hub nothing touches the network
+
+        entity = args.hf_entity or huggingface_hub.whoami()["name"]
+        timestamp = int(time.time())
+        repos = {"sft": f"{entity}/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_{timestamp}",
+                 "preference": f"{entity}/summarize_from_feedback_oai_preprocessing_{timestamp}"}
+        for name, repo_id in repos.items():
+            outputs[name][0].push_to_hub(repo_id)
+            # Our card replaces the one push_to_hub wrote; the Hub still finds the parquet files.
+            huggingface_hub.upload_file(path_or_fileobj=os.path.join(args.output_dir, name, "README.md"),
+                                        path_in_repo="README.md", repo_id=repo_id, repo_type="dataset")
+            print(f"pushed https://huggingface.co/datasets/{repo_id}")
+        huggingface_hub.upload_folder(folder_path=os.path.join(args.output_dir, "visuals"), path_in_repo="visuals",
+                                      repo_id=repos["preference"], repo_type="dataset")

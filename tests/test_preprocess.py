@@ -1,0 +1,364 @@
+"""Tests of preprocess_tldr.py: hand-computed token layouts (Details 1-6) and one offline smoke run.
+
+The tokenizer is a byte-level BPE trained here in a fraction of a second (GPT-NeoX's kind, in
+miniature): EOS is `<|endoftext|>` and there is no pad token, so the script's [PAD] path runs.
+"""
+
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import tyro
+from datasets import Features, List, Value
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+import preprocess_tldr as pre
+
+REPO = Path(__file__).resolve().parent.parent
+EOS = "<|endoftext|>"
+CORPUS = [
+    "SUBREDDIT: r/cats\n\nTITLE: my cat\n\nPOST: the cat sat on the mat.\n\nTL;DR: cat sat",
+    "Article:\nthe dog sat on the log. the bird sat on the cat.\n\nTL;DR:\n the dog sat",
+    "my cat and my dog sat on the mat; the bird did not. a dog, a cat, a mat, a log.",
+] * 20
+SFT_FEATURES = Features({name: Value("string") for name in ("id", "subreddit", "title", "post", "summary")})
+PREFERENCE_FEATURES = Features({
+    "info": {name: Value("string") for name in ("id", "post", "title", "subreddit", "site", "article")},
+    "summaries": List({"text": Value("string"), "policy": Value("string"), "note": Value("string")}),
+    "choice": Value("int32"),
+    "worker": Value("string"),
+    "batch": Value("string"),
+    "split": Value("string"),
+    "extra": {"confidence": Value("int32")},
+})
+
+
+def make_tokenizer(pad_token=None):
+    """A byte-level BPE tokenizer with EOS `<|endoftext|>` and the given pad token (None: none)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=pad_token,
+                                   model_max_length=4096)
+
+
+def encode(tokenizer, text):
+    """Token ids of `text`, no template tokens."""
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    tokenizer = make_tokenizer()
+    assert pre.add_pad_token(tokenizer)
+    return tokenizer
+
+
+def sft_row(row_id="t1", post="the cat sat on the mat.", summary="cat sat"):
+    return {"id": row_id, "subreddit": "cats", "title": "my cat", "post": post, "summary": summary}
+
+
+def preference_row(row_id="p1", batch="batch3", choice=0, cnndm=False, texts=(" the cat sat", " a dog"),
+                   policies=("sup2", "ref"), post="the cat sat on the mat.\nthe dog sat on the log.", confidence=None):
+    info = {"id": row_id, "post": None, "title": None, "subreddit": None, "site": None, "article": None}
+    if cnndm:
+        info["article"] = "the dog sat on the log.\nthe bird sat on the cat."
+    else:
+        info.update(post=post, title="my cat", subreddit="cats")
+    return {"info": info, "choice": choice, "worker": "w1", "batch": batch, "split": "train",
+            "summaries": [{"text": t, "policy": p, "note": None} for t, p in zip(texts, policies)],
+            "extra": {"confidence": confidence}}
+
+
+# ---- Detail 3: a [PAD] that is not EOS ----
+
+def test_eos_and_pad_distinct():
+    tokenizer = make_tokenizer()
+    assert tokenizer.pad_token is None
+    assert pre.add_pad_token(tokenizer) is True
+    assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert pre.add_pad_token(tokenizer) is False  # a distinct pad stays as it is
+
+
+def test_pad_equal_to_eos_is_replaced():
+    tokenizer = make_tokenizer(pad_token=EOS)
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id
+    assert pre.add_pad_token(tokenizer) is True
+    assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id != tokenizer.eos_token_id
+
+
+# ---- Details 2, 3, 5: the exact token layout ----
+
+def test_sft_token_layout(tok):
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    out = pre.process_sft_row(sft_row(), tok, EOS, pad, query_length=64, response_length=12,
+                              query_response_length=80, split="train")
+    text = "SUBREDDIT: r/cats\n\nTITLE: my cat\n\nPOST: the cat sat on the mat.\n\nTL;DR:"
+    query = encode(tok, text)
+    assert out["query"] == text  # no trailing space after "TL;DR:"
+    assert out["query_token"] == [pad] * (64 - len(query)) + query
+    assert out["query_token_len"] == len(query)
+    # " cat sat" tokenizes word by word (the leading space belongs to each word), then EOS
+    response = encode(tok, " cat") + encode(tok, " sat") + [eos]
+    assert out["reference_response"] == " cat sat" + EOS
+    assert out["reference_response_token"] == response + [pad] * (12 - len(response))
+    assert out["reference_response_token_len"] == len(response)
+    assert out["query_reference_response"] == text + " cat sat" + EOS
+    assert out["query_reference_response_token"] == query + response + [pad] * (80 - len(query) - len(response))
+    assert out["query_reference_response_token_len"] == len(query) + len(response)
+
+
+@pytest.mark.parametrize("query_length", [40, 64, 100])
+def test_left_pad_count(tok, query_length):
+    pad = tok.pad_token_id
+    out = pre.process_sft_row(sft_row(), tok, EOS, pad, query_length=query_length, response_length=12,
+                              query_response_length=query_length + 12, split="train")
+    n_pads = next(i for i, token in enumerate(out["query_token"]) if token != pad)
+    assert len(out["query_token"]) == query_length
+    assert n_pads == query_length - out["query_token_len"]
+    assert pad not in out["query_token"][n_pads:]
+    assert pre.left_pad([5, 6], 4, 0) == [0, 0, 5, 6]
+    assert pre.right_pad([5, 6, 7], 2, 0) == [5, 6] and pre.right_pad([5], 3, 0) == [5, 0, 0]
+
+
+def test_label_mask_is_query(tok):
+    assert pre.response_label([7, 8, 9, 1, 0, 0], 2, 0) == [0, 0, 9, 1, 0, 0]
+    pad = tok.pad_token_id
+    out = pre.process_sft_row(sft_row(), tok, EOS, pad, query_length=64, response_length=12,
+                              query_response_length=80, split="train")
+    n, full = out["query_token_len"], out["query_reference_response_token"]
+    label = out["query_reference_response_token_response_label"]
+    assert pad not in full[:n]  # the masked positions are exactly the (non-pad) query ids
+    assert label == [pad] * n + full[n:]
+    response = out["reference_response_token"][:out["reference_response_token_len"]]
+    assert [token for token in label if token != pad] == response
+
+
+# ---- Detail 2: truncate the paragraph, not the sentence ----
+
+def test_truncate_last_paragraph():
+    assert pre.truncate_last_paragraph("a\n\nb\nc") == "a\n\nb"
+    assert pre.truncate_last_paragraph("a\n\nb") == "a\n"
+    assert pre.truncate_last_paragraph("abc") == "ab"
+
+
+def test_truncation_cuts_at_last_newline(tok):
+    paragraphs = ["the cat sat on the mat.", "the dog sat on the log.", "the bird sat on the cat."]
+    fields = {"subreddit": "cats", "title": "t", "post": "\n".join(paragraphs)}
+
+    def ids(post):
+        return encode(tok, pre.TLDR_FORMAT.format(**{**fields, "post": post}))
+
+    two = ids("\n".join(paragraphs[:2]))
+    assert pre.tokenize_query(tok, pre.TLDR_FORMAT, fields, "post", 1000, "row") == ids(fields["post"])  # fits: untouched
+    assert pre.tokenize_query(tok, pre.TLDR_FORMAT, fields, "post", len(two), "row") == two  # one paragraph cut
+    assert pre.tokenize_query(tok, pre.TLDR_FORMAT, fields, "post", len(two) - 1, "row") == ids(paragraphs[0])
+
+
+def test_tokenize_query_drops_characters_without_newline(tok):
+    fields = {"subreddit": "cats", "title": "t", "post": "the cat sat on the mat and the dog sat on the log"}
+
+    def ids(post):
+        return encode(tok, pre.TLDR_FORMAT.format(**{**fields, "post": post}))
+
+    budget = len(ids(fields["post"])) - 2
+    post = fields["post"]  # naive reference: one character at a time until it fits
+    while len(ids(post)) > budget:
+        post = post[:-1]
+    result = pre.tokenize_query(tok, pre.TLDR_FORMAT, fields, "post", budget, "row")
+    assert result == ids(post) and len(result) <= budget and post != fields["post"]
+
+
+def test_unfittable_query_raises_naming_split_and_row(tok):
+    with pytest.raises(pre.DataError, match=r"split 'test', row id 't9'.* > 5 tokens even with an empty post"):
+        pre.process_sft_row(sft_row("t9"), tok, EOS, tok.pad_token_id, query_length=5, response_length=12,
+                            query_response_length=20, split="test")
+
+
+# ---- Details 1 and 3 on preference rows ----
+
+def test_split_surgery_cnndm(tok):
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    rows = [preference_row("v1"), preference_row("c1", batch="cnndm0", cnndm=True, choice=1),
+            preference_row("v2", batch="batch9"), preference_row("c2", batch="batch0_cnndm", cnndm=True),
+            preference_row("c3", batch="cnndm2", cnndm=True)]
+    validation = datasets.Dataset.from_list(rows, features=PREFERENCE_FEATURES)
+    tldr, cnndm = pre.split_off_cnndm(validation, pre.CNNDM_BATCHES)
+    assert [row["info"]["id"] for row in tldr] == ["v1", "v2"]
+    assert [row["info"]["id"] for row in cnndm] == ["c1", "c2", "c3"]
+    out = pre.process_preference_row(cnndm[0], tok, EOS, pad, cnndm=True, query_length=48, response_length=10,
+                                     query_response_length=60, split="validation_cnndm")
+    text = "Article:\nthe dog sat on the log.\nthe bird sat on the cat.\n\nTL;DR:\n"
+    query = encode(tok, text)
+    assert out["query"] == text and out["query_token"] == [pad] * (48 - len(query)) + query
+    # choice 1: the second summary is chosen; its text already starts with a space, only EOS is added
+    assert out["chosen"] == " a dog" + EOS and out["rejected"] == " the cat sat" + EOS
+    chosen = encode(tok, " a") + encode(tok, " dog") + [eos]
+    assert out["chosen_token"] == chosen + [pad] * (10 - len(chosen))
+    assert out["query_chosen_token"] == query + chosen + [pad] * (60 - len(query) - len(chosen))
+    assert out["query_chosen_token_response_label"] == [pad] * len(query) + chosen + [pad] * (60 - len(query) - len(chosen))
+    assert (out["chosen_policy"], out["rejected_policy"], out["policies"]) == ("ref", "sup2", "ref--sup2")
+
+
+# ---- bad input: a clear error before any tokenization ----
+
+@pytest.mark.parametrize("kind, change, expected", [
+    ("sft", lambda row: row.pop("title"), "expected title to be a string, got None"),
+    ("sft", lambda row: row.update(summary=3), "expected summary to be a string, got 3"),
+    ("sft", lambda row: row.update(post=" \n"), "expected a non-empty post"),
+    ("tldr", lambda row: row["info"].update(post=None), "expected info.post to be a string, got None"),
+    ("tldr", lambda row: row["info"].update(post=""), "expected a non-empty info.post"),
+    ("tldr", lambda row: row["summaries"][1].update(text="no space"), "summaries[1].text"),
+    ("tldr", lambda row: row["summaries"].pop(), "a list of 2 summaries"),
+    ("tldr", lambda row: row.update(choice=2), "expected `choice` to be 0 or 1, got 2"),
+    ("tldr", lambda row: row.update(batch=None), "expected `batch` to be a string"),
+    ("cnndm", lambda row: row["info"].update(article=None), "expected info.article to be a string, got None"),
+])
+def test_bad_rows_raise_naming_split_and_row(kind, change, expected):
+    good = sft_row("ok") if kind == "sft" else preference_row("ok", cnndm=kind == "cnndm")
+    bad = sft_row("bad7") if kind == "sft" else preference_row("bad7", cnndm=kind == "cnndm")
+    change(bad)
+    pre.validate_rows([good, good], "validation", kind)
+    with pytest.raises(pre.DataError) as error:
+        pre.validate_rows([good, bad], "validation", kind)
+    assert "split 'validation', row 1 (id 'bad7')" in str(error.value) and expected in str(error.value)
+
+
+def test_missing_split_names_it_and_the_existing_ones():
+    rows = datasets.Dataset.from_list([sft_row()], features=SFT_FEATURES)
+    with pytest.raises(pre.DataError, match=r"missing split\(s\) \['test'\]; it has splits \['train', 'validation'\]"):
+        pre.require_splits(datasets.DatasetDict(train=rows, validation=rows), pre.SFT_SPLITS, "src")
+
+
+# ---- Detail 4: length flags against the computed maxima ----
+
+def test_length_check():
+    flag, maxima = "max_sft_response_length", {"sft/train reference_response_token_len": 53,
+                                               "sft/test reference_response_token_len": 50}
+    assert pre.length_problem(flag, 53, maxima, exact=True) is None
+    too_small = pre.length_problem(flag, 52, maxima, exact=False)  # an error even without the exact check
+    assert "sft/train" in too_small and "data would be cut" in too_small and "pass --max_sft_response_length 53" in too_small
+    assert pre.length_problem(flag, 60, maxima, exact=False) is None
+    mismatch = pre.length_problem(flag, 60, maxima, exact=True)
+    assert "--max_sft_response_length is 60" in mismatch and "pass --max_sft_response_length 53" in mismatch
+
+
+# ---- Detail 6 ----
+
+def test_policy_pair_counts():
+    rows = [{"policies": "a--b"}, {"policies": "a--c"}, {"policies": "a--b"}]
+    dataset_dict = {"train": datasets.Dataset.from_list(rows), "validation": datasets.Dataset.from_list(rows[1:])}
+    assert pre.policy_pair_counts(dataset_dict, ("train", "validation")) == {
+        "train": {"a--b": 2, "a--c": 1}, "validation": {"a--c": 1, "a--b": 1}}
+
+
+# ---- --help: tyro builds it from the field docstrings ----
+
+def test_help_shows_every_flag_with_its_docstring(capsys):
+    tree = ast.parse(inspect.getsource(pre.Args))
+    body = tree.body[0].body
+    docstrings = {node.target.id: body[i + 1].value.value for i, node in enumerate(body[:-1])
+                  if isinstance(node, ast.AnnAssign) and isinstance(body[i + 1], ast.Expr)}
+    assert set(docstrings) == {field.name for field in dataclasses.fields(pre.Args)}
+    with pytest.raises(SystemExit):
+        tyro.cli(pre.Args, args=["--help"])
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().out).split())
+    for name, docstring in docstrings.items():
+        assert f"--{name.replace('_', '-')}" in text
+        assert " ".join(docstring.split()) in text, name
+
+
+# ---- smoke: the script end to end on hub-style local folders ----
+
+def write_hub_style_dataset(folder, config, splits, features):
+    """Parquet files plus a README whose YAML `configs:` makes `load_dataset(folder, config)` work."""
+    lines = ["---", "configs:", f"- config_name: {config}", "  data_files:"]
+    for split, rows in splits.items():
+        (folder / config).mkdir(parents=True, exist_ok=True)
+        datasets.Dataset.from_list(rows, features=features).to_parquet(str(folder / config / f"{split}.parquet"))
+        lines += [f"  - split: {split}", f"    path: {config}/{split}.parquet"]
+    (folder / "README.md").write_text("\n".join(lines + ["---", ""]))
+
+
+def test_script_smoke(tmp_path, tok):
+    base_model = tmp_path / "tokenizer"
+    make_tokenizer().save_pretrained(str(base_model))  # no pad token: the script must add one
+    long_post = "the cat sat on the mat.\n" + "the dog sat on the log. " * 8
+    sft = {"train": [sft_row("a1"), sft_row("a2", summary="my cat sat on the mat and the dog did not"),
+                     sft_row("a3", post=long_post)],
+           "validation": [sft_row("b1", summary="a dog")], "test": [sft_row("c1", summary="a cat, a mat")]}
+    preference = {
+        "train": [preference_row("p1", confidence=3), preference_row("p2", choice=1, policies=("sup1", "sup2"))],
+        "validation": [preference_row("v1", confidence=8, policies=("ref", "ppo")),
+                       preference_row("c1", batch="cnndm0", cnndm=True),
+                       preference_row("c2", batch="batch0_cnndm", cnndm=True, texts=(" a dog sat", " the cat"))],
+    }
+    write_hub_style_dataset(tmp_path / "sft_src", "default", sft, SFT_FEATURES)
+    write_hub_style_dataset(tmp_path / "pref_src", "comparisons", preference, PREFERENCE_FEATURES)
+
+    # Expected maxima, computed naively: query ids (truncated for the long post) + response ids.
+    query_length, cnndm_query_length = 40, 48
+    def query_len(fields, fmt, field, length):
+        return len(pre.tokenize_query(tok, fmt, fields, field, length, "row"))
+    sft_pairs = [(query_len(row, pre.TLDR_FORMAT, "post", query_length), len(encode(tok, " " + row["summary"] + EOS)))
+                 for rows in sft.values() for row in rows]
+    def preference_pairs(rows, fmt, field, length):
+        return [(query_len(row["info"], fmt, field, length), len(encode(tok, s["text"] + EOS)))
+                for row in rows for s in row["summaries"]]
+    tldr = preference_pairs(preference["train"] + preference["validation"][:1], pre.TLDR_FORMAT, "post", query_length)
+    cnndm = preference_pairs(preference["validation"][1:], pre.CNNDM_FORMAT, "article", cnndm_query_length)
+    flags = {
+        "query_length": query_length, "cnndm_query_length": cnndm_query_length,
+        "max_sft_response_length": max(r for _, r in sft_pairs),
+        "max_sft_query_response_length": max(q + r for q, r in sft_pairs),
+        "max_rm_response_length": max(r for _, r in tldr), "max_rm_query_response_length": max(q + r for q, r in tldr),
+        "cnndm_max_rm_response_length": max(r for _, r in cnndm),
+        "cnndm_max_rm_query_response_length": max(q + r for q, r in cnndm),
+    }
+    out = tmp_path / "out"
+    command = [sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(base_model),
+               "--sft_dataset", str(tmp_path / "sft_src"), "--preference_dataset", str(tmp_path / "pref_src"),
+               "--output_dir", str(out), "--num_proc", "2"]
+    command += [arg for flag, value in flags.items() for arg in (f"--{flag}", str(value))]
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")}  # keep ~/.cache clean
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "added the pad token '[PAD]'" in result.stdout
+
+    sft_out = datasets.load_from_disk(str(out / "sft"))
+    preference_out = datasets.load_from_disk(str(out / "preference"))
+    assert dict(sft_out.num_rows) == {"train": 3, "validation": 1, "test": 1}
+    assert dict(preference_out.num_rows) == {"train": 2, "validation": 1, "validation_cnndm": 2}
+    assert set(sft_out["train"].column_names) == set(pre.SFT_DESCRIPTIONS)
+    assert set(preference_out["train"].column_names) == set(pre.PREFERENCE_DESCRIPTIONS)
+    long = sft_out["train"][2]  # the long post lost its last paragraph, not a sentence
+    assert long["query"].endswith("the cat sat on the mat.\n\nTL;DR:") and long["query_token_len"] <= query_length
+    cnndm_rows = preference_out["validation_cnndm"]
+    assert [row["info"]["id"] for row in cnndm_rows] == ["c1", "c2"]
+    assert all(row["query"].startswith("Article:\n") for row in cnndm_rows)
+    assert {len(row["query_token"]) for row in cnndm_rows} == {cnndm_query_length}
+    assert {len(row["query_chosen_token"]) for row in cnndm_rows} == {flags["cnndm_max_rm_query_response_length"]}
+    assert {len(row["query_chosen_token"]) for row in preference_out["validation"]} == {flags["max_rm_query_response_length"]}
+
+    saved = json.loads((out / "args.json").read_text())
+    assert saved["pad_token_id"] == len(make_tokenizer()) and saved["pad_token_id"] != saved["eos_token_id"]
+    assert saved["base_model"] == str(base_model) and "git_commit" in saved
+    pairs = json.loads((out / "policy_pairs.json").read_text())
+    assert pairs["train"] == {"ref--sup2": 1, "sup1--sup2": 1} and pairs["validation"] == {"ppo--ref": 1}
+    for name, dataset_dict in (("sft", sft_out), ("preference", preference_out)):
+        card = (out / name / "README.md").read_text()
+        assert all(f"`{column}`" in card for column in dataset_dict["train"].column_names)
+    for png in ("token_len.png", "confidence.png", "policies.png"):
+        assert (out / "visuals" / png).stat().st_size > 0

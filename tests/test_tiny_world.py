@@ -1,0 +1,212 @@
+"""The embedded tiny TL;DR world: schemas, determinism, the gold judge, and the committed copy.
+
+The committed world (assets/tiny_world, the offline default of every stage) must be exactly what
+`tiny_world.py` builds: the datasets and the tokenizer are rebuilt here and compared byte for
+byte; the model's pretraining takes minutes, so its determinism is checked on a short build.
+"""
+
+import json
+import math
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+
+import tiny_world as tw
+from conftest import REPO
+
+WORLD = REPO / "assets" / "tiny_world"
+DATA_FILES = ["tldr_3_filtered/README.md", "tldr_3_filtered/data/train.parquet",
+              "tldr_3_filtered/data/validation.parquet", "tldr_3_filtered/data/test.parquet",
+              "summarize_from_feedback/README.md", "summarize_from_feedback/comparisons/train.parquet",
+              "summarize_from_feedback/comparisons/validation.parquet",
+              "pythia-tiny/tokenizer.json", "pythia-tiny/tokenizer_config.json"]
+
+
+def load_world(path):
+    """The two datasets of a world folder, loaded as from the Hub (fresh cache: folders get rebuilt)."""
+    cache = str(Path(path) / ".cache")
+    sft = datasets.load_dataset(str(path / "tldr_3_filtered"), cache_dir=cache)
+    preference = datasets.load_dataset(str(path / "summarize_from_feedback"), "comparisons", cache_dir=cache)
+    return sft, preference
+
+
+def small_args(out_dir, seed=1):
+    """A world small enough to build twice in a test."""
+    return tw.Args(out_dir=str(out_dir), seed=seed, sft_sizes=(64, 8, 8), preference_sizes=(64, 16, 4),
+                   pretrain_steps=3, pretrain_documents=32)
+
+
+def tree_bytes(root):
+    """{relative path: bytes} of every file under root (caches excluded)."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(Path(root).rglob("*"))
+            if p.is_file() and ".cache" not in p.parts}
+
+
+@pytest.fixture(scope="module")
+def world():
+    return load_world(WORLD)
+
+
+def test_same_seed_same_bytes(tmp_path):
+    tw.build_world(small_args(tmp_path / "a"))
+    tw.build_world(small_args(tmp_path / "b"))
+    tw.build_world(small_args(tmp_path / "c", seed=2), with_model=False)
+    a, b, c = tree_bytes(tmp_path / "a"), tree_bytes(tmp_path / "b"), tree_bytes(tmp_path / "c")
+    assert "pythia-tiny/model.safetensors" in a and "summarize_from_feedback/comparisons/train.parquet" in a
+    assert a.keys() == b.keys()
+    assert [name for name in a if a[name] != b[name]] == []
+    assert a["tldr_3_filtered/data/train.parquet"] != c["tldr_3_filtered/data/train.parquet"]
+
+
+def test_committed_world_is_what_the_generator_builds(tmp_path):
+    tw.build_world(tw.Args(out_dir=str(tmp_path)), with_model=False)
+    for name in DATA_FILES:
+        assert (tmp_path / name).read_bytes() == (WORLD / name).read_bytes(), (
+            f"{name} differs from a fresh build: run `python tiny_world.py --out_dir assets/tiny_world`")
+    meta = json.loads((WORLD / "world.json").read_text())
+    assert meta["args"] == json.loads(json.dumps(vars(tw.Args()))), "world.json was built with other args"
+
+
+def test_schemas_match_the_hub_datasets(world):
+    sft, preference = world
+    assert set(sft) == {"train", "validation", "test"}
+    assert sft["train"].column_names == ["id", "subreddit", "title", "post", "summary"]
+    assert set(preference) == {"train", "validation"}
+    assert preference["train"].column_names == ["info", "summaries", "choice", "worker", "batch", "split", "extra"]
+    info = preference["train"].features["info"]
+    assert sorted(info) == ["article", "id", "post", "site", "subreddit", "title"]
+    row = preference["train"][0]
+    assert len(row["summaries"]) == 2 and set(row["summaries"][0]) == {"text", "policy", "note"}
+    assert all(s["text"].startswith(" ") for s in row["summaries"])  # preference texts carry the space
+    assert not sft["train"][0]["summary"].startswith(" ")  # SFT summaries do not
+
+
+def test_cnndm_rows_are_news_in_validation_only(world):
+    _, preference = world
+    news = [r for r in preference["validation"] if r["batch"] in tw.CNNDM_BATCHES]
+    assert len(news) == tw.Args().preference_sizes[2]
+    assert all(r["info"]["article"] and r["info"]["post"] is None for r in news)
+    assert all(r["info"]["article"] is None for r in preference["train"])
+    assert {r["batch"] for r in news} <= set(tw.CNNDM_BATCHES)
+
+
+def test_validation_policies_are_out_of_distribution(world):
+    _, preference = world
+    pairs = {split: {tuple(sorted(s["policy"] for s in r["summaries"])) for r in preference[split]}
+             for split in ("train", "validation")}
+    assert len(pairs["validation"] - pairs["train"]) > len(pairs["train"]) / 2
+
+
+def test_long_posts_overflow_the_tiny_query_budget(world):
+    sft, _ = world
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(WORLD / "pythia-tiny")
+    budget = int(re.search(r"--query_length (\d+)", (REPO / "benchmark" / "tiny.sh").read_text()).group(1))
+    lengths = [len(tokenizer(f"SUBREDDIT: r/{r['subreddit']}\n\nTITLE: {r['title']}\n\nPOST: {r['post']}\n\nTL;DR:")
+                   .input_ids) for r in sft["train"]]
+    overflow = sum(n > budget for n in lengths) / len(lengths)
+    assert 0.02 < overflow < 0.2, overflow  # a tail, so paragraph truncation (Detail 2) really fires
+
+
+def test_tokenizer_and_model_load_like_pythia():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(WORLD / "pythia-tiny")
+    model = AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny")
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.pad_token == "[PAD]"
+    assert tokenizer.eos_token_id != tokenizer.pad_token_id
+    assert tokenizer(" hello<|endoftext|>").input_ids[-1] == tokenizer.eos_token_id
+    assert model.config.model_type == "gpt_neox" and 0 < model.config.rotary_pct < 1
+    assert model.config.vocab_size >= len(tokenizer)
+
+
+def test_labels_follow_the_gold_judge_with_the_documented_noise(world):
+    _, preference = world
+    meta = json.loads((WORLD / "world.json").read_text())
+    temperature = meta["args"]["label_temperature"]
+    rows = [r for r in preference["train"]]
+    probabilities, agree = [], 0
+    for r in rows:
+        post = f"{r['info']['title']}\n{r['info']['post']}"
+        a, b = (s["text"] for s in r["summaries"])
+        p = tw.preference_probability(post, a, b, temperature)
+        probabilities.append(max(p, 1 - p))
+        agree += (p > 0.5) == (r["choice"] == 0) if p != 0.5 else 0.5
+    ceiling = sum(probabilities) / len(rows)
+    assert ceiling == pytest.approx(meta["noise_ceiling"]["train"], abs=1e-9)
+    # The labels agree with the gold ordering as often as the ceiling says (4 standard errors).
+    assert abs(agree / len(rows) - ceiling) < 4 * math.sqrt(ceiling * (1 - ceiling) / len(rows))
+    assert 0.75 < ceiling < 0.95
+
+
+def test_gold_judge_prefers_the_reference_over_an_unrelated_summary(world):
+    sft, _ = world
+    rows = sft["validation"]
+    wins = sum(tw.gold_score(f"{r['title']}\n{r['post']}", r["summary"])
+               > tw.gold_score(f"{r['title']}\n{r['post']}", rows[(i + 1) % len(rows)]["summary"])
+               for i, r in enumerate(rows))
+    assert wins / len(rows) >= 0.95
+
+
+def test_gold_judge_penalises_invented_facts_and_irrelevant_detail(world):
+    sft, _ = world
+    rng = random.Random(0)
+    for r in sft["validation"]:
+        post, summary = f"{r['title']}\n{r['post']}", r["summary"]
+        post_words = set(tw.words(post))
+        actor = rng.choice([a for a in tw.ACTORS if a not in post_words])
+        thing = rng.choice([o for o in tw.OBJECTS if o not in post_words])
+        invented = f"{summary}, my {actor} sold my {thing}"
+        irrelevant = f"{summary}, I was eating {rng.choice(tw.FOODS)} on the {rng.choice(tw.FURNITURE)}"
+        base = tw.gold_score(post, summary)
+        assert tw.gold_score(post, invented) < base, invented
+        assert tw.gold_score(post, irrelevant) < base, irrelevant
+
+
+def test_gold_judge_accepts_any_text():
+    post = "My landlord cancelled my lease.\n\nWhat should I do?"
+    for summary in ["", " ", "<|endoftext|>[PAD][PAD]", "ünïcödé ✓ 日本語", "landlord " * 500, "\n\n\t"]:
+        score = tw.gold_score(post, summary)
+        assert math.isfinite(score)
+    assert tw.gold_score(post, "") < tw.gold_score(post, "my landlord cancelled my lease")
+    assert tw.gold_score("", "anything at all") <= 0
+
+
+def test_gold_breakdown_by_hand():
+    post = "My landlord cancelled my lease. It was rainy and I ate tacos. I feel angry."
+    # post key words: landlord, cancelled, lease, angry (4) -> budget 6 + 2 * 4 = 14 words
+    b = tw.gold_breakdown(post, "landlord cancelled lease, boss sold car, tacos tacos")
+    assert b["coverage"] == 3 / 4
+    assert b["invented"] == 3  # boss, sold, car
+    assert b["irrelevant"] == 2 and b["repetition"] == 1 and b["rambling"] == 0
+    w = tw.JUDGE_WEIGHTS
+    assert b["score"] == pytest.approx(w["coverage"] * 0.75 - w["invented"] * 3 - w["irrelevant"] * 2
+                                       - w["repetition"] * 1)
+
+
+def test_preprocess_runs_on_the_committed_world_with_the_tiny_lengths(tmp_path):
+    """benchmark/tiny.sh's length flags must match what preprocess_tldr.py computes on the world."""
+    script = (REPO / "benchmark" / "tiny.sh").read_text()
+    block = re.search(r"TINY_LENGTHS=\((.*?)\)", script, re.S).group(1)
+    lengths = [token for line in block.splitlines() for token in line.split("#")[0].split()]
+    out = tmp_path / "tldr"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(WORLD / "pythia-tiny"),
+         "--sft_dataset", str(WORLD / "tldr_3_filtered"),
+         "--preference_dataset", str(WORLD / "summarize_from_feedback"),
+         "--output_dir", str(out), "--num_proc", "2", *lengths],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    sft = datasets.load_from_disk(str(out / "sft"))
+    preference = datasets.load_from_disk(str(out / "preference"))
+    assert sft.num_rows == dict(zip(["train", "validation", "test"], tw.Args().sft_sizes))
+    assert set(preference) == {"train", "validation", "validation_cnndm"}
+    assert preference["validation_cnndm"].num_rows == tw.Args().preference_sizes[2]
+    query_length = int(lengths[lengths.index("--query_length") + 1])
+    assert len(sft["train"][0]["query_token"]) == query_length
