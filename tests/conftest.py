@@ -24,3 +24,33 @@ for _key, _value in {
 # The stage scripts live at the repository root and are imported by the unit tests.
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+import re  # noqa: E402
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+WORLD = REPO / "assets" / "tiny_world"  # the committed tiny world (tiny_world.py builds it)
+TINY_SH = REPO / "benchmark" / "tiny.sh"
+
+
+def tiny_lengths():
+    """The length flags that benchmark/tiny.sh passes to preprocess_tldr.py, as a list of args."""
+    block = re.search(r"TINY_LENGTHS=\((.*?)\)", TINY_SH.read_text(), re.S).group(1)
+    return [token for line in block.splitlines() for token in line.split("#")[0].split()]
+
+
+@pytest.fixture(scope="session")
+def tiny_tldr(tmp_path_factory):
+    """The tiny world preprocessed exactly as benchmark/tiny.sh does it, once per test session.
+
+    Returns the output folder: sft/, preference/ (load_from_disk), args.json, visuals/."""
+    out = tmp_path_factory.mktemp("tiny_tldr")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(WORLD / "pythia-tiny"),
+         "--sft_dataset", str(WORLD / "tldr_3_filtered"),
+         "--preference_dataset", str(WORLD / "summarize_from_feedback"),
+         "--output_dir", str(out), "--num_proc", "2", *tiny_lengths()],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out

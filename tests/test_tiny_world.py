@@ -9,15 +9,13 @@ import json
 import math
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import datasets
 import pytest
 
 import tiny_world as tw
-from conftest import REPO
+from conftest import REPO, tiny_lengths
 
 WORLD = REPO / "assets" / "tiny_world"
 DATA_FILES = ["tldr_3_filtered/README.md", "tldr_3_filtered/data/train.parquet",
@@ -190,23 +188,16 @@ def test_gold_breakdown_by_hand():
                                        - w["repetition"] * 1)
 
 
-def test_preprocess_runs_on_the_committed_world_with_the_tiny_lengths(tmp_path):
-    """benchmark/tiny.sh's length flags must match what preprocess_tldr.py computes on the world."""
-    script = (REPO / "benchmark" / "tiny.sh").read_text()
-    block = re.search(r"TINY_LENGTHS=\((.*?)\)", script, re.S).group(1)
-    lengths = [token for line in block.splitlines() for token in line.split("#")[0].split()]
-    out = tmp_path / "tldr"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(WORLD / "pythia-tiny"),
-         "--sft_dataset", str(WORLD / "tldr_3_filtered"),
-         "--preference_dataset", str(WORLD / "summarize_from_feedback"),
-         "--output_dir", str(out), "--num_proc", "2", *lengths],
-        capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    sft = datasets.load_from_disk(str(out / "sft"))
-    preference = datasets.load_from_disk(str(out / "preference"))
+def test_preprocess_runs_on_the_committed_world_with_the_tiny_lengths(tiny_tldr):
+    """benchmark/tiny.sh's length flags match what preprocess_tldr.py computes on the world."""
+    sft = datasets.load_from_disk(str(tiny_tldr / "sft"))
+    preference = datasets.load_from_disk(str(tiny_tldr / "preference"))
     assert sft.num_rows == dict(zip(["train", "validation", "test"], tw.Args().sft_sizes))
     assert set(preference) == {"train", "validation", "validation_cnndm"}
     assert preference["validation_cnndm"].num_rows == tw.Args().preference_sizes[2]
+    lengths = tiny_lengths()
     query_length = int(lengths[lengths.index("--query_length") + 1])
     assert len(sft["train"][0]["query_token"]) == query_length
+    # the long-tail posts really were cut to fit (Detail 2), and only those
+    truncated = sum(not r["query"].endswith(r["post"] + "\n\nTL;DR:") for r in sft["train"])
+    assert 0 < truncated < 0.2 * sft["train"].num_rows
