@@ -11,7 +11,7 @@ so every stage runs the exact code path it runs on the real thing:
   `load_dataset(path, "comparisons")`.
 - `pythia-tiny/`: a byte-level BPE tokenizer (`<|endoftext|>` = EOS, a distinct `[PAD]`) and a
   tiny GPT-NeoX (the Pythia architecture, rotary) saved with `save_pretrained`, briefly pretrained
-  on the post text, so `--base_model data/tiny_world/pythia-tiny` loads like `EleutherAI/pythia-1b-deduped`.
+  on the post text, so `--base_model assets/tiny_world/pythia-tiny` loads like `EleutherAI/pythia-1b-deduped`.
 - `WORLD.md` / `world.json`: the world card (sizes, policies, label noise, the best achievable accuracy).
 
 The world has a ground truth. Each post is built from key facts ("my landlord cancelled my lease"),
@@ -22,7 +22,7 @@ from it with Bradley-Terry noise, so the best accuracy any reward model can reac
 (the noise ceiling) is known and written to the card. The same function is the offline judge of
 model outputs (`judge.py --judge gold`), so it accepts any text.
 
-    python tiny_world.py                                  # builds data/tiny_world (~30 s on 2 cores)
+    python tiny_world.py                                  # rebuilds assets/tiny_world (~5 min on 2 cores)
     python tiny_world.py --out_dir /tmp/w --seed 2        # another world
 
 Same seed, same bytes: every file is a deterministic function of the arguments.
@@ -447,7 +447,7 @@ def world_card(meta):
 
 @dataclass
 class Args:
-    out_dir: str = "data/tiny_world"
+    out_dir: str = "assets/tiny_world"
     """Where the world is written (tldr_3_filtered/, summarize_from_feedback/, pythia-tiny/, WORLD.md)"""
     seed: int = 1
     """Seed of everything: same seed, same bytes"""
@@ -541,7 +541,8 @@ def build_world(args, with_model=True):
     model.save_pretrained(model_dir)
 
     meta = {
-        "args": asdict(args),
+        # where the world was written is not part of what it is (same seed, same bytes anywhere)
+        "args": {k: v for k, v in asdict(args).items() if k != "out_dir"},
         "counts": {"tldr_3_filtered": {k: len(v) for k, v in sft.items()},
                    "summarize_from_feedback": {"train": len(train_rows),
                                                "validation (TL;DR)": len(val_rows),
