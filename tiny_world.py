@@ -439,7 +439,9 @@ def world_card(meta):
         "## Base model", "",
         f"`pythia-tiny/`: GPT-NeoX, {meta['model']['parameters']:,} parameters, "
         f"vocab {meta['model']['vocab_size']}, pretrained for {meta['args']['pretrain_steps']} steps "
-        f"(loss {meta['model']['pretrain_loss_first']:.2f} -> {meta['model']['pretrain_loss_last']:.2f}). "
+        f"(loss {meta['model']['pretrain_loss_first']:.2f} -> {meta['model']['pretrain_loss_last']:.2f}) "
+        "on fresh posts of the world that end with an \"Edit: to sum up\" recap (never a dataset row, "
+        "never a TL;DR): predicting the recap teaches it to copy facts from its context. "
         "Dropout is 0.1 (Pythia's is 0), so Detail 7 (disable dropout) has a visible effect.",
     ]
     return "\n".join(lines) + "\n"
