@@ -1,0 +1,452 @@
+"""Tests of judge.py: pure helpers against hand computations, then the real `openai` client over HTTP.
+
+The HTTP tests start a small OpenAI-compatible server on 127.0.0.1 (stdlib ThreadingHTTPServer)
+that prefers the longer summary, answers malformed verdicts for marked posts, and injects faults by
+request number: 429 (with Retry-After), 500, a reply that hangs past the client timeout, 401.
+judge.py runs as a subprocess, as a user runs it, with short timeouts and backoff delays.
+"""
+
+import csv
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+import judge
+import tiny_world
+
+REPO = Path(__file__).resolve().parent.parent
+SECRET = "sk-test-DO-NOT-WRITE-ME-0123456789"
+FAST = ["--timeout", "0.5", "--retry_base_delay", "0.01", "--retry_max_delay", "0.1"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def test_parse_verdict_is_strict():
+    assert judge.parse_verdict("Comparison: A is shorter.\nPreferred: A") == "A"
+    assert judge.parse_verdict("Comparison: B covers more.\n  Preferred: B  \n") == "B"
+    for malformed in ['Comparison: x\nPreferred: "A"', "Preferred: A.", "Preferred: a", "Comparison: A",
+                      "Preferred: A\nPreferred: B", "Preferred: A or B", "", None, "**Preferred:** A",
+                      "Preferred: tie"]:
+        assert judge.parse_verdict(malformed) is None, malformed
+    assert judge.parse_verdict("Comparison: equal\nPreferred: tie", allow_tie=True) == "tie"
+    # A/B bookkeeping: the verdict names a position, `ours_is_a` says which text sat there.
+    assert judge.preferred_side("A", True, "reference") == "ours"
+    assert judge.preferred_side("A", False, "reference") == "reference"
+    assert judge.preferred_side("B", False, "other") == "ours"
+    assert judge.preferred_side(None, True, "reference") == "malformed"
+    assert judge.preferred_side("tie", False, "reference") == "tie"
+
+
+def test_build_prompt_is_appendix_i():
+    prompt = judge.build_prompt("SUBREDDIT: r/x\n\nPOST: a {summary_b} brace", "first", "second")
+    assert prompt.startswith("Which of the following summaries does a better job of summarizing the most "
+                             "important points in the given forum post, without including unimportant or "
+                             "irrelevant details? Judge based on accuracy, coverage, and coherence.")
+    assert "Post:\nSUBREDDIT: r/x\n\nPOST: a {summary_b} brace\n\nSummary A:\nfirst\n\nSummary B:\nsecond\n\n" in prompt
+    assert prompt.endswith('Comparison: <one-sentence comparison and explanation>\nPreferred: <"A" or "B">')
+    assert "\\" not in prompt  # the appendix's backslashes are line continuations, not prompt text
+
+
+def test_order_is_balanced_seeded_and_recorded():
+    draws = [judge.ours_is_a(1, row) for row in range(4000)]
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.03  # 4 binomial standard deviations (0.0079 each)
+    assert draws == [judge.ours_is_a(1, row) for row in range(4000)]  # a rerun draws the same order
+    assert draws != [judge.ours_is_a(2, row) for row in range(4000)]
+    rows = [dict(query=f" q{i} ", response=f" r{i} ", reference=f" ref{i}<|endoftext|>", score="1.5",
+                 reference_score="") for i in range(6)]
+    items = judge.make_items("sft", rows, None, seed=1)
+    assert [i["ours_is_a"] for i in items] == draws[:6]
+    assert (items[2]["post"], items[2]["ours"], items[2]["other"]) == ("q2", "r2", "ref2")
+    assert (items[2]["ours_score"], items[2]["other_score"]) == (1.5, None)
+    other = [dict(query=f"q{i}", response=f"s{i}", score=str(i)) for i in (4, 1)]  # other run: rows matched by query
+    pairs = judge.make_items("a_vs_b", rows, other, seed=1)
+    assert [(p["row"], p["ours"], p["other"], p["other_score"]) for p in pairs] == [(1, "r1", "s1", 1.0),
+                                                                                    (4, "r4", "s4", 4.0)]
+
+
+def test_win_rate_ci_and_malformed_by_hand():
+    preferred = ["ours"] * 7 + ["reference"] * 3 + ["malformed"] * 2 + ["tie", "unjudged"]
+    rows = [dict(preferred=p, ours_words=w, other_words=4, ours_score=None, other_score=None)
+            for p, w in zip(preferred, [10, 2] * 7)]
+    stats = judge.summarize(rows, "reference")
+    assert (stats["n"], stats["wins"], stats["malformed"], stats["ties"], stats["unjudged"]) == (10, 7, 2, 1, 1)
+    assert stats["win_rate"] == 0.7
+    # Wilson by hand, z = 1.96: (0.7 + 1.9208/10) / 1.38415 -/+ 1.96 * sqrt(0.021 + 0.0096040) / 1.38415
+    assert stats["ci_low"] == pytest.approx(0.39678, abs=1e-4) and stats["ci_high"] == pytest.approx(0.89222, abs=1e-4)
+    assert stats["mean_words"] == 6.0 and stats["mean_other_words"] == 4.0
+    low, high = judge.wilson_interval(0, 5)
+    assert low == pytest.approx(0.0, abs=1e-12) and high == pytest.approx(0.43448, abs=1e-4)  # never below 0
+    assert judge.summarize(rows[10:], "reference")["win_rate"] is None  # nothing decided: no win rate
+
+
+def test_rm_agreement_by_hand():
+    preferred = ["ours", "ours", "reference", "reference", "malformed", "tie", "ours", "ours"]
+    ours = [2.0, 0.0, -1.0, 3.0, 5.0, 5.0, None, 1.0]
+    other = [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    # decided with both scores: rows 0 (agree), 1 (no), 2 (agree), 3 (no), 7 (RM tie: agrees with nobody)
+    assert judge.rm_agreement(preferred, ours, other) == (pytest.approx(2 / 5), 5)
+    assert judge.rm_agreement(["ours"], [None], [None]) == (None, 0)
+
+
+def test_length_curve_by_hand():
+    xs = [-1.0, -0.9, 0.1, 0.2, 0.3, 1.0, 1.0]
+    ps = ["ours", "reference", "ours", "ours", "malformed", "reference", "ours"]
+    curve = judge.length_curve(xs, ps, [-1.0, 0.0, 1.0], "reference")
+    assert curve == [(-0.5, 0.5, 2), (0.5, 0.75, 4)]  # the top edge belongs to the last bin
+
+
+def test_backoff_and_retry_classification():
+    import openai
+
+    try:
+        import httpx2 as httpx  # the transport openai 3 is built on
+    except ImportError:
+        import httpx
+
+    class Fixed:
+        def uniform(self, low, high):
+            return high
+
+    delays = [judge.backoff_delay(k, 0.5, 3.0, Fixed()) for k in range(5)]
+    assert delays == [0.5, 1.0, 2.0, 3.0, 3.0]
+    rng = random.Random(0)
+    assert all(1.0 <= judge.backoff_delay(1, 1.0, 60, rng) <= 2.0 for _ in range(100))
+    request = httpx.Request("POST", "http://127.0.0.1/v1/chat/completions")
+
+    def status(code, headers=None):
+        response = httpx.Response(code, request=request, headers=headers or {})
+        return openai.APIStatusError("x", response=response, body=None)
+
+    assert all(judge.is_retryable(status(c)) for c in (408, 409, 429, 500, 503))
+    assert not any(judge.is_retryable(status(c)) for c in (400, 401, 403, 404, 422))
+    assert judge.is_retryable(TimeoutError()) and judge.is_retryable(openai.APITimeoutError(request=request))
+    assert not judge.is_retryable(ValueError())
+    assert judge.retry_after(status(429, {"retry-after": "2.5"})) == 2.5
+    assert judge.retry_after(status(429, {"retry-after": "Wed, 21 Oct"})) == 0.0
+
+
+def test_cache_survives_a_torn_line(tmp_path):
+    path = tmp_path / "judgments.jsonl"
+    path.write_text(json.dumps({"key": "k1", "verdict": "A"}) + "\n" + '{"key": "k2", "ver')  # killed mid-write
+    cache, bad = judge.load_cache(str(path))
+    assert list(cache) == ["k1"] and bad == 1
+    with judge.open_cache_for_append(str(path)) as file:
+        file.write(json.dumps({"key": "k3"}) + "\n")
+    cache, bad = judge.load_cache(str(path))
+    assert list(cache) == ["k1", "k3"] and bad == 1
+    assert judge.load_cache(str(tmp_path / "absent.jsonl")) == ({}, 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# An OpenAI-compatible test server
+# ------------------------------------------------------------------------------------------------
+PROMPT_RE = re.compile(r"Post:\n(.*)\n\nSummary A:\n(.*)\n\nSummary B:\n(.*)\n\nFIRST provide", re.S)
+
+
+class JudgeServer:
+    """Serves POST /v1/chat/completions: prefers the longer summary; `faults` by 1-based request number."""
+
+    def __init__(self, faults=None, delay=0.0, hang=3.0):
+        self.faults, self.delay, self.hang = dict(faults or {}), delay, hang
+        self.lock = threading.Lock()
+        self.requests = []  # (request number, post row id, fault or None, request body)
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                prompt = body["messages"][-1]["content"]
+                post, a, b = PROMPT_RE.search(prompt).groups()
+                with server.lock:
+                    number = len(server.requests) + 1
+                    fault = server.faults.get(number)
+                    server.requests.append((number, int(re.search(r"post (\d+)", post).group(1)), fault, body))
+                if fault == "hang":
+                    time.sleep(server.hang)  # the client gave up long ago
+                    return
+                if fault in ("429", "500", "401"):
+                    payload = {"error": {"message": f"injected {fault}", "type": "test", "code": None}}
+                    return self.send(int(fault), payload, {"retry-after": "0.02"} if fault == "429" else {})
+                time.sleep(server.delay)
+                if "MALFORMED" in post:
+                    content = 'Comparison: both are fine.\nPreferred: "A"'
+                else:
+                    content = f"Comparison: the longer one says more.\nPreferred: {'A' if len(a) > len(b) else 'B'}"
+                self.send(200, {
+                    "id": f"chatcmpl-{number}", "object": "chat.completion", "created": int(time.time()),
+                    "model": body["model"], "choices": [{"index": 0, "finish_reason": "stop",
+                                                         "message": {"role": "assistant", "content": content}}],
+                    "usage": {"prompt_tokens": 100, "completion_tokens": 12, "total_tokens": 112}})
+
+            def send(self, code, payload, headers=None):
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads, block_on_close = True, False
+
+            def handle_error(self, request, client_address):
+                pass  # a client that timed out closed the socket under a hanging reply
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def rows(self, start=0):
+        """Post row ids of the requests from number start+1 on."""
+        with self.lock:
+            return [r[1] for r in self.requests[start:]]
+
+
+@pytest.fixture
+def server_factory():
+    servers = []
+
+    def make(**kwargs):
+        servers.append(JudgeServer(**kwargs))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.httpd.shutdown()
+        server.httpd.server_close()
+
+
+def write_table(path, rows):
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def llm_rows(n, malformed=()):
+    """Rows whose summaries differ in length (ours longer when row % 3 != 0); marked posts get malformed replies."""
+    return [dict(query=f"SUBREDDIT: r/test\n\nTITLE: post {i}\n\nPOST: story {i}{' MALFORMED' * (i in malformed)}"
+                       f".\n\nTL;DR:",
+                 response=f" ours {i} " + ("long " * 8 if i % 3 else ""), reference=f"the reference {i} of mid length")
+            for i in range(n)]
+
+
+def judge_cmd(*flags):
+    return [sys.executable, str(REPO / "judge.py"), *flags]
+
+
+def judge_env():
+    return {**os.environ, "OPENAI_API_KEY": SECRET, "NO_PROXY": "127.0.0.1,localhost", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def run_judge(*flags, timeout=120):
+    return subprocess.run(judge_cmd(*flags), capture_output=True, text=True, timeout=timeout, env=judge_env())
+
+
+def read_csv(path):
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+# ------------------------------------------------------------------------------------------------
+# The real client over HTTP
+# ------------------------------------------------------------------------------------------------
+
+
+def test_llm_judge_over_http_with_faults(tmp_path, server_factory):
+    server = server_factory(faults={1: "429", 2: "500", 3: "hang"})
+    rows = llm_rows(16, malformed={5})
+    table = write_table(tmp_path / "sft.csv", rows)
+    out = tmp_path / "out"
+    flags = ["--base_url", server.url, "--tables", f"sft__seed3={table}", "--output_dir", str(out),
+             "--max_concurrency", "4", "--model", "judge-test", *FAST]
+    proc = run_judge(*flags)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    # Every fault was retried once, nothing else was asked twice: 16 rows + 3 retries.
+    assert len(server.requests) == 16 + 3
+    assert sorted(server.rows()) == sorted(list(range(16)) + [r for _, r, f, _ in server.requests if f])
+    assert {(b["model"], b["temperature"]) for *_, b in server.requests} == {("judge-test", 0.0)}
+    records = [json.loads(line) for line in (out / "judgments.jsonl").read_text().splitlines()]
+    assert len(records) == 16 and sum(r["attempts"] for r in records) == 19
+    assert {r["temperature"] for r in records} == {0.0} and {r["prompt_version"] for r in records} == {"appendix-i-v1"}
+
+    # The server prefers the longer summary: ours wins exactly where it is longer; row 5 is malformed.
+    longer = [len(r["response"].strip()) > len(r["reference"].strip()) for r in rows]
+    decided = [i for i in range(16) if i != 5]
+    wins = sum(longer[i] for i in decided)
+    result = json.loads((out / "results.json").read_text())
+    stats = result["runs"]["sft__seed3"]
+    assert (stats["n"], stats["wins"], stats["malformed"], stats["ties"]) == (15, wins, 1, 0)
+    assert stats["win_rate"] == pytest.approx(wins / 15)
+    assert (stats["ci_low"], stats["ci_high"]) == pytest.approx(judge.wilson_interval(wins, 15))
+    assert (stats["method"], stats["seed"], result["temperature"]) == ("sft", "3", 0.0)
+    judged = read_csv(out / "judged" / "sft__seed3.csv")
+    assert {j["ours_is_a"] for j in judged} == {"True", "False"}  # both orders occur, each recorded
+    for j, is_longer in zip(judged, longer):
+        want = "malformed" if j["row"] == "5" else "ours" if is_longer else "reference"
+        assert j["preferred"] == want, j
+        assert j["verdict"] == ("" if want == "malformed" else "A" if is_longer == (j["ours_is_a"] == "True") else "B")
+    assert "| sft__seed3 | sft | 3 | reference | 15 |" in (out / "results.md").read_text()
+    assert (out / "length_vs_winrate.png").stat().st_size > 0
+
+    # A rerun asks nothing and reports the same; the key is written nowhere.
+    again = run_judge(*flags)
+    assert again.returncode == 0 and len(server.requests) == 19
+    assert json.loads((out / "results.json").read_text())["runs"] == result["runs"]
+    for path in out.rglob("*"):
+        assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
+    assert SECRET not in proc.stdout + proc.stderr + again.stdout + again.stderr
+
+
+def test_killed_run_resumes_without_repeats(tmp_path, server_factory):
+    server = server_factory(delay=0.2)
+    n = 24
+    table = write_table(tmp_path / "ppo.csv", llm_rows(n, malformed={7}))
+    out = tmp_path / "out"
+    flags = ["--base_url", server.url, "--tables", f"ppo={table}", "--output_dir", str(out),
+             "--max_concurrency", "2", *FAST]
+
+    def cached_rows():
+        return sorted(r["row"] for r in judge.load_cache(str(out / "judgments.jsonl"))[0].values())
+
+    # 1. A budget stop: exactly 5 judgments, the rest reported as unjudged.
+    proc = run_judge(*flags, "--max_new_judgments", "5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(server.requests) == 5 and len(cached_rows()) == 5
+    assert json.loads((out / "results.json").read_text())["runs"]["ppo"]["unjudged"] == n - 5
+    first = cached_rows()
+
+    # 2. Killed half-way (SIGKILL: no cleanup at all).
+    process = subprocess.Popen(judge_cmd(*flags), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env=judge_env())
+    deadline = time.time() + 60
+    while len(cached_rows()) < 5 + 6 and time.time() < deadline:  # killed after 6 more were saved
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    asked_2 = server.rows(5)
+    assert not set(asked_2) & set(first), "run 2 asked again what run 1 had cached"
+    second = cached_rows()
+    assert 11 <= len(second) < n, second
+    in_flight = set(asked_2) - set(second)  # answered or asked but not yet written when the kill came
+    assert len(in_flight) <= 2  # at most max_concurrency judgments are lost in flight, none written is
+
+    # 3. Started again: asks exactly what is missing, once, and completes.
+    before = len(server.requests)
+    proc = run_judge(*flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    asked_3 = server.rows(before)
+    assert sorted(asked_3) == sorted(set(range(n)) - set(second))
+    records = (out / "judgments.jsonl").read_text().splitlines()
+    assert len(records) == n and cached_rows() == list(range(n))  # every row exactly once, none lost
+    stats = json.loads((out / "results.json").read_text())["runs"]["ppo"]
+    assert (stats["n"], stats["malformed"], stats["unjudged"]) == (n - 1, 1, 0)
+
+
+def test_failures_stop_the_run_and_keep_nothing_half_done(tmp_path, server_factory):
+    table = write_table(tmp_path / "t.csv", llm_rows(3))
+    # A 401 is not retried: the run stops at once, with the error, and caches nothing.
+    server = server_factory(faults={1: "401"})
+    proc = run_judge("--base_url", server.url, "--tables", f"t={table}", "--output_dir", str(tmp_path / "a"),
+                     "--max_concurrency", "1", *FAST)
+    assert proc.returncode != 0 and "AuthenticationError" in proc.stderr and "rerun" in proc.stderr
+    assert len(server.requests) == 1 and (tmp_path / "a" / "judgments.jsonl").read_text() == ""
+    # Retries are bounded: 1 call + 2 retries of 500, then the run stops.
+    server = server_factory(faults={k: "500" for k in range(1, 10)})
+    proc = run_judge("--base_url", server.url, "--tables", f"t={table}", "--output_dir", str(tmp_path / "b"),
+                     "--max_concurrency", "1", "--max_retries", "2", *FAST)
+    assert proc.returncode != 0 and "InternalServerError" in proc.stderr
+    assert len(server.requests) == 3
+    # No key, no call.
+    env = {k: v for k, v in judge_env().items() if k != "OPENAI_API_KEY"}
+    proc = subprocess.run(judge_cmd("--tables", f"t={table}", "--output_dir", str(tmp_path / "c")),
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode != 0 and "OPENAI_API_KEY" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# The gold judge: several tables at once, a head-to-head pair, the markdown table
+# ------------------------------------------------------------------------------------------------
+
+
+def gold_rows(variant, n=12):
+    """Tiny-world posts; `variant` picks our summary: faithful, padded with filler, or the reference itself."""
+    rows = []
+    for i in range(n):
+        actor, verb, obj = tiny_world.ACTORS[i % 7], tiny_world.VERBS[i % 5], tiny_world.OBJECTS[i % 9]
+        feeling, food = tiny_world.FEELINGS[i % 4], tiny_world.FOODS[i % 5]
+        query = (f"SUBREDDIT: r/relationships\n\nTITLE: my {actor} {verb} my {obj}\n\nPOST: My {actor} {verb} my "
+                 f"{obj} yesterday. It was rainy and I ate {food}. I am so {feeling}.\n\nTL;DR:")
+        reference = f"my {actor} {verb} my {obj}"
+        response = {"sft": [f" my {actor} {verb} my {obj} and i feel {feeling}", f" my {actor} {verb} my {obj}",
+                            f" i ate {food}"][i % 3],
+                    "ppo": [f" my {actor} {verb} my {obj} and i am {feeling} about it", f" it was rainy and {food}",
+                            f" my {actor} {verb} my {obj} {feeling} {feeling} {food}"][i % 3]}[variant]
+        rows.append(dict(query=query, response=response, reference=reference,
+                         score=f"{(i % 5) - 2.0}", reference_score="0.0"))
+    return rows
+
+
+def test_gold_judge_tables_and_pairs(tmp_path):
+    tables = {"sft": gold_rows("sft"), "ppo__seed1": gold_rows("ppo"), "ppo__seed2": gold_rows("ppo")[:9]}
+    flags = []
+    for label, rows in tables.items():
+        flags.append(f"{label}={write_table(tmp_path / f'{label}.csv', rows)}")
+    out = tmp_path / "out"
+    proc = run_judge("--judge", "gold", "--tables", *flags, "--pairs", "ppo__seed1:sft", "--output_dir", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert list(runs) == ["sft", "ppo__seed1", "ppo__seed2", "ppo__seed1_vs_sft"]
+
+    def naive(rows, others):  # gold scores compared in a plain loop; the post is query.strip()
+        win = loss = tie = agree = 0
+        for row, other in zip(rows, others):
+            post = row["query"].strip()
+            ours, theirs = tiny_world.gold_score(post, row["response"].strip()), tiny_world.gold_score(post, other)
+            win, loss, tie = win + (ours > theirs), loss + (ours < theirs), tie + (ours == theirs)
+            if ours != theirs:
+                agree += (float(row["score"]) > float(row["reference_score"])) == (ours > theirs)
+        return win, loss, tie, agree
+
+    for label, rows in tables.items():
+        win, loss, tie, agree = naive(rows, [r["reference"] for r in rows])
+        stats = runs[label]
+        assert (stats["wins"], stats["n"], stats["ties"], stats["malformed"]) == (win, win + loss, tie, 0), label
+        assert stats["rm_agreement"] == pytest.approx(agree / (win + loss)) and stats["n_rm_agreement"] == win + loss
+        words = sum(len(r["response"].split()) for r in rows) / len(rows)
+        assert stats["mean_words"] == pytest.approx(words)
+    assert runs["sft"]["ties"] == 4  # every third sft summary is the reference itself
+    win, loss, tie, _ = naive(tables["ppo__seed1"], [r["response"].strip() for r in tables["sft"]])
+    pair = runs["ppo__seed1_vs_sft"]
+    assert (pair["wins"], pair["n"], pair["ties"], pair["vs"]) == (win, win + loss, tie, "sft")
+    markdown = (out / "results.md").read_text()
+    assert f"| ppo__seed2 | ppo | 2 | reference | {runs['ppo__seed2']['n']} |" in markdown
+    mean = (runs["ppo__seed1"]["win_rate"] + runs["ppo__seed2"]["win_rate"]) / 2
+    assert f"| ppo | 2 | {mean:.3f} |" in markdown and "| sft | 1 |" in markdown
+    assert markdown in proc.stdout  # the same table is printed
+    assert (out / "length_vs_winrate.png").stat().st_size > 0
+    assert json.loads((out / "args.json").read_text())["judge"] == "gold"
+    judged = read_csv(out / "judged" / "ppo__seed2.csv")  # every comparison with its recorded order and reply
+    assert len(judged) == 9 and all(j["reply"].startswith("Comparison: gold score") for j in judged)
