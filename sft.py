@@ -1,0 +1,550 @@
+"""Supervised fine-tuning (SFT) of a causal LM on TL;DR reference summaries (Details 3, 7, 8, 9).
+
+Stage 1 of the pipeline. Reads the SFT dataset written by preprocess_tldr.py, trains the base
+model with next-token cross-entropy on every non-pad token of `query + " " + summary + EOS`,
+then samples a summary for each validation (and with --eval_test, test) query at temperature
+0.01 and scores it with ROUGE against the human reference. Writes a Hugging Face folder that
+reward.py, dpo.py and ppo.py load with `from_pretrained`:
+
+    {output_dir}/                 model + tokenizer ([PAD] included), dropout 0 in its config
+    {output_dir}/args.json        these flags, derived sizes, run name, eos / pad ids, git commit
+    {output_dir}/eval_{split}.csv columns query, response, reference (what judge.py reads)
+    {output_dir}/eval_metrics.json  {split: {loss, rouge1, rouge2, rougeL}}
+    {output_dir}/checkpoints/     the latest --save_every checkpoint, removed when the run ends
+    runs/{run_name}/              TensorBoard
+
+    # tiny world, offline, 2 CPU cores, ~1.5 min (benchmark/tiny.sh runs this)
+    python sft.py --base_model assets/tiny_world/pythia-tiny --query_dataset data/tiny_tldr/sft \
+        --output_dir models/tiny/sft_1 --lr 1e-3 --batch_size 16 --local_micro_batch_size 16 \
+        --total_episodes 9600 --response_length 44 --local_eval_batch_size 128
+    # one GPU, Pythia 1B, bf16 (global batch 128 = 16 x 8 accumulation steps)
+    accelerate launch --num_processes 1 --mixed_precision bf16 sft.py \
+        --query_dataset data/tldr/sft --local_micro_batch_size 16 --output_dir models/sft_1b
+    # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (global batch 128 = 16 x 1 x 8 processes)
+    accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml sft.py \
+        --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 16 --seed 44413 \
+        --output_dir models/EleutherAI/pythia-1b-deduped/sft_44413 --save_every 200 --eval_test --track
+
+Details: 3 the tokenizer's [PAD] must be distinct from EOS and match the dataset's ids; 7 every
+dropout is off; 8 accelerate + DeepSpeed ZeRO-2 + bf16, tracked with W&B; 9 the paper's SFT
+recipe (AdamW eps 1e-5, lr 3e-6, cosine, batch 128, 1 epoch, loss on query and response).
+Logged (TensorBoard, and W&B with --track; x-axis = training samples seen):
+  train/sft/loss                 mean next-token loss of the update's micro-batches, all ranks
+  train/sft/lr                   learning rate used by the update
+  eval/sft/{split}/loss          token-weighted mean loss over the split's query+reference ids
+  eval/sft/{split}/rouge1|rouge2|rougeL  mean ROUGE F1 of the sampled summaries vs the references
+"""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import datasets
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
+from rouge_score import rouge_scorer
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
+
+
+@dataclass
+class Args:
+    """Supervised fine-tuning on TL;DR (see the module docstring of sft.py)."""
+
+    # experiment & tracking
+    exp_name: str = "sft"
+    """Experiment name: part of the run name and of the Hub repo id"""
+    seed: int = 1
+    """Seed of the data order, the initial RNG states and eval sampling (paper: 44413 55513 66613 77713)"""
+    run_name: Optional[str] = None
+    """Run name for runs/ and W&B (None: {exp_name}__{seed}__{unix time}; a resumed run keeps its own)"""
+    track: bool = False
+    """Also log to Weights & Biases (off: nothing networked)"""
+    wandb_project_name: str = "tldr_summarize"
+    """W&B project (with --track)"""
+    wandb_entity: Optional[str] = None
+    """W&B entity (with --track; None: the default of the logged-in user)"""
+    output_dir: str = "models/sft_model"
+    """Folder for the trained model, tokenizer, args.json, eval tables and checkpoints"""
+    push_to_hub: bool = False
+    """Push the output folder to {hf_entity}/{base_model}__{exp_name}__tldr at revision run_name"""
+    hf_entity: Optional[str] = None
+    """Hub user or organisation to push to (None: the logged-in user, from `whoami()`)"""
+    save_every: int = 0
+    """Save a checkpoint (model, optimizer, scheduler, RNG states, update) every N updates (0: never)"""
+    resume: bool = False
+    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0)"""
+    stop_after_updates: Optional[int] = None
+    """Checkpoint and exit after this many updates, as a time-limited SLURM job would; rerun with --resume"""
+
+    # data
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """SFT dataset: a folder written by preprocess_tldr.py (e.g. data/tldr/sft) or a Hub id with its columns"""
+    total_episodes: Optional[int] = None
+    """Training samples to draw (None: the train split x num_train_epochs; 0: evaluate the base model)"""
+    num_train_epochs: int = 1
+    """Passes over the train split when total_episodes is None (Detail 9; paper: 1)"""
+    eval_test: bool = False
+    """Also evaluate on the test split (validation is always evaluated)"""
+    num_eval_samples: Optional[int] = None
+    """Evaluate on the first N rows of each eval split (None: all; 0: skip evaluation)"""
+
+    # model
+    base_model: str = "EleutherAI/pythia-1b-deduped"
+    """Model and tokenizer to fine-tune: Hub id or local folder (the paper's smallest scale by default)"""
+    response_length: int = 53
+    """Tokens sampled per eval query (paper: 53, the longest SFT reference)"""
+    temperature: float = 0.01
+    """Eval sampling temperature (paper: 0.01)"""
+
+    # optimization
+    lr: float = 3e-6
+    """AdamW learning rate (Detail 9; paper: 3e-6)"""
+    eps: float = 1e-5
+    """AdamW epsilon (Detail 9; paper: 1e-5)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay (torch's default, which the reference uses without saying so)"""
+    scheduler: str = "cosine"
+    """Learning-rate schedule, a transformers.get_scheduler name (Detail 9; paper: cosine to 0)"""
+    warm_up_steps: int = 0
+    """Warm-up updates of the schedule (reference: 0)"""
+    batch_size: int = 128
+    """Global batch per update = local_micro_batch_size x gradient_accumulation_steps x world_size (Detail 9; paper: 128)"""
+    local_micro_batch_size: int = 1
+    """Samples per forward pass per rank"""
+    local_eval_batch_size: int = 4
+    """Eval queries per generate call per rank"""
+
+    # derived (computed right after parsing; not flags)
+    world_size: tyro.conf.Suppress[int] = 1
+    """Processes (ranks) started by accelerate launch"""
+    gradient_accumulation_steps: tyro.conf.Suppress[int] = 1
+    """Micro-batches per update per rank = batch_size / (local_micro_batch_size x world_size)"""
+    local_batch_size: tyro.conf.Suppress[int] = 1
+    """Samples per update per rank = local_micro_batch_size x gradient_accumulation_steps"""
+    micro_batch_size: tyro.conf.Suppress[int] = 1
+    """Samples per forward pass over all ranks = local_micro_batch_size x world_size"""
+    num_updates: tyro.conf.Suppress[int] = 0
+    """Optimizer updates = total_episodes // batch_size (paper: 116,722 // 128 = 911)"""
+
+
+# Flags that may change between an interrupted run and its resumption (see output_dir_problem).
+RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
+# Every split needs these columns (preprocess_tldr.py's SFT_DESCRIPTIONS says what they hold).
+REQUIRED_COLUMNS = ("query_token", "reference_response_token", "query_reference_response_token")
+
+
+class SetupError(ValueError):
+    """Flags, data, tokenizer or output folder the script cannot use; raised before any compute."""
+
+
+def gradient_accumulation(batch_size: int, local_micro_batch_size: int, world_size: int) -> int:
+    """Micro-batches per update per rank so that micro x accumulation x world = batch_size exactly."""
+    per_step = local_micro_batch_size * world_size
+    if batch_size <= 0 or local_micro_batch_size <= 0 or batch_size % per_step:
+        raise SetupError(f"--batch_size {batch_size} is not a positive multiple of --local_micro_batch_size "
+                         f"{local_micro_batch_size} x world size {world_size} = {per_step}")
+    return batch_size // per_step
+
+
+def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
+    """Why `output_dir` cannot hold this run (another run's args.json, or foreign files), None if it can."""
+    path = os.path.join(output_dir, "args.json")
+    if not os.path.isfile(path):
+        if os.path.isdir(output_dir) and os.listdir(output_dir):
+            return f"--output_dir {output_dir} is not empty and has no args.json: choose an empty or new folder"
+        return None
+    with open(path) as file:
+        saved = json.load(file)
+    changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
+               if k not in ignored and saved.get(k) != v]
+    if changed:
+        return (f"--output_dir {output_dir} holds a different run ({'; '.join(changed)}): "
+                "choose another folder, delete it, or pass the same flags to overwrite or --resume it")
+    return None
+
+
+def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
+    """['split' or 'split.column' for each missing split or column]; empty when all are there."""
+    missing = [split for split in splits if split not in dataset_dict]
+    return missing + [f"{split}.{column}" for split in splits if split in dataset_dict
+                      for column in columns if column not in dataset_dict[split].column_names]
+
+
+def git_commit(folder: str) -> Optional[str]:
+    """The git commit checked out in `folder`, None outside a git checkout."""
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True)
+    except OSError:
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def add_pad_token(tokenizer) -> bool:
+    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return False
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return True
+
+
+def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bool:
+    """Refuse pad == EOS, add [PAD] where there is no pad, refuse ids other than `data_ids`; True if added."""
+    # Detail 3: Leading space, EOS at the end, a distinct [PAD]
+    # "A tokenizer without a pad token" is read as: no pad at all (Pythia) gets the [PAD] that
+    # preprocess_tldr.py added, so the ids agree; a pad that IS the EOS is refused, because every
+    # mask `ids != pad` would then hide the EOS too and the model would never learn to stop.
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise SetupError(f"the tokenizer's pad token {tokenizer.pad_token!r} is its EOS token: "
+                         "give it a distinct pad token, or none (then [PAD] is added)")
+    added = add_pad_token(tokenizer)
+    ours = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    if data_ids is not None and data_ids != ours:
+        raise SetupError(f"{data_source} was tokenized with {data_ids}, this tokenizer has {ours}: "
+                         "preprocess the data with the same base model")
+    return added
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability of `model` to 0: nn.Dropout modules, float *dropout* attributes, config."""
+    # Detail 7: Disable dropout
+    # With dropout on, two forwards of the same ids give different log-probs: the first PPO ratio
+    # would not be 1 and reward scores would be noisy. Pythia's dropout is 0 already; the tiny
+    # model's is 0.1. nn.Dropout modules are not all of it: GPT-NeoX attention copies the float
+    # `config.attention_dropout` into a module attribute and applies it functionally.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    for name, value in vars(model.config).items():  # saved with the model: later loads start at 0 too
+        if "dropout" in name and isinstance(value, float):
+            setattr(model.config, name, 0.0)
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """(B, T) bool -> (B,): index of the first True of each row, T for a row without one."""
+    row_len = bools.size(-1)
+    # (B, T): a False costs T + its index, a True just its index; the minimum is the first True
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def truncate_response(responses: torch.Tensor, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
+    """(B, T_resp) ids -> (B, T_resp): ids after each row's first EOS set to pad (the EOS is kept)."""
+    eos_index = first_true_indices(responses == eos_token_id)  # (B,): T_resp where no EOS
+    positions = torch.arange(responses.size(1), device=responses.device).view(1, -1)  # (1, T_resp)
+    return torch.masked_fill(responses, positions > eos_index.unsqueeze(1), pad_token_id)
+
+
+def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+    """(B, T) ids with pads -> the model's output (logits (B, T, V)); pads masked out of attention."""
+    attention_mask = query_responses != pad_token_id  # (B, T)
+    # [PAD] may lie past the embedding table (Pythia: id 50277 of 50304 rows is fine, others not):
+    # masked positions are never attended to, so any valid id will do there.
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
+
+
+def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config) -> tuple:
+    """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores)."""
+    context_length = queries.shape[1]
+    attention_mask = queries != pad_token_id  # (B, T_q)
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    # generate() fills unset fields from the model's own generation_config: its eos id would stop
+    # early or, with min_new_tokens, forbid EOS altogether. Without eos / pad ids every row gets
+    # exactly max_new_tokens tokens and EOS is handled afterwards by truncate_response.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    # (B, T_q + T_resp): the original queries (with their pads) ++ the new tokens
+    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), torch.stack(output.scores, 1)
+
+
+def next_token_nll(logits: torch.Tensor, query_responses: torch.Tensor, pad_token_id: int) -> tuple:
+    """(B, T, V) logits of (B, T) ids -> (sum of -log p(id_t+1) over non-pad targets, number of them)."""
+    labels = query_responses[:, 1:]  # (B, T-1): logits at t predict the id at t+1
+    mask = labels != pad_token_id  # pads are no target; EOS is one (the model must learn to stop)
+    nll = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), reduction="none")
+    return (nll * mask.flatten()).sum(), mask.sum()
+
+
+def episode_order(num_rows: int, num_episodes: int, seed: int) -> torch.Tensor:
+    """(num_episodes,) row indices: a fresh seeded permutation of the rows per pass, passes concatenated."""
+    generator = torch.Generator().manual_seed(seed)
+    passes = -(-num_episodes // num_rows)  # ceil: the last pass may be used in part
+    perms = [torch.randperm(num_rows, generator=generator) for _ in range(passes)]
+    return torch.cat(perms)[:num_episodes] if perms else torch.zeros(0, dtype=torch.long)
+
+
+def mean_rouge(predictions: list, references: list) -> dict:
+    """{rouge1, rouge2, rougeL}: mean F1 over the pairs (rouge-score defaults, as `evaluate`'s rouge)."""
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"])
+    scores = [scorer.score(reference, prediction) for prediction, reference in zip(predictions, references)]
+    return {key: float(np.mean([score[key].fmeasure for score in scores])) for key in ("rouge1", "rouge2", "rougeL")}
+
+
+def latest_checkpoint(folder: str) -> Optional[tuple]:
+    """(update, path) of the newest complete `update_{k}` checkpoint in `folder`, None if there is none."""
+    complete = [(int(name.split("_")[1]), os.path.join(folder, name))
+                for name in (os.listdir(folder) if os.path.isdir(folder) else [])
+                if name.startswith("update_") and os.path.isfile(os.path.join(folder, name, "trainer_state.json"))]
+    return max(complete) if complete else None
+
+
+def save_checkpoint(accelerator, folder: str, update: int, run_name: str) -> None:
+    """All ranks: save the accelerate state as {folder}/update_{update}, mark it complete, drop older ones."""
+    path = os.path.join(folder, f"update_{update}")
+    accelerator.save_state(path)  # model, optimizer, registered scheduler, RNG states of every rank
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        # Written last: a job killed mid-save leaves no marker, and --resume takes the previous one.
+        with open(os.path.join(path, "trainer_state.json"), "w") as file:
+            json.dump({"update": update, "run_name": run_name}, file)
+        for name in os.listdir(folder):
+            if name != f"update_{update}":
+                shutil.rmtree(os.path.join(folder, name))
+    accelerator.wait_for_everyone()
+
+
+@torch.no_grad()
+def sft_evaluate(accelerator, model, dataset, tokenizer, generation_config, local_eval_batch_size: int) -> tuple:
+    """All ranks: eval loss and sampled summaries of `dataset` -> ({loss, rouge1, rouge2, rougeL}, rows)."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()
+    mine = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))  # rank r: r, r+W, ...
+    nll_sum, num_tokens, rows = torch.zeros((), device=accelerator.device), 0, []
+    for start in tqdm(range(0, len(mine), local_eval_batch_size), desc="eval", disable=not accelerator.is_main_process):
+        indices = mine[start:start + local_eval_batch_size]
+        batch = dataset[indices]
+        # Same loss as training, on the right-padded query+reference ids.
+        query_references = batch["query_reference_response_token"].to(accelerator.device)  # (B, T_q + T_ref)
+        nll, count = next_token_nll(forward(unwrapped, query_references, pad_id).logits, query_references, pad_id)
+        nll_sum, num_tokens = nll_sum + nll, num_tokens + count
+        queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
+        query_responses, _ = generate(unwrapped, queries, pad_id, generation_config)
+        responses = truncate_response(query_responses[:, queries.shape[1]:], eos_id, pad_id)  # (B, T_resp)
+        for i, query, response, reference in zip(
+                indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
+                tokenizer.batch_decode(responses, skip_special_tokens=True),
+                tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True)):
+            rows.append({"index": i, "query": query.strip(), "response": response.strip(), "reference": reference.strip()})
+    unwrapped.train()
+    totals = accelerator.reduce(torch.stack([nll_sum, torch.as_tensor(num_tokens, device=nll_sum.device).float()]))
+    rows = sorted(gather_object(rows), key=lambda row: row["index"])  # every rank's rows, in split order
+    metrics = {"loss": (totals[0] / totals[1]).item(),
+               **mean_rouge([row["response"] for row in rows], [row["reference"] for row in rows])}
+    return metrics, [{key: row[key] for key in ("query", "response", "reference")} for row in rows]
+
+
+if __name__ == "__main__":
+    # ---- args & sizes ----
+    args = tyro.cli(Args)
+    # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
+    deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
+    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
+    args.world_size = accelerator.num_processes
+    args.gradient_accumulation_steps = gradient_accumulation(args.batch_size, args.local_micro_batch_size,
+                                                             args.world_size)
+    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    args.micro_batch_size = args.local_micro_batch_size * args.world_size
+    # Detail 8: Tech stack
+    # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16
+    # (benchmark/accelerate/deepspeed_zero2.yaml). The script sets what DeepSpeed would otherwise
+    # guess: the accumulation, the micro-batch (read from a DataLoader, which we do not prepare)
+    # and no gradient clipping (accelerate fills in 1.0; the paper's runs and DDP do not clip).
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
+    if accelerator.state.deepspeed_plugin is not None:
+        accelerator.state.deepspeed_plugin.deepspeed_config.update(
+            train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
+
+    # ---- checks: every bad input fails here, before a model is loaded ----
+    problem = output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
+        "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates"))
+    if problem:
+        raise SetupError(problem)
+    local_dataset = os.path.isdir(args.query_dataset)
+    dataset = datasets.load_from_disk(args.query_dataset) if local_dataset else datasets.load_dataset(args.query_dataset)
+    eval_splits = ("validation", "test") if args.eval_test else ("validation",)
+    missing = missing_columns(dataset, ("train",) + eval_splits, REQUIRED_COLUMNS)
+    if missing:
+        raise SetupError(f"{args.query_dataset} lacks {missing}: build it with preprocess_tldr.py")
+    tokenizer = AutoTokenizer.from_pretrained(args.base_model, padding_side="right")
+    # The token columns hold the ids of the tokenizer preprocess_tldr.py used (its args.json).
+    built_with = os.path.join(os.path.dirname(os.path.abspath(args.query_dataset)), "args.json")
+    data_ids = None
+    if local_dataset and os.path.isfile(built_with):
+        with open(built_with) as file:
+            built = json.load(file)
+        data_ids = {key: built.get(key) for key in ("eos_token_id", "pad_token_id")}
+    else:
+        accelerator.print(f"note: no args.json beside {args.query_dataset}; its eos / pad ids are not checked")
+    if check_tokenizer(tokenizer, data_ids, f"{args.query_dataset} ({built_with})"):
+        accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.base_model}")
+    train = dataset["train"].with_format("torch", columns=["query_reference_response_token"])
+    total_episodes = len(train) * args.num_train_epochs if args.total_episodes is None else args.total_episodes
+    args.num_updates = total_episodes // args.batch_size
+    checkpoints = os.path.join(args.output_dir, "checkpoints")
+    resume_from = latest_checkpoint(checkpoints) if args.resume else None
+
+    # ---- run name & logging ----
+    # Rank 0's clock gives every rank the same name (and the broadcast waits until all passed the checks).
+    start_time = broadcast_object_list([int(time.time())])[0]
+    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
+    if resume_from is not None and args.run_name is None:  # a resumed run logs on into its own folder
+        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
+            run_name = json.load(file)["run_name"]
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "args.json"), "w") as file:
+            json.dump({**asdict(args), "run_name": run_name, "eos_token_id": tokenizer.eos_token_id,
+                       "pad_token_id": tokenizer.pad_token_id,
+                       "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{key}|{value}|" for key, value in asdict(args).items()))
+        if args.track:
+            import wandb  # imported here: without --track nothing touches the network
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, save_code=True)
+    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} samples = "
+                      f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
+                      f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size}")
+
+    # ---- seeding & data order ----
+    local_seed = args.seed + accelerator.process_index * 100003  # eval sampling differs per rank
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    torch.backends.cudnn.deterministic = True
+    # One permutation per pass, seeded alike on every rank: update u, micro-step m, rank r reads the
+    # slice [u, m, r] of the episode order, so ranks read disjoint rows and each row once per pass.
+    # The position in the data is the update counter, so a resumed run reads what an uninterrupted
+    # one would, and 1 process x 2 accumulation steps reads the micro-batches 2 processes read.
+    order = episode_order(len(train), args.num_updates * args.batch_size, args.seed)
+    local_order = order.view(args.num_updates, args.gradient_accumulation_steps, args.world_size,
+                             args.local_micro_batch_size)[:, :, accelerator.process_index]  # (U, GAS, micro)
+
+    # ---- model ----
+    model = AutoModelForCausalLM.from_pretrained(args.base_model)
+    disable_dropout(model)
+    model.train()
+
+    # ---- optimizer & schedule ----
+    # Detail 9: SFT setup
+    # The paper's recipe: AdamW (eps 1e-5, torch's weight decay 0.01), lr 3e-6 with a cosine decay
+    # to 0 over one epoch in updates of 128 samples (911 updates of the 116,722 posts), no clipping.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warm_up_steps,
+                              num_training_steps=args.num_updates)
+    # The scheduler stays unprepared: accelerate's wrapper would step it once per process, and we
+    # step it once per update ourselves. Registered, it is still saved in checkpoints.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    start_update = 0
+    if resume_from is not None:
+        accelerator.load_state(resume_from[1])  # also the RNG states saved at that update
+        start_update = resume_from[0]
+        accelerator.print(f"resumed from {resume_from[1]} at update {start_update}")
+    elif args.resume:
+        accelerator.print(f"--resume: no checkpoint in {checkpoints}, starting at update 0")
+
+    # ---- training loop ----
+    stop_at = args.num_updates if args.stop_after_updates is None else min(args.stop_after_updates, args.num_updates)
+    progress = tqdm(range(start_update, stop_at), desc="sft", disable=not accelerator.is_main_process)
+    for update in progress:
+        losses = torch.zeros(args.gradient_accumulation_steps, device=accelerator.device)
+        for micro_step in range(args.gradient_accumulation_steps):
+            indices = local_order[update, micro_step].tolist()
+            query_responses = train[indices]["query_reference_response_token"].to(accelerator.device)  # (micro, T)
+            # accumulate(): no gradient all-reduce and no optimizer step until the last micro-step;
+            # accelerate divides the loss by the accumulation steps, DDP averages across ranks.
+            with accelerator.accumulate(model):
+                nll, num_tokens = next_token_nll(forward(model, query_responses, tokenizer.pad_token_id).logits,
+                                                 query_responses, tokenizer.pad_token_id)
+                # The mean over this micro-batch's non-pad tokens, query included (reference behaviour).
+                loss = nll / num_tokens
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            losses[micro_step] = loss.detach()
+        lr = scheduler.get_last_lr()[0]  # the rate this update used
+        scheduler.step()
+        mean_loss = accelerator.reduce(losses.mean(), reduction="mean").item()
+        samples_seen = (update + 1) * args.batch_size
+        if accelerator.is_main_process:
+            writer.add_scalar("train/sft/loss", mean_loss, samples_seen)
+            writer.add_scalar("train/sft/lr", lr, samples_seen)
+            progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}")
+        if (args.save_every and (update + 1) % args.save_every == 0) or update + 1 == args.stop_after_updates:
+            save_checkpoint(accelerator, checkpoints, update + 1, run_name)
+    if stop_at < args.num_updates:
+        accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
+        if accelerator.is_main_process:
+            writer.close()
+        raise SystemExit(0)
+
+    # ---- evaluation ----
+    generation_config = GenerationConfig(
+        max_new_tokens=args.response_length, min_new_tokens=args.response_length,  # always the full length
+        temperature=args.temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,  # pure temperature sampling
+        return_dict_in_generate=True, output_scores=True)
+    all_metrics = {}
+    for split in eval_splits if args.num_eval_samples != 0 else ():
+        eval_set = dataset[split].with_format("torch", columns=list(REQUIRED_COLUMNS))
+        if args.num_eval_samples is not None:
+            eval_set = eval_set.select(range(min(args.num_eval_samples, len(eval_set))))
+        metrics, rows = sft_evaluate(accelerator, model, eval_set, tokenizer, generation_config,
+                                     args.local_eval_batch_size)
+        all_metrics[split] = metrics
+        if accelerator.is_main_process:
+            for key, value in metrics.items():
+                writer.add_scalar(f"eval/sft/{split}/{key}", value, args.num_updates * args.batch_size)
+            table = pd.DataFrame(rows, columns=["query", "response", "reference"])
+            table.to_csv(os.path.join(args.output_dir, f"eval_{split}.csv"), index=False)
+            if args.track:
+                wandb.log({f"eval/sft/{split}/samples": wandb.Table(dataframe=table)})
+            print(f"eval/{split}: " + ", ".join(f"{key} {value:.4f}" for key, value in metrics.items()))
+            for row in rows[:3]:
+                print(f"  query ...{row['query'][-80:]!r}\n  response  {row['response']!r}\n  reference {row['reference']!r}")
+
+    # ---- save ----
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
+        unwrapped.generation_config.eos_token_id = tokenizer.eos_token_id
+        unwrapped.generation_config.pad_token_id = tokenizer.pad_token_id
+        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(args.output_dir)
+        with open(os.path.join(args.output_dir, "eval_metrics.json"), "w") as file:
+            json.dump(all_metrics, file, indent=2)
+        shutil.rmtree(checkpoints, ignore_errors=True)  # only an unfinished run needs them
+        writer.close()
+        print(f"saved {args.output_dir}")
+        if args.push_to_hub:
+            from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
+
+            api = HfApi()
+            repo_id = f"{args.hf_entity or api.whoami()['name']}/{args.base_model.replace('/', '_')}__{args.exp_name}__tldr"
+            api.create_repo(repo_id, exist_ok=True)
+            api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
+            api.upload_folder(folder_path=args.output_dir, repo_id=repo_id, revision=run_name)
+            print(f"pushed https://huggingface.co/{repo_id}/tree/{run_name}")
+        if args.track:
+            wandb.finish()

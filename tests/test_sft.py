@@ -1,0 +1,285 @@
+"""Tests of sft.py: its helpers against hand-computed values (Details 3, 7, 9), bad inputs refused
+before any compute, and subprocess runs on the tiny world: a smoke run, 2 processes vs 1, resume.
+
+The subprocess runs share one configuration, small enough for seconds: global batch 8 as micro-batch
+4 x 2 accumulation steps (1 process) or 4 x 1 x 2 processes, 4 updates at lr 1e-3, eval on 16
+validation queries with 8 sampled tokens. Each runs in its own working directory (runs/ lands there).
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import datasets
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+import sft
+from conftest import REPO, WORLD
+
+BASE = WORLD / "pythia-tiny"
+TINY_RUN = ["--base_model", str(BASE), "--lr", "1e-3", "--batch_size", "8", "--local_micro_batch_size", "4",
+            "--total_episodes", "32", "--response_length", "8", "--local_eval_batch_size", "16",
+            "--num_eval_samples", "16"]
+# 1 process and 2 processes sum the same per-micro-batch gradients in a different order (accelerate's
+# loss / 2 then a sum, vs DDP's all-reduce mean), so only float rounding separates them: measured
+# 2e-7 after 4 updates of lr 1e-3, while those updates move the weights by ~4e-3.
+PROCESS_TOLERANCE = 1e-5
+RESUME_TOLERANCE = 1e-6  # same ops in the same order on one process: equal in practice
+
+
+def run_sft(cwd, *flags, processes=1, check=True):
+    """Run sft.py (through `accelerate launch` for 2 processes on CPU) in `cwd`; the CompletedProcess."""
+    if processes == 1:
+        cmd = [sys.executable, str(REPO / "sft.py")]
+    else:
+        with socket.socket() as sock:  # a free port: other test sessions may launch at the same time
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(port), str(REPO / "sft.py")]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    result = subprocess.run(cmd + [str(flag) for flag in flags], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=300)
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def weights(folder):
+    """The saved model's tensors."""
+    return load_file(str(folder / "model.safetensors"))
+
+
+def max_difference(a, b):
+    """Largest absolute difference between two state dicts with the same keys."""
+    assert a.keys() == b.keys()
+    return max((a[key].float() - b[key].float()).abs().max().item() for key in a)
+
+
+@pytest.fixture(scope="module")
+def single_run(tiny_tldr, tmp_path_factory):
+    """The tiny configuration on one process: (output folder, its working directory)."""
+    cwd = tmp_path_factory.mktemp("sft_single")
+    run_sft(cwd, *TINY_RUN, "--query_dataset", tiny_tldr / "sft", "--output_dir", cwd / "out")
+    return cwd / "out", cwd
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def test_first_true_indices():
+    bools = torch.tensor([[False, True, False, True], [False, False, False, False], [True, False, False, False]])
+    assert sft.first_true_indices(bools).tolist() == [1, 4, 0]  # a row without True -> its length
+
+
+def test_truncate_response_keeps_eos_and_pads_after():
+    eos, pad = 0, 1
+    responses = torch.tensor([[5, 0, 7, 8], [5, 6, 7, 8], [0, 3, 0, 4], [5, 6, 7, 0]])
+    expected = [[5, 0, 1, 1], [5, 6, 7, 8], [0, 1, 1, 1], [5, 6, 7, 0]]
+    assert sft.truncate_response(responses, eos, pad).tolist() == expected
+
+
+def test_next_token_nll_counts_only_non_pad_targets():
+    torch.manual_seed(0)
+    pad = 1
+    ids = torch.tensor([[4, 2, 0, 1, 1], [3, 3, 2, 4, 0]])  # right-padded; EOS (0) is a target
+    logits = torch.randn(2, 5, 6)
+    nll_sum, count = sft.next_token_nll(logits, ids, pad)
+    naive, n = 0.0, 0  # a loop over every (row, position) whose next id is not a pad
+    for b in range(2):
+        for t in range(4):
+            if ids[b, t + 1] != pad:
+                naive -= torch.log_softmax(logits[b, t], -1)[ids[b, t + 1]].item()
+                n += 1
+    assert count.item() == n == 2 + 4
+    assert nll_sum.item() == pytest.approx(naive, rel=1e-6)
+    logits[0, 2:] += 100 * torch.randn(3, 6)  # logits whose targets are pads (or past the end) do not count
+    assert sft.next_token_nll(logits, ids, pad)[0].item() == pytest.approx(naive, rel=1e-6)
+
+
+def test_disable_dropout_makes_train_forwards_deterministic():
+    model = AutoModelForCausalLM.from_pretrained(BASE).train()
+    assert model.config.hidden_dropout == model.config.attention_dropout == 0.1  # the tiny model has dropout
+    ids = torch.randint(2, 1000, (2, 24))
+    torch.manual_seed(0)
+    assert not torch.equal(model(ids).logits, model(ids).logits)
+    sft.disable_dropout(model)
+    assert torch.equal(model(ids).logits, model(ids).logits)
+    assert model.config.hidden_dropout == model.config.attention_dropout == 0.0  # saved with the model
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+
+
+def test_gradient_accumulation_and_its_exact_division():
+    assert sft.gradient_accumulation(128, 16, 8) == 1  # the paper's 8xH100 run: 16 x 1 x 8
+    assert sft.gradient_accumulation(128, 1, 8) == 16  # the reference's default: 1 x 16 x 8
+    assert sft.gradient_accumulation(128, 16, 1) == 8
+    assert sft.gradient_accumulation(8, 4, 1) == 2
+    for batch, micro, world in ((128, 3, 8), (8, 16, 1), (10, 4, 2), (0, 1, 1)):
+        with pytest.raises(sft.SetupError, match=rf"--batch_size {batch} .* {micro} x world size {world}"):
+            sft.gradient_accumulation(batch, micro, world)
+
+
+def test_episode_order_is_one_shared_shuffle():
+    order = sft.episode_order(10, 25, seed=3)
+    assert order.shape == (25,)
+    assert sorted(order[:10].tolist()) == sorted(order[10:20].tolist()) == list(range(10))  # a permutation per pass
+    assert order[:10].tolist() != order[10:20].tolist()  # reshuffled at each pass
+    assert torch.equal(order, sft.episode_order(10, 25, seed=3))  # every rank computes the same order
+    # update, micro-step, rank, micro-batch: ranks read disjoint rows of each update, and 1 process
+    # with 2 accumulation steps reads exactly the micro-batches that 2 processes read.
+    order = sft.episode_order(10, 16, seed=3)
+    two_ranks = order.view(2, 1, 2, 4)
+    one_rank = order.view(2, 2, 1, 4)
+    assert torch.equal(two_ranks[:, 0, 1], one_rank[:, 1, 0])
+    assert not set(two_ranks[0, 0, 0].tolist()) & set(two_ranks[0, 0, 1].tolist())
+
+
+def test_mean_rouge():
+    scores = sft.mean_rouge(["the cat sat", "a b"], ["the cat sat", "c d"])
+    assert scores == pytest.approx({"rouge1": 0.5, "rouge2": 0.5, "rougeL": 0.5})
+    # "the cat sat" vs "a cat sat down": 2 common unigrams, P 2/3 R 2/4 -> F1 4/7; bigram "cat sat": F1 2/5
+    scores = sft.mean_rouge(["the cat sat"], ["a cat sat down"])
+    assert scores == pytest.approx({"rouge1": 4 / 7, "rouge2": 2 / 5, "rougeL": 4 / 7})
+
+
+def test_output_dir_problem(tmp_path):
+    flags = {"seed": 1, "lr": 1e-3, "resume": False}
+    assert sft.output_dir_problem(str(tmp_path / "new"), flags, ("resume",)) is None
+    assert sft.output_dir_problem(str(tmp_path), flags, ("resume",)) is None  # empty
+    (tmp_path / "model.safetensors").write_text("")
+    assert "not empty and has no args.json" in sft.output_dir_problem(str(tmp_path), flags, ("resume",))
+    (tmp_path / "args.json").write_text(json.dumps({**flags, "run_name": "x"}))
+    assert sft.output_dir_problem(str(tmp_path), {**flags, "resume": True}, ("resume",)) is None
+    problem = sft.output_dir_problem(str(tmp_path), {**flags, "seed": 2}, ("resume",))
+    assert "holds a different run (seed=1 there, 2 now)" in problem
+
+
+def test_missing_columns():
+    table = datasets.Dataset.from_dict({"query_token": [[1]], "reference_response_token": [[1]]})
+    data = datasets.DatasetDict(train=table, validation=table)
+    assert sft.missing_columns(data, ("train", "validation"), ("query_token",)) == []
+    assert sft.missing_columns(data, ("train", "test"), ("query_token", "query_reference_response_token")) == [
+        "test", "train.query_reference_response_token"]
+
+
+def test_check_tokenizer_pad_rules():
+    tokenizer = AutoTokenizer.from_pretrained(BASE)
+    ids = {"eos_token_id": 0, "pad_token_id": 1}
+    assert sft.check_tokenizer(tokenizer, ids, "data") is False  # already has a distinct [PAD]
+    tokenizer.pad_token = None  # Pythia's case: no pad token -> [PAD], the id the dataset was built with
+    assert sft.check_tokenizer(tokenizer, ids, "data") is True and tokenizer.pad_token == "[PAD]"
+    with pytest.raises(sft.SetupError, match="data was tokenized with"):
+        sft.check_tokenizer(tokenizer, {"eos_token_id": 0, "pad_token_id": 7}, "data")
+    tokenizer.pad_token = tokenizer.eos_token
+    with pytest.raises(sft.SetupError, match="is its EOS token"):
+        sft.check_tokenizer(tokenizer, None, "data")
+
+
+def test_generate_samples_exactly_response_length_and_eos_can_occur(tiny_tldr):
+    # transformers fills eos / pad from the model's generation_config: with min_new_tokens that
+    # would forbid EOS in every sample. `generate` clears them, so EOS shows up and truncation acts.
+    model = AutoModelForCausalLM.from_pretrained(BASE).eval()
+    assert model.generation_config.eos_token_id == 0
+    queries = datasets.load_from_disk(str(tiny_tldr / "sft"))["validation"].with_format("torch")[:8]["query_token"]
+    config = GenerationConfig(max_new_tokens=44, min_new_tokens=44, temperature=0.01 + 1e-7, top_k=0, top_p=1.0,
+                              do_sample=True, return_dict_in_generate=True, output_scores=True)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        query_responses, scores = sft.generate(model, queries, 1, config)
+    assert query_responses.shape == (8, queries.shape[1] + 44) and scores.shape == (8, 44, 1280)
+    assert torch.equal(query_responses[:, :queries.shape[1]], queries)  # the queries come back with their pads
+    responses = query_responses[:, queries.shape[1]:]
+    assert (responses == 0).any(1).sum() >= 2  # the base model ends some summaries within 44 tokens
+    truncated = sft.truncate_response(responses, 0, 1)
+    assert ((truncated == 0).sum(1) <= 1).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs: a clear error before a model is loaded
+# ---------------------------------------------------------------------------------------------
+
+
+def bad_input(case, tiny_tldr, single_run, tmp_path):
+    """Flags for one bad-input case (building what it needs in tmp_path) and the error it must raise."""
+    flags = [*TINY_RUN, "--output_dir", tmp_path / "out", "--query_dataset", tiny_tldr / "sft"]
+    if case == "missing column":
+        data = datasets.load_from_disk(str(tiny_tldr / "sft"))
+        data["validation"] = data["validation"].remove_columns("query_token")
+        data.save_to_disk(str(tmp_path / "data" / "sft"))
+        return flags + ["--query_dataset", tmp_path / "data" / "sft"], "lacks ['validation.query_token']"
+    if case == "different run":
+        (tmp_path / "out").mkdir()
+        saved = json.loads((single_run[0] / "args.json").read_text())
+        (tmp_path / "out" / "args.json").write_text(json.dumps({**saved, "output_dir": str(tmp_path / "out")}))
+        return flags + ["--seed", "2"], "holds a different run (seed=1 there, 2 now)"
+    if case == "pad is eos":
+        shutil.copytree(BASE, tmp_path / "model")
+        config = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
+        (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<|endoftext|>"}))
+        return flags + ["--base_model", tmp_path / "model"], "pad token '<|endoftext|>' is its EOS token"
+    return flags + ["--batch_size", "10"], "--batch_size 10 is not a positive multiple of --local_micro_batch_size 4"
+
+
+@pytest.mark.parametrize("case", ["missing column", "different run", "pad is eos", "batch does not divide"])
+def test_bad_input_fails_before_training(case, tiny_tldr, single_run, tmp_path):
+    flags, message = bad_input(case, tiny_tldr, single_run, tmp_path)
+    result = run_sft(tmp_path, *flags, check=False)
+    assert result.returncode != 0
+    assert "SetupError" in result.stderr and message in result.stderr, result.stderr[-2000:]
+    assert "Loading weights" not in result.stdout + result.stderr  # failed before any model was loaded
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out" / "model.safetensors").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_smoke_run_saves_a_loadable_model(single_run):
+    out, cwd = single_run
+    args = json.loads((out / "args.json").read_text())
+    assert (args["num_updates"], args["gradient_accumulation_steps"], args["local_micro_batch_size"]) == (4, 2, 4)
+    assert args["git_commit"] and args["pad_token_id"] == 1 and args["eos_token_id"] == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == 1 and tokenizer.eos_token_id == 0
+    assert model.config.hidden_dropout == model.config.attention_dropout == 0.0
+    assert max_difference(weights(out), load_file(str(BASE / "model.safetensors"))) > 1e-3  # it trained
+    table = pd.read_csv(out / "eval_validation.csv")
+    assert list(table.columns) == ["query", "response", "reference"] and len(table) == 16
+    assert table["query"].str.endswith("TL;DR:").all() and "[PAD]" not in table["query"][0]
+    metrics = json.loads((out / "eval_metrics.json").read_text())["validation"]
+    assert set(metrics) == {"loss", "rouge1", "rouge2", "rougeL"} and 0 < metrics["rougeL"] < 1
+    assert not (out / "checkpoints").exists()  # removed once the run has finished
+    assert list((cwd / "runs" / args["run_name"]).glob("events.out.tfevents.*"))
+
+
+def test_two_processes_match_one(single_run, tiny_tldr, tmp_path):
+    run_sft(tmp_path, *TINY_RUN, "--query_dataset", tiny_tldr / "sft", "--output_dir", tmp_path / "out", processes=2)
+    args = json.loads((tmp_path / "out" / "args.json").read_text())
+    assert (args["world_size"], args["gradient_accumulation_steps"]) == (2, 1)
+    assert max_difference(weights(tmp_path / "out"), weights(single_run[0])) < PROCESS_TOLERANCE
+    # The eval rows of both ranks come back in the split's order.
+    queries = [pd.read_csv(folder / "eval_validation.csv")["query"] for folder in (tmp_path / "out", single_run[0])]
+    assert queries[0].equals(queries[1])
+
+
+def test_resume_matches_uninterrupted(single_run, tiny_tldr, tmp_path):
+    flags = [*TINY_RUN, "--query_dataset", tiny_tldr / "sft", "--output_dir", tmp_path / "out", "--save_every", "1"]
+    result = run_sft(tmp_path, *flags, "--stop_after_updates", "2")
+    assert "stopped after update 2 of 4" in result.stdout
+    assert [p.name for p in (tmp_path / "out" / "checkpoints").iterdir()] == ["update_2"]  # only the latest
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    result = run_sft(tmp_path, *flags, "--resume")
+    assert "at update 2" in result.stdout
+    assert max_difference(weights(tmp_path / "out"), weights(single_run[0])) < RESUME_TOLERANCE
