@@ -1,0 +1,292 @@
+"""Tests of ppo.py: its pure helpers against naive loops and hand computation, the first PPO ratio
+on the tiny model, and a subprocess smoke run on the tiny world (whole file: well under 3 min on CPU).
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, WORLD
+from ppo import (ScalarModel, ScalarModelConfig, compute_gae, compute_rewards, disable_dropout, eos_trick, forward,
+                 gather_logprobs, generate, masked_mean, ppo_batch_sizes, ppo_losses, response_masks,
+                 truncate_response, whiten, SetupError)
+
+EOS, PAD = 0, 1  # the tiny world's ids (data/tiny_tldr/args.json)
+
+
+def naive_gae(rewards, values, gamma, lam):
+    """Per-row python loop of the GAE definition: A_t = sum_k (gamma lam)^k delta_{t+k}."""
+    advantages = []
+    for r, v in zip(rewards.tolist(), values.tolist()):
+        T = len(r)
+        v_next = v[1:] + [0.0]
+        delta = [r[t] + gamma * v_next[t] - v[t] for t in range(T)]
+        advantages.append([sum((gamma * lam) ** (k - t) * delta[k] for k in range(t, T)) for t in range(T)])
+    return torch.tensor(advantages)
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 0.5)])
+def test_gae_matches_naive_loop(gamma, lam):
+    torch.manual_seed(0)
+    rewards, values = torch.randn(3, 7, dtype=torch.float64), torch.randn(3, 7, dtype=torch.float64)
+    advantages, returns = compute_gae(rewards, values, gamma, lam)
+    expected = naive_gae(rewards, values, gamma, lam).double()
+    torch.testing.assert_close(advantages, expected)
+    torch.testing.assert_close(returns, expected + values)
+
+
+def test_gae_single_score_at_eos_by_hand():
+    # gamma 1, lambda 0.95, zero values: the score at the EOS (index 2) reaches index t as 0.95^(2-t)
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
+    advantages, _ = compute_gae(rewards, torch.zeros_like(rewards), 1.0, 0.95)
+    torch.testing.assert_close(advantages, torch.tensor([[0.95 ** 2, 0.95, 1.0, 0.0]]))
+
+
+def test_whiten_masked_shift_mean_true_and_false():
+    values = torch.tensor([[1.0, 2.0, 3.0, 100.0], [5.0, 7.0, -50.0, -50.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    valid = torch.tensor([1.0, 2.0, 3.0, 5.0, 7.0], dtype=torch.float64)
+    mean, std = valid.mean(), valid.var(unbiased=False).add(1e-8).sqrt()  # biased variance, as the paper's whiten
+    out = whiten(values, mask, shift_mean=True)
+    torch.testing.assert_close(out[mask], (valid - mean) / std)
+    assert (out[~mask] == 0).all()  # padded positions: excluded from the statistics, zero in the result
+    out = whiten(values, mask, shift_mean=False)
+    torch.testing.assert_close(out[mask], (valid - mean) / std + mean)
+    assert (out[~mask] == 0).all()
+
+
+def test_whiten_statistics_are_global_over_processes():
+    # Two "processes", each holding half the batch: a fake all_reduce adds the other half's sums.
+    torch.manual_seed(0)
+    values, mask = torch.randn(4, 6, dtype=torch.float64), torch.rand(4, 6) > 0.3
+    mine, other = (values[:2], mask[:2]), (values[2:], mask[2:])
+    state = {}
+
+    def all_reduce(tensor):
+        if tensor.dim() == 1:  # (sum, count)
+            total = tensor + torch.stack([(other[0] * other[1]).sum(), other[1].sum().double()])
+            state["mean"] = total[0] / total[1]
+            return total
+        return tensor + ((other[0] - state["mean"]) ** 2 * other[1]).sum()  # sum of squared deviations
+
+    torch.testing.assert_close(whiten(*mine, shift_mean=True, all_reduce=all_reduce),
+                               whiten(values, mask, shift_mean=True)[:2])
+
+
+def hand_built_responses():
+    """(5, 6) raw responses with EOS at 1, at 5 (last), none, at 0, and at 2 with junk after it."""
+    return torch.tensor([[5, EOS, 7, 8, 9, 10],
+                         [5, 6, 7, 8, 9, EOS],
+                         [5, 6, 7, 8, 9, 10],
+                         [EOS, 6, 7, EOS, 9, 10],
+                         [5, 6, EOS, 8, EOS, 10]])
+
+
+def test_truncation_and_masks_hand_built():
+    post = truncate_response(hand_built_responses(), EOS, PAD)
+    assert post.tolist() == [[5, EOS, PAD, PAD, PAD, PAD], [5, 6, 7, 8, 9, EOS], [5, 6, 7, 8, 9, 10],
+                             [EOS, PAD, PAD, PAD, PAD, PAD], [5, 6, EOS, PAD, PAD, PAD]]
+    expected_lengths = [1, 5, 5, 0, 2]  # EOS index; the last index without EOS
+    for score_after_eos in (False, True):
+        lengths, padding_mask, value_padding_mask = response_masks(post, PAD, score_after_eos)
+        assert lengths.tolist() == expected_lengths
+        for row, length in enumerate(expected_lengths):
+            assert padding_mask[row].tolist() == [t > length for t in range(6)]
+            last_value = length + int(score_after_eos)  # the value of the scored token is still trained
+            assert value_padding_mask[row].tolist() == [t > last_value for t in range(6)]
+
+
+@pytest.mark.parametrize("score_after_eos", [False, True])
+def test_score_placement_and_kl_rewards(score_after_eos):
+    post = truncate_response(hand_built_responses(), EOS, PAD)
+    lengths, padding_mask, _ = response_masks(post, PAD, score_after_eos)
+    torch.manual_seed(0)
+    logprobs, ref_logprobs = -torch.rand(5, 6), -torch.rand(5, 6)
+    scores = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    rewards, kl, non_score = compute_rewards(logprobs, ref_logprobs, scores, lengths, padding_mask, 0.05,
+                                             score_after_eos)
+    for row, length in enumerate([1, 5, 5, 0, 2]):
+        for t in range(6):
+            expected_kl = 0.0 if t > length else (logprobs[row, t] - ref_logprobs[row, t]).item()
+            assert kl[row, t].item() == pytest.approx(expected_kl)
+            assert non_score[row, t].item() == pytest.approx(-0.05 * expected_kl)  # zero on padded slots
+        # Paper: on the EOS. Reference code: one token later when there is room (rows 0, 3, 4).
+        where = length + 1 if score_after_eos and length + 1 < 6 else length
+        expected = non_score[row].clone()
+        expected[where] += scores[row]
+        torch.testing.assert_close(rewards[row], expected)
+
+
+def test_eos_trick_replaces_only_where_no_eos():
+    post = truncate_response(hand_built_responses(), EOS, PAD)
+    contains_eos = (post == EOS).any(1)
+    assert contains_eos.tolist() == [True, True, False, True, True]
+    out = eos_trick(torch.tensor([0.5, -2.0, 3.0, 0.0, 7.0]), contains_eos, -1.0)
+    assert out.tolist() == [0.5, -2.0, -1.0, 0.0, 7.0]  # replaced, not added (3 - 1 would be 2)
+
+
+def test_ppo_losses_by_hand():
+    new = torch.tensor([[0.0, -1.0, -2.0]])
+    old = torch.tensor([[-0.5, -1.0, -1.0]])  # ratios e^0.5 = 1.65 (clipped to 1.2), 1, e^-1 = 0.37 (to 0.8)
+    advantages = torch.tensor([[1.0, 2.0, -1.0]])
+    token_mask = torch.tensor([[True, True, False]])  # the third token is after the EOS
+    vpred, old_values, returns = torch.tensor([[1.0, 0.0, 5.0]]), torch.tensor([[0.5, 0.1, 0.0]]), torch.tensor([[2.0, 0.0, 1.0]])
+    value_mask = torch.tensor([[True, True, True]])
+    out = ppo_losses(new, old, advantages, vpred, old_values, returns, token_mask, value_mask, 0.2, 0.2)
+    r0 = torch.exp(torch.tensor(0.5)).item()
+    # token 0: max(-1 * 1.65, -1 * 1.2) = -1.2 (clipped); token 1: -2; token 2 masked out
+    assert out["pg_loss"].item() == pytest.approx((-1.2 + -2.0) / 2)
+    assert out["pg_clipfrac"].item() == pytest.approx(0.5)
+    assert out["ratio"].item() == pytest.approx((r0 + 1.0) / 2)
+    assert out["approxkl"].item() == pytest.approx(0.5 * (0.25 + 0.0) / 2)
+    # values: clipped to [0.3, 0.7] / [-0.1, 0.3] / [-0.2, 0.2] -> 0.7, 0.0, 0.2
+    unclipped, clipped = [1.0, 0.0, 16.0], [1.69, 0.0, 0.64]
+    assert out["vf_loss"].item() == pytest.approx(0.5 * sum(max(a, b) for a, b in zip(unclipped, clipped)) / 3)
+    assert out["vf_clipfrac"].item() == pytest.approx(1 / 3)
+    assert masked_mean(torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.bool)).item() == 0.0
+
+
+def test_batch_sizes_and_exact_division():
+    assert ppo_batch_sizes(512, 8, 1, 1) == {"local_batch_size": 64, "mini_batch_size": 512, "local_mini_batch_size": 64,
+                                             "gradient_accumulation_steps": 64, "micro_batch_size": 8}
+    assert ppo_batch_sizes(64, 2, 2, 4)["gradient_accumulation_steps"] == 4
+    for bad in ((512, 3, 1, 1), (64, 1, 3, 1), (64, 1, 2, 5)):
+        with pytest.raises(SetupError):
+            ppo_batch_sizes(*bad)
+
+
+def test_first_epoch_ratio_is_one_on_tiny_model(tiny_tldr):
+    """Behaviour log-probs from the generation scores = the training forward's, so the first ratio is 1."""
+    import datasets
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny")
+    assert model.config.attention_dropout > 0  # the tiny base ships with dropout: this test sees it go
+    disable_dropout(model)
+    queries = datasets.load_from_disk(tiny_tldr / "sft")["validation"].with_format("torch")[:6]["query_token"]
+    temperature = 0.7
+    config = GenerationConfig(max_new_tokens=12, min_new_tokens=12, temperature=temperature + 1e-7, top_k=0,
+                              top_p=1.0, do_sample=True, return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        query_responses, scores = generate(model.eval(), queries, PAD, config)
+        context = queries.shape[1]
+        responses = query_responses[:, context:]
+        assert responses.shape == (6, 12)  # exactly max_new_tokens, even past an EOS
+        logprobs = gather_logprobs(scores, responses)
+        model.train()  # as in the PPO epochs: only dropout would make it differ
+        logits = forward(model, query_responses, PAD).logits[:, context - 1:-1] / (temperature + 1e-7)
+        new_logprobs = gather_logprobs(logits, responses)
+    valid = responses != PAD  # a sampled [PAD] is masked out of attention in training, never trained on
+    ratio = torch.exp(new_logprobs - logprobs)[valid]
+    assert (ratio - 1).abs().max().item() < 1e-4, ratio
+
+
+def make_reward_model(path):
+    """A reward-model folder as reward.py writes it: ScalarModel on the tiny base, random head."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    backbone = AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny").base_model
+    disable_dropout(backbone)
+    base_config = {k: v for k, v in backbone.config.to_dict().items() if k != "_name_or_path"}
+    torch.manual_seed(0)
+    model = ScalarModel(ScalarModelConfig(base_config=base_config))
+    model.backbone.load_state_dict(backbone.state_dict())
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(WORLD / "pythia-tiny").save_pretrained(path)
+
+
+def test_smoke_run_saves_policy_and_samples(tiny_tldr, tmp_path):
+    """Two full PPO updates (2 minibatches of 2 micro-batches of 4) on the tiny world, interrupted after the
+    first and resumed, then eval and save."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import AutoModelForCausalLM
+
+    make_reward_model(tmp_path / "rm")
+    out = tmp_path / "ppo"
+    # One thread: on a 2-core machine shared with other jobs, 2 threads per process run ~10x slower.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"),
+           "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
+           "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(out), "--run_name", "ppo_smoke",
+           "--total_episodes", "32", "--batch_size", "16", "--num_minibatches", "2", "--local_micro_batch_size", "4",
+           "--local_rollout_forward_batch_size", "8", "--response_length", "20", "--lr", "1e-4",
+           "--eval_every", "1", "--num_eval_samples", "8", "--local_eval_batch_size", "8"]
+    # Interrupted after update 1 (as a time-limited job), then resumed from its checkpoint.
+    result = subprocess.run(cmd + ["--stop_after_updates", "1"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 updates of 16 episodes" in result.stdout and "stopped after update 1 of 2" in result.stdout
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["update_1"]
+    result = subprocess.run(cmd + ["--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "at update 1" in result.stdout
+    policy = AutoModelForCausalLM.from_pretrained(out)  # a standard causal-LM folder
+    assert policy.config.attention_dropout == 0.0
+    assert (out / "tokenizer.json").is_file() and not (out / "checkpoints").exists()
+    saved = json.loads((out / "args.json").read_text())
+    assert saved["num_updates"] == 2 and saved["gradient_accumulation_steps"] == 2 and "git_commit" in saved
+    with open(out / "eval_validation.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == 8 and list(rows[0]) == ["query", "response", "reference", "score", "reference_score"]
+    assert "[PAD]" not in rows[0]["query"] and "<|endoftext|>" not in rows[0]["reference"]
+    events = EventAccumulator(str(tmp_path / "runs" / "ppo_smoke"))
+    events.Reload()
+    scalars = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    for tag in ("objective/kl", "objective/scores", "policy/clipfrac", "value/loss", "time/generation"):
+        assert len(scalars[tag]) == 2, tag
+    assert all(abs(r - 1) < 1e-4 for r in scalars["policy/ratio_first_epoch"]), scalars["policy/ratio_first_epoch"]
+    assert scalars["objective/kl"][0] == pytest.approx(0.0, abs=1e-4)  # policy = reference before any step
+    assert len(scalars["objective/validation_score"]) == 2  # after update 1 (eval_every) and at the end
+
+
+def test_prompt_order_reshuffles_at_each_pass():
+    """Prompts without replacement within a pass, a fresh order for the next pass, alike on every rank."""
+    from ppo import episode_order
+
+    order = episode_order(10, 25, seed=3)
+    passes = [order[:10], order[10:20], order[20:]]
+    assert sorted(passes[0].tolist()) == sorted(passes[1].tolist()) == list(range(10))
+    assert len(set(passes[2].tolist())) == 5  # the last, partial pass repeats no prompt either
+    assert passes[0].tolist() != passes[1].tolist()
+    assert torch.equal(order, episode_order(10, 25, seed=3))  # same seed on every rank: one shared order
+    # update u, rank r reads slice [u, r]: 2 ranks x 5 prompts per update cover the pass exactly once
+    local = order[:20].view(2, 2, 5)
+    assert sorted(local[0].flatten().tolist()) == list(range(10))
+
+
+def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
+    """2 CPU processes (DDP, gloo): global whitening, one shared prompt order, eval rows back in split order."""
+    import socket
+
+    import datasets
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    make_reward_model(tmp_path / "rm")
+    with socket.socket() as sock:  # a free port: other test sessions may launch at the same time
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+           str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"), "--query_dataset", str(tiny_tldr / "sft"),
+           "--sft_model_path", str(WORLD / "pythia-tiny"), "--reward_model_path", str(tmp_path / "rm"),
+           "--output_dir", str(tmp_path / "ppo"), "--run_name", "ppo_two", "--total_episodes", "32",
+           "--batch_size", "16", "--local_micro_batch_size", "4", "--local_rollout_forward_batch_size", "8",
+           "--response_length", "16", "--num_eval_samples", "10", "--local_eval_batch_size", "4", "--whiten_rewards"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    saved = json.loads((tmp_path / "ppo" / "args.json").read_text())
+    assert (saved["world_size"], saved["local_batch_size"], saved["gradient_accumulation_steps"]) == (2, 8, 2)
+    with open(tmp_path / "ppo" / "eval_validation.csv") as file:
+        queries = [row["query"] for row in csv.DictReader(file)]
+    expected = datasets.load_from_disk(tiny_tldr / "sft")["validation"]["query"][:10]
+    assert queries == [query.strip() for query in expected]  # rank 0 rows 0, 2, ...; rank 1 rows 1, 3, ...
+    events = EventAccumulator(str(tmp_path / "runs" / "ppo_two"))
+    events.Reload()
+    assert all(abs(e.value - 1) < 1e-4 for e in events.Scalars("policy/ratio_first_epoch"))
