@@ -1,0 +1,800 @@
+"""Reward model (RM) training on TL;DR human preferences, normalisation and evaluation (Details 6, 10-18).
+
+Stage 2 of the pipeline. Starts from the SFT model of sft.py, puts a scalar head on its last
+hidden state, and trains it with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) on the
+preference dataset written by preprocess_tldr.py; the reward of a sequence is the head's output at
+its EOS token. After training, every SFT reference summary is scored and the mean is folded into
+the head's bias, so the saved model gives reference summaries a reward of 0 on average; then the
+RM is evaluated on `validation` (TL;DR) and `validation_cnndm` (news, never trained on).
+
+    {output_dir}/                     ScalarModel (safetensors) + tokenizer; loads anywhere with
+                                      `from reward import ScalarModel; ScalarModel.from_pretrained(path)`
+    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, git commit
+    {output_dir}/eval_{split}.csv     one row per pair: texts, batch, split, confidence, policies,
+                                      chosen/rejected reward, accuracy (+ gold_prefers_chosen)
+    {output_dir}/accuracy_{split}.md  accuracy overall and by split / batch / confidence
+    {output_dir}/calibration.png      accuracy vs |reward margin| beside the ideal sigmoid
+    {output_dir}/token_rewards.png    per-token reward logits of a few validation sequences
+    {output_dir}/normalization.json   reference rewards before normalisation (mean/std/min/max)
+                                      and the left- vs right-padding difference
+    {output_dir}/eval_metrics.json    every eval/rm/* scalar below
+    {output_dir}/checkpoints/         the latest --save_every checkpoint, removed when the run ends
+    runs/{run_name}/                  TensorBoard
+
+    # tiny world, offline, 2 CPU cores, ~3 min on an idle machine (benchmark/tiny.sh runs this after sft.py)
+    python reward.py --sft_model_path models/tiny/sft_1 --label_dataset data/tiny_tldr/preference \
+        --query_dataset data/tiny_tldr/sft --output_dir models/tiny/reward_1 --lr 1e-3 \
+        --batch_size 32 --local_micro_batch_size 32 --num_train_epochs 2 --local_eval_batch_size 64 \
+        --gold_judge assets/tiny_world
+    # one GPU, Pythia 1B, bf16 (global batch 64 = 8 x 8 accumulation steps)
+    accelerate launch --num_processes 1 --mixed_precision bf16 reward.py --sft_model_path models/sft_1b \
+        --label_dataset data/tldr/preference --query_dataset data/tldr/sft --local_micro_batch_size 8
+    # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (global batch 64 = 8 x 1 x 8 processes)
+    accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml reward.py \
+        --sft_model_path models/EleutherAI/pythia-1b-deduped/sft_44413 --seed 44413 \
+        --local_micro_batch_size 8 --output_dir models/EleutherAI/pythia-1b-deduped/reward_44413 --track
+
+Details: 6 accuracy per split (validation is out of distribution); 10 the paper's RM recipe; 11 the
+head's initialisation; 12 the reward at the EOS token; 13 per-token reward logits are not rewards;
+14 left- vs right-padded scoring agree; 15 normalisation by the reference summaries' mean reward;
+16 accuracy by batch / confidence; 17 agreement with a judge (--judged_file); 18 calibration.
+Logged (TensorBoard, and W&B with --track; x-axis = training pairs seen):
+  train/rm/loss                      mean Bradley-Terry loss of the update's pairs, all ranks
+  train/rm/accuracy                  fraction of the update's pairs with r_chosen > r_rejected
+  train/rm/chosen_rewards|rejected_rewards  mean reward of the chosen / rejected summaries
+  train/rm/lr                        learning rate used by the update
+  eval/rm/normalized_mean|std|min|max          reference rewards before the bias (Detail 15)
+  eval/rm/normalized_left_right_diff_mean|gt_1e-2  left- minus right-padded reward (Detail 14)
+  eval/rm/{split}/accuracy           fraction of pairs ranked as the labeler did
+  eval/rm/{split}/accuracy/{split|batch|confidence}/{value}  the same per group (Detail 16)
+  eval/rm/{split}/gold_accuracy      agreement with the tiny world's gold judge (--gold_judge)
+  eval/rm/judge_agreement            agreement with a judge's verdicts (--judged_file, Detail 17)
+"""
+
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import datasets
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig,
+                          PreTrainedModel, get_scheduler)
+
+
+@dataclass
+class Args:
+    """Reward model training on TL;DR preferences (see the module docstring of reward.py)."""
+
+    # experiment & tracking
+    exp_name: str = "reward"
+    """Experiment name: part of the run name and of the Hub repo id"""
+    seed: int = 1
+    """Seed of the data order and the head's initialisation (paper: 44413 55513 66613 77713)"""
+    run_name: Optional[str] = None
+    """Run name for runs/ and W&B (None: {exp_name}__{seed}__{unix time}; a resumed run keeps its own)"""
+    track: bool = False
+    """Also log to Weights & Biases (off: nothing networked)"""
+    wandb_project_name: str = "tldr_summarize"
+    """W&B project (with --track)"""
+    wandb_entity: Optional[str] = None
+    """W&B entity (with --track; None: the default of the logged-in user)"""
+    output_dir: str = "models/reward_model"
+    """Folder for the trained reward model, tokenizer, args.json, eval tables, plots and checkpoints"""
+    push_to_hub: bool = False
+    """Push the output folder to {hf_entity}/{sft model name}__{exp_name}__tldr at revision run_name"""
+    hf_entity: Optional[str] = None
+    """Hub user or organisation to push to (None: the logged-in user, from `whoami()`)"""
+    save_every: int = 0
+    """Save a checkpoint (model, optimizer, scheduler, RNG states, update) every N updates (0: never)"""
+    resume: bool = False
+    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0)"""
+    stop_after_updates: Optional[int] = None
+    """Checkpoint and exit after this many updates, as a time-limited SLURM job would; rerun with --resume"""
+    log_seen_rows: bool = False
+    """Debug: each rank writes the train rows it read, per update, to {output_dir}/seen_rows_rank{r}.json"""
+
+    # data
+    label_dataset: str = "vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144"
+    """Preference dataset: a folder written by preprocess_tldr.py (e.g. data/tldr/preference) or a Hub id"""
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """SFT dataset whose train references set the normalisation (Detail 15), e.g. data/tldr/sft"""
+    total_episodes: Optional[int] = None
+    """Training pairs to draw (None: the train split x num_train_epochs; 0: evaluate the initial RM)"""
+    num_train_epochs: int = 1
+    """Passes over the train split when total_episodes is None (Detail 10; paper: 1)"""
+    num_eval_samples: Optional[int] = None
+    """Evaluate on the first N pairs of each eval split and normalise on N references (None: all)"""
+    judged_file: Optional[str] = None
+    """judge.py's judged/<run>.csv (post, ours, other, preferred): RM agreement with the judge's verdicts (Detail 17)"""
+    gold_judge: Optional[str] = None
+    """Tiny world folder (e.g. assets/tiny_world): also score pairs with tiny_world.gold_score beside its noise ceiling"""
+
+    # model
+    sft_model_path: str = "models/sft_model"
+    """SFT model (sft.py's output folder or a Hub id): the RM's backbone and tokenizer (Detail 10)"""
+
+    # optimization
+    lr: float = 3e-6
+    """AdamW learning rate (Detail 10; paper: 3e-6)"""
+    eps: float = 1e-5
+    """AdamW epsilon (Detail 10; paper: 1e-5)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay (torch's default, which the reference uses without saying so)"""
+    scheduler: str = "cosine"
+    """Learning-rate schedule, a transformers.get_scheduler name (Detail 10; paper: cosine to 0)"""
+    batch_size: int = 64
+    """Global pairs per update = local_micro_batch_size x gradient_accumulation_steps x world_size (Detail 10; paper: 64)"""
+    local_micro_batch_size: int = 1
+    """Pairs per forward pass per rank (each pair is 2 sequences: chosen and rejected)"""
+    local_eval_batch_size: int = 4
+    """Pairs (or references) per eval forward pass per rank"""
+
+    # derived (computed right after parsing; not flags)
+    world_size: tyro.conf.Suppress[int] = 1
+    """Processes (ranks) started by accelerate launch"""
+    gradient_accumulation_steps: tyro.conf.Suppress[int] = 1
+    """Micro-batches per update per rank = batch_size / (local_micro_batch_size x world_size)"""
+    local_batch_size: tyro.conf.Suppress[int] = 1
+    """Pairs per update per rank = local_micro_batch_size x gradient_accumulation_steps"""
+    micro_batch_size: tyro.conf.Suppress[int] = 1
+    """Pairs per forward pass over all ranks = local_micro_batch_size x world_size"""
+    num_updates: tyro.conf.Suppress[int] = 0
+    """Optimizer updates = total_episodes // batch_size (paper: 92,858 // 64 = 1450)"""
+
+
+# Flags that may change between an interrupted run and its resumption (see output_dir_problem).
+RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
+# preprocess_tldr.py's PREFERENCE_DESCRIPTIONS / SFT_DESCRIPTIONS say what these columns hold.
+PAIR_COLUMNS = ("query_chosen_token", "query_rejected_token")
+REFERENCE_COLUMNS = ("query_token", "reference_response_token", "query_reference_response_token")
+EVAL_SPLITS = ("validation", "validation_cnndm")
+GROUPS = ("split", "batch", "confidence")
+
+
+class SetupError(ValueError):
+    """Flags, data, tokenizer or output folder the script cannot use; raised before any compute."""
+
+
+class ScalarModelConfig(PretrainedConfig):
+    """Config of ScalarModel: the backbone's config as a plain dict (no path: it loads anywhere)."""
+
+    model_type = "scalar_model"
+
+    def __init__(self, base_config: Optional[dict] = None, **kwargs):
+        super().__init__(**kwargs)
+        self.base_config = base_config or {}
+
+
+class ScalarModel(PreTrainedModel):
+    """A transformer backbone + Linear(hidden, 1): (B, T) ids -> (B, T) per-token reward logits."""
+
+    config_class = ScalarModelConfig
+
+    def __init__(self, config: ScalarModelConfig):
+        super().__init__(config)
+        # Built from the stored config, never from a path: a saved RM loads on any machine.
+        self.backbone = AutoModel.from_config(AutoConfig.for_model(**config.base_config))
+        self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)  # its bias carries Detail 15
+        self.post_init()
+
+    def _init_weights(self, module):
+        """Only the head is new: N(0, 1/sqrt(d_model + 1)) weight, zero bias; the backbone is loaded."""
+        if module is self.head:
+            init_reward_head(module)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids and mask -> (B, T) scalar per position (the last hidden state through the head)."""
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, d)
+        return self.head(hidden).squeeze(-1)
+
+
+def init_reward_head(head: torch.nn.Linear) -> None:
+    """Initialise a Linear(d_model, 1) reward head in place: weight ~ N(0, 1/sqrt(d_model + 1)), bias 0."""
+    # Detail 11: Reward head initialisation
+    # OpenAI's summarize-from-feedback init (the paper's footnote: the std is 1/sqrt(d+1), not
+    # 1/(d+1)). With unit-scale hidden states after the final layer norm, initial rewards have a
+    # std near 1, so the first sigmoid(r_c - r_r) are neither saturated nor all 0.5.
+    torch.nn.init.normal_(head.weight, std=1 / math.sqrt(head.in_features + 1))
+    torch.nn.init.zeros_(head.bias)
+
+
+def gradient_accumulation(batch_size: int, local_micro_batch_size: int, world_size: int) -> int:
+    """Micro-batches per update per rank so that micro x accumulation x world = batch_size exactly."""
+    per_step = local_micro_batch_size * world_size
+    if batch_size <= 0 or local_micro_batch_size <= 0 or batch_size % per_step:
+        raise SetupError(f"--batch_size {batch_size} is not a positive multiple of --local_micro_batch_size "
+                         f"{local_micro_batch_size} x world size {world_size} = {per_step}")
+    return batch_size // per_step
+
+
+def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
+    """Why `output_dir` cannot hold this run (another run's args.json, or foreign files), None if it can."""
+    path = os.path.join(output_dir, "args.json")
+    if not os.path.isfile(path):
+        if os.path.isdir(output_dir) and os.listdir(output_dir):
+            return f"--output_dir {output_dir} is not empty and has no args.json: choose an empty or new folder"
+        return None
+    with open(path) as file:
+        saved = json.load(file)
+    changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
+               if k not in ignored and saved.get(k) != v]
+    if changed:
+        return (f"--output_dir {output_dir} holds a different run ({'; '.join(changed)}): "
+                "choose another folder, delete it, or pass the same flags to overwrite or --resume it")
+    return None
+
+
+def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
+    """['split' or 'split.column' for each missing split or column]; empty when all are there."""
+    missing = [split for split in splits if split not in dataset_dict]
+    return missing + [f"{split}.{column}" for split in splits if split in dataset_dict
+                      for column in columns if column not in dataset_dict[split].column_names]
+
+
+def token_ids_problem(dataset_path: str, pad_token_id: int, eos_token_id: int) -> Optional[str]:
+    """Why the token columns of a local dataset folder do not match these pad / eos ids, None if they do."""
+    built_with = os.path.join(os.path.dirname(os.path.abspath(dataset_path)), "args.json")
+    if not os.path.isfile(built_with):
+        return None  # a Hub dataset or a folder without preprocess_tldr.py's args.json: nothing to compare
+    with open(built_with) as file:
+        saved = json.load(file)
+    data_ids = {key: saved.get(key) for key in ("pad_token_id", "eos_token_id")}
+    ours = {"pad_token_id": pad_token_id, "eos_token_id": eos_token_id}
+    if data_ids != ours:
+        return f"{dataset_path} was tokenized with {data_ids} ({built_with}), the RM's tokenizer has {ours}"
+    return None
+
+
+def git_commit(folder: str) -> Optional[str]:
+    """The git commit checked out in `folder`, None outside a git checkout."""
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True)
+    except OSError:
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def add_pad_token(tokenizer) -> bool:
+    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return False
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return True
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability of `model` to 0: nn.Dropout modules, float *dropout* attributes, config."""
+    # Detail 7: Disable dropout
+    # With dropout on, two forwards of the same ids give different log-probs: the first PPO ratio
+    # would not be 1 and reward scores would be noisy. Pythia's dropout is 0 already; the tiny
+    # model's is 0.1. nn.Dropout modules are not all of it: GPT-NeoX attention copies the float
+    # `config.attention_dropout` into a module attribute and applies it functionally.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    for name, value in vars(model.config).items():  # saved with the model: later loads start at 0 too
+        if "dropout" in name and isinstance(value, float):
+            setattr(model.config, name, 0.0)
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """(B, T) bool -> (B,): index of the first True of each row, T for a row without one."""
+    row_len = bools.size(-1)
+    # (B, T): a False costs T + its index, a True just its index; the minimum is the first True
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def reward_indices(query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+    """(B, T) ids -> (B,): the EOS position = first pad at or after `context_length`, minus 1 (T - 1 if none)."""
+    # Detail 12: Extract the reward at the EOS token
+    # Only the EOS position has read the whole summary, so only its output is trained (and used as
+    # the reward). Right-padded query+response rows: context 0, the first pad ends the sequence.
+    # Left-padded query ++ right-padded response (PPO's layout): the query's own pads come first,
+    # so the search starts at the response (context = query width). No pad: the last position.
+    return first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+
+
+def trim_right_padding(query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """(B, T) ids -> (B, T') with the trailing columns that are pad in every row dropped (at least 1 kept)."""
+    # Rows are padded to the longest sequence of the whole dataset: a batch rarely needs all of it,
+    # and an all-pad column costs compute and changes nothing (the EOS index stays where it was, or
+    # becomes the last index of a row that now ends exactly at its EOS).
+    used = (query_responses != pad_token_id).any(0).nonzero()  # (n, 1): columns with a token
+    return query_responses[:, :int(used.max()) + 1 if len(used) else 1]
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> tuple:
+    """(B, T) ids with pads -> ((B, T) per-token reward logits, (B,) reward at each row's EOS)."""
+    attention_mask = query_responses != pad_token_id  # (B, T)
+    # Pads are masked out of attention and replaced by a valid id; no position_ids are passed (the
+    # reference's convention): with left padding, positions shift by the pad count, which rotary
+    # embeddings (relative positions) do not see. Detail 14 measures what is left of it.
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    reward_logits = model(input_ids=input_ids, attention_mask=attention_mask)  # (B, T)
+    eos = reward_indices(query_responses, pad_token_id, context_length)  # (B,)
+    return reward_logits, reward_logits[torch.arange(reward_logits.size(0), device=eos.device), eos]
+
+
+def episode_order(num_rows: int, num_episodes: int, seed: int) -> torch.Tensor:
+    """(num_episodes,) row indices: a fresh seeded permutation of the rows per pass, passes concatenated."""
+    generator = torch.Generator().manual_seed(seed)
+    passes = -(-num_episodes // num_rows)  # ceil: the last pass may be used in part
+    perms = [torch.randperm(num_rows, generator=generator) for _ in range(passes)]
+    return torch.cat(perms)[:num_episodes] if perms else torch.zeros(0, dtype=torch.long)
+
+
+def latest_checkpoint(folder: str) -> Optional[tuple]:
+    """(update, path) of the newest complete `update_{k}` checkpoint in `folder`, None if there is none."""
+    complete = [(int(name.split("_")[1]), os.path.join(folder, name))
+                for name in (os.listdir(folder) if os.path.isdir(folder) else [])
+                if name.startswith("update_") and os.path.isfile(os.path.join(folder, name, "trainer_state.json"))]
+    return max(complete) if complete else None
+
+
+def save_checkpoint(accelerator, folder: str, update: int, run_name: str) -> None:
+    """All ranks: save the accelerate state as {folder}/update_{update}, mark it complete, drop older ones."""
+    path = os.path.join(folder, f"update_{update}")
+    accelerator.save_state(path)  # model, optimizer, registered scheduler, RNG states of every rank
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        # Written last: a job killed mid-save leaves no marker, and --resume takes the previous one.
+        with open(os.path.join(path, "trainer_state.json"), "w") as file:
+            json.dump({"update": update, "run_name": run_name}, file)
+        for name in os.listdir(folder):
+            if name != f"update_{update}":
+                shutil.rmtree(os.path.join(folder, name))
+    accelerator.wait_for_everyone()
+
+
+@torch.no_grad()
+def score_dataset(accelerator, model, dataset, layouts: dict, pad_token_id: int, local_eval_batch_size: int) -> dict:
+    """All ranks: {name: (N,) reward of each row} for layouts {name: token columns concatenated left to right}.
+
+    The context length of a layout is the width of all its columns but the last (0 for one column)."""
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()
+    mine = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))  # rank r: r, r+W, ...
+    rows = []
+    for start in tqdm(range(0, len(mine), local_eval_batch_size), desc="score", disable=not accelerator.is_main_process):
+        indices = mine[start:start + local_eval_batch_size]
+        batch = dataset[indices]
+        scores = {}
+        for name, columns in layouts.items():
+            parts = [batch[column].to(accelerator.device) for column in columns]
+            context_length = sum(part.shape[1] for part in parts[:-1])
+            query_responses = trim_right_padding(torch.cat(parts, dim=1), pad_token_id)
+            _, scores[name] = get_reward(unwrapped, query_responses, pad_token_id, context_length)
+        rows += [(i, {name: score[j].item() for name, score in scores.items()}) for j, i in enumerate(indices)]
+    unwrapped.train()
+    rows = sorted(gather_object(rows), key=lambda row: row[0])  # every rank's rows, in dataset order
+    return {name: np.array([row[1][name] for row in rows]) for name in layouts}
+
+
+def rm_agreement(preferred: list[str], ours_scores: list, other_scores: list) -> tuple[Optional[float], int]:
+    """Fraction of decided judgments ("ours" or the other side) where score ordering agrees; and their count."""
+    # Detail 17: Agreement with an LLM judge
+    # The RM "prefers ours" iff score > other score (strict, as the reference's eval/analyze_rm.py:
+    # an RM tie agrees with nobody). Malformed verdicts, gold ties and rows without scores do not count.
+    pairs = [(p == "ours", s > o) for p, s, o in zip(preferred, ours_scores, other_scores)
+             if p not in ("malformed", "tie", "unjudged") and s is not None and o is not None]
+    return (sum(judge == rm for judge, rm in pairs) / len(pairs) if pairs else None), len(pairs)
+
+
+def grouped_accuracy(table: pd.DataFrame, groups: tuple) -> pd.DataFrame:
+    """Rows (group, value, accuracy, pairs): 'all' first, then each value of each `groups` column of `table`."""
+    out = [("all", "all", table["accuracy"].mean(), len(table))]
+    for group in groups:
+        for value, part in table.groupby(group, dropna=False, sort=True):
+            # A column with missing values is float in pandas: show confidence 9.0 as "9"
+            value = int(value) if isinstance(value, float) and value.is_integer() else value
+            out.append((group, str(value), part["accuracy"].mean(), len(part)))
+    return pd.DataFrame(out, columns=["group", "value", "accuracy", "pairs"])
+
+
+def calibration_bins(margins: np.ndarray, bin_width: float) -> pd.DataFrame:
+    """Rows (low, high, pairs, accuracy, ideal) per |margin| bin; margin = r_chosen - r_rejected, accurate if > 0."""
+    magnitude = np.abs(margins)
+    bins = np.floor(magnitude / bin_width).astype(int)  # bin k holds k * width <= |margin| < (k + 1) * width
+    out = []
+    for k in np.unique(bins):
+        inside = bins == k
+        # Ideal: a calibrated RM predicts P(chosen preferred) = sigmoid(margin); at the bin's centre
+        center = (k + 0.5) * bin_width
+        out.append((k * bin_width, (k + 1) * bin_width, int(inside.sum()), float((margins[inside] > 0).mean()),
+                    1 / (1 + math.exp(-center))))
+    return pd.DataFrame(out, columns=["low", "high", "pairs", "accuracy", "ideal"])
+
+
+def markdown_table(frame: pd.DataFrame) -> str:
+    """A pandas DataFrame as a markdown table (floats with 3 decimals)."""
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    for row in frame.itertuples(index=False):
+        lines.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_calibration(tables: dict, path: str) -> None:
+    """Save accuracy vs |margin| per split ({split: calibration_bins frame}) beside the ideal sigmoid."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    figure, ax = plt.subplots(figsize=(6, 4))
+    for split, bins in tables.items():
+        ax.plot((bins["low"] + bins["high"]) / 2, bins["accuracy"], "o-", label=split)
+    grid = np.linspace(0, max([1.0] + [bins["high"].max() for bins in tables.values()]), 100)
+    ax.plot(grid, 1 / (1 + np.exp(-grid)), "k--", label="ideal: sigmoid(margin)")
+    ax.set(xlabel="|r_chosen - r_rejected|", ylabel="accuracy", ylim=(0, 1.02), title="RM calibration (Detail 18)")
+    ax.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def plot_token_rewards(samples: list, path: str) -> None:
+    """Save per-token reward logits along sequences: samples = [(title, (T,) logits, query length, EOS index)]."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(samples), 1, figsize=(10, 2.2 * len(samples)), squeeze=False)
+    for ax, (title, logits, query_length, eos) in zip(axes[:, 0], samples):
+        ax.plot(range(len(logits)), logits, lw=1)
+        ax.axvline(query_length - 0.5, color="grey", ls=":", label="response starts")
+        ax.plot([eos], [logits[eos]], "r*", ms=12, label=f"EOS: {logits[eos]:.2f} (the reward)")
+        ax.axhline(0, color="black", lw=0.5)
+        ax.set(title=title, ylabel="reward logit")
+        ax.legend(loc="lower left", fontsize=7)
+    axes[-1, 0].set_xlabel("position")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    # ---- args & sizes ----
+    args = tyro.cli(Args)
+    # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
+    deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
+    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
+    args.world_size = accelerator.num_processes
+    args.gradient_accumulation_steps = gradient_accumulation(args.batch_size, args.local_micro_batch_size,
+                                                             args.world_size)
+    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    args.micro_batch_size = args.local_micro_batch_size * args.world_size
+    # accelerate launch decides the backend (one process, DDP, DeepSpeed ZeRO-2 + bf16); the script
+    # names the accumulation and the micro-batch, which DeepSpeed cannot read from a DataLoader here.
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
+    if accelerator.state.deepspeed_plugin is not None:
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = \
+            args.local_micro_batch_size
+
+    # ---- checks: every bad input fails here, before a model is loaded ----
+    problem = output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
+        "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates"))
+    if problem:
+        raise SetupError(problem)
+    datasets_by_flag = {}
+    for flag, splits, columns in (("label_dataset", ("train",) + EVAL_SPLITS, PAIR_COLUMNS),
+                                  ("query_dataset", ("train",), REFERENCE_COLUMNS)):
+        path = getattr(args, flag)
+        datasets_by_flag[flag] = datasets.load_from_disk(path) if os.path.isdir(path) else datasets.load_dataset(path)
+        missing = missing_columns(datasets_by_flag[flag], splits, columns)
+        if missing:
+            raise SetupError(f"--{flag} {path} lacks {missing}: build it with preprocess_tldr.py")
+    preference, sft = datasets_by_flag["label_dataset"], datasets_by_flag["query_dataset"]
+    if args.judged_file is not None:
+        # judge.py's judged/<run>.csv names the texts post / ours / other; a sample table query / response / reference.
+        judged = pd.read_csv(args.judged_file, keep_default_na=False).rename(
+            columns={"post": "query", "ours": "response", "other": "reference"})
+        lacking = sorted({"query", "response", "reference", "preferred"} - set(judged.columns))
+        if lacking:
+            raise SetupError(f"--judged_file {args.judged_file} lacks columns {lacking}: want judge.py's "
+                             "judged/<run>.csv (post, ours, other, preferred)")
+    if args.num_eval_samples is not None and args.num_eval_samples <= 0:
+        raise SetupError(f"--num_eval_samples {args.num_eval_samples}: the normalisation needs at least 1 reference")
+    if args.gold_judge is not None and not os.path.isfile(os.path.join(args.gold_judge, "world.json")):
+        raise SetupError(f"--gold_judge {args.gold_judge}: no world.json there (want a tiny world folder)")
+    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="right")
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise SetupError(f"{args.sft_model_path}: the pad token {tokenizer.pad_token!r} is the EOS token; "
+                         "give the tokenizer a distinct pad token or none (then [PAD] is added)")
+    if add_pad_token(tokenizer):
+        accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    for path in (args.label_dataset, args.query_dataset):  # the token columns must be this tokenizer's ids
+        problem = token_ids_problem(path, pad_id, eos_id) if os.path.isdir(path) else None
+        if problem:
+            raise SetupError(problem + ": preprocess with the SFT model's tokenizer")
+    train = preference["train"].with_format("torch", columns=list(PAIR_COLUMNS))
+    total_episodes = len(train) * args.num_train_epochs if args.total_episodes is None else args.total_episodes
+    args.num_updates = total_episodes // args.batch_size
+    checkpoints = os.path.join(args.output_dir, "checkpoints")
+    resume_from = latest_checkpoint(checkpoints) if args.resume else None
+
+    # ---- run name & logging ----
+    if resume_from is not None:  # a resumed run logs on into its own TensorBoard folder
+        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
+            run_name = args.run_name or json.load(file)["run_name"]
+    else:
+        start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
+        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "args.json"), "w") as file:
+            json.dump({**asdict(args), "run_name": run_name, "eos_token_id": eos_id, "pad_token_id": pad_id,
+                       "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{key}|{value}|" for key, value in asdict(args).items()))
+        if args.track:
+            import wandb  # imported here: without --track nothing touches the network
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, save_code=True)
+    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} pairs = "
+                      f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
+                      f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size} "
+                      f"({args.gradient_accumulation_steps} accumulation steps)")
+
+    # ---- seeding & data order ----
+    local_seed = args.seed + accelerator.process_index * 100003
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(args.seed)  # the head's initialisation: the same on every rank
+    torch.backends.cudnn.deterministic = True
+    # One permutation per pass, seeded alike on every rank (the reference shuffles with a per-rank
+    # seed, so its ranks read overlapping subsets): update u, micro-step m, rank r reads the slice
+    # [u, m, r] of the episode order, so ranks read disjoint pairs and each pair once per pass.
+    order = episode_order(len(train), args.num_updates * args.batch_size, args.seed)
+    local_order = order.view(args.num_updates, args.gradient_accumulation_steps, args.world_size,
+                             args.local_micro_batch_size)[:, :, accelerator.process_index]  # (U, GAS, micro)
+
+    # ---- model ----
+    # The SFT causal LM without its LM head becomes the backbone; its config is stored as a dict
+    # (minus the local path it was loaded from) so the saved RM never refers back to the SFT folder.
+    sft_backbone = AutoModelForCausalLM.from_pretrained(args.sft_model_path).base_model
+    disable_dropout(sft_backbone)
+    base_config = {key: value for key, value in sft_backbone.config.to_dict().items() if key != "_name_or_path"}
+    model = ScalarModel(ScalarModelConfig(base_config=base_config))  # head: init_reward_head
+    model.backbone.load_state_dict(sft_backbone.state_dict())
+    del sft_backbone
+    disable_dropout(model)
+    model.train()
+
+    # ---- optimizer & schedule ----
+    # Detail 10: RM setup
+    # The paper's recipe: initialised from the SFT model, AdamW (eps 1e-5, weight decay 0.01),
+    # lr 3e-6 with a cosine decay to 0 over one epoch in updates of 64 pairs (1450 updates).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
+    # The scheduler stays unprepared (stepped once per update by us) but is saved in checkpoints.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    start_update = 0
+    if resume_from is not None:
+        accelerator.load_state(resume_from[1])  # also the RNG states saved at that update
+        start_update = resume_from[0]
+        accelerator.print(f"resumed from {resume_from[1]} at update {start_update}")
+    elif args.resume:
+        accelerator.print(f"--resume: no checkpoint in {checkpoints}, starting at update 0")
+
+    # ---- training loop ----
+    seen_path = os.path.join(args.output_dir, f"seen_rows_rank{accelerator.process_index}.json")
+    seen = json.load(open(seen_path)) if args.log_seen_rows and resume_from and os.path.isfile(seen_path) else {}
+    stop_at = args.num_updates if args.stop_after_updates is None else min(args.stop_after_updates, args.num_updates)
+    progress = tqdm(range(start_update, stop_at), desc="reward", disable=not accelerator.is_main_process)
+    for update in progress:
+        # (GAS, 4) per micro-step: loss, accuracy, mean chosen reward, mean rejected reward
+        stats = torch.zeros(args.gradient_accumulation_steps, 4, device=accelerator.device)
+        for micro_step in range(args.gradient_accumulation_steps):
+            indices = local_order[update, micro_step].tolist()
+            batch = train[indices]
+            # (2 x micro, T): chosen rows then rejected rows, one forward pass for both
+            query_responses = trim_right_padding(torch.cat((batch["query_chosen_token"], batch["query_rejected_token"])),
+                                                 pad_id).to(accelerator.device)
+            with accelerator.accumulate(model):
+                _, rewards = get_reward(model, query_responses, pad_id, context_length=0)
+                chosen_rewards, rejected_rewards = rewards.split(len(indices))  # (micro,) each
+                # Bradley-Terry: P(chosen preferred) = sigmoid(r_c - r_r); maximise its log-likelihood.
+                loss = -F.logsigmoid(chosen_rewards - rejected_rewards).mean()
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            stats[micro_step] = torch.stack([loss.detach(), (chosen_rewards > rejected_rewards).float().mean(),
+                                             chosen_rewards.detach().mean(), rejected_rewards.detach().mean()])
+            if args.log_seen_rows:
+                seen.setdefault(str(update), []).extend(indices)
+        lr = scheduler.get_last_lr()[0]  # the rate this update used
+        scheduler.step()
+        loss, accuracy, chosen, rejected = accelerator.reduce(stats.mean(0), reduction="mean").tolist()
+        pairs_seen = (update + 1) * args.batch_size
+        if accelerator.is_main_process:
+            for key, value in (("loss", loss), ("accuracy", accuracy), ("chosen_rewards", chosen),
+                               ("rejected_rewards", rejected), ("lr", lr)):
+                writer.add_scalar(f"train/rm/{key}", value, pairs_seen)
+            progress.set_postfix(loss=f"{loss:.4f}", accuracy=f"{accuracy:.3f}", lr=f"{lr:.2e}")
+        if args.log_seen_rows:
+            with open(seen_path, "w") as file:
+                json.dump(seen, file)
+        if (args.save_every and (update + 1) % args.save_every == 0) or update + 1 == args.stop_after_updates:
+            save_checkpoint(accelerator, checkpoints, update + 1, run_name)
+    if stop_at < args.num_updates:
+        accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
+        raise SystemExit(0)
+    step = args.num_updates * args.batch_size
+    unwrapped = accelerator.unwrap_model(model)
+
+    def first(dataset):
+        """The first --num_eval_samples rows of `dataset` (all of them when the flag is None)."""
+        return dataset if args.num_eval_samples is None else dataset.select(range(min(args.num_eval_samples,
+                                                                                     len(dataset))))
+
+    # ---- normalisation ----
+    references = first(sft["train"]).with_format("torch", columns=list(REFERENCE_COLUMNS))
+    scores = score_dataset(accelerator, model, references, {
+        "right": ("query_reference_response_token",),  # right-padded query+reference, as in training
+        "left": ("query_token", "reference_response_token"),  # left-padded query ++ reference, as in PPO
+    }, pad_id, args.local_eval_batch_size)
+    # Detail 14: Left- vs right-padded reward extraction
+    # PPO scores left-padded queries followed by its samples; the RM was trained on right-padded
+    # rows. Same tokens, other positions and pads: the two rewards should agree to ~1e-6 in fp32
+    # (the paper reports a mean difference of -5e-4 for its bf16 6.9B RM; the reference flags 1e-2).
+    left_right_diff = scores["left"] - scores["right"]
+    # Detail 15: Reward normalisation from SFT reference summaries
+    # Stiennon et al.: "normalize the reward model outputs such that the reference summaries from
+    # our dataset achieve a mean score of 0". Only the mean, folded into the head's bias: the saved
+    # weights (and the PPO critic initialised from them, Detail 22) output normalised rewards.
+    reference_mean = float(scores["right"].mean())
+    with torch.no_grad():
+        unwrapped.head.bias -= reference_mean
+    normalization = {"mean": reference_mean, "std": float(scores["right"].std()), "min": float(scores["right"].min()),
+                     "max": float(scores["right"].max()), "references": len(references),
+                     "left_right_diff_mean": float(left_right_diff.mean()),
+                     "left_right_diff_gt_1e-2": float((np.abs(left_right_diff) > 1e-2).mean())}
+    metrics = {f"eval/rm/normalized_{key}": value for key, value in normalization.items() if key != "references"}
+    accelerator.print(f"normalisation over {len(references)} SFT references: " + ", ".join(
+        f"{key} {value:.4g}" for key, value in normalization.items()) + f"; head bias -= {reference_mean:.4f}")
+
+    # ---- evaluation ----
+    # Detail 6: The preference validation split is out of distribution
+    # Validation pairs come from many policies train never shows (preprocess_tldr.py counts them),
+    # and validation_cnndm is news: report each split apart and never pool them into one number.
+    gold = None
+    if args.gold_judge is not None:
+        import tiny_world  # the tiny world's gold judge, beside this script; imported only when asked
+
+        with open(os.path.join(args.gold_judge, "world.json")) as file:
+            noise_ceiling = json.load(file)["noise_ceiling"]
+    calibration, token_samples = {}, []
+    for split in EVAL_SPLITS:
+        eval_set = first(preference[split])
+        rewards = score_dataset(accelerator, model, eval_set.with_format("torch", columns=list(PAIR_COLUMNS)),
+                                {"chosen": ("query_chosen_token",), "rejected": ("query_rejected_token",)},
+                                pad_id, args.local_eval_batch_size)
+        if not accelerator.is_main_process:
+            continue
+        table = pd.DataFrame({
+            "query": eval_set["query"], "chosen": eval_set["chosen"], "rejected": eval_set["rejected"],
+            "batch": eval_set["batch"], "split": eval_set["split"],
+            "confidence": [(extra or {}).get("confidence") for extra in eval_set["extra"]],
+            "chosen_policy": eval_set["chosen_policy"], "rejected_policy": eval_set["rejected_policy"],
+            "chosen_reward": rewards["chosen"], "rejected_reward": rewards["rejected"]})
+        table["accuracy"] = (table["chosen_reward"] > table["rejected_reward"]).astype(float)
+        # Detail 16: Accuracy differs by batch / confidence / split
+        # Labeling batches differ in policies, instructions and labelers, and low-confidence pairs
+        # are near coin flips: one overall accuracy hides all of that (paper Table 5).
+        by_group = grouped_accuracy(table, GROUPS)
+        for row in by_group.itertuples():
+            key = f"eval/rm/{split}/accuracy" + ("" if row.group == "all" else f"/{row.group}/{row.value}")
+            metrics[key] = row.accuracy
+        report = f"# RM accuracy on {split} ({len(table)} pairs)\n\n" + markdown_table(by_group)
+        if args.gold_judge is not None:
+            # The labels are Bradley-Terry noise around the gold judge: agreement with the gold
+            # ordering is what the RM should learn; the noise ceiling bounds accuracy on the labels.
+            posts = [f"{info['title']}\n{info['article'] if split == 'validation_cnndm' else info['post']}"
+                     for info in eval_set["info"]]
+            texts = [(s[c]["text"], s[1 - c]["text"]) for s, c in zip(eval_set["summaries"], eval_set["choice"])]
+            gold_margin = np.array([tiny_world.gold_score(p, c) - tiny_world.gold_score(p, r)
+                                    for p, (c, r) in zip(posts, texts)])
+            table["gold_prefers_chosen"] = np.where(gold_margin == 0, np.nan, gold_margin > 0)
+            decided = gold_margin != 0  # gold ties (e.g. two identical summaries) prefer neither
+            gold_accuracy = float(((table["accuracy"] > 0) == (gold_margin > 0))[decided].mean())
+            metrics[f"eval/rm/{split}/gold_accuracy"] = gold_accuracy
+            report += (f"\nGold judge: RM agrees with the gold ordering on {gold_accuracy:.3f} of {decided.sum()} "
+                       f"pairs without a gold tie; accuracy on the labels {table['accuracy'].mean():.3f} vs "
+                       f"noise ceiling {noise_ceiling.get(split, float('nan')):.3f}\n")
+        table.to_csv(os.path.join(args.output_dir, f"eval_{split}.csv"), index=False)
+        with open(os.path.join(args.output_dir, f"accuracy_{split}.md"), "w") as file:
+            file.write(report)
+        if args.track:
+            wandb.log({f"eval/rm/{split}/samples": wandb.Table(dataframe=table)})
+        print(report)
+        # Detail 18: RM calibration
+        # A calibrated RM is right with probability sigmoid(margin) (Bai et al., 2022): compare
+        # the accuracy in bins of |r_c - r_r| 0.5 wide with that curve.
+        calibration[split] = calibration_bins((table["chosen_reward"] - table["rejected_reward"]).to_numpy(), 0.5)
+        print(f"calibration on {split}:\n" + markdown_table(calibration[split]))
+    if accelerator.is_main_process:
+        plot_calibration(calibration, os.path.join(args.output_dir, "calibration.png"))
+        # Detail 13: Non-EOS reward logits are not valid rewards
+        # Only the EOS logit is trained; the head's output elsewhere is whatever the hidden states
+        # give (the paper sees mostly negative values). Plot a few sequences to show it.
+        examples = preference["validation"].select(range(min(2, len(preference["validation"]))))
+        ids = torch.tensor(list(examples["query_chosen_token"]) + list(examples["query_rejected_token"]))  # (2n, T)
+        with torch.no_grad():
+            logits, _ = get_reward(unwrapped, ids.to(accelerator.device), pad_id, context_length=0)  # (2n, T)
+        eos = reward_indices(ids, pad_id, 0)  # (2n,)
+        for i in range(len(ids)):
+            pair, kind = i % len(examples), ("chosen", "rejected")[i // len(examples)]
+            token_samples.append((f"validation pair {pair}, {kind}", logits[i, :int(eos[i]) + 6].tolist(),
+                                  int(list(examples["query_token_len"])[pair]), int(eos[i])))  # + a few pads
+        plot_token_rewards(token_samples, os.path.join(args.output_dir, "token_rewards.png"))
+
+    # ---- agreement with a judge ----
+    if args.judged_file is not None:
+        # The judge compared a model's summary with another (the human reference, by default); the RM
+        # agrees when it ranks the two the same way. Texts are rebuilt as preprocess_tldr.py builds
+        # them: query + " " + summary + EOS, right-padded.
+        ids = {name: tokenizer([f"{query.strip()} {str(text).strip()}{tokenizer.eos_token}" for query, text in
+                                zip(judged["query"], judged[name])], add_special_tokens=False)["input_ids"]
+               for name in ("response", "reference")}
+        width = max(len(row) for rows in ids.values() for row in rows)
+        judged_set = datasets.Dataset.from_dict({name: [row + [pad_id] * (width - len(row)) for row in rows]
+                                                 for name, rows in ids.items()}).with_format("torch")
+        judged_rewards = score_dataset(accelerator, model, judged_set, {name: (name,) for name in ids}, pad_id,
+                                       args.local_eval_batch_size)
+        agreement, decided = rm_agreement(list(judged["preferred"]), list(judged_rewards["response"]),
+                                          list(judged_rewards["reference"]))
+        metrics["eval/rm/judge_agreement"] = float("nan") if agreement is None else agreement
+        accelerator.print(f"RM agrees with the judge on {metrics['eval/rm/judge_agreement']:.3f} of the {decided} "
+                          f"decided judgments in {args.judged_file}")
+
+    # ---- save ----
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    if accelerator.is_main_process:
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, step)
+        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)  # safetensors, bias normalised
+        tokenizer.save_pretrained(args.output_dir)
+        with open(os.path.join(args.output_dir, "normalization.json"), "w") as file:
+            json.dump(normalization, file, indent=2)
+        with open(os.path.join(args.output_dir, "eval_metrics.json"), "w") as file:
+            json.dump(metrics, file, indent=2)
+        shutil.rmtree(checkpoints, ignore_errors=True)  # only an unfinished run needs them
+        writer.close()
+        print("\n".join(f"{key}: {metrics[key]:.4f}" for key in metrics if key.count("/") == 3 or "normalized" in key))
+        print(f"saved {args.output_dir}")
+        if args.push_to_hub:
+            from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
+
+            api = HfApi()
+            name = args.sft_model_path.rstrip("/").replace("/", "_")
+            repo_id = f"{args.hf_entity or api.whoami()['name']}/{name}__{args.exp_name}__tldr"
+            api.create_repo(repo_id, exist_ok=True)
+            api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
+            api.upload_folder(folder_path=args.output_dir, repo_id=repo_id, revision=run_name)
+            print(f"pushed https://huggingface.co/{repo_id}/tree/{run_name}")
+        if args.track:
+            wandb.finish()

@@ -1,0 +1,276 @@
+"""Tests of reward.py: pure helpers against hand-built tensors and tables, then real runs.
+
+  - Detail 11: the head's initial weights have std 1/sqrt(d_model + 1) and a zero bias
+  - Detail 12: the reward index on right-padded and on left-padded-query layouts, with and without pads
+  - Detail 14: a tiny RM scores a sequence the same in both layouts
+  - Detail 15: folding the mean into the head's bias makes the references' mean reward 0
+  - Detail 16 / 18: grouped accuracy and calibration bins on hand-made tables
+  - a 1-process run interrupted after 3 updates and resumed, and the same run on 2 processes:
+    each pair read once per epoch, the same final weights, outputs written, the saved RM loads
+    from a moved folder and gives the SFT references a mean reward of 0
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import datasets
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import REPO, WORLD
+
+import reward
+
+ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def test_head_init_statistics():
+    """Detail 11: weight ~ N(0, 1/sqrt(d + 1)) on a wide head, bias 0; ScalarModel applies it to its head."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16383, 1)  # 16,383 weights: the sample std is within ~1% of the true one
+    reward.init_reward_head(head)
+    assert abs(head.weight.std().item() * math.sqrt(16384) - 1) < 0.03
+    assert abs(head.weight.mean().item()) < 4 / math.sqrt(16384) / math.sqrt(16383)  # 4 standard errors
+    assert torch.equal(head.bias, torch.zeros(1))
+    base = dict(model_type="gpt_neox", hidden_size=1024, num_attention_heads=4, num_hidden_layers=1,
+                intermediate_size=32, vocab_size=16)
+    model = reward.ScalarModel(reward.ScalarModelConfig(base_config=base))
+    assert abs(model.head.weight.std().item() * math.sqrt(1025) - 1) < 0.1  # not the default std 0.02
+    assert torch.equal(model.head.bias.detach(), torch.zeros(1))
+
+
+PAD = 1  # the tiny world's [PAD] id; EOS is 0
+
+
+@pytest.mark.parametrize("ids, expected", [
+    ([[5, 6, 7, 0, PAD, PAD], [5, 6, 0, PAD, PAD, PAD]], [3, 2]),  # padded rows: the EOS before the first pad
+    ([[5, 6, 7, 8, 9, 0], [5, 6, 7, 8, 0, PAD]], [5, 4]),  # a row without pad: the last index
+])
+def test_reward_index_right_padded(ids, expected):
+    """Detail 12, training layout: right-padded query+response, context 0."""
+    assert reward.reward_indices(torch.tensor(ids), PAD, 0).tolist() == expected
+
+
+@pytest.mark.parametrize("ids, expected", [
+    # left-padded query of width 4 ++ right-padded response: the query's pads are skipped
+    ([[PAD, PAD, 5, 6, 7, 0, PAD, PAD], [PAD, 5, 6, 7, 8, 9, 0, PAD]], [5, 6]),
+    # a query without pads, and a response without pads: the last index
+    ([[4, 5, 6, 7, 8, 9, 10, 0], [PAD, PAD, PAD, 7, 8, 0, PAD, PAD]], [7, 5]),
+])
+def test_reward_index_left_padded_query(ids, expected):
+    """Detail 12, PPO layout: left-padded query ++ right-padded response, context = query width 4."""
+    assert reward.reward_indices(torch.tensor(ids), PAD, 4).tolist() == expected
+
+
+class IdentityRM(torch.nn.Module):
+    """A fake RM whose per-token reward logit is the (masked) input id: shows what get_reward reads."""
+
+    def forward(self, input_ids, attention_mask):
+        return (input_ids * attention_mask).float()
+
+
+def test_get_reward_reads_the_eos_logit():
+    ids = torch.tensor([[PAD, 3, 4, 9, 0, PAD], [2, 3, 4, 5, 8, 7]])
+    logits, rewards = reward.get_reward(IdentityRM(), ids, PAD, context_length=2)
+    assert logits[0, 0] == 0  # pads reach the model as id 0, masked
+    assert rewards.tolist() == [0.0, 7.0]  # row 0: EOS (id 0) at index 4; row 1: no pad, last index
+
+
+def tiny_scalar_model(seed=0):
+    """A ScalarModel on the tiny world's base-model config, random weights, dropout off."""
+    torch.manual_seed(seed)
+    config = json.loads((WORLD / "pythia-tiny" / "config.json").read_text())
+    model = reward.ScalarModel(reward.ScalarModelConfig(base_config=config))
+    reward.disable_dropout(model)
+    return model.eval()
+
+
+def test_left_and_right_padding_give_the_same_reward():
+    """Detail 14: the same tokens scored right-padded and as left-padded query ++ response."""
+    model = tiny_scalar_model()
+    query, response = [11, 12, 13, 14, 15], [21, 22, 0]  # response ends with EOS
+    right = torch.tensor([query + response + [PAD] * 4])  # (1, 12)
+    left = torch.tensor([[PAD] * 3 + query + response + [PAD] * 2])  # query width 8, response width 5
+    with torch.no_grad():
+        _, r_right = reward.get_reward(model, right, PAD, 0)
+        _, r_left = reward.get_reward(model, left, PAD, 8)
+    assert abs(r_right.item() - r_left.item()) < 1e-4
+
+
+def test_normalization_bias_makes_the_mean_zero():
+    """Detail 15: subtracting the references' mean reward from the head's bias centres them at 0."""
+    model = tiny_scalar_model(seed=1)
+    ids = torch.randint(2, 1000, (6, 10))
+    ids[:, 7:] = PAD
+    ids[:, 6] = 0
+    with torch.no_grad():
+        _, before = reward.get_reward(model, ids, PAD, 0)
+        model.head.bias -= before.mean()  # what reward.py does after training
+        _, after = reward.get_reward(model, ids, PAD, 0)
+    assert abs(before.mean().item()) > 1e-3  # the test would pass trivially otherwise
+    assert abs(after.mean().item()) < 1e-5
+    assert torch.allclose(after - before, -before.mean().expand(6), atol=1e-5)  # a shift, nothing else
+
+
+def test_grouped_accuracy_hand_made_table():
+    """Detail 16: accuracy overall and per value of each grouping column; a missing confidence is a group."""
+    table = pd.DataFrame({"accuracy": [1.0, 0.0, 1.0, 1.0, 0.0],
+                          "split": ["valid1", "valid1", "valid2", "valid2", "valid2"],
+                          "batch": ["b6", "b7", "b7", "b7", "b6"],
+                          "confidence": [1, 9, 9, None, 9]})
+    out = reward.grouped_accuracy(table, ("split", "batch", "confidence"))
+    got = {(row.group, row.value): (round(row.accuracy, 4), row.pairs) for row in out.itertuples()}
+    assert got == {("all", "all"): (0.6, 5), ("split", "valid1"): (0.5, 2), ("split", "valid2"): (0.6667, 3),
+                   ("batch", "b6"): (0.5, 2), ("batch", "b7"): (0.6667, 3),
+                   ("confidence", "1"): (1.0, 1), ("confidence", "9"): (0.3333, 3),
+                   ("confidence", "nan"): (1.0, 1)}
+    assert out.iloc[0].group == "all"
+
+
+def test_calibration_bins_hand_made_margins():
+    """Detail 18: bins of |margin| 0.5 wide; accuracy = share of positive margins; ideal = sigmoid(centre)."""
+    margins = np.array([0.1, -0.2, 0.3, 0.7, -0.9, 1.6])
+    out = reward.calibration_bins(margins, 0.5)
+    assert out["low"].tolist() == [0.0, 0.5, 1.5]
+    assert out["pairs"].tolist() == [3, 2, 1]
+    assert np.allclose(out["accuracy"], [2 / 3, 0.5, 1.0])
+    assert np.allclose(out["ideal"], [1 / (1 + math.exp(-c)) for c in (0.25, 0.75, 1.75)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Real runs on a small slice of the tiny world
+# ---------------------------------------------------------------------------------------------
+
+TRAIN_PAIRS, BATCH, EPOCHS = 32, 8, 2  # 8 updates of 8 pairs: each pair twice, once per epoch
+
+
+@pytest.fixture(scope="module")
+def small_world(tiny_tldr, tmp_path_factory):
+    """Slices of the preprocessed tiny world (32 train pairs, 16 + 8 eval pairs, 24 references) + a judged CSV."""
+    root = tmp_path_factory.mktemp("small_world")
+    preference = datasets.load_from_disk(str(tiny_tldr / "preference"))
+    sizes = {"train": TRAIN_PAIRS, "validation": 16, "validation_cnndm": 8}
+    datasets.DatasetDict({split: preference[split].select(range(n)) for split, n in sizes.items()}).save_to_disk(
+        str(root / "preference"))
+    sft = datasets.load_from_disk(str(tiny_tldr / "sft"))
+    datasets.DatasetDict(train=sft["train"].select(range(24))).save_to_disk(str(root / "sft"))
+    shutil.copy(tiny_tldr / "args.json", root / "args.json")  # the pad / eos ids the columns were built with
+    validation = sft["validation"].select(range(10))
+    # judge.py's judged/<run>.csv columns (a malformed verdict counts for neither side)
+    pd.DataFrame({"post": validation["query"], "ours": validation["summary"],
+                  "other": list(reversed(validation["summary"])),
+                  "preferred": ["ours", "reference"] * 4 + ["malformed", "ours"]}).to_csv(root / "judged.csv", index=False)
+    return root
+
+
+def run_reward(small_world, output_dir, *extra, processes=1):
+    """Run reward.py on the small world (1 process, or 2 CPU processes with accelerate launch)."""
+    flags = ["--sft_model_path", str(WORLD / "pythia-tiny"), "--label_dataset", str(small_world / "preference"),
+             "--query_dataset", str(small_world / "sft"), "--output_dir", str(output_dir), "--lr", "1e-3",
+             "--batch_size", str(BATCH), "--num_train_epochs", str(EPOCHS), "--local_eval_batch_size", "8",
+             "--log_seen_rows", *extra]
+    if processes == 1:
+        cmd = [sys.executable, str(REPO / "reward.py"), *flags]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(REPO / "reward.py"), *flags]
+    env = {**ENV, "ACCELERATE_USE_CPU": "1"} if processes > 1 else ENV
+    result = subprocess.run(cmd, cwd=output_dir.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result.stdout + result.stderr
+
+
+def assert_each_pair_once_per_epoch(output_dir, processes):
+    """The seen_rows files of all ranks: every epoch's updates read every train pair exactly once."""
+    seen = [json.loads((output_dir / f"seen_rows_rank{r}.json").read_text()) for r in range(processes)]
+    updates_per_epoch = TRAIN_PAIRS // BATCH
+    for epoch in range(EPOCHS):
+        rows = [row for ranks in seen for u in range(epoch * updates_per_epoch, (epoch + 1) * updates_per_epoch)
+                for row in ranks[str(u)]]
+        assert sorted(rows) == list(range(TRAIN_PAIRS)), f"epoch {epoch}: {sorted(rows)}"
+    if processes > 1:  # the ranks read disjoint pairs in every update
+        for u in seen[0]:
+            assert not set(seen[0][u]) & set(seen[1][u])
+
+
+@pytest.fixture(scope="module")
+def resumed_run(small_world, tmp_path_factory):
+    """1 process, micro-batch 4 x 2 accumulation steps; stopped after 3 of 8 updates, then resumed."""
+    output_dir = tmp_path_factory.mktemp("resumed") / "rm"
+    first = run_reward(small_world, output_dir, "--local_micro_batch_size", "4", "--stop_after_updates", "3",
+                       "--gold_judge", str(WORLD), "--judged_file", str(small_world / "judged.csv"))
+    assert "stopped after update 3 of 8" in first
+    assert (output_dir / "checkpoints" / "update_3" / "trainer_state.json").is_file()
+    second = run_reward(small_world, output_dir, "--local_micro_batch_size", "4", "--resume",
+                        "--gold_judge", str(WORLD), "--judged_file", str(small_world / "judged.csv"))
+    assert "resumed from" in second and "at update 3" in second
+    return output_dir
+
+
+def test_run_interrupted_and_resumed_writes_a_normalised_portable_rm(resumed_run, small_world, tmp_path):
+    out = resumed_run
+    assert_each_pair_once_per_epoch(out, processes=1)
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "args.json", "eval_validation.csv",
+                 "eval_validation_cnndm.csv", "accuracy_validation.md", "accuracy_validation_cnndm.md",
+                 "calibration.png", "token_rewards.png", "normalization.json", "eval_metrics.json"):
+        assert (out / name).is_file(), name
+    assert not (out / "checkpoints").exists()  # removed when the run ends
+    args = json.loads((out / "args.json").read_text())
+    assert (args["num_updates"], args["gradient_accumulation_steps"], args["local_micro_batch_size"]) == (8, 2, 4)
+    metrics = json.loads((out / "eval_metrics.json").read_text())
+    for key in ("eval/rm/validation/accuracy", "eval/rm/validation_cnndm/accuracy", "eval/rm/validation/gold_accuracy",
+                "eval/rm/judge_agreement", "eval/rm/validation/accuracy/confidence/9"):
+        assert 0 <= metrics[key] <= 1, key
+    table = pd.read_csv(out / "eval_validation.csv")
+    assert len(table) == 16 and {"chosen_reward", "rejected_reward", "accuracy", "gold_prefers_chosen",
+                                 "batch", "confidence", "chosen_policy"} <= set(table.columns)
+    assert table["accuracy"].mean() == pytest.approx(metrics["eval/rm/validation/accuracy"])
+    assert metrics["eval/rm/judge_agreement"] * 9 == pytest.approx(round(metrics["eval/rm/judge_agreement"] * 9))
+    normalization = json.loads((out / "normalization.json").read_text())
+    assert normalization["references"] == 24 and abs(normalization["left_right_diff_mean"]) < 1e-3
+
+    # The saved RM: safetensors, no path in its config, loads from a moved folder, references average 0.
+    config_text = (out / "config.json").read_text()
+    assert "_name_or_path" not in config_text and str(REPO) not in config_text and "pythia-tiny" not in config_text
+    moved = tmp_path / "renamed_rm"
+    shutil.copytree(out, moved)
+    model = reward.ScalarModel.from_pretrained(str(moved)).eval()
+    assert model.config.base_config["attention_dropout"] == 0.0  # Detail 7: saved with dropout off
+    references = datasets.load_from_disk(str(small_world / "sft"))["train"].with_format(
+        "torch", columns=["query_reference_response_token"])
+    with torch.no_grad():
+        _, rewards = reward.get_reward(model, references[:]["query_reference_response_token"], PAD, 0)
+    assert abs(rewards.mean().item()) < 1e-3
+
+
+def test_two_processes_read_each_pair_once_and_match_one_process(resumed_run, small_world, tmp_path):
+    """2 CPU processes x micro-batch 2 x 2 accumulation steps = the 1-process run's updates, split in two."""
+    out = tmp_path / "rm2"
+    run_reward(small_world, out, "--local_micro_batch_size", "2", processes=2)
+    assert_each_pair_once_per_epoch(out, processes=2)
+    assert json.loads((out / "args.json").read_text())["world_size"] == 2
+    two = reward.ScalarModel.from_pretrained(str(out)).state_dict()
+    one = reward.ScalarModel.from_pretrained(str(resumed_run)).state_dict()
+    for key in one:  # same pairs per micro-step, gradients averaged over ranks: the same updates
+        assert torch.allclose(one[key], two[key], atol=1e-4), key
+
+
+def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
+    """A dataset without the pair columns, then an output folder holding another run: clear SetupErrors."""
+    base = [sys.executable, str(REPO / "reward.py"), "--sft_model_path", str(WORLD / "pythia-tiny"),
+            "--query_dataset", str(small_world / "sft"), "--batch_size", "8"]
+    wrong = subprocess.run(base + ["--label_dataset", str(small_world / "sft"), "--output_dir", str(tmp_path / "a")],
+                           cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert wrong.returncode != 0 and "SetupError" in wrong.stderr and "lacks ['validation'" in wrong.stderr
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "args.json").write_text(json.dumps({"lr": 0.5}))
+    taken = subprocess.run(base + ["--label_dataset", str(small_world / "preference"), "--output_dir", str(tmp_path / "b")],
+                           cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert taken.returncode != 0 and "holds a different run" in taken.stderr
+    assert not (tmp_path / "a").exists() and sorted(os.listdir(tmp_path / "b")) == ["args.json"]
