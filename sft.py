@@ -15,7 +15,7 @@ reward.py, dpo.py and ppo.py load with `from_pretrained`:
 
     # tiny world, offline, 2 CPU cores, ~1.5 min (benchmark/tiny.sh runs this)
     python sft.py --base_model assets/tiny_world/pythia-tiny --query_dataset data/tiny_tldr/sft \
-        --output_dir models/tiny/sft_1 --lr 1e-3 --batch_size 16 --local_micro_batch_size 16 \
+        --output_dir models/tiny/sft_1 --lr 2e-3 --batch_size 16 --local_micro_batch_size 16 \
         --total_episodes 9600 --response_length 44 --local_eval_batch_size 128
     # one GPU, Pythia 1B, bf16 (global batch 128 = 16 x 8 accumulation steps)
     accelerate launch --num_processes 1 --mixed_precision bf16 sft.py \
@@ -117,8 +117,6 @@ class Args:
     """AdamW weight decay (torch's default, which the reference uses without saying so)"""
     scheduler: str = "cosine"
     """Learning-rate schedule, a transformers.get_scheduler name (Detail 9; paper: cosine to 0)"""
-    warm_up_steps: int = 0
-    """Warm-up updates of the schedule (reference: 0)"""
     batch_size: int = 128
     """Global batch per update = local_micro_batch_size x gradient_accumulation_steps x world_size (Detail 9; paper: 128)"""
     local_micro_batch_size: int = 1
@@ -449,8 +447,7 @@ if __name__ == "__main__":
     # The paper's recipe: AdamW (eps 1e-5, torch's weight decay 0.01), lr 3e-6 with a cosine decay
     # to 0 over one epoch in updates of 128 samples (911 updates of the 116,722 posts), no clipping.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
-    scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warm_up_steps,
-                              num_training_steps=args.num_updates)
+    scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
     # The scheduler stays unprepared: accelerate's wrapper would step it once per process, and we
     # step it once per update ourselves. Registered, it is still saved in checkpoints.
     model, optimizer = accelerator.prepare(model, optimizer)

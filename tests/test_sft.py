@@ -269,6 +269,10 @@ def test_two_processes_match_one(single_run, tiny_tldr, tmp_path):
     args = json.loads((tmp_path / "out" / "args.json").read_text())
     assert (args["world_size"], args["gradient_accumulation_steps"]) == (2, 1)
     assert max_difference(weights(tmp_path / "out"), weights(single_run[0])) < PROCESS_TOLERANCE
+    # The eval loss is reduced over both ranks' tokens: the same number as on one process.
+    losses = [json.loads((folder / "eval_metrics.json").read_text())["validation"]["loss"]
+              for folder in (tmp_path / "out", single_run[0])]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-4)
     # The eval rows of both ranks come back in the split's order.
     queries = [pd.read_csv(folder / "eval_validation.csv")["query"] for folder in (tmp_path / "out", single_run[0])]
     assert queries[0].equals(queries[1])
