@@ -86,7 +86,7 @@ class Args:
     resume: bool = False
     """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0)"""
     stop_after_updates: Optional[int] = None
-    """Checkpoint and exit after this many updates, as a time-limited SLURM job would; rerun with --resume"""
+    """Checkpoint and exit after update N of the run, as a time-limited SLURM job would end; rerun with --resume"""
 
     # data
     query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
@@ -474,6 +474,9 @@ if __name__ == "__main__":
                 nll, num_tokens = next_token_nll(forward(model, query_responses, tokenizer.pad_token_id).logits,
                                                  query_responses, tokenizer.pad_token_id)
                 # The mean over this micro-batch's non-pad tokens, query included (reference behaviour).
+                # Micro-batches then weigh alike whatever their token counts, so splitting the same
+                # batch into other micro-batches changes the gradient slightly; splitting the same
+                # micro-batches over ranks instead of accumulation steps does not.
                 loss = nll / num_tokens
                 accelerator.backward(loss)
                 optimizer.step()

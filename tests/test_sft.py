@@ -27,25 +27,30 @@ BASE = WORLD / "pythia-tiny"
 TINY_RUN = ["--base_model", str(BASE), "--lr", "1e-3", "--batch_size", "8", "--local_micro_batch_size", "4",
             "--total_episodes", "32", "--response_length", "8", "--local_eval_batch_size", "16",
             "--num_eval_samples", "16"]
-# 1 process and 2 processes sum the same per-micro-batch gradients in a different order (accelerate's
-# loss / 2 then a sum, vs DDP's all-reduce mean), so only float rounding separates them: measured
-# 2e-7 after 4 updates of lr 1e-3, while those updates move the weights by ~4e-3.
+# The loss is a token mean per micro-batch, and both runs form the same micro-batches of 4 from the
+# shared episode order; 1 process and 2 processes then only sum the same micro-batch gradients in
+# a different order (accelerate's loss / 2 then a sum, vs DDP's all-reduce mean), so float rounding
+# alone separates them: measured 2e-7 after 4 updates of lr 1e-3, which move the weights by ~4e-3.
 PROCESS_TOLERANCE = 1e-5
 RESUME_TOLERANCE = 1e-6  # same ops in the same order on one process: equal in practice
 
 
-def run_sft(cwd, *flags, processes=1, check=True):
-    """Run sft.py (through `accelerate launch` for 2 processes on CPU) in `cwd`; the CompletedProcess."""
+def run_sft(cwd, *flags, processes=1, deepspeed=False, check=True):
+    """Run sft.py in `cwd`, for 2 processes through `accelerate launch` on CPU (DDP, or DeepSpeed
+    ZeRO-2 with the repository's config); the CompletedProcess."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     if processes == 1:
         cmd = [sys.executable, str(REPO / "sft.py")]
     else:
         with socket.socket() as sock:  # a free port: other test sessions may launch at the same time
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(port), str(REPO / "sft.py")]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+        # ENV_NOTES: CPU DDP needs --multi_gpu with ACCELERATE_USE_CPU; CPU DeepSpeed must not set it.
+        backend = ["--config_file", str(REPO / "benchmark/accelerate/deepspeed_zero2.yaml")] if deepspeed else [
+            "--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"]
+        env.update({} if deepspeed else {"ACCELERATE_USE_CPU": "1"})
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *backend, "--num_processes", str(processes),
+               "--mixed_precision", "no", "--main_process_port", str(port), str(REPO / "sft.py")]
     result = subprocess.run(cmd + [str(flag) for flag in flags], cwd=cwd, env=env, capture_output=True, text=True,
                             timeout=300)
     if check:
@@ -287,3 +292,12 @@ def test_resume_matches_uninterrupted(single_run, tiny_tldr, tmp_path):
     result = run_sft(tmp_path, *flags, "--resume")
     assert "at update 2" in result.stdout
     assert max_difference(weights(tmp_path / "out"), weights(single_run[0])) < RESUME_TOLERANCE
+
+
+def test_deepspeed_zero2_matches_one_process(single_run, tiny_tldr, tmp_path):
+    # The paper's launcher config on 2 CPU processes (fp32: bf16 is for GPUs). DeepSpeed reads the
+    # micro-batch and the accumulation from the script and must not clip gradients (accelerate
+    # would fill in clipping at 1.0: a difference of 1e-3 here); then it matches like DDP.
+    run_sft(tmp_path, *TINY_RUN, "--query_dataset", tiny_tldr / "sft", "--output_dir", tmp_path / "out",
+            "--num_eval_samples", "0", processes=2, deepspeed=True)
+    assert max_difference(weights(tmp_path / "out"), weights(single_run[0])) < PROCESS_TOLERANCE
