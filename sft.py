@@ -329,7 +329,7 @@ def sft_evaluate(accelerator, model, dataset, tokenizer, generation_config, loca
         indices = mine[start:start + local_eval_batch_size]
         batch = dataset[indices]
         # Same loss as training, on the right-padded query+reference ids.
-        query_references = batch["query_reference_response_token"].to(accelerator.device)  # (B, T_q + T_ref)
+        query_references = batch["query_reference_response_token"].to(accelerator.device)  # (B, T), right-padded
         nll, count = next_token_nll(forward(unwrapped, query_references, pad_id).logits, query_references, pad_id)
         nll_sum, num_tokens = nll_sum + nll, num_tokens + count
         queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded

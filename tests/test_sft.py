@@ -1,5 +1,6 @@
 """Tests of sft.py: its helpers against hand-computed values (Details 3, 7, 9), bad inputs refused
-before any compute, and subprocess runs on the tiny world: a smoke run, 2 processes vs 1, resume.
+before any compute, and subprocess runs on the tiny world: a smoke run, 2 processes (DDP and
+DeepSpeed ZeRO-2, on CPU) vs 1, an interrupted and resumed run vs an uninterrupted one.
 
 The subprocess runs share one configuration, small enough for seconds: global batch 8 as micro-batch
 4 x 2 accumulation steps (1 process) or 4 x 1 x 2 processes, 4 updates at lr 1e-3, eval on 16
@@ -48,6 +49,7 @@ def run_sft(cwd, *flags, processes=1, deepspeed=False, check=True):
         # ENV_NOTES: CPU DDP needs --multi_gpu with ACCELERATE_USE_CPU; CPU DeepSpeed must not set it.
         backend = ["--config_file", str(REPO / "benchmark/accelerate/deepspeed_zero2.yaml")] if deepspeed else [
             "--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"]
+        env.pop("ACCELERATE_USE_CPU", None)
         env.update({} if deepspeed else {"ACCELERATE_USE_CPU": "1"})
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *backend, "--num_processes", str(processes),
                "--mixed_precision", "no", "--main_process_port", str(port), str(REPO / "sft.py")]
