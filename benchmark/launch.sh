@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The paper's sweep on a SLURM cluster: every stage launcher of benchmark/slurm/ submitted as an
+# array over MODELS x SEEDS (benchmark/knobs.sh), chained with job dependencies:
+#
+#   preprocess -> sft -> reward -> ppo -> judge
+#                    \-> dpo ---------------/
+#
+# Task i of every array is the same (model, seed), so a stage depends on its predecessors task by
+# task (`aftercorr`: reward of 1B seed 44413 starts as soon as that SFT run succeeds, not when all
+# twelve have). A failed predecessor cancels its dependants (--kill-on-invalid-dep); submitting
+# again is cheap, since a task whose output is complete exits at once.
+#
+#   bash benchmark/launch.sh --dry-run             # print the sbatch commands and every task's command
+#   bash benchmark/launch.sh                       # submit the whole pipeline (from any folder)
+#   bash benchmark/launch.sh sft reward            # only these stages, in pipeline order
+#   MODELS="EleutherAI/pythia-1b-deduped" SEEDS="44413" bash benchmark/launch.sh   # a subset
+#
+# Cluster options go to sbatch through its own environment variables, e.g. SBATCH_PARTITION,
+# SBATCH_QOS, SBATCH_ACCOUNT, SBATCH_TIMELIMIT (a job reaching its time limit requeues itself and
+# resumes from its latest checkpoint). The jobs inherit this shell's environment: activate the
+# project's venv, log in to W&B (or TRACK=0) and set OPENAI_API_KEY (judge) before submitting.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source benchmark/knobs.sh
+
+ALL_STAGES=(preprocess sft reward dpo ppo judge)
+declare -A NEEDS=([preprocess]="" [sft]="preprocess" [reward]="sft" [dpo]="sft" [ppo]="reward" [judge]="ppo dpo")
+
+dry_run=0
+stages=()
+for arg in "$@"; do
+  case $arg in
+    --dry-run) dry_run=1 ;;
+    preprocess | sft | reward | dpo | ppo | judge) stages+=("$arg") ;;
+    *) echo "usage: bash benchmark/launch.sh [--dry-run] [${ALL_STAGES[*]}]" >&2; exit 2 ;;
+  esac
+done
+if ((${#stages[@]} == 0)); then stages=("${ALL_STAGES[@]}"); fi
+
+n_tasks=$((${#MODEL_LIST[@]} * ${#SEED_LIST[@]}))
+declare -A JOB=()  # stage -> submitted job id (the stages of this call only)
+if ((!dry_run)); then mkdir -p runs/slurm; fi  # the #SBATCH --output folder
+for stage in "${ALL_STAGES[@]}"; do
+  [[ " ${stages[*]} " == *" $stage "* ]] || continue
+  args=(--parsable --kill-on-invalid-dep=yes)
+  if [[ $stage != preprocess ]]; then args+=("--array=0-$((n_tasks - 1))${ARRAY_THROTTLE:+%$ARRAY_THROTTLE}"); fi
+  deps=()
+  for need in ${NEEDS[$stage]}; do
+    [[ -n ${JOB[$need]:-} ]] || continue  # not submitted in this call: assumed done
+    if [[ $need == preprocess ]]; then deps+=("afterok:${JOB[$need]}"); else deps+=("aftercorr:${JOB[$need]}"); fi
+  done
+  if ((${#deps[@]})); then args+=("--dependency=$(IFS=,; echo "${deps[*]}")"); fi
+  if ((dry_run)); then
+    JOB[$stage]="<$stage job id>"
+    echo "sbatch ${args[*]} benchmark/slurm/$stage.sbatch"
+    bash "benchmark/slurm/$stage.sbatch" --dry-run
+  else
+    JOB[$stage]=$(sbatch "${args[@]}" "benchmark/slurm/$stage.sbatch")
+    echo "$stage: job ${JOB[$stage]} (logs: runs/slurm/tldr-${stage}_${JOB[$stage]}*.out)"
+  fi
+done

@@ -1,0 +1,82 @@
+# Array plumbing shared by the stage launchers in this folder (sourced; the knobs are in
+# benchmark/knobs.sh). A launcher defines STAGE, TASKS ("sweep": one task per model x seed, or
+# "single": one task), DONE (the file its script writes last, relative to $OUT) and a function
+# `stage_command MODEL SEED` that sets OUT (its output folder) and CMD (the command, an array).
+# Then `run_stage "$@"`:
+#
+#   bash benchmark/slurm/<stage>.sbatch --dry-run   print every task's command; needs no SLURM
+#   sbatch benchmark/slurm/<stage>.sbatch           SLURM runs task $SLURM_ARRAY_TASK_ID with srun
+#   SLURM_ARRAY_TASK_ID=3 bash benchmark/slurm/<stage>.sbatch   run task 3 here, without SLURM
+#
+# Task i runs MODEL = MODELS[i / #SEEDS], SEED = SEEDS[i % #SEEDS] (the reference's indexing), so
+# task i of every stage is the same (model, seed) and `--dependency=aftercorr` chains them.
+# Requeue: a task whose DONE file exists exits at once; otherwise its command carries --resume
+# and --save_every, so a job requeued after a preemption, a node failure or its time limit (the
+# USR1 trap below requeues it 10 minutes before the limit) continues from its latest checkpoint.
+
+source benchmark/knobs.sh
+
+export TOKENIZERS_PARALLELISM=false
+
+num_tasks() {  # how many array tasks the stage has
+  if [[ $TASKS == single ]]; then echo 1; else echo $(( ${#MODEL_LIST[@]} * ${#SEED_LIST[@]} )); fi
+}
+
+task_command() {  # task_command I: MODEL, SEED, OUT and CMD of array task I
+  MODEL=${MODEL_LIST[$(($1 / ${#SEED_LIST[@]}))]}
+  SEED=${SEED_LIST[$(($1 % ${#SEED_LIST[@]}))]}
+  stage_command "$MODEL" "$SEED"
+}
+
+print_command() {  # the command, shell-quoted, on one line
+  local quoted
+  quoted=$(printf '%q ' "$@")
+  echo "${quoted% }"
+}
+
+requeue_self() {  # USR1 (sent by --signal=B:USR1@600 before the time limit): back into the queue
+  local job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
+  echo "time limit near: requeueing ${job:-$SLURM_JOB_ID}; it resumes from the latest checkpoint"
+  scontrol requeue "${job:-$SLURM_JOB_ID}"
+}
+
+run_stage() {  # run_stage [--dry-run]
+  local n i
+  n=$(num_tasks)
+  if [[ ${1:-} == --dry-run ]]; then
+    echo "# $STAGE: $n task(s) (array 0-$((n - 1)))"
+    for ((i = 0; i < n; i++)); do
+      task_command "$i"
+      if [[ $TASKS == single ]]; then echo "# [$i] -> $OUT"; else echo "# [$i] $MODEL seed $SEED -> $OUT"; fi
+      print_command "${CMD[@]}"
+    done
+    return 0
+  fi
+  if [[ -n ${1:-} ]]; then
+    echo "usage: bash $0 --dry-run | sbatch $0 | SLURM_ARRAY_TASK_ID=i bash $0" >&2
+    return 2
+  fi
+  i=${SLURM_ARRAY_TASK_ID:-}
+  if [[ -z $i && $TASKS == single ]]; then i=0; fi
+  if [[ -z $i ]] || ((i >= n)); then
+    echo "$STAGE: array task '${i}' is not in 0-$((n - 1)); set SLURM_ARRAY_TASK_ID or use --dry-run" >&2
+    return 2
+  fi
+  task_command "$i"
+  if [[ -f $OUT/$DONE ]]; then
+    echo "$STAGE [$i]: $OUT/$DONE exists, nothing to do"
+    return 0
+  fi
+  echo "$STAGE [$i] on $(hostname) at $(date -u +%FT%TZ): $(print_command "${CMD[@]}")"
+  if [[ -n ${SLURM_JOB_ID:-} ]]; then
+    trap requeue_self USR1
+    srun "${CMD[@]}" &
+    local pid=$! rc
+    while true; do  # a trapped USR1 interrupts `wait`; the requeue then ends the job
+      wait "$pid" && rc=0 || rc=$?
+      kill -0 "$pid" 2>/dev/null || return "$rc"
+    done
+  else
+    "${CMD[@]}"
+  fi
+}

@@ -1,0 +1,295 @@
+"""The SLURM launchers of the paper's sweep (benchmark/launch.sh, benchmark/slurm/*.sbatch,
+benchmark/knobs.sh), checked through their dry runs: no SLURM, no GPU, no model is loaded.
+
+  - every flag a dry run prints exists in the script's `--help`;
+  - the global batch of every training command equals the paper's (SFT 128, RM / DPO 64, PPO 512)
+    for every model on the 8 processes of the accelerate config, and divides exactly into
+    micro-batches x 8 ranks (the scripts derive the accumulation steps from it);
+  - every (model, seed) of the sweep runs once, each stage reads the previous stage's folder, and
+    every training command can resume (--resume, --save_every) under --requeue;
+  - the pipeline chains the stages with job dependencies;
+  - under a fake srun, a task runs its command, skips a finished run, and requeues itself on USR1.
+"""
+
+import ast
+import math
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+SLURM = REPO / "benchmark" / "slurm"
+STAGES = ("preprocess", "sft", "reward", "dpo", "ppo", "judge")
+SCRIPTS = {"preprocess": "preprocess_tldr.py", "sft": "sft.py", "reward": "reward.py", "dpo": "dpo.py",
+           "ppo": "ppo.py", "judge": "judge.py"}
+TRAINING = ("sft", "reward", "dpo", "ppo")
+# The paper's global batches (Table 3 of the paper; the reference's released runs on 8 GPUs).
+PAPER_BATCH = {"sft": 128, "reward": 64, "dpo": 64, "ppo": 512}
+PAPER_MODELS = ("EleutherAI/pythia-1b-deduped", "EleutherAI/pythia-2.8b-deduped", "EleutherAI/pythia-6.9b-deduped")
+PAPER_SEEDS = ("44413", "55513", "66613", "77713")
+PAPER_GPUS = 8
+# Rows of the paper's eval splits (README: SFT validation / test), for the ZeRO-3 eval check.
+EVAL_ROWS = {"validation": 6447, "test": 6553}
+# A clean environment for the dry runs: the knobs' defaults, not whatever the caller exported.
+KNOB_VARS = ("MODELS", "SEEDS", "DATA", "OUT_ROOT", "TOKENIZER_MODEL", "ACCELERATE_CONFIG", "TRACK", "PUSH",
+             "SAVE_EVERY_SFT", "SAVE_EVERY_RM", "SAVE_EVERY_DPO", "SAVE_EVERY_PPO", "ARRAY_THROTTLE",
+             "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_SUBMIT_DIR")
+ENV = {key: value for key, value in os.environ.items() if key not in KNOB_VARS}
+
+
+def bash(*args, env=None, timeout=60):
+    """Run bash with `args` in the repository root -> CompletedProcess (text)."""
+    return subprocess.run(["bash", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**ENV, **(env or {})})
+
+
+def help_flags(text: str) -> set:
+    """Flag names (underscored) of a tyro --help text: the option rows `│ --a-b X`, `│ --c, --no-c`."""
+    flags = set()
+    for line in text.splitlines():
+        row = re.match(r"^[│|]\s+(--[\w-]+(?:,\s*--[\w-]+)*)", line)
+        if row:
+            flags.update(flag[2:].replace("-", "_") for flag in re.findall(r"--[\w-]+", row.group(1)))
+    return flags
+
+
+def args_defaults(path: Path) -> dict:
+    """{field: default} of the `Args` dataclass of a script, read from its source (nothing imported)."""
+    tree = ast.parse(path.read_text())
+    args = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Args")
+    defaults = {}
+    for node in args.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            try:
+                defaults[node.target.id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass  # a factory or an expression: not a number we check
+    return defaults
+
+
+@pytest.fixture(scope="module")
+def helps():
+    """{stage: flags of its script's --help, or None when the script does not exist}, run in parallel."""
+    def run(stage):
+        script = REPO / SCRIPTS[stage]
+        if not script.is_file():
+            return stage, None
+        result = subprocess.run([sys.executable, str(script), "--help"], cwd=REPO, capture_output=True, text=True,
+                                timeout=300, env={**ENV, "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, f"{SCRIPTS[stage]} --help failed:\n{result.stderr[-2000:]}"
+        return stage, help_flags(result.stdout)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        return dict(pool.map(run, STAGES))
+
+
+def parse_dry_run(text: str) -> list:
+    """Commands of a dry run (comment lines skipped) -> [{"launcher", "script", "flags": {name: [values]}}]."""
+    commands = []
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#") or line.startswith("sbatch "):
+            continue
+        tokens = shlex.split(line)
+        at = next(i for i, token in enumerate(tokens) if token.endswith(".py"))
+        flags, name = {}, None
+        for token in tokens[at + 1:]:
+            if token.startswith("--"):
+                name = token[2:].split("=")[0]
+                flags.setdefault(name, [])
+                if "=" in token:
+                    flags[name].append(token.split("=", 1)[1])
+            else:
+                assert name is not None, f"a value before any flag in: {line}"
+                flags[name].append(token)
+        commands.append({"launcher": tokens[:at], "script": Path(tokens[at]).name, "flags": flags, "line": line})
+    return commands
+
+
+@pytest.fixture(scope="module")
+def dry_runs():
+    """{stage: parsed commands of `bash benchmark/slurm/<stage>.sbatch --dry-run`} (the knobs' defaults)."""
+    out = {}
+    for stage in STAGES:
+        result = bash(str(SLURM / f"{stage}.sbatch"), "--dry-run")
+        assert result.returncode == 0, result.stderr
+        out[stage] = parse_dry_run(result.stdout)
+    return out
+
+
+def one(command: dict, flag: str) -> str:
+    """The single value of `flag` in a parsed command."""
+    values = command["flags"][flag]
+    assert len(values) == 1, f"--{flag} takes one value, got {values}: {command['line']}"
+    return values[0]
+
+
+def world_size(command: dict) -> int:
+    """Processes of an `accelerate launch --config_file X` command (its --num_processes, else X's)."""
+    launcher = command["launcher"]
+    assert launcher[:2] == ["accelerate", "launch"], f"not an accelerate launch: {command['line']}"
+    if "--num_processes" in launcher:
+        return int(launcher[launcher.index("--num_processes") + 1])
+    config = yaml.safe_load((REPO / launcher[launcher.index("--config_file") + 1]).read_text())
+    return int(config["num_processes"])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_dry_run_flags_exist_in_help(stage, dry_runs, helps):
+    flags = helps[stage]
+    if flags is None:  # not skipped: a launcher for a script that is not there is a failure to see
+        pytest.fail(f"{SCRIPTS[stage]} does not exist yet: cannot check the flags that "
+                    f"benchmark/slurm/{stage}.sbatch passes to it")
+    assert dry_runs[stage], f"the dry run of {stage}.sbatch printed no command"
+    for command in dry_runs[stage]:
+        assert command["script"] == SCRIPTS[stage]
+        unknown = sorted(set(command["flags"]) - flags)
+        assert not unknown, f"{SCRIPTS[stage]} has no flag(s) {unknown}: {command['line']}"
+        assert "gradient_accumulation_steps" not in command["flags"], "derived by the scripts, never passed"
+
+
+@pytest.mark.parametrize("stage", TRAINING)
+def test_global_batch_is_the_papers_for_every_size(stage, dry_runs):
+    defaults = args_defaults(REPO / SCRIPTS[stage]) if (REPO / SCRIPTS[stage]).is_file() else {}
+    seen_models = set()
+    for command in dry_runs[stage]:
+        flags = command["flags"]
+        world = world_size(command)
+        assert world == PAPER_GPUS, f"the paper's runs use 8 GPUs, this one {world}: {command['line']}"
+        if "batch_size" in flags:
+            batch = int(one(command, "batch_size"))
+        else:
+            assert "batch_size" in defaults, f"{SCRIPTS[stage]}: no --batch_size flag and no default to read"
+            batch = defaults["batch_size"]
+        micro = int(one(command, "local_micro_batch_size")) if "local_micro_batch_size" in flags \
+            else defaults["local_micro_batch_size"]
+        minibatches = int(one(command, "num_minibatches")) if "num_minibatches" in flags \
+            else defaults.get("num_minibatches", 1)
+        assert batch == PAPER_BATCH[stage], f"global batch {batch}, paper {PAPER_BATCH[stage]}: {command['line']}"
+        assert batch % (micro * world * minibatches) == 0, (
+            f"batch {batch} is not a multiple of micro {micro} x {world} ranks x {minibatches} minibatches")
+        seen_models.add(one(command, "output_dir").split("/")[2])  # models/EleutherAI/<model>/<stage>_<seed>
+    assert len(seen_models) == len(PAPER_MODELS)
+
+
+@pytest.mark.parametrize("stage", ("sft", "reward", "dpo", "ppo", "judge"))
+def test_sweep_covers_models_x_seeds_in_deterministic_folders(stage, dry_runs):
+    commands = dry_runs[stage]
+    assert len(commands) == len(PAPER_MODELS) * len(PAPER_SEEDS)
+    expected = [f"models/{model}/{stage}_{seed}" for model in PAPER_MODELS for seed in PAPER_SEEDS]
+    assert [one(command, "output_dir") for command in commands] == expected  # index i = MODELS[i/4], SEEDS[i%4]
+    if stage != "judge":
+        assert [one(command, "seed") for command in commands] == list(PAPER_SEEDS) * len(PAPER_MODELS)
+
+
+def test_each_stage_reads_the_previous_stages_folder(dry_runs):
+    data = one(dry_runs["preprocess"][0], "output_dir")
+    assert one(dry_runs["preprocess"][0], "base_model") == PAPER_MODELS[0]  # one tokenizer for every Pythia size
+    for i, (model, seed) in enumerate((m, s) for m in PAPER_MODELS for s in PAPER_SEEDS):
+        sft, reward, dpo, ppo, judge = (dry_runs[stage][i] for stage in ("sft", "reward", "dpo", "ppo", "judge"))
+        assert one(sft, "base_model") == model and one(ppo, "base_model") == model
+        for command in (sft, reward, dpo, ppo):
+            assert one(command, "query_dataset") == f"{data}/sft"
+        for command in (reward, dpo):
+            assert one(command, "label_dataset") == f"{data}/preference"
+        for command in (reward, dpo, ppo):
+            assert one(command, "sft_model_path") == one(sft, "output_dir")
+        assert one(ppo, "reward_model_path") == one(reward, "output_dir")
+        tables = dict(table.split("=", 1) for table in judge["flags"]["tables"])
+        assert tables == {f"{method}__seed{seed}": f"{one(source, 'output_dir')}/eval_validation.csv"
+                          for method, source in (("sft", sft), ("ppo", ppo), ("dpo", dpo))}
+        assert sorted(judge["flags"]["pairs"]) == [f"dpo__seed{seed}:sft__seed{seed}", f"ppo__seed{seed}:sft__seed{seed}"]
+
+
+@pytest.mark.parametrize("stage", TRAINING)
+def test_training_tasks_resume_after_a_requeue(stage, dry_runs):
+    header = (SLURM / f"{stage}.sbatch").read_text()
+    assert re.search(r"^#SBATCH --requeue$", header, re.M), f"{stage}.sbatch is not requeueable"
+    for command in dry_runs[stage]:
+        assert "resume" in command["flags"] and int(one(command, "save_every")) > 0, command["line"]
+
+
+def test_offload_exactly_for_6_9b_ppo_and_every_rank_evaluates_the_same_number_of_batches(dry_runs):
+    for stage in TRAINING:
+        for command in dry_runs[stage]:
+            big = "6.9b" in command["line"].split(" --output_dir ")[1].split()[0]
+            assert ("offload" in command["flags"]) == (stage == "ppo" and big), command["line"]
+            if "offload" in command["flags"]:
+                # ZeRO-3 engines gather parameters collectively: every rank must run as many eval
+                # forwards as every other, or the run hangs (ppo.py shards rank r: r, r+8, ...).
+                eval_batch = int(one(command, "local_eval_batch_size"))
+                for split, rows in EVAL_ROWS.items():
+                    batches = {math.ceil(len(range(rank, rows, PAPER_GPUS)) / eval_batch) for rank in range(PAPER_GPUS)}
+                    assert len(batches) == 1, f"{split}: ranks run {sorted(batches)} eval batches: {command['line']}"
+
+
+def test_accelerate_config_is_the_papers():
+    config = yaml.safe_load((REPO / "benchmark" / "accelerate" / "deepspeed_zero2.yaml").read_text())
+    assert config["distributed_type"] == "DEEPSPEED" and config["deepspeed_config"]["zero_stage"] == 2
+    assert config["mixed_precision"] == "bf16" and config["num_processes"] == PAPER_GPUS
+    assert config["deepspeed_config"]["offload_optimizer_device"] == "none"
+
+
+def test_knobs_table_has_the_papers_sizes():
+    result = bash("-c", "source benchmark/knobs.sh && for m in $MODELS; do knobs $m && "
+                        'echo "$m $PPO_MICRO $PPO_ROLLOUT $PPO_OFFLOAD"; done; echo "$SEEDS"; knobs gpt2')
+    assert result.returncode != 0 and "no knobs for model 'gpt2'" in result.stderr  # an unknown model fails
+    lines = result.stdout.splitlines()
+    assert lines[:3] == [f"{PAPER_MODELS[0]} 16 64 0", f"{PAPER_MODELS[1]} 4 32 0", f"{PAPER_MODELS[2]} 1 4 1"]
+    assert lines[3].split() == list(PAPER_SEEDS)
+
+
+def test_pipeline_chains_the_stages_with_dependencies(dry_runs):
+    result = bash("benchmark/launch.sh", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    submits = {Path(line.split()[-1]).stem: line for line in result.stdout.splitlines() if line.startswith("sbatch ")}
+    assert list(submits) == list(STAGES)
+    assert "--dependency" not in submits["preprocess"] and "--array" not in submits["preprocess"]
+    assert "--dependency=afterok:<preprocess job id>" in submits["sft"]
+    for stage, needs in (("reward", ["sft"]), ("dpo", ["sft"]), ("ppo", ["reward"]), ("judge", ["ppo", "dpo"])):
+        assert "--array=0-11" in submits[stage]
+        assert f"--dependency={','.join(f'aftercorr:<{need} job id>' for need in needs)}" in submits[stage]
+    # the pipeline's dry run prints the stage launchers' own dry runs
+    commands = parse_dry_run(result.stdout)
+    assert [c["line"] for c in commands] == [c["line"] for stage in STAGES for c in dry_runs[stage]]
+    # a subset: the array shrinks and the tasks follow
+    result = bash("benchmark/launch.sh", "--dry-run", "ppo", env={"MODELS": PAPER_MODELS[2], "SEEDS": "1 2"})
+    assert "--array=0-1 " in result.stdout and "--dependency" not in result.stdout
+    assert [one(c, "output_dir") for c in parse_dry_run(result.stdout)] == [f"models/{PAPER_MODELS[2]}/ppo_{s}" for s in (1, 2)]
+
+
+def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
+    """Under a fake srun / scontrol: task 5 runs its command with srun; a finished run is skipped;
+    USR1 (the time-limit warning) calls `scontrol requeue <array job>_<task>`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "srun: $*"; sleep "${FAKE_SLEEP:-0}"\n')
+    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\necho "scontrol: $*"\n')
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT_ROOT": str(tmp_path / "models"), "SLURM_JOB_ID": "77",
+           "SLURM_ARRAY_JOB_ID": "70", "SLURM_SUBMIT_DIR": str(REPO)}
+    result = bash(str(SLURM / "reward.sbatch"), env={**env, "SLURM_ARRAY_TASK_ID": "5"})
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "models" / PAPER_MODELS[1] / "reward_55513"
+    assert "srun: accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml reward.py" in result.stdout
+    assert f"--output_dir {out} " in result.stdout and "--resume" in result.stdout
+
+    out.mkdir(parents=True)
+    (out / "eval_metrics.json").write_text("{}")
+    result = bash(str(SLURM / "reward.sbatch"), env={**env, "SLURM_ARRAY_TASK_ID": "5"})
+    assert result.returncode == 0 and "nothing to do" in result.stdout and "srun:" not in result.stdout
+
+    process = subprocess.Popen(["bash", str(SLURM / "reward.sbatch")], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                               env={**ENV, **env, "SLURM_ARRAY_TASK_ID": "4", "FAKE_SLEEP": "3"})
+    time.sleep(1.0)
+    process.send_signal(signal.SIGUSR1)
+    stdout, _ = process.communicate(timeout=30)
+    assert "scontrol: requeue 70_4" in stdout
