@@ -3,6 +3,8 @@
 #
 #   bash benchmark/tiny.sh                 # from the repository root, in the project's venv
 #
+# It ends with a report of every stage's results and time: models/tiny/report.md + report.png
+# (benchmark/tiny_report.py).
 # Each stage issue extends this file with its stage (sft -> reward -> ppo / dpo -> judge). The
 # tiny world is committed in assets/tiny_world; pointing $WORLD elsewhere builds one there first.
 set -euo pipefail
@@ -14,6 +16,9 @@ export WANDB_MODE=${WANDB_MODE:-disabled} TOKENIZERS_PARALLELISM=false DS_ACCELE
 WORLD=${WORLD:-assets/tiny_world}  # committed world: datasets in the Hub schemas + pythia-tiny
 DATA=${DATA:-data/tiny_tldr}      # preprocessed datasets (sft/, preference/, visuals/)
 SEED=${SEED:-1}
+MODELS=${MODELS:-models/tiny}     # trained models, judge results, timings.tsv, report.md + report.png
+TIMINGS=$MODELS/timings.tsv       # one `stage<TAB>seconds` row per stage, for the report
+mkdir -p "$MODELS" && printf 'stage\tseconds\n' > "$TIMINGS"
 
 # The tiny world's token lengths, computed by preprocess_tldr.py and checked against these
 # values (the paper's Pythia values are the script defaults: 512 / 53 / 562 / 169 / 638 and
@@ -29,13 +34,12 @@ TINY_LENGTHS=(
   --cnndm_max_rm_query_response_length 193
 )
 
-timings=()
-stage() {  # stage NAME COMMAND...: run one stage, time it
+stage() {  # stage NAME COMMAND...: run one stage, time it (appended to $TIMINGS)
   local name=$1; shift
   echo "=== $name: $*"
   local t0=$SECONDS
   "$@"
-  timings+=("| $name | $((SECONDS - t0)) s |")
+  printf '%s\t%s\n' "$name" "$((SECONDS - t0))" >> "$TIMINGS"
 }
 
 if [[ ! -f "$WORLD/world.json" ]]; then
@@ -48,7 +52,6 @@ stage "preprocess" python preprocess_tldr.py --base_model "$WORLD/pythia-tiny" \
 # SFT (sft.py): first the untuned base model's summaries (0 updates: evaluation only), then SFT.
 # Scale knobs only: a 264k-parameter model learns at lr 2e-3 where Pythia needs 3e-6, and 600
 # updates of 16 (2.3 passes over the 4,096 posts) replace the paper's one pass in updates of 128.
-MODELS=${MODELS:-models/tiny}
 SFT_TINY=(--base_model "$WORLD/pythia-tiny" --query_dataset "$DATA/sft" --seed "$SEED"
   --response_length 44 --local_eval_batch_size 128)  # 44: the longest tiny reference summary
 stage "sft: base model" python sft.py "${SFT_TINY[@]}" --total_episodes 0 --output_dir "$MODELS/base_$SEED"
@@ -79,7 +82,5 @@ stage "judge (gold)" python judge.py --judge gold --output_dir "$MODELS/judge_$S
   "base__seed$SEED=$MODELS/base_$SEED/eval_validation.csv" "sft__seed$SEED=$MODELS/sft_$SEED/eval_validation.csv" \
   "ppo__seed$SEED=$MODELS/ppo_$SEED/eval_validation.csv"
 
-echo
-echo "| stage | time |"
-echo "|---|---|"
-printf '%s\n' "${timings[@]}"
+# The report: results of every stage, win rates with CIs, time per stage ($MODELS/report.md + .png).
+python benchmark/tiny_report.py --models "$MODELS" --seed "$SEED" --world "$WORLD"
