@@ -86,7 +86,7 @@ def summarize(runs: list, batch_size: int) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ours_python", default=os.path.join(ROOT, ".venv", "bin", "python"))
-    parser.add_argument("--trl_python", default=os.path.join(ROOT, "benchmark", ".venv-trl", "bin", "python"))
+    parser.add_argument("--trl_python", default=os.path.join(ROOT, ".venv-trl", "bin", "python"))
     parser.add_argument("--base_model", default=os.path.join(ROOT, "assets/tiny_world/pythia-tiny"))
     parser.add_argument("--query_dataset", default=os.path.join(ROOT, "data/tiny_tldr/sft"))
     parser.add_argument("--sft_model_path", default=os.path.join(ROOT, "models/tiny/sft_1"))

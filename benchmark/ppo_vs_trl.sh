@@ -7,8 +7,9 @@
 #   bash benchmark/ppo_vs_trl.sh --rounds 3 --updates 5
 #   OMP_NUM_THREADS=2 bash benchmark/ppo_vs_trl.sh  # both sides get the same thread count
 #
-# TRL is never a dependency of the stage scripts: it lives in its own git-ignored venv,
-# benchmark/.venv-trl (the project pins + trl==1.12.0), built here on first use (~90 s).
+# TRL is never a dependency of the stage scripts: it lives in its own git-ignored venv, .venv-trl
+# (the project pins + trl==1.12.0), built here on first use (~90 s). It sits at the repository
+# root, not under benchmark/, whose every .py file tests/test_conventions.py reads.
 # Needs the tiny world's SFT and reward models (models/tiny/{sft_1,reward_1}): bash benchmark/tiny.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -18,7 +19,7 @@ export WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false DS_ACCELERATOR=cpu TRL_E
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 PYTHON=${PYTHON:-.venv/bin/python}
-TRL_VENV=benchmark/.venv-trl
+TRL_VENV=.venv-trl
 if [[ ! -x "$TRL_VENV/bin/python" ]] || ! "$TRL_VENV/bin/python" -c "import trl; assert trl.__version__ == '1.12.0'" 2>/dev/null; then
   echo "=== building $TRL_VENV (project pins + trl==1.12.0)"
   "$PYTHON" -m venv --clear "$TRL_VENV"

@@ -1,6 +1,6 @@
 """TRL 1.12.0's `trl.experimental.ppo.PPOTrainer` on the same tiny PPO run as ppo.py, timed per update.
 
-Runs in the benchmark's own venv (benchmark/.venv-trl: the project pins + trl==1.12.0; TRL is
+Runs in the benchmark's own venv (.venv-trl at the repository root: the project pins + trl==1.12.0; TRL is
 never a dependency of the stage scripts). benchmark/ppo_vs_trl.sh starts it; it prints one JSON
 line `TIMINGS {...}` with the wall time of every update and the time split of every update.
 
