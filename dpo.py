@@ -1,0 +1,758 @@
+"""Direct Preference Optimization (DPO) of the SFT model on TL;DR preferences (Details 3, 6-8, 16, 19).
+
+Stage 2b of the pipeline, beside reward.py and ppo.py. The policy and a frozen reference both start
+from the SFT model of sft.py; the policy is trained on the preference pairs of preprocess_tldr.py
+(same data, same data order, same optimizer and schedule as reward.py) with the DPO loss
+-log sigmoid(beta * h), h = (log pi(c) - log pi_ref(c)) - (log pi(r) - log pi_ref(r)), where a
+log-prob is summed over the summary's tokens (EOS included, query and padding excluded). The
+policy is itself a reward model: its implicit reward beta * (log pi - log pi_ref) is evaluated on
+`validation` and `validation_cnndm` exactly as reward.py evaluates the RM (the paper's Figure 6);
+then it samples a summary for each SFT validation query, which judge.py compares with the human
+references.
+
+    {output_dir}/                     the policy: a causal-LM folder + tokenizer (loads with from_pretrained)
+    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, git commit
+    {output_dir}/eval_validation.csv  columns query, response, reference: summaries of the SFT
+                                      validation queries (what judge.py reads, as sft.py writes it)
+    {output_dir}/eval_pairs_{split}.csv  one row per preference pair: texts, batch, split, confidence,
+                                      policies, chosen/rejected implicit reward, accuracy (+ gold_prefers_chosen)
+    {output_dir}/accuracy_{split}.md  accuracy overall and by split / batch / confidence (as reward.py's)
+    {output_dir}/calibration.png      accuracy vs |implicit reward margin| beside the ideal sigmoid
+    {output_dir}/eval_metrics.json    every eval/dpo/* scalar below
+    {output_dir}/checkpoints/         the latest --save_every checkpoint, removed when the run ends
+    runs/{run_name}/                  TensorBoard
+
+    # tiny world, offline, 2 CPU cores, ~2 min on an idle machine (benchmark/tiny.sh runs this after reward.py)
+    OMP_NUM_THREADS=1 python dpo.py --sft_model_path models/tiny/sft_1 --label_dataset data/tiny_tldr/preference \
+        --query_dataset data/tiny_tldr/sft --output_dir models/tiny/dpo_1 --lr 3e-4 --batch_size 32 \
+        --local_micro_batch_size 32 --num_train_epochs 2 --response_length 44 --local_eval_batch_size 64 \
+        --gold_judge assets/tiny_world
+    # one GPU, Pythia 1B, bf16 (global batch 64 = 8 x 8 accumulation steps)
+    accelerate launch --num_processes 1 --mixed_precision bf16 dpo.py --sft_model_path models/sft_1b \
+        --label_dataset data/tldr/preference --query_dataset data/tldr/sft --local_micro_batch_size 8
+    # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (global batch 64 = 8 x 1 x 8 processes)
+    accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml dpo.py \
+        --sft_model_path models/EleutherAI/pythia-1b-deduped/sft_44413 --seed 44413 \
+        --local_micro_batch_size 8 --output_dir models/EleutherAI/pythia-1b-deduped/dpo_44413 --track
+
+Details: 3 distinct [PAD], ids checked against both datasets; 6 accuracy per split (validation is
+out of distribution); 7 dropout off in policy and reference; 8 accelerate / DeepSpeed ZeRO-2 /
+bf16, the reference in the policy's dtype; 16 accuracy by batch / confidence; 19 DPO with the RM's
+recipe and its implicit reward evaluated as an RM. Unlike the reference code, the loss is a mean
+over the micro-batch (the reference is right only with micro-batch 1) and all ranks share one
+shuffle (the reference shuffles per rank, so its ranks read overlapping pairs).
+Logged (TensorBoard, and W&B with --track; x-axis = training pairs seen):
+  train/dpo/loss                     mean DPO loss of the update's pairs, all ranks
+  train/dpo/accuracy                 fraction of the update's pairs whose chosen implicit reward is higher
+  train/dpo/chosen_rewards|rejected_rewards  mean implicit reward beta * (log pi - log pi_ref) of each side
+  train/dpo/margin                   mean chosen minus rejected implicit reward (= beta * h)
+  train/dpo/lr                       learning rate used by the update
+  eval/dpo/{split}/accuracy          fraction of pairs ranked as the labeler did, by implicit reward
+  eval/dpo/{split}/accuracy/{split|batch|confidence}/{value}  the same per group (Detail 16)
+  eval/dpo/{split}/gold_accuracy     agreement with the tiny world's gold judge (--gold_judge)
+"""
+
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import datasets
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
+
+
+@dataclass
+class Args:
+    """DPO on TL;DR preferences (see the module docstring of dpo.py)."""
+
+    # experiment & tracking
+    exp_name: str = "dpo"
+    """Experiment name: part of the run name and of the Hub repo id"""
+    seed: int = 1
+    """Seed of the data order and eval sampling (paper: 44413 55513 66613 77713)"""
+    run_name: Optional[str] = None
+    """Run name for runs/ and W&B (None: {exp_name}__{seed}__{unix time}; a resumed run keeps its own)"""
+    track: bool = False
+    """Also log to Weights & Biases (off: nothing networked)"""
+    wandb_project_name: str = "tldr_summarize"
+    """W&B project (with --track)"""
+    wandb_entity: Optional[str] = None
+    """W&B entity (with --track; None: the default of the logged-in user)"""
+    output_dir: str = "models/dpo_model"
+    """Folder for the trained policy, tokenizer, args.json, eval tables, plots and checkpoints"""
+    push_to_hub: bool = False
+    """Push the output folder to {hf_entity}/{sft model name}__{exp_name}__tldr at revision run_name"""
+    hf_entity: Optional[str] = None
+    """Hub user or organisation to push to (None: the logged-in user, from `whoami()`)"""
+    save_every: int = 0
+    """Save a checkpoint (model, optimizer, scheduler, RNG states, update) every N updates (0: never)"""
+    resume: bool = False
+    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0)"""
+    stop_after_updates: Optional[int] = None
+    """Checkpoint and exit after this many updates, as a time-limited SLURM job would; rerun with --resume"""
+
+    # data
+    label_dataset: str = "vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144"
+    """Preference dataset: a folder written by preprocess_tldr.py (e.g. data/tldr/preference) or a Hub id"""
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """SFT dataset whose validation queries the policy summarises at the end, e.g. data/tldr/sft"""
+    total_episodes: Optional[int] = None
+    """Training pairs to draw (None: the train split x num_train_epochs; 0: evaluate the SFT model)"""
+    num_train_epochs: int = 1
+    """Passes over the train split when total_episodes is None (Detail 19: as the RM, paper: 1)"""
+    num_eval_samples: Optional[int] = None
+    """Evaluate on the first N pairs of each eval split and N SFT validation queries (None: all; 0: no eval)"""
+    gold_judge: Optional[str] = None
+    """Tiny world folder (e.g. assets/tiny_world): also score pairs with tiny_world.gold_score beside its noise ceiling"""
+
+    # model
+    sft_model_path: str = "models/sft_model"
+    """SFT model (sft.py's output folder or a Hub id): the policy, the reference and the tokenizer"""
+    response_length: int = 53
+    """Tokens sampled per eval query (paper: 53, the longest SFT reference; the reference code's 128 is a bug)"""
+    temperature: float = 0.01
+    """Eval sampling temperature (paper: 0.01)"""
+
+    # algorithm
+    beta: float = 0.05
+    """DPO's beta: the implicit reward is beta * (log pi - log pi_ref) (Detail 19; paper: 0.05)"""
+    ipo: bool = False
+    """IPO instead of DPO: loss (h - 1 / (2 beta))^2 (Azar et al., 2023)"""
+    label_smoothing: float = 0.0
+    """Conservative DPO: the labels are flipped with this probability (0: plain DPO)"""
+
+    # optimization
+    lr: float = 3e-6
+    """AdamW learning rate (Detail 19: the RM's, paper: 3e-6)"""
+    eps: float = 1e-5
+    """AdamW epsilon (paper: 1e-5)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay (torch's default, which the reference uses without saying so)"""
+    scheduler: str = "cosine"
+    """Learning-rate schedule, a transformers.get_scheduler name (paper: cosine to 0)"""
+    batch_size: int = 64
+    """Global pairs per update = local_micro_batch_size x gradient_accumulation_steps x world_size (paper: 64)"""
+    local_micro_batch_size: int = 1
+    """Pairs per forward pass per rank (each pair is 2 sequences: chosen and rejected)"""
+    local_eval_batch_size: int = 4
+    """Pairs (or queries) per eval forward pass (or generate call) per rank"""
+
+    # derived (computed right after parsing; not flags)
+    world_size: tyro.conf.Suppress[int] = 1
+    """Processes (ranks) started by accelerate launch"""
+    gradient_accumulation_steps: tyro.conf.Suppress[int] = 1
+    """Micro-batches per update per rank = batch_size / (local_micro_batch_size x world_size)"""
+    local_batch_size: tyro.conf.Suppress[int] = 1
+    """Pairs per update per rank = local_micro_batch_size x gradient_accumulation_steps"""
+    micro_batch_size: tyro.conf.Suppress[int] = 1
+    """Pairs per forward pass over all ranks = local_micro_batch_size x world_size"""
+    num_updates: tyro.conf.Suppress[int] = 0
+    """Optimizer updates = total_episodes // batch_size (paper: 92,858 // 64 = 1450)"""
+
+
+# Flags that may change between an interrupted run and its resumption (see output_dir_problem).
+RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
+# preprocess_tldr.py's PREFERENCE_DESCRIPTIONS / SFT_DESCRIPTIONS say what these columns hold.
+PAIR_COLUMNS = ("query_chosen_token", "query_chosen_token_response_label",
+                "query_rejected_token", "query_rejected_token_response_label")
+QUERY_COLUMNS = ("query_token", "reference_response_token")
+EVAL_SPLITS = ("validation", "validation_cnndm")
+GROUPS = ("split", "batch", "confidence")
+
+
+class SetupError(ValueError):
+    """Flags, data, tokenizer or output folder the script cannot use; raised before any compute."""
+
+
+def gradient_accumulation(batch_size: int, local_micro_batch_size: int, world_size: int) -> int:
+    """Micro-batches per update per rank so that micro x accumulation x world = batch_size exactly."""
+    per_step = local_micro_batch_size * world_size
+    if batch_size <= 0 or local_micro_batch_size <= 0 or batch_size % per_step:
+        raise SetupError(f"--batch_size {batch_size} is not a positive multiple of --local_micro_batch_size "
+                         f"{local_micro_batch_size} x world size {world_size} = {per_step}")
+    return batch_size // per_step
+
+
+def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
+    """Why `output_dir` cannot hold this run (another run's args.json, or foreign files), None if it can."""
+    path = os.path.join(output_dir, "args.json")
+    if not os.path.isfile(path):
+        if os.path.isdir(output_dir) and os.listdir(output_dir):
+            return f"--output_dir {output_dir} is not empty and has no args.json: choose an empty or new folder"
+        return None
+    with open(path) as file:
+        saved = json.load(file)
+    changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
+               if k not in ignored and saved.get(k) != v]
+    if changed:
+        return (f"--output_dir {output_dir} holds a different run ({'; '.join(changed)}): "
+                "choose another folder, delete it, or pass the same flags to overwrite or --resume it")
+    return None
+
+
+def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
+    """['split' or 'split.column' for each missing split or column]; empty when all are there."""
+    missing = [split for split in splits if split not in dataset_dict]
+    return missing + [f"{split}.{column}" for split in splits if split in dataset_dict
+                      for column in columns if column not in dataset_dict[split].column_names]
+
+
+def git_commit(folder: str) -> Optional[str]:
+    """The git commit checked out in `folder`, None outside a git checkout."""
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True)
+    except OSError:
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def add_pad_token(tokenizer) -> bool:
+    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return False
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return True
+
+
+def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bool:
+    """Refuse pad == EOS, add [PAD] where there is no pad, refuse ids other than `data_ids`; True if added."""
+    # Detail 3: Leading space, EOS at the end, a distinct [PAD]
+    # "A tokenizer without a pad token" is read as: no pad at all (Pythia) gets the [PAD] that
+    # preprocess_tldr.py added, so the ids agree; a pad that IS the EOS is refused, because every
+    # mask `ids != pad` would then hide the EOS too and the model would never learn to stop.
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise SetupError(f"the tokenizer's pad token {tokenizer.pad_token!r} is its EOS token: "
+                         "give it a distinct pad token, or none (then [PAD] is added)")
+    added = add_pad_token(tokenizer)
+    ours = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    if data_ids is not None and data_ids != ours:
+        raise SetupError(f"{data_source} was tokenized with {data_ids}, this tokenizer has {ours}: "
+                         "preprocess the data with the same base model")
+    return added
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability of `model` to 0: nn.Dropout modules, float *dropout* attributes, config."""
+    # Detail 7: Disable dropout
+    # With dropout on, two forwards of the same ids give different log-probs: the first PPO ratio
+    # would not be 1 and reward scores would be noisy. Pythia's dropout is 0 already; the tiny
+    # model's is 0.1. nn.Dropout modules are not all of it: GPT-NeoX attention copies the float
+    # `config.attention_dropout` into a module attribute and applies it functionally.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    for name, value in vars(model.config).items():  # saved with the model: later loads start at 0 too
+        if "dropout" in name and isinstance(value, float):
+            setattr(model.config, name, 0.0)
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """(B, T) bool -> (B,): index of the first True of each row, T for a row without one."""
+    row_len = bools.size(-1)
+    # (B, T): a False costs T + its index, a True just its index; the minimum is the first True
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def truncate_response(responses: torch.Tensor, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
+    """(B, T_resp) ids -> (B, T_resp): ids after each row's first EOS set to pad (the EOS is kept)."""
+    eos_index = first_true_indices(responses == eos_token_id)  # (B,): T_resp where no EOS
+    positions = torch.arange(responses.size(1), device=responses.device).view(1, -1)  # (1, T_resp)
+    return torch.masked_fill(responses, positions > eos_index.unsqueeze(1), pad_token_id)
+
+
+def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+    """(B, T) ids with pads -> the model's output (logits (B, T, V)); pads masked out of attention."""
+    attention_mask = query_responses != pad_token_id  # (B, T)
+    # [PAD] may lie past the embedding table (Pythia: id 50277 of 50304 rows is fine, others not):
+    # masked positions are never attended to, so any valid id will do there.
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
+
+
+def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config) -> tuple:
+    """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores)."""
+    context_length = queries.shape[1]
+    attention_mask = queries != pad_token_id  # (B, T_q)
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    # generate() fills unset fields from the model's own generation_config: its eos id would stop
+    # early or, with min_new_tokens, forbid EOS altogether. Without eos / pad ids every row gets
+    # exactly max_new_tokens tokens and EOS is handled afterwards by truncate_response.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    # (B, T_q + T_resp): the original queries (with their pads) ++ the new tokens
+    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), torch.stack(output.scores, 1)
+
+
+def trim_right_padding(query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """(B, T) ids -> (B, T') with the trailing columns that are pad in every row dropped (at least 1 kept)."""
+    # Rows are padded to the longest sequence of the whole dataset: a batch rarely needs all of it,
+    # and an all-pad column costs compute and changes nothing (the EOS index stays where it was, or
+    # becomes the last index of a row that now ends exactly at its EOS).
+    used = (query_responses != pad_token_id).any(0).nonzero()  # (n, 1): columns with a token
+    return query_responses[:, :int(used.max()) + 1 if len(used) else 1]
+
+
+def episode_order(num_rows: int, num_episodes: int, seed: int) -> torch.Tensor:
+    """(num_episodes,) row indices: a fresh seeded permutation of the rows per pass, passes concatenated."""
+    generator = torch.Generator().manual_seed(seed)
+    passes = -(-num_episodes // num_rows)  # ceil: the last pass may be used in part
+    perms = [torch.randperm(num_rows, generator=generator) for _ in range(passes)]
+    return torch.cat(perms)[:num_episodes] if perms else torch.zeros(0, dtype=torch.long)
+
+
+def latest_checkpoint(folder: str) -> Optional[tuple]:
+    """(update, path) of the newest complete `update_{k}` checkpoint in `folder`, None if there is none."""
+    complete = [(int(name.split("_")[1]), os.path.join(folder, name))
+                for name in (os.listdir(folder) if os.path.isdir(folder) else [])
+                if name.startswith("update_") and os.path.isfile(os.path.join(folder, name, "trainer_state.json"))]
+    return max(complete) if complete else None
+
+
+def save_checkpoint(accelerator, folder: str, update: int, run_name: str) -> None:
+    """All ranks: save the accelerate state as {folder}/update_{update}, mark it complete, drop older ones."""
+    path = os.path.join(folder, f"update_{update}")
+    accelerator.save_state(path)  # model, optimizer, registered scheduler, RNG states of every rank
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        # Written last: a job killed mid-save leaves no marker, and --resume takes the previous one.
+        with open(os.path.join(path, "trainer_state.json"), "w") as file:
+            json.dump({"update": update, "run_name": run_name}, file)
+        for name in os.listdir(folder):
+            if name != f"update_{update}":
+                shutil.rmtree(os.path.join(folder, name))
+    accelerator.wait_for_everyone()
+
+
+def grouped_accuracy(table: pd.DataFrame, groups: tuple) -> pd.DataFrame:
+    """Rows (group, value, accuracy, pairs): 'all' first, then each value of each `groups` column of `table`."""
+    out = [("all", "all", table["accuracy"].mean(), len(table))]
+    for group in groups:
+        for value, part in table.groupby(group, dropna=False, sort=True):
+            # A column with missing values is float in pandas: show confidence 9.0 as "9"
+            value = int(value) if isinstance(value, float) and value.is_integer() else value
+            out.append((group, str(value), part["accuracy"].mean(), len(part)))
+    return pd.DataFrame(out, columns=["group", "value", "accuracy", "pairs"])
+
+
+def calibration_bins(margins: np.ndarray, bin_width: float) -> pd.DataFrame:
+    """Rows (low, high, pairs, accuracy, ideal) per |margin| bin; margin = r_chosen - r_rejected, accurate if > 0."""
+    magnitude = np.abs(margins)
+    bins = np.floor(magnitude / bin_width).astype(int)  # bin k holds k * width <= |margin| < (k + 1) * width
+    out = []
+    for k in np.unique(bins):
+        inside = bins == k
+        # Ideal: a calibrated RM predicts P(chosen preferred) = sigmoid(margin); at the bin's centre
+        center = (k + 0.5) * bin_width
+        out.append((k * bin_width, (k + 1) * bin_width, int(inside.sum()), float((margins[inside] > 0).mean()),
+                    1 / (1 + math.exp(-center))))
+    return pd.DataFrame(out, columns=["low", "high", "pairs", "accuracy", "ideal"])
+
+
+def markdown_table(frame: pd.DataFrame) -> str:
+    """A pandas DataFrame as a markdown table (floats with 3 decimals)."""
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    for row in frame.itertuples(index=False):
+        lines.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_calibration(tables: dict, path: str) -> None:
+    """Save accuracy vs |margin| per split ({split: calibration_bins frame}) beside the ideal sigmoid."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    figure, ax = plt.subplots(figsize=(6, 4))
+    for split, bins in tables.items():
+        ax.plot((bins["low"] + bins["high"]) / 2, bins["accuracy"], "o-", label=split)
+    grid = np.linspace(0, max([1.0] + [bins["high"].max() for bins in tables.values()]), 100)
+    ax.plot(grid, 1 / (1 + np.exp(-grid)), "k--", label="ideal: sigmoid(margin)")
+    ax.set(xlabel="|r_chosen - r_rejected|", ylabel="accuracy", ylim=(0, 1.02), title="RM calibration (Detail 18)")
+    ax.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """(B, T) right-padded query+response ids, (B, T) labels (query and padding = pad) -> (B,) summed log-probs."""
+    # The summary's tokens count, its EOS included (the model must also learn where to stop); the
+    # query's ids and the padding are [PAD] in the labels and count for nothing.
+    mask = response_labels[:, 1:] != pad_token_id  # (B, T-1): position t predicts a summary token at t+1
+    # The LM head only from the first position that predicts a summary token in any row: its
+    # vocabulary-sized outputs are most of a small model's cost, and the queries' are never used.
+    start = int(mask.any(0).nonzero()[0]) if mask.any() else mask.shape[1]
+    attention_mask = query_responses != pad_token_id  # (B, T); pads get a valid id, masked (as `forward`)
+    logits = model(input_ids=torch.masked_fill(query_responses, ~attention_mask, 0), attention_mask=attention_mask,
+                   logits_to_keep=query_responses.shape[1] - start, return_dict=True).logits[:, :-1]  # (B, T-1-start, V)
+    mask, labels = mask[:, start:], response_labels[:, start + 1:]  # (B, T-1-start): the ids the logits predict
+    logprobs = F.log_softmax(logits[mask].float(), dim=-1).gather(1, labels[mask].unsqueeze(1)).squeeze(1)  # (N,)
+    rows = torch.arange(len(labels), device=labels.device).unsqueeze(1).expand_as(mask)[mask]  # (N,): row of each
+    return torch.zeros(len(labels), device=logprobs.device).index_add(0, rows, logprobs)  # (B,): log pi(summary | query)
+
+
+def pair_logprobs(model, batch: dict, pad_token_id: int) -> tuple:
+    """A batch of PAIR_COLUMNS tensors (B rows) -> ((B,) chosen, (B,) rejected) summed response log-probs."""
+    # (2B, T): chosen rows then rejected rows, one forward pass for both, trimmed to the batch's longest
+    query_responses = trim_right_padding(torch.cat((batch["query_chosen_token"], batch["query_rejected_token"])),
+                                         pad_token_id)
+    labels = torch.cat((batch["query_chosen_token_response_label"],
+                        batch["query_rejected_token_response_label"]))[:, :query_responses.shape[1]]  # (2B, T')
+    return sequence_logprobs(model, query_responses, labels, pad_token_id).split(len(labels) // 2)
+
+
+def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+             ref_rejected_logps: torch.Tensor, beta: float, ipo: bool = False, label_smoothing: float = 0.0) -> tuple:
+    """(B,) summed log-probs of policy and reference -> ((B,) losses, (B,) chosen and (B,) rejected implicit rewards)."""
+    # Detail 19: DPO as a reward model
+    # DPO's policy defines a reward r = beta * log(pi / pi_ref) (up to a per-query constant that
+    # cancels in a pair) and fits it with the RM's Bradley-Terry loss: -log sigmoid(r_c - r_r) =
+    # -log sigmoid(beta * h). Per pair: the caller averages over the micro-batch, which is what
+    # makes the gradient the same for any micro-batch size (the reference is right only for 1).
+    chosen_rewards = beta * (chosen_logps - ref_chosen_logps)
+    rejected_rewards = beta * (rejected_logps - ref_rejected_logps)
+    h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)  # (B,): 0 while pi = pi_ref
+    if ipo:  # IPO regresses h onto 1 / (2 beta) instead of pushing it to infinity
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:  # conservative DPO: with probability label_smoothing the label is the other way round
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    return losses, chosen_rewards.detach(), rejected_rewards.detach()
+
+
+@torch.no_grad()
+def implicit_rewards(accelerator, model, ref_policy, dataset, pad_token_id: int, beta: float,
+                     local_eval_batch_size: int) -> dict:
+    """All ranks: {"chosen": (N,), "rejected": (N,)} implicit rewards of the pairs of `dataset`, in its order."""
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()
+    mine = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))  # rank r: r, r+W, ...
+    rows = []
+    for start in tqdm(range(0, len(mine), local_eval_batch_size), desc="score", disable=not accelerator.is_main_process):
+        indices = mine[start:start + local_eval_batch_size]
+        batch = {key: value.to(accelerator.device) for key, value in dataset[indices].items()}
+        chosen, rejected = pair_logprobs(unwrapped, batch, pad_token_id)
+        with accelerator.autocast():
+            ref_chosen, ref_rejected = pair_logprobs(ref_policy, batch, pad_token_id)
+        _, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta)
+        rows += [(i, c, r) for i, c, r in zip(indices, chosen_rewards.tolist(), rejected_rewards.tolist())]
+    unwrapped.train()
+    rows = sorted(gather_object(rows), key=lambda row: row[0])  # every rank's rows, in dataset order
+    return {"chosen": np.array([row[1] for row in rows]), "rejected": np.array([row[2] for row in rows])}
+
+
+@torch.no_grad()
+def sample_summaries(accelerator, model, dataset, tokenizer, generation_config, local_eval_batch_size: int) -> list:
+    """All ranks: [{query, response, reference}] per row of `dataset`, in its order; responses cut after EOS."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()
+    mine = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))  # rank r: r, r+W, ...
+    rows = []
+    for start in tqdm(range(0, len(mine), local_eval_batch_size), desc="sample", disable=not accelerator.is_main_process):
+        indices = mine[start:start + local_eval_batch_size]
+        batch = dataset[indices]
+        queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
+        query_responses, _ = generate(unwrapped, queries, pad_id, generation_config)
+        responses = truncate_response(query_responses[:, queries.shape[1]:], eos_id, pad_id)  # (B, T_resp)
+        for i, query, response, reference in zip(
+                indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
+                tokenizer.batch_decode(responses, skip_special_tokens=True),
+                tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True)):
+            rows.append({"index": i, "query": query.strip(), "response": response.strip(), "reference": reference.strip()})
+    unwrapped.train()
+    rows = sorted(gather_object(rows), key=lambda row: row["index"])  # every rank's rows, in split order
+    return [{key: row[key] for key in ("query", "response", "reference")} for row in rows]
+
+
+if __name__ == "__main__":
+    # ---- args & sizes ----
+    args = tyro.cli(Args)
+    # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
+    deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
+    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
+    args.world_size = accelerator.num_processes
+    args.gradient_accumulation_steps = gradient_accumulation(args.batch_size, args.local_micro_batch_size,
+                                                             args.world_size)
+    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    args.micro_batch_size = args.local_micro_batch_size * args.world_size
+    # Detail 8: Tech stack
+    # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
+    # The script names the accumulation and the micro-batch (DeepSpeed cannot read them from a
+    # DataLoader here) and turns off gradient clipping (accelerate fills in 1.0; the paper does not clip).
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
+    if accelerator.state.deepspeed_plugin is not None:
+        accelerator.state.deepspeed_plugin.deepspeed_config.update(
+            train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
+
+    # ---- checks: every bad input fails here, before a model is loaded ----
+    problem = output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
+        "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates"))
+    if problem:
+        raise SetupError(problem)
+    if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5 or (args.ipo and args.label_smoothing):
+        raise SetupError(f"--beta {args.beta} must be > 0 and --label_smoothing {args.label_smoothing} in [0, 0.5), "
+                         "and 0 with --ipo")
+    datasets_by_flag = {}
+    for flag, splits, columns in (("label_dataset", ("train",) + EVAL_SPLITS, PAIR_COLUMNS),
+                                  ("query_dataset", ("validation",), QUERY_COLUMNS)):
+        path = getattr(args, flag)
+        datasets_by_flag[flag] = datasets.load_from_disk(path) if os.path.isdir(path) else datasets.load_dataset(path)
+        missing = missing_columns(datasets_by_flag[flag], splits, columns)
+        if missing:
+            raise SetupError(f"--{flag} {path} lacks {missing}: build it with preprocess_tldr.py")
+    preference, sft = datasets_by_flag["label_dataset"], datasets_by_flag["query_dataset"]
+    if args.gold_judge is not None and not os.path.isfile(os.path.join(args.gold_judge, "world.json")):
+        raise SetupError(f"--gold_judge {args.gold_judge}: no world.json there (want a tiny world folder)")
+    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="right")
+    for path in (args.label_dataset, args.query_dataset):  # the token columns must be this tokenizer's ids
+        built_with = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json")
+        data_ids = None  # a Hub dataset or a folder without preprocess_tldr.py's args.json: nothing to compare
+        if os.path.isdir(path) and os.path.isfile(built_with):
+            with open(built_with) as file:
+                built = json.load(file)
+            data_ids = {key: built.get(key) for key in ("eos_token_id", "pad_token_id")}
+        if check_tokenizer(tokenizer, data_ids, f"{path} ({built_with})"):
+            accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    train = preference["train"].with_format("torch", columns=list(PAIR_COLUMNS))
+    total_episodes = len(train) * args.num_train_epochs if args.total_episodes is None else args.total_episodes
+    args.num_updates = total_episodes // args.batch_size
+    checkpoints = os.path.join(args.output_dir, "checkpoints")
+    resume_from = latest_checkpoint(checkpoints) if args.resume else None
+
+    # ---- run name & logging ----
+    if resume_from is not None:  # a resumed run logs on into its own TensorBoard folder
+        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
+            run_name = args.run_name or json.load(file)["run_name"]
+    else:
+        start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
+        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "args.json"), "w") as file:
+            json.dump({**asdict(args), "run_name": run_name, "eos_token_id": eos_id, "pad_token_id": pad_id,
+                       "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{key}|{value}|" for key, value in asdict(args).items()))
+        if args.track:
+            import wandb  # imported here: without --track nothing touches the network
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, save_code=True)
+    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} pairs = "
+                      f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
+                      f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size} "
+                      f"({args.gradient_accumulation_steps} accumulation steps)")
+
+    # ---- seeding & data order ----
+    local_seed = args.seed + accelerator.process_index * 100003  # eval sampling differs per rank
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    torch.backends.cudnn.deterministic = True
+    # reward.py's data order: one permutation per pass, seeded alike on every rank (the reference
+    # shuffles with a per-rank seed); update u, micro-step m, rank r reads the slice [u, m, r], so
+    # the RM and DPO see the same pairs in the same updates and each pair once per pass.
+    order = episode_order(len(train), args.num_updates * args.batch_size, args.seed)
+    local_order = order.view(args.num_updates, args.gradient_accumulation_steps, args.world_size,
+                             args.local_micro_batch_size)[:, :, accelerator.process_index]  # (U, GAS, micro)
+
+    # ---- models ----
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
+    for model in (policy, ref_policy):
+        disable_dropout(model)  # with dropout, h would not even be 0 before the first update
+    policy.train()
+    ref_policy.eval().requires_grad_(False)
+
+    # ---- optimizer & schedule ----
+    # The RM's recipe (Detail 10): AdamW (eps 1e-5, weight decay 0.01), lr 3e-6 with a cosine decay
+    # to 0 over one epoch in updates of 64 pairs (1450 updates); the paper's Figure 6 compares the two.
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
+    # The scheduler stays unprepared (stepped once per update by us) but is saved in checkpoints.
+    model, optimizer = accelerator.prepare(policy, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    # The reference runs in the policy's dtype (bf16 weights under DeepSpeed, fp32 weights under
+    # accelerate's bf16 autocast, which its forwards enter too): were it more precise than the
+    # policy, h would start away from 0 by the rounding difference. The reference code keeps it in fp32.
+    ref_policy = ref_policy.to(accelerator.device, dtype=next(model.parameters()).dtype)
+    start_update = 0
+    if resume_from is not None:
+        accelerator.load_state(resume_from[1])  # also the RNG states saved at that update
+        start_update = resume_from[0]
+        accelerator.print(f"resumed from {resume_from[1]} at update {start_update}")
+    elif args.resume:
+        accelerator.print(f"--resume: no checkpoint in {checkpoints}, starting at update 0")
+
+    # ---- training loop ----
+    stop_at = args.num_updates if args.stop_after_updates is None else min(args.stop_after_updates, args.num_updates)
+    progress = tqdm(range(start_update, stop_at), desc="dpo", disable=not accelerator.is_main_process)
+    for update in progress:
+        # (GAS, 4) per micro-step: loss, accuracy, mean chosen reward, mean rejected reward
+        stats = torch.zeros(args.gradient_accumulation_steps, 4, device=accelerator.device)
+        for micro_step in range(args.gradient_accumulation_steps):
+            batch = {key: value.to(accelerator.device) for key, value in train[local_order[update, micro_step].tolist()].items()}
+            with torch.no_grad(), accelerator.autocast():
+                ref_chosen, ref_rejected = pair_logprobs(ref_policy, batch, pad_id)  # (micro,) each
+            with accelerator.accumulate(model):
+                chosen, rejected = pair_logprobs(model, batch, pad_id)  # (micro,) each
+                losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected,
+                                                                    args.beta, args.ipo, args.label_smoothing)
+                # The mean over the micro-batch's pairs; accelerate divides by the accumulation steps
+                # and DDP averages over ranks: the mean over the update's pairs, however it is split.
+                loss = losses.mean()
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            stats[micro_step] = torch.stack([loss.detach(), (chosen_rewards > rejected_rewards).float().mean(),
+                                             chosen_rewards.mean(), rejected_rewards.mean()])
+        lr = scheduler.get_last_lr()[0]  # the rate this update used
+        scheduler.step()
+        loss, accuracy, chosen, rejected = accelerator.reduce(stats.mean(0), reduction="mean").tolist()
+        pairs_seen = (update + 1) * args.batch_size
+        if accelerator.is_main_process:
+            for key, value in (("loss", loss), ("accuracy", accuracy), ("chosen_rewards", chosen),
+                               ("rejected_rewards", rejected), ("margin", chosen - rejected), ("lr", lr)):
+                writer.add_scalar(f"train/dpo/{key}", value, pairs_seen)
+            progress.set_postfix(loss=f"{loss:.4f}", accuracy=f"{accuracy:.3f}", margin=f"{chosen - rejected:.3f}",
+                                 lr=f"{lr:.2e}")
+        if (args.save_every and (update + 1) % args.save_every == 0) or update + 1 == args.stop_after_updates:
+            save_checkpoint(accelerator, checkpoints, update + 1, run_name)
+    if stop_at < args.num_updates:
+        accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
+        if accelerator.is_main_process:
+            writer.close()
+        raise SystemExit(0)
+    step = args.num_updates * args.batch_size
+
+    def first(dataset):
+        """The first --num_eval_samples rows of `dataset` (all of them when the flag is None)."""
+        return dataset if args.num_eval_samples is None else dataset.select(range(min(args.num_eval_samples,
+                                                                                     len(dataset))))
+
+    # ---- evaluation: the implicit reward as a reward model, reported as reward.py reports the RM ----
+    # Detail 6: The preference validation split is out of distribution
+    # Validation pairs come from many policies train never shows, and validation_cnndm is news:
+    # each split is reported apart, exactly as for the RM, so the two compare line by line.
+    metrics, calibration = {}, {}
+    if args.gold_judge is not None:
+        import tiny_world  # the tiny world's gold judge, beside this script; imported only when asked
+
+        with open(os.path.join(args.gold_judge, "world.json")) as file:
+            noise_ceiling = json.load(file)["noise_ceiling"]
+    for split in EVAL_SPLITS if args.num_eval_samples != 0 else ():
+        eval_set = first(preference[split])
+        rewards = implicit_rewards(accelerator, model, ref_policy, eval_set.with_format("torch", columns=list(PAIR_COLUMNS)),
+                                   pad_id, args.beta, args.local_eval_batch_size)
+        if not accelerator.is_main_process:
+            continue
+        table = pd.DataFrame({
+            "query": eval_set["query"], "chosen": eval_set["chosen"], "rejected": eval_set["rejected"],
+            "batch": eval_set["batch"], "split": eval_set["split"],
+            "confidence": [(extra or {}).get("confidence") for extra in eval_set["extra"]],
+            "chosen_policy": eval_set["chosen_policy"], "rejected_policy": eval_set["rejected_policy"],
+            "chosen_reward": rewards["chosen"], "rejected_reward": rewards["rejected"]})
+        table["accuracy"] = (table["chosen_reward"] > table["rejected_reward"]).astype(float)
+        # Detail 16: Accuracy differs by batch / confidence / split
+        # One overall accuracy hides the labeling batches' policies and labelers and the near coin
+        # flips of low-confidence pairs (paper Table 5): the same groups as the RM's.
+        by_group = grouped_accuracy(table, GROUPS)
+        for row in by_group.itertuples():
+            key = f"eval/dpo/{split}/accuracy" + ("" if row.group == "all" else f"/{row.group}/{row.value}")
+            metrics[key] = row.accuracy
+        report = f"# DPO implicit-reward accuracy on {split} ({len(table)} pairs)\n\n" + markdown_table(by_group)
+        if args.gold_judge is not None:
+            # The labels are Bradley-Terry noise around the gold judge: agreement with the gold
+            # ordering is what the implicit reward should learn; the noise ceiling bounds label accuracy.
+            posts = [f"{info['title']}\n{info['article'] if split == 'validation_cnndm' else info['post']}"
+                     for info in eval_set["info"]]
+            texts = [(s[c]["text"], s[1 - c]["text"]) for s, c in zip(eval_set["summaries"], eval_set["choice"])]
+            gold_margin = np.array([tiny_world.gold_score(p, c) - tiny_world.gold_score(p, r)
+                                    for p, (c, r) in zip(posts, texts)])
+            table["gold_prefers_chosen"] = np.where(gold_margin == 0, np.nan, gold_margin > 0)
+            decided = gold_margin != 0  # gold ties (e.g. two identical summaries) prefer neither
+            gold_accuracy = float(((table["accuracy"] > 0) == (gold_margin > 0))[decided].mean())
+            metrics[f"eval/dpo/{split}/gold_accuracy"] = gold_accuracy
+            report += (f"\nGold judge: DPO agrees with the gold ordering on {gold_accuracy:.3f} of {decided.sum()} "
+                       f"pairs without a gold tie; accuracy on the labels {table['accuracy'].mean():.3f} vs "
+                       f"noise ceiling {noise_ceiling.get(split, float('nan')):.3f}\n")
+        table.to_csv(os.path.join(args.output_dir, f"eval_pairs_{split}.csv"), index=False)
+        with open(os.path.join(args.output_dir, f"accuracy_{split}.md"), "w") as file:
+            file.write(report)
+        if args.track:
+            wandb.log({f"eval/dpo/{split}/samples": wandb.Table(dataframe=table)})
+        print(report)
+        # Calibration as the RM's (Detail 18): sigmoid(r_c - r_r) is the probability DPO's model assigns.
+        calibration[split] = calibration_bins((table["chosen_reward"] - table["rejected_reward"]).to_numpy(), 0.5)
+        print(f"calibration on {split}:\n" + markdown_table(calibration[split]))
+    if accelerator.is_main_process and calibration:
+        plot_calibration(calibration, os.path.join(args.output_dir, "calibration.png"))
+
+    # ---- evaluation: summaries of the SFT validation queries, for judge.py ----
+    generation_config = GenerationConfig(
+        max_new_tokens=args.response_length, min_new_tokens=args.response_length,  # always the full length
+        temperature=args.temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,  # pure temperature sampling
+        return_dict_in_generate=True, output_scores=True)
+    if args.num_eval_samples != 0:
+        rows = sample_summaries(accelerator, model, first(sft["validation"]).with_format("torch", columns=list(QUERY_COLUMNS)),
+                                tokenizer, generation_config, args.local_eval_batch_size)
+        if accelerator.is_main_process:
+            table = pd.DataFrame(rows, columns=["query", "response", "reference"])
+            table.to_csv(os.path.join(args.output_dir, "eval_validation.csv"), index=False)
+            if args.track:
+                wandb.log({"eval/dpo/validation/query_responses": wandb.Table(dataframe=table)})
+            for row in rows[:3]:
+                print(f"  query ...{row['query'][-80:]!r}\n  response  {row['response']!r}\n  reference {row['reference']!r}")
+
+    # ---- save ----
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    if accelerator.is_main_process:
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, step)
+        unwrapped = accelerator.unwrap_model(model)
+        # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
+        unwrapped.generation_config.eos_token_id = eos_id
+        unwrapped.generation_config.pad_token_id = pad_id
+        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(args.output_dir)
+        with open(os.path.join(args.output_dir, "eval_metrics.json"), "w") as file:
+            json.dump(metrics, file, indent=2)
+        shutil.rmtree(checkpoints, ignore_errors=True)  # only an unfinished run needs them
+        writer.close()
+        print("\n".join(f"{key}: {metrics[key]:.4f}" for key in metrics if key.count("/") == 3))
+        print(f"saved {args.output_dir}")
+        if args.push_to_hub:
+            from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
+
+            api = HfApi()
+            name = args.sft_model_path.rstrip("/").replace("/", "_")
+            repo_id = f"{args.hf_entity or api.whoami()['name']}/{name}__{args.exp_name}__tldr"
+            api.create_repo(repo_id, exist_ok=True)
+            api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
+            api.upload_folder(folder_path=args.output_dir, repo_id=repo_id, revision=run_name)
+            print(f"pushed https://huggingface.co/{repo_id}/tree/{run_name}")
+        if args.track:
+            wandb.finish()

@@ -1,0 +1,241 @@
+"""Tests of dpo.py: the loss and the log-probs against hand computation, then real runs.
+
+  - Detail 19: the DPO / IPO / conservative-DPO losses and the implicit rewards on hand-picked log-probs;
+    summed log-probs count the summary's tokens (EOS included) and nothing else, whatever the padding;
+    micro-batches of 1 and of 4 give the same gradient for the same 4 pairs (the reference code's
+    un-reduced loss is right only for micro-batch 1)
+  - Detail 7: policy and reference loaded from the same model give h exactly 0 (with dropout left on they do not)
+  - a 1-process run (micro-batch 4 x 2 accumulation steps) interrupted after 3 updates and resumed,
+    and the same run on 2 processes: the same final weights; tables, samples and metrics written
+  - bad inputs fail with a SetupError before any model is loaded
+The subprocess runs use the tiny base model as the "SFT model", as tests/test_reward.py does.
+"""
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import datasets
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import dpo
+from conftest import REPO, WORLD
+
+ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+EOS, PAD = 0, 1  # the tiny world's ids (data/tiny_tldr/args.json)
+BASE = WORLD / "pythia-tiny"
+
+
+def test_dpo_loss_and_implicit_rewards_by_hand():
+    """Detail 19: h = (-10 - -11) - (-12 - -11) = 2, beta 0.05: rewards +-0.05, loss -log sigmoid(0.1)."""
+    logps = [torch.tensor([-10.0, -5.0]), torch.tensor([-12.0, -5.0]), torch.tensor([-11.0, -5.0]),
+             torch.tensor([-11.0, -5.0])]  # chosen, rejected, ref chosen, ref rejected; pair 2: pi = pi_ref
+    losses, chosen, rejected = dpo.dpo_loss(*logps, beta=0.05)
+    assert torch.allclose(chosen, torch.tensor([0.05, 0.0])) and torch.allclose(rejected, torch.tensor([-0.05, 0.0]))
+    assert torch.allclose(losses, torch.tensor([math.log(1 + math.exp(-0.1)), math.log(2)]))
+    ipo, _, _ = dpo.dpo_loss(*logps, beta=0.05, ipo=True)  # (h - 1 / (2 beta))^2 = (2 - 10)^2
+    assert torch.allclose(ipo, torch.tensor([64.0, 100.0]))
+    smoothed, _, _ = dpo.dpo_loss(*logps, beta=0.05, label_smoothing=0.1)
+    expected = 0.9 * math.log(1 + math.exp(-0.1)) + 0.1 * math.log(1 + math.exp(0.1))
+    assert torch.allclose(smoothed, torch.tensor([expected, math.log(2)]))
+
+
+def tiny_model(seed=None):
+    """The tiny world's base model, dropout off; with a seed, its weights moved by small seeded noise."""
+    model = AutoModelForCausalLM.from_pretrained(BASE)
+    dpo.disable_dropout(model)
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def test_sequence_logprobs_sum_only_the_summary_tokens():
+    """Detail 19: the sum over the response of log p(id), EOS included, query and pads excluded, any padding."""
+    model = tiny_model(seed=0).eval()
+    rows = [([5, 6, 7, 8], [20, 21, EOS]), ([9, 10], [22, 23, 24, 25, EOS])]  # (query, response) pairs
+    width = 10
+    ids = torch.tensor([q + r + [PAD] * (width - len(q) - len(r)) for q, r in rows])  # (2, 10) right-padded
+    labels = torch.tensor([[PAD] * len(q) + r + [PAD] * (width - len(q) - len(r)) for q, r in rows])
+    with torch.no_grad():
+        got = dpo.sequence_logprobs(model, ids, labels, PAD)
+        for i, (query, response) in enumerate(rows):  # naive: each row alone, unpadded, one term per token
+            logits = model(torch.tensor([query + response])).logits[0].log_softmax(-1)  # (T, V)
+            expected = sum(logits[len(query) - 1 + k, token] for k, token in enumerate(response))
+            assert abs(got[i].item() - expected.item()) < 1e-4, (i, got[i], expected)
+
+
+def pairs(tiny_tldr, n):
+    """The first n train pairs of the tiny world as dpo.py reads them: {column: (n, T) tensor}."""
+    train = datasets.load_from_disk(str(tiny_tldr / "preference"))["train"]
+    return train.with_format("torch", columns=list(dpo.PAIR_COLUMNS))[list(range(n))]
+
+
+def test_micro_batch_1_and_4_give_the_same_gradient(tiny_tldr):
+    """The loss is a mean per micro-batch, divided by the accumulation steps: 4 x 1 = 1 x 4 pairs."""
+    batch = pairs(tiny_tldr, 4)
+    reference = tiny_model().eval()
+    gradients = []
+    for micro in (4, 1):
+        policy = tiny_model(seed=1)  # moved away from the reference: h differs per pair
+        for start in range(0, 4, micro):
+            part = {key: value[start:start + micro] for key, value in batch.items()}
+            with torch.no_grad():
+                ref_logps = dpo.pair_logprobs(reference, part, PAD)
+            losses, _, _ = dpo.dpo_loss(*dpo.pair_logprobs(policy, part, PAD), *ref_logps, beta=0.05)
+            (losses.mean() / (4 // micro)).backward()  # what accelerator.backward does when accumulating
+        gradients.append({name: p.grad.clone() for name, p in policy.named_parameters()})
+        assert losses.abs().max() > 0 and max(g.abs().max() for g in gradients[-1].values()) > 1e-4
+    for name in gradients[0]:
+        assert torch.allclose(gradients[0][name], gradients[1][name], atol=1e-6, rtol=1e-4), name
+
+
+def test_h_is_exactly_zero_at_step_0(tiny_tldr):
+    """Detail 7: the policy (train mode) and the reference (eval mode), same weights, dropout off: h = 0 exactly."""
+    batch = pairs(tiny_tldr, 8)
+    policy, reference = tiny_model().train(), tiny_model().eval()
+    with torch.no_grad():
+        chosen, rejected = dpo.pair_logprobs(policy, batch, PAD)
+        ref_chosen, ref_rejected = dpo.pair_logprobs(reference, batch, PAD)
+        losses, chosen_rewards, rejected_rewards = dpo.dpo_loss(chosen, rejected, ref_chosen, ref_rejected, 0.05)
+        assert torch.equal((chosen - ref_chosen) - (rejected - ref_rejected), torch.zeros(8))
+        assert torch.equal(chosen_rewards, torch.zeros(8)) and torch.equal(rejected_rewards, torch.zeros(8))
+        assert torch.allclose(losses, torch.full((8,), math.log(2)))
+        torch.manual_seed(0)
+        with_dropout = AutoModelForCausalLM.from_pretrained(BASE).train()  # the tiny model's dropout is 0.1
+        assert not torch.equal(dpo.pair_logprobs(with_dropout, batch, PAD)[0], ref_chosen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real runs on a small slice of the tiny world
+# ---------------------------------------------------------------------------------------------
+
+TRAIN_PAIRS, BATCH, EPOCHS = 32, 8, 2  # 8 updates of 8 pairs: each pair twice, once per epoch
+RUN = ["--sft_model_path", str(BASE), "--lr", "1e-3", "--batch_size", str(BATCH), "--num_train_epochs", str(EPOCHS),
+       "--response_length", "8", "--local_eval_batch_size", "8"]
+
+
+@pytest.fixture(scope="module")
+def small_world(tiny_tldr, tmp_path_factory):
+    """Slices of the preprocessed tiny world: 32 train pairs, 16 + 8 eval pairs, 10 SFT validation queries."""
+    root = tmp_path_factory.mktemp("small_world")
+    preference = datasets.load_from_disk(str(tiny_tldr / "preference"))
+    sizes = {"train": TRAIN_PAIRS, "validation": 16, "validation_cnndm": 8}
+    datasets.DatasetDict({split: preference[split].select(range(n)) for split, n in sizes.items()}).save_to_disk(
+        str(root / "preference"))
+    sft = datasets.load_from_disk(str(tiny_tldr / "sft"))
+    datasets.DatasetDict(validation=sft["validation"].select(range(10))).save_to_disk(str(root / "sft"))
+    shutil.copy(tiny_tldr / "args.json", root / "args.json")  # the pad / eos ids the columns were built with
+    return root
+
+
+def run_dpo(small_world, output_dir, *extra, processes=1):
+    """Run dpo.py on the small world (1 process, or 2 CPU processes with accelerate launch); its output."""
+    flags = [*RUN, "--label_dataset", str(small_world / "preference"), "--query_dataset", str(small_world / "sft"),
+             "--output_dir", str(output_dir), *extra]
+    env = dict(ENV)
+    env.pop("ACCELERATE_USE_CPU", None)
+    if processes == 1:
+        cmd = [sys.executable, str(REPO / "dpo.py"), *flags]
+    else:
+        with socket.socket() as sock:  # a free port: other test sessions may launch at the same time
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(port), str(REPO / "dpo.py"), *flags]
+        env["ACCELERATE_USE_CPU"] = "1"  # ENV_NOTES: CPU DDP needs --multi_gpu with ACCELERATE_USE_CPU
+    result = subprocess.run(cmd, cwd=output_dir.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def resumed_run(small_world, tmp_path_factory):
+    """1 process, micro-batch 4 x 2 accumulation steps; stopped after 3 of 8 updates, then resumed."""
+    output_dir = tmp_path_factory.mktemp("resumed") / "dpo"
+    first = run_dpo(small_world, output_dir, "--local_micro_batch_size", "4", "--stop_after_updates", "3",
+                    "--gold_judge", str(WORLD))
+    assert "stopped after update 3 of 8" in first
+    assert (output_dir / "checkpoints" / "update_3" / "trainer_state.json").is_file()
+    assert not (output_dir / "model.safetensors").exists()
+    second = run_dpo(small_world, output_dir, "--local_micro_batch_size", "4", "--resume", "--gold_judge", str(WORLD))
+    assert "resumed from" in second and "at update 3" in second
+    return output_dir
+
+
+def test_run_interrupted_and_resumed_writes_policy_tables_and_samples(resumed_run):
+    out = resumed_run
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "args.json", "eval_validation.csv",
+                 "eval_pairs_validation.csv", "eval_pairs_validation_cnndm.csv", "accuracy_validation.md",
+                 "accuracy_validation_cnndm.md", "calibration.png", "eval_metrics.json"):
+        assert (out / name).is_file(), name
+    assert not (out / "checkpoints").exists()  # removed when the run ends
+    args = json.loads((out / "args.json").read_text())
+    assert (args["num_updates"], args["gradient_accumulation_steps"], args["local_micro_batch_size"]) == (8, 2, 4)
+    assert args["git_commit"] and (args["pad_token_id"], args["eos_token_id"]) == (PAD, EOS)
+    # Detail 6 / 16: the RM's metrics and tables, under eval/dpo/
+    metrics = json.loads((out / "eval_metrics.json").read_text())
+    for key in ("eval/dpo/validation/accuracy", "eval/dpo/validation_cnndm/accuracy", "eval/dpo/validation/gold_accuracy",
+                "eval/dpo/validation/accuracy/split/valid1", "eval/dpo/validation/accuracy/confidence/9"):
+        assert 0 <= metrics[key] <= 1, key
+    pairs_table = pd.read_csv(out / "eval_pairs_validation.csv")
+    assert len(pairs_table) == 16 and {"chosen_reward", "rejected_reward", "accuracy", "gold_prefers_chosen",
+                                       "batch", "confidence", "chosen_policy"} <= set(pairs_table.columns)
+    assert pairs_table["accuracy"].mean() == pytest.approx(metrics["eval/dpo/validation/accuracy"])
+    assert (pairs_table["chosen_reward"] != 0).all()  # trained: the policy left the reference
+    assert "| group | value | accuracy | pairs |" in (out / "accuracy_validation.md").read_text()
+    # The samples, in the format judge.py reads (as sft.py writes them)
+    samples = pd.read_csv(out / "eval_validation.csv", keep_default_na=False)
+    assert list(samples.columns) == ["query", "response", "reference"] and len(samples) == 10
+    assert samples["query"].str.endswith("TL;DR:").all() and "[PAD]" not in samples["query"][0]
+    # The saved policy loads, dropout off, and differs from the initial model
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.attention_dropout == 0.0 and model.generation_config.eos_token_id == EOS
+    start = load_file(str(BASE / "model.safetensors"))
+    assert max((load_file(str(out / "model.safetensors"))[k] - start[k]).abs().max() for k in start) > 1e-3
+
+
+def test_two_processes_match_one_process(resumed_run, small_world, tmp_path):
+    """2 CPU processes x micro-batch 2 x 2 accumulation steps: one shared shuffle, the 1-process updates."""
+    out = tmp_path / "dpo2"
+    run_dpo(small_world, out, "--local_micro_batch_size", "2", "--gold_judge", str(WORLD), processes=2)
+    assert json.loads((out / "args.json").read_text())["world_size"] == 2
+    two, one = load_file(str(out / "model.safetensors")), load_file(str(resumed_run / "model.safetensors"))
+    for key in one:  # same pairs per update, mean loss per micro-batch, gradients averaged over ranks
+        assert torch.allclose(one[key], two[key], atol=1e-5), key
+    # Eval rows of both ranks come back in the split's order, with the same implicit rewards
+    for name in ("eval_pairs_validation.csv", "eval_validation.csv"):
+        a, b = pd.read_csv(out / name), pd.read_csv(resumed_run / name)
+        assert a["query"].equals(b["query"]), name
+    a, b = (pd.read_csv(folder / "eval_pairs_validation.csv") for folder in (out, resumed_run))
+    assert (a["chosen_reward"] - b["chosen_reward"]).abs().max() < 1e-4
+
+
+def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
+    """Detail 3 and friends: a dataset without the pair columns, an occupied output folder, a bad beta."""
+    base = [sys.executable, str(REPO / "dpo.py"), "--sft_model_path", str(BASE), "--query_dataset",
+            str(small_world / "sft"), "--batch_size", "8"]
+    cases = [(["--label_dataset", str(small_world / "sft"), "--output_dir", str(tmp_path / "a")], "lacks ['train'"),
+             (["--label_dataset", str(small_world / "preference"), "--output_dir", str(tmp_path / "b")],
+              "holds a different run"),
+             (["--label_dataset", str(small_world / "preference"), "--output_dir", str(tmp_path / "c"), "--beta", "0"],
+              "--beta 0.0 must be > 0")]
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "args.json").write_text(json.dumps({"lr": 0.5}))
+    for flags, message in cases:
+        result = subprocess.run(base + flags, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+        assert result.returncode != 0 and "SetupError" in result.stderr and message in result.stderr, result.stderr[-2000:]
+        assert "Loading weights" not in result.stdout + result.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+    assert sorted(os.listdir(tmp_path / "b")) == ["args.json"] and not (tmp_path / "runs").exists()
