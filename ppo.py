@@ -261,10 +261,15 @@ class PolicyAndValueWrapper(torch.nn.Module):
         super().__init__()
         self.policy, self.critic = policy, critic
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple:
-        """(B, T) ids and mask -> ((B, T, V) policy logits, (B, T) critic values)."""
-        logits = self.policy(input_ids=input_ids, attention_mask=attention_mask, return_dict=True).logits
-        return logits, self.critic(input_ids=input_ids, attention_mask=attention_mask)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                logits_to_keep: int) -> tuple:
+        """(B, T) ids, mask, positions -> ((B, logits_to_keep, V) policy logits of the last positions, (B, T) values)."""
+        logits = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             logits_to_keep=logits_to_keep, return_dict=True).logits
+        # ScalarModel.forward, with the position ids: the head on the backbone's last hidden state
+        hidden = self.critic.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                                      position_ids=position_ids).last_hidden_state  # (B, T, d)
+        return logits, self.critic.head(hidden).squeeze(-1)
 
 
 def ppo_batch_sizes(batch_size: int, world_size: int, num_minibatches: int, local_micro_batch_size: int) -> dict:
@@ -397,6 +402,21 @@ def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config)
     output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
     # (B, T_q + T_resp): the original queries (with their pads) ++ the new tokens
     return torch.cat((queries, output.sequences[:, context_length:]), dim=1), torch.stack(output.scores, 1)
+
+
+def response_window(query_responses: torch.Tensor, pad_token_id: int, context_length: int, num_outputs: int) -> tuple:
+    """(B, T) left-padded query ++ response ids -> (B, W) ids, mask and position ids of the columns that the
+    outputs at positions context - 1 ... context + num_outputs - 2 (predicting response tokens 0 ... num_outputs - 1) read."""
+    # Columns before `start` are pads in every row (keys that no position attends to); columns
+    # from `stop` on come after the last position used (causal attention: never read). The kept
+    # columns keep their positions in the full row (which a forward without position ids numbers
+    # 0 ... T - 1), so the outputs are those of the full forward, up to the float rounding of sums
+    # over a shorter row. Padded rows cost as much as real ones: this skips what is never used.
+    start = min(int(first_true_indices(query_responses[:, :context_length] != pad_token_id).min()), context_length - 1)
+    window = query_responses[:, start:context_length + num_outputs - 1]  # (B, W)
+    attention_mask = window != pad_token_id
+    position_ids = torch.arange(start, start + window.size(1), device=window.device).expand_as(window)
+    return torch.masked_fill(window, ~attention_mask, 0), attention_mask, position_ids
 
 
 def reward_indices(query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
@@ -792,7 +812,10 @@ if __name__ == "__main__":
                 # 1b. Reference log-probs on the untruncated sequence, at the same temperature.
                 # (b, T_resp, V): logits at position t predict token t + 1, so the response is predicted
                 # by the positions context - 1 ... T - 2.
-                ref_logits = forward(ref_policy, query_response, pad_id).logits[:, context_length - 1:-1]
+                ref_input_ids, ref_mask, ref_positions = response_window(query_response, pad_id, context_length,
+                                                                         args.response_length)
+                ref_logits = ref_policy(input_ids=ref_input_ids, attention_mask=ref_mask, position_ids=ref_positions,
+                                        logits_to_keep=args.response_length, return_dict=True).logits
                 rollout["ref_logprobs"].append(gather_logprobs(ref_logits / (args.temperature + 1e-7), response))
                 del ref_logits
                 # 1c. Values of the states before each response token (the critic sees the untruncated
@@ -850,15 +873,20 @@ if __name__ == "__main__":
                 for micro_start in range(mini_start, mini_start + args.local_mini_batch_size,
                                          args.local_micro_batch_size):
                     mb = permutation[micro_start:micro_start + args.local_micro_batch_size]  # (micro,) rows
-                    mb_query_responses = query_responses[mb]  # (micro, T_q + T_resp)
+                    # Only response positions 0 ... n - 1 are trained (later ones are masked in every row
+                    # of the micro-batch: after its EOS, and after its value target), so the forward
+                    # computes just the columns they read, and the policy's logits only there.
+                    n = min(responses.size(1), int(sequence_lengths[mb].max()) + 1 + int(args.score_after_eos))
+                    window_ids, window_mask, window_positions = response_window(query_responses[mb], pad_id,
+                                                                                context_length, n)
                     with accelerator.accumulate(model):
-                        attention_mask = mb_query_responses != pad_id
-                        logits, vpred = model(input_ids=torch.masked_fill(mb_query_responses, ~attention_mask, 0),
-                                              attention_mask=attention_mask)
-                        # (micro, T_resp, V) and (micro, T_resp): the positions that predict the response
-                        logits = logits[:, context_length - 1:-1] / (args.temperature + 1e-7)
-                        new_logprobs = gather_logprobs(logits, responses[mb])
-                        vpred = vpred[:, context_length - 1:-1].float()
+                        logits, vpred = model(input_ids=window_ids, attention_mask=window_mask,
+                                              position_ids=window_positions, logits_to_keep=n)
+                        # (micro, n, V) and (micro, n): the positions that predict response tokens 0 ... n - 1
+                        logits = logits / (args.temperature + 1e-7)
+                        # Back to (micro, T_resp): the masked positions take the rollout's values (ratio 1, no loss).
+                        new_logprobs = torch.cat((gather_logprobs(logits, responses[mb, :n]), logprobs[mb, n:]), 1)
+                        vpred = torch.cat((vpred[:, -n:].float(), values[mb, n:]), 1)
                         stats = ppo_losses(new_logprobs, logprobs[mb], advantages[mb], vpred, values[mb],
                                            returns[mb], ~padding_mask[mb], ~value_padding_mask[mb],
                                            args.cliprange, args.cliprange_value)
