@@ -64,11 +64,13 @@ for label, folder in zip(("base model", "SFT"), sys.argv[1:]):
     print(f"validation, {label}: " + ", ".join(f"{key} {value:.4f}" for key, value in metrics.items()))
 EOF
 
-# Reward model (reward.py), initialised from the SFT model. Scale knobs only (lr, batch, epochs).
-# Open (issue 4): it reaches 0.67 validation accuracy here, short of the 0.70 target.
+# Reward model (reward.py), initialised from the SFT model. Scale knobs only (lr, batch, epochs):
+# 3 passes over the 4,096 pairs in updates of 32 at lr 1e-3. Validation accuracy against the labels
+# plateaus at 0.68-0.70 here (seeds 1-3: 0.699 / 0.680 / 0.688; 4 passes: 0.699), short of issue 4's
+# 0.70; against the gold judge it reaches 0.75-0.77 (noise ceiling 0.836).
 stage "reward" python reward.py --sft_model_path "$MODELS/sft_$SEED" --label_dataset "$DATA/preference" \
   --query_dataset "$DATA/sft" --output_dir "$MODELS/reward_$SEED" --seed "$SEED" --lr 1e-3 \
-  --batch_size 32 --local_micro_batch_size 32 --num_train_epochs 2 --local_eval_batch_size 64 --gold_judge "$WORLD"
+  --batch_size 32 --local_micro_batch_size 32 --num_train_epochs 3 --local_eval_batch_size 64 --gold_judge "$WORLD"
 
 # PPO (ppo.py): policy and reference from the SFT model, critic and reward from the RM; 10 updates
 # of 64 episodes. Scale knobs only; every algorithm setting is the paper's default.
