@@ -24,7 +24,7 @@ RM is evaluated on `validation` (TL;DR) and `validation_cnndm` (news, never trai
     # tiny world, offline, 2 CPU cores, ~3 min on an idle machine (benchmark/tiny.sh runs this after sft.py)
     python reward.py --sft_model_path models/tiny/sft_1 --label_dataset data/tiny_tldr/preference \
         --query_dataset data/tiny_tldr/sft --output_dir models/tiny/reward_1 --lr 1e-3 \
-        --batch_size 32 --local_micro_batch_size 32 --num_train_epochs 2 --local_eval_batch_size 64 \
+        --batch_size 32 --local_micro_batch_size 32 --num_train_epochs 3 --local_eval_batch_size 64 \
         --gold_judge assets/tiny_world
     # one GPU, Pythia 1B, bf16 (global batch 64 = 8 x 8 accumulation steps)
     accelerate launch --num_processes 1 --mixed_precision bf16 reward.py --sft_model_path models/sft_1b \
