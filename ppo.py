@@ -79,7 +79,7 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
-from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig,
                           PretrainedConfig, PreTrainedModel)
 
 
@@ -133,7 +133,7 @@ class Args:
     reward_model_path: str = "models/reward_model"
     """Reward model (reward.py's output folder): the scorer and the critic's start (Detail 22)"""
     response_length: int = 53
-    """Tokens sampled per prompt, always all of them (Detail 23; paper: 53)"""
+    """Tokens sampled per prompt, past the EOS (Detail 23; paper: 53): sampling stops early only once every row has an EOS"""
     temperature: float = 0.7
     """Sampling temperature of the rollouts (Detail 20; paper: 0.7)"""
     eval_temperature: float = 0.01
@@ -402,6 +402,40 @@ def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config)
     output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
     # (B, T_q + T_resp): the original queries (with their pads) ++ the new tokens
     return torch.cat((queries, output.sequences[:, context_length:]), dim=1), torch.stack(output.scores, 1)
+
+
+def sample_rollout(model, queries: torch.Tensor, pad_token_id: int, eos_token_id: int, response_length: int,
+                   temperature: float) -> tuple:
+    """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores = logits / T)."""
+    # The sampling of generate() above (pure temperature: softmax of logits / T, one multinomial
+    # draw per row and step), as a plain KV-cache loop that stops once EVERY row holds an EOS: the
+    # tokens after a row's EOS are never used (truncated, masked, causal attention), so the steps
+    # after the last row's EOS only cost time. They become pads (scores 0), and their random draws
+    # are still taken, so the random stream, and every later sample, is what the full length gives.
+    attention_mask = queries != pad_token_id  # (B, T_q), grows by one column per step
+    position_ids = (attention_mask.long().cumsum(1) - 1).masked_fill(~attention_mask, 0)  # generate()'s convention
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=torch.masked_fill(queries, ~attention_mask, 0), attention_mask=attention_mask,
+                   position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    tokens, scores = [], []
+    has_eos = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
+    while True:
+        score = logits[:, -1].float() / temperature  # (B, V)
+        token = torch.multinomial(F.softmax(score, dim=-1), num_samples=1).squeeze(1)  # (B,)
+        tokens.append(token)
+        scores.append(score)
+        has_eos |= token == eos_token_id
+        if len(tokens) == response_length or has_eos.all():
+            break
+        attention_mask = torch.cat((attention_mask, attention_mask.new_ones(queries.size(0), 1)), 1)
+        position_ids = position_ids[:, -1:] + 1  # (B, 1)
+        logits = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=cache, use_cache=True).logits
+    for _ in range(response_length - len(tokens)):  # the skipped steps' draws (a draw's use of the stream
+        torch.multinomial(torch.ones_like(score), num_samples=1)  # depends on the shape only)
+    tokens += [torch.full_like(token, pad_token_id)] * (response_length - len(tokens))
+    scores += [torch.zeros_like(score)] * (response_length - len(scores))
+    return torch.cat((queries, torch.stack(tokens, 1)), 1), torch.stack(scores, 1)
 
 
 def response_window(query_responses: torch.Tensor, pad_token_id: int, context_length: int, num_outputs: int) -> tuple:
@@ -746,10 +780,6 @@ if __name__ == "__main__":
     elif args.resume:
         accelerator.print(f"--resume: no checkpoint in {checkpoints}, starting at update 0")
     unwrapped = accelerator.unwrap_model(model)  # generation and rollout forwards use the plain modules
-    generation_config = GenerationConfig(
-        max_new_tokens=args.response_length, min_new_tokens=args.response_length,  # always the full length
-        temperature=args.temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,  # pure temperature sampling
-        return_dict_in_generate=True, output_scores=True)
     eval_generation_config = GenerationConfig(
         max_new_tokens=args.response_length, min_new_tokens=args.response_length,
         temperature=args.eval_temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,
@@ -801,9 +831,10 @@ if __name__ == "__main__":
             for start in range(0, args.local_batch_size, args.local_rollout_forward_batch_size):
                 query = queries[start:start + args.local_rollout_forward_batch_size]  # (b, T_q)
                 tick = time.time()
-                # 1a. Sample exactly response_length tokens (Detail 23 below); the generation scores are
-                # logits / (T + 1e-7), so the behaviour log-probs come free, without a second forward.
-                query_response, gen_logits = generate(unwrapped.policy, query, pad_id, generation_config)
+                # 1a. Sample response_length tokens, no stop at a row's EOS (Detail 23 below; only once every
+                # row has one); the scores are logits / (T + 1e-7): behaviour log-probs without a second forward.
+                query_response, gen_logits = sample_rollout(unwrapped.policy, query, pad_id, eos_id,
+                                                            args.response_length, args.temperature + 1e-7)
                 response = query_response[:, context_length:]  # (b, T_resp)
                 rollout["logprobs"].append(gather_logprobs(gen_logits, response))
                 rollout["entropy"].append(entropy_from_logits(gen_logits))
