@@ -278,15 +278,6 @@ def truncate_response(responses: torch.Tensor, eos_token_id: int, pad_token_id: 
     return torch.masked_fill(responses, positions > eos_index.unsqueeze(1), pad_token_id)
 
 
-def forward(model, query_responses: torch.Tensor, pad_token_id: int):
-    """(B, T) ids with pads -> the model's output (logits (B, T, V)); pads masked out of attention."""
-    attention_mask = query_responses != pad_token_id  # (B, T)
-    # [PAD] may lie past the embedding table (Pythia: id 50277 of 50304 rows is fine, others not):
-    # masked positions are never attended to, so any valid id will do there.
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
-
-
 def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config) -> tuple:
     """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores)."""
     context_length = queries.shape[1]
@@ -402,7 +393,7 @@ def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: tor
     # The LM head only from the first position that predicts a summary token in any row: its
     # vocabulary-sized outputs are most of a small model's cost, and the queries' are never used.
     start = int(mask.any(0).nonzero()[0]) if mask.any() else mask.shape[1]
-    attention_mask = query_responses != pad_token_id  # (B, T); pads get a valid id, masked (as `forward`)
+    attention_mask = query_responses != pad_token_id  # (B, T); pads get a valid id, masked (as sft.py's `forward`)
     logits = model(input_ids=torch.masked_fill(query_responses, ~attention_mask, 0), attention_mask=attention_mask,
                    logits_to_keep=query_responses.shape[1] - start, return_dict=True).logits[:, :-1]  # (B, T-1-start, V)
     mask, labels = mask[:, start:], response_labels[:, start + 1:]  # (B, T-1-start): the ids the logits predict

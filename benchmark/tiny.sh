@@ -72,6 +72,14 @@ stage "reward" python reward.py --sft_model_path "$MODELS/sft_$SEED" --label_dat
   --query_dataset "$DATA/sft" --output_dir "$MODELS/reward_$SEED" --seed "$SEED" --lr 1e-3 \
   --batch_size 32 --local_micro_batch_size 32 --num_train_epochs 3 --local_eval_batch_size 64 --gold_judge "$WORLD"
 
+# DPO (dpo.py): policy and reference from the SFT model, the RM's pairs in the RM's order, its
+# implicit reward evaluated like the RM. Scale knobs only (lr, batch, pairs); beta 0.05 and the loss
+# are the paper's. 20 updates of 32: longer runs rank pairs better (0.69 after a pass) but the
+# chosen summaries' likelihood falls too and the samples stop ending (no EOS, longer, repetitive).
+stage "dpo" python dpo.py --sft_model_path "$MODELS/sft_$SEED" --label_dataset "$DATA/preference" \
+  --query_dataset "$DATA/sft" --output_dir "$MODELS/dpo_$SEED" --seed "$SEED" --lr 4e-4 --batch_size 32 \
+  --local_micro_batch_size 32 --total_episodes 640 --response_length 44 --local_eval_batch_size 64 --gold_judge "$WORLD"
+
 # PPO (ppo.py): policy and reference from the SFT model, critic and reward from the RM; 10 updates
 # of 64 episodes. Scale knobs only; every algorithm setting is the paper's default.
 stage "ppo" python ppo.py --base_model "$WORLD/pythia-tiny" --query_dataset "$DATA/sft" \
@@ -82,7 +90,8 @@ stage "ppo" python ppo.py --base_model "$WORLD/pythia-tiny" --query_dataset "$DA
 # The tiny world's gold judge: win rates against the human reference summaries (judge.py).
 stage "judge (gold)" python judge.py --judge gold --output_dir "$MODELS/judge_$SEED" --tables \
   "base__seed$SEED=$MODELS/base_$SEED/eval_validation.csv" "sft__seed$SEED=$MODELS/sft_$SEED/eval_validation.csv" \
-  "ppo__seed$SEED=$MODELS/ppo_$SEED/eval_validation.csv"
+  "ppo__seed$SEED=$MODELS/ppo_$SEED/eval_validation.csv" \
+  "dpo__seed$SEED=$MODELS/dpo_$SEED/eval_validation.csv"
 
 # The report: results of every stage, win rates with CIs, time per stage ($MODELS/report.md + .png).
 python benchmark/tiny_report.py --models "$MODELS" --seed "$SEED" --world "$WORLD"
