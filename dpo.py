@@ -22,10 +22,11 @@ references.
     {output_dir}/checkpoints/         the latest --save_every checkpoint, removed when the run ends
     runs/{run_name}/                  TensorBoard
 
-    # tiny world, offline, 2 CPU cores, ~2 min on an idle machine (benchmark/tiny.sh runs this after reward.py)
+    # tiny world, offline, 2 CPU cores, ~45 s (benchmark/tiny.sh runs this after sft.py; 20 updates of 32:
+    # implicit-reward accuracy 0.607 on validation, gold win rate vs the references 0.004, SFT's 0.000)
     OMP_NUM_THREADS=1 python dpo.py --sft_model_path models/tiny/sft_1 --label_dataset data/tiny_tldr/preference \
-        --query_dataset data/tiny_tldr/sft --output_dir models/tiny/dpo_1 --lr 3e-4 --batch_size 32 \
-        --local_micro_batch_size 32 --num_train_epochs 2 --response_length 44 --local_eval_batch_size 64 \
+        --query_dataset data/tiny_tldr/sft --output_dir models/tiny/dpo_1 --lr 4e-4 --batch_size 32 \
+        --local_micro_batch_size 32 --total_episodes 640 --response_length 44 --local_eval_batch_size 64 \
         --gold_judge assets/tiny_world
     # one GPU, Pythia 1B, bf16 (global batch 64 = 8 x 8 accumulation steps)
     accelerate launch --num_processes 1 --mixed_precision bf16 dpo.py --sft_model_path models/sft_1b \
