@@ -223,7 +223,7 @@ def test_two_processes_match_one_process(resumed_run, small_world, tmp_path):
 
 
 def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
-    """Detail 3 and friends: a dataset without the pair columns, an occupied output folder, a bad beta."""
+    """A dataset without the pair columns, an occupied output folder, a bad beta, other token ids (Detail 3)."""
     base = [sys.executable, str(REPO / "dpo.py"), "--sft_model_path", str(BASE), "--query_dataset",
             str(small_world / "sft"), "--batch_size", "8"]
     cases = [(["--label_dataset", str(small_world / "sft"), "--output_dir", str(tmp_path / "a")], "lacks ['train'"),
@@ -233,9 +233,14 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
               "--beta 0.0 must be > 0")]
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "args.json").write_text(json.dumps({"lr": 0.5}))
+    other_ids = tmp_path / "other_ids"  # Detail 3: data tokenized with other pad / eos ids than the model's
+    shutil.copytree(small_world, other_ids)
+    (other_ids / "args.json").write_text(json.dumps({"pad_token_id": 5, "eos_token_id": EOS}))
+    cases.append((["--label_dataset", str(other_ids / "preference"), "--output_dir", str(tmp_path / "d")],
+                  "was tokenized with {'eos_token_id': 0, 'pad_token_id': 5}"))
     for flags, message in cases:
         result = subprocess.run(base + flags, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
         assert result.returncode != 0 and "SetupError" in result.stderr and message in result.stderr, result.stderr[-2000:]
         assert "Loading weights" not in result.stdout + result.stderr
-    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+    assert not any((tmp_path / name).exists() for name in "acd")
     assert sorted(os.listdir(tmp_path / "b")) == ["args.json"] and not (tmp_path / "runs").exists()
