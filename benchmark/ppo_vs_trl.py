@@ -151,8 +151,10 @@ def main():
         "",
         f"**ratio (ours / TRL): {ratio:.2f}x** (per round: {', '.join(f'{r:.2f}x' for r in per_round)})",
         "",
-        "generation = sampling (HF generate); scoring = no-grad reference / value / reward forwards; "
-        "training = the PPO epochs (for TRL: the rest of the update, GAE included).",
+        "generation = sampling (both stop once every row has an EOS: TRL through HF generate's stop token, ppo.py "
+        "in its own KV-cache loop, token-identical to HF generate); scoring = no-grad reference / value / reward "
+        "forwards (ppo.py: the rest of the rollout); training = the PPO epochs (TRL: the rest of the update, GAE "
+        "included). Seconds are means per timed update.",
         "",
         f"Command: `OMP_NUM_THREADS={threads} bash benchmark/ppo_vs_trl.sh {' '.join(flags)}`",
     ])
