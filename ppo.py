@@ -80,7 +80,10 @@ from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gath
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig,
-                          PretrainedConfig, PreTrainedModel)
+                          GPTNeoXModel, PretrainedConfig, PreTrainedModel)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import create_causal_mask
+from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb
 
 
 @dataclass
@@ -262,14 +265,47 @@ class PolicyAndValueWrapper(torch.nn.Module):
         self.policy, self.critic = policy, critic
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                logits_to_keep: int) -> tuple:
-        """(B, T) ids, mask, positions -> ((B, logits_to_keep, V) policy logits of the last positions, (B, T) values)."""
-        logits = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             logits_to_keep=logits_to_keep, return_dict=True).logits
-        # ScalarModel.forward, with the position ids: the head on the backbone's last hidden state
-        hidden = self.critic.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                                      position_ids=position_ids).last_hidden_state  # (B, T, d)
-        return logits, self.critic.head(hidden).squeeze(-1)
+                num_outputs: int) -> tuple:
+        """(B, T) ids, mask, positions -> ((B, num_outputs, V) policy logits, (B, num_outputs) values) of the last positions."""
+        policy_hidden = last_hidden_states(self.policy.base_model, input_ids, attention_mask, position_ids, num_outputs)
+        critic_hidden = last_hidden_states(self.critic.backbone, input_ids, attention_mask, position_ids, num_outputs)
+        return self.policy.get_output_embeddings()(policy_hidden), self.critic.head(critic_hidden).squeeze(-1)
+
+
+def last_hidden_states(backbone, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                       num_positions: int) -> torch.Tensor:
+    """(B, T) ids, mask, positions -> (B, num_positions, d): the backbone's final hidden states at the last positions."""
+    if not (isinstance(backbone, GPTNeoXModel) and backbone.config._attn_implementation == "sdpa"):
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        return hidden.last_hidden_state[:, -num_positions:]
+    # GPT-NeoX's forward, except that the LAST layer computes only the positions asked for: it
+    # still needs the keys and values of every position, but its queries, attention output and MLP
+    # only there (the earlier layers feed keys and values to later positions, so they run in full).
+    # The outputs are the full forward's, bit for bit on CPU; on a typical PPO row (a long query, a
+    # short response) this skips most of the last layer.
+    hidden = backbone.embed_in(input_ids)  # (B, T, d)
+    mask = create_causal_mask(config=backbone.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                              past_key_values=None, position_ids=position_ids)  # (B, 1, T, T) or None: causal only
+    cos, sin = backbone.rotary_emb(hidden, position_ids=position_ids)
+    for layer in backbone.layers[:-1]:
+        hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin))
+    layer, attention = backbone.layers[-1], backbone.layers[-1].attention
+    qkv = attention.query_key_value(layer.input_layernorm(hidden))  # (B, T, 3 * d)
+    query, key, value = qkv.view(*hidden.shape[:2], -1, 3 * attention.head_size).transpose(1, 2).chunk(3, dim=-1)
+    query, key = apply_rotary_pos_emb(query, key, cos, sin)  # (B, heads, T, head_size) each
+    if mask is None:
+        mask = torch.ones(hidden.size(1), hidden.size(1), dtype=torch.bool, device=hidden.device).tril()[None, None]
+    attention_output, _ = sdpa_attention_forward(attention, query[:, :, -num_positions:], key, value,
+                                                 mask[:, :, -num_positions:], scaling=attention.scaling,
+                                                 dropout=0.0, is_causal=False)  # (B, num_positions, heads, head_size)
+    attention_output = attention.dense(attention_output.reshape(hidden.size(0), num_positions, -1))
+    residual = hidden[:, -num_positions:]  # (B, num_positions, d)
+    if layer.use_parallel_residual:
+        hidden = layer.mlp(layer.post_attention_layernorm(residual)) + attention_output + residual
+    else:
+        attention_output = attention_output + residual
+        hidden = layer.mlp(layer.post_attention_layernorm(attention_output)) + attention_output
+    return backbone.final_layer_norm(hidden)
 
 
 def ppo_batch_sizes(batch_size: int, world_size: int, num_minibatches: int, local_micro_batch_size: int) -> dict:
@@ -912,12 +948,12 @@ if __name__ == "__main__":
                                                                                 context_length, n)
                     with accelerator.accumulate(model):
                         logits, vpred = model(input_ids=window_ids, attention_mask=window_mask,
-                                              position_ids=window_positions, logits_to_keep=n)
+                                              position_ids=window_positions, num_outputs=n)
                         # (micro, n, V) and (micro, n): the positions that predict response tokens 0 ... n - 1
                         logits = logits / (args.temperature + 1e-7)
                         # Back to (micro, T_resp): the masked positions take the rollout's values (ratio 1, no loss).
                         new_logprobs = torch.cat((gather_logprobs(logits, responses[mb, :n]), logprobs[mb, n:]), 1)
-                        vpred = torch.cat((vpred[:, -n:].float(), values[mb, n:]), 1)
+                        vpred = torch.cat((vpred.float(), values[mb, n:]), 1)
                         stats = ppo_losses(new_logprobs, logprobs[mb], advantages[mb], vpred, values[mb],
                                            returns[mb], ~padding_mask[mb], ~value_padding_mask[mb],
                                            args.cliprange, args.cliprange_value)
