@@ -416,15 +416,6 @@ def truncate_response(responses: torch.Tensor, eos_token_id: int, pad_token_id: 
     return torch.masked_fill(responses, positions > eos_index.unsqueeze(1), pad_token_id)
 
 
-def forward(model, query_responses: torch.Tensor, pad_token_id: int):
-    """(B, T) ids with pads -> the model's output (logits (B, T, V)); pads masked out of attention."""
-    attention_mask = query_responses != pad_token_id  # (B, T)
-    # [PAD] may lie past the embedding table (Pythia: id 50277 of 50304 rows is fine, others not):
-    # masked positions are never attended to, so any valid id will do there.
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
-
-
 def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config) -> tuple:
     """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores)."""
     context_length = queries.shape[1]

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from conftest import REPO, WORLD
-from ppo import (ScalarModel, ScalarModelConfig, compute_gae, compute_rewards, disable_dropout, eos_trick, forward,
-                 gather_logprobs, generate, masked_mean, ppo_batch_sizes, ppo_losses, response_masks,
-                 truncate_response, whiten, SetupError)
+from ppo import (PolicyAndValueWrapper, ScalarModel, ScalarModelConfig, compute_gae, compute_rewards, disable_dropout,
+                 eos_trick, first_true_indices, gather_logprobs, generate, get_reward, masked_mean, ppo_batch_sizes,
+                 ppo_losses, response_masks, response_window, sample_rollout, truncate_response, whiten, SetupError)
 
 EOS, PAD = 0, 1  # the tiny world's ids (data/tiny_tldr/args.json)
 
@@ -160,31 +160,106 @@ def test_batch_sizes_and_exact_division():
             ppo_batch_sizes(*bad)
 
 
-def test_first_epoch_ratio_is_one_on_tiny_model(tiny_tldr):
-    """Behaviour log-probs from the generation scores = the training forward's, so the first ratio is 1."""
-    import datasets
-    from transformers import AutoModelForCausalLM, GenerationConfig
+def tiny_models(early_eos=False):
+    """The tiny base as policy (dropout off) and a ScalarModel critic on the same backbone with a random head.
+    early_eos: a hook on the LM head sets the EOS logit 1 below the largest one, so samples end early."""
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny")
-    assert model.config.attention_dropout > 0  # the tiny base ships with dropout: this test sees it go
-    disable_dropout(model)
-    queries = datasets.load_from_disk(tiny_tldr / "sft")["validation"].with_format("torch")[:6]["query_token"]
-    temperature = 0.7
-    config = GenerationConfig(max_new_tokens=12, min_new_tokens=12, temperature=temperature + 1e-7, top_k=0,
+    policy = AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny")
+    assert policy.config.attention_dropout > 0  # the tiny base ships with dropout: these tests see it go
+    disable_dropout(policy)
+    base_config = {k: v for k, v in policy.base_model.config.to_dict().items() if k != "_name_or_path"}
+    critic = ScalarModel(ScalarModelConfig(base_config=base_config))
+    critic.backbone.load_state_dict(policy.base_model.state_dict())
+    disable_dropout(critic)
+    if early_eos:
+        def boost(module, inputs, output):
+            output[..., EOS] = output.max(-1).values - 1.0
+            return output
+        policy.get_output_embeddings().register_forward_hook(boost)
+    return policy, critic
+
+
+def padded_queries(tiny_tldr, n):
+    """n validation queries, the most left-padded first (so a micro-batch shares leading pads)."""
+    import datasets
+
+    queries = datasets.load_from_disk(tiny_tldr / "sft")["validation"].with_format("torch")[:]["query_token"]
+    return queries[(queries == PAD).sum(1).argsort(descending=True)[:n]]
+
+
+def test_sample_rollout_draws_what_generate_draws(tiny_tldr):
+    """The rollout's KV-cache loop = generate()'s temperature sampling: the same tokens up to each row's EOS,
+    the same scores (logits / T), pads after the last row's EOS, and the random stream left where generate leaves it."""
+    from transformers import GenerationConfig
+
+    policy, _ = tiny_models(early_eos=True)
+    queries, length, temperature = padded_queries(tiny_tldr, 8), 30, 0.7 + 1e-7
+    config = GenerationConfig(max_new_tokens=length, min_new_tokens=length, temperature=temperature, top_k=0,
                               top_p=1.0, do_sample=True, return_dict_in_generate=True, output_scores=True)
     with torch.no_grad():
-        query_responses, scores = generate(model.eval(), queries, PAD, config)
+        torch.manual_seed(1)
+        reference, reference_scores = generate(policy.eval(), queries, PAD, config)
+        after_reference = torch.rand(4)
+        torch.manual_seed(1)
+        fast, fast_scores = sample_rollout(policy, queries, PAD, EOS, length, temperature)
+        after_fast = torch.rand(4)
+    context = queries.shape[1]
+    assert fast.shape == reference.shape and torch.equal(fast[:, :context], queries)
+    responses, fast_responses = reference[:, context:], fast[:, context:]
+    eos_at = first_true_indices(responses == EOS)  # (B,): length when a row has none
+    assert (eos_at < length - 1).all()  # every row ended early, so the loop stopped before `length` steps
+    assert (fast_responses[:, -1] == PAD).all()  # ... and padded the steps it skipped
+    used = torch.arange(length)[None] <= eos_at[:, None]  # (B, T_resp): up to and with each row's EOS
+    assert torch.equal(fast_responses[used], responses[used])
+    torch.testing.assert_close(fast_scores[used], reference_scores[used], rtol=1e-5, atol=1e-5)
+    assert torch.equal(truncate_response(fast_responses, EOS, PAD), truncate_response(responses, EOS, PAD))
+    assert torch.equal(after_fast, after_reference)  # later samples are what the full-length loop gives
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])  # the last-layer shortcut, and the plain fallback
+def test_windowed_training_forward_equals_full_forward(tiny_tldr, attention):
+    """PPO's training forward (response_window + PolicyAndValueWrapper: only the columns used, logits and values
+    only at the trained positions) gives the full forward's logits and values there."""
+    policy, critic = tiny_models()
+    for model in (policy, critic.backbone):
+        model.set_attn_implementation(attention)
+        assert model.config._attn_implementation == attention
+    queries = padded_queries(tiny_tldr, 6)
+    context, length, n = queries.shape[1], 12, 9  # train response positions 0 ... 8 of 12
+    torch.manual_seed(2)
+    responses = torch.randint(2, 200, (6, length))
+    responses[0, 3:], responses[1, 8] = PAD, EOS  # a short, an EOS-ended and untruncated rows
+    responses[0, 2] = EOS
+    query_responses = torch.cat((queries, responses), 1)
+    ids, mask, positions = response_window(query_responses, PAD, context, n)
+    assert ids.shape[1] < context + n - 1  # the window really drops the shared left pads
+    with torch.no_grad():
+        logits, values = PolicyAndValueWrapper(policy, critic)(ids, mask, positions, n)  # (6, n, V), (6, n)
+        attention_mask = query_responses != PAD
+        full_logits = policy(input_ids=query_responses.masked_fill(~attention_mask, 0),
+                             attention_mask=attention_mask).logits[:, context - 1:context - 1 + n]
+        full_values = get_reward(critic, query_responses, PAD, context)[0][:, context - 1:context - 1 + n]
+    torch.testing.assert_close(logits, full_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(values, full_values, rtol=1e-5, atol=1e-5)
+
+
+def test_first_epoch_ratio_is_one_on_tiny_model(tiny_tldr):
+    """Behaviour log-probs from the rollout's scores = the training forward's (train mode), so the first ratio is 1."""
+    policy, critic = tiny_models(early_eos=True)
+    queries, length, temperature = padded_queries(tiny_tldr, 6), 16, 0.7 + 1e-7
+    with torch.no_grad():
+        query_responses, scores = sample_rollout(policy.eval(), queries, PAD, EOS, length, temperature)
         context = queries.shape[1]
         responses = query_responses[:, context:]
-        assert responses.shape == (6, 12)  # exactly max_new_tokens, even past an EOS
         logprobs = gather_logprobs(scores, responses)
-        model.train()  # as in the PPO epochs: only dropout would make it differ
-        logits = forward(model, query_responses, PAD).logits[:, context - 1:-1] / (temperature + 1e-7)
-        new_logprobs = gather_logprobs(logits, responses)
-    valid = responses != PAD  # a sampled [PAD] is masked out of attention in training, never trained on
+        model = PolicyAndValueWrapper(policy, critic).train()  # as in the PPO epochs: only dropout would differ
+        logits, _ = model(*response_window(query_responses, PAD, context, length), length)
+        new_logprobs = gather_logprobs(logits / temperature, responses)
+    valid = truncate_response(responses, EOS, PAD) != PAD  # up to each row's EOS: what PPO trains
     ratio = torch.exp(new_logprobs - logprobs)[valid]
-    assert (ratio - 1).abs().max().item() < 1e-4, ratio
+    assert valid.sum() > 20 and (ratio - 1).abs().max().item() < 1e-4, ratio
 
 
 def make_reward_model(path):
