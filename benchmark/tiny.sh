@@ -87,11 +87,13 @@ stage "ppo" python ppo.py --base_model "$WORLD/pythia-tiny" --query_dataset "$DA
   --output_dir "$MODELS/ppo_$SEED" --seed "$SEED" --total_episodes 640 --batch_size 64 \
   --local_micro_batch_size 16 --lr 1e-4 --response_length 44 --local_eval_batch_size 128
 
-# The tiny world's gold judge: win rates against the human reference summaries (judge.py).
+# The tiny world's gold judge (judge.py): win rates against the human reference summaries, and PPO's
+# and DPO's head to head against SFT (against the references every tiny policy nearly always loses).
 stage "judge (gold)" python judge.py --judge gold --output_dir "$MODELS/judge_$SEED" --tables \
   "base__seed$SEED=$MODELS/base_$SEED/eval_validation.csv" "sft__seed$SEED=$MODELS/sft_$SEED/eval_validation.csv" \
   "ppo__seed$SEED=$MODELS/ppo_$SEED/eval_validation.csv" \
-  "dpo__seed$SEED=$MODELS/dpo_$SEED/eval_validation.csv"
+  "dpo__seed$SEED=$MODELS/dpo_$SEED/eval_validation.csv" \
+  --pairs "ppo__seed$SEED:sft__seed$SEED" "dpo__seed$SEED:sft__seed$SEED"
 
 # The report: results of every stage, win rates with CIs, time per stage ($MODELS/report.md + .png).
 python benchmark/tiny_report.py --models "$MODELS" --seed "$SEED" --world "$WORLD"

@@ -7,7 +7,8 @@ reported as "not run" (so the report also works on a partial run).
     {models}/reward_{seed}/eval_metrics.json   eval/rm/{split}/accuracy, .../gold_accuracy (reward.py)
     {models}/dpo_{seed}/eval_metrics.json      eval/dpo/{split}/accuracy, .../gold_accuracy (dpo.py)
     {models}/ppo_{seed}/eval_metrics.json      RM score of the samples and of the references, EOS fraction
-    {models}/judge_{seed}/results.json         win rates vs the references with Wilson 95% CIs (judge.py)
+    {models}/judge_{seed}/results.json         win rates vs the references, and of PPO / DPO vs SFT, with
+                                               Wilson 95% CIs (judge.py)
     {models}/timings.tsv                       `stage<TAB>seconds` rows, appended by tiny.sh's `stage`
     {world}/world.json                         the noise ceiling: the best accuracy any RM can reach on the labels
 
@@ -66,15 +67,18 @@ def load_artifacts(models: str, seed: int, world: Optional[str]) -> dict:
     """Everything the report shows, read from a tiny run's folders; a missing stage is None."""
     stage = lambda name, file="eval_metrics.json": read_json(os.path.join(models, f"{name}_{seed}", file))  # noqa: E731
     judge = stage("judge", "results.json")
-    runs = {}
+    runs, head_to_head = {}, {}
     for label, run in (judge or {}).get("runs", {}).items():
         if run.get("vs", "reference") == "reference" and label in (f"{m}__seed{seed}" for m in METHODS):
             runs[label.split("__")[0]] = run
+        elif run.get("vs") == f"sft__seed{seed}" and label.split("__")[0] in ("ppo", "dpo"):
+            head_to_head[label.split("__")[0]] = run
     world_card = read_json(os.path.join(world, "world.json")) if world else None
     return {"models": models, "seed": seed,
             "rouge": {method: (stage(method) or {}).get("validation") for method in ("base", "sft")},
             "rm": stage("reward"), "dpo": stage("dpo"), "ppo": (stage("ppo") or {}).get("validation"),
             "judge": runs if judge is not None else None, "judge_name": (judge or {}).get("model"),
+            "head_to_head": head_to_head,
             "noise_ceiling": (world_card or {}).get("noise_ceiling"),
             "timings": read_timings(os.path.join(models, "timings.tsv"))}
 
@@ -134,6 +138,16 @@ def render_markdown(art: dict) -> str:
                          f"{run['wins']} / {run['n']} | {run.get('ties', 0)} | "
                          f"{fmt(run.get('mean_words'), 1)} ({fmt(run.get('mean_other_words'), 1)}) |")
 
+    if art["head_to_head"]:
+        # Against the references every policy of the tiny world nearly always loses, so the
+        # comparison with SFT is where a gain (or an over-optimised loss) shows.
+        lines += ["", f"## Head to head against SFT ({art['judge_name'] or 'judge'}, Wilson 95% CI)", "",
+                  "| policy | win rate vs SFT | 95% CI | wins / judged | ties | mean words (SFT) |", "|---|---|---|---|---|---|"]
+        for method, run in sorted(art["head_to_head"].items(), key=lambda item: list(METHODS).index(item[0])):
+            lines.append(f"| {METHODS[method]} | {fmt(run['win_rate'])} | [{fmt(run['ci_low'])}, {fmt(run['ci_high'])}] | "
+                         f"{run['wins']} / {run['n']} | {run.get('ties', 0)} | "
+                         f"{fmt(run.get('mean_words'), 1)} ({fmt(run.get('mean_other_words'), 1)}) |")
+
     lines += ["", "## Time per stage (2 CPU cores)", "", "| stage | time |", "|---|---|"]
     for name, seconds in art["timings"]:
         lines.append(f"| {name} | {seconds:.0f} s |")
@@ -151,17 +165,21 @@ def plot_report(art: dict, path: str) -> None:
 
     figure, (ax_win, ax_acc, ax_time) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [1, 1.4, 1.2]})
 
-    names = list(METHODS.values())
-    runs = [(art["judge"] or {}).get(method) for method in METHODS]
+    names = [name.replace(" ", "\n") for name in METHODS.values()] + [f"{METHODS[m]}\nvs SFT" for m in ("ppo", "dpo") if m in art["head_to_head"]]
+    runs = [(art["judge"] or {}).get(method) for method in METHODS] + [
+        art["head_to_head"][m] for m in ("ppo", "dpo") if m in art["head_to_head"]]
     rates = [run["win_rate"] if run else 0.0 for run in runs]
     errors = [[max(0.0, run["win_rate"] - run["ci_low"]) if run else 0.0 for run in runs],  # max: rounding
               [max(0.0, run["ci_high"] - run["win_rate"]) if run else 0.0 for run in runs]]
-    ax_win.bar(names, rates, yerr=errors, capsize=6, color="tab:blue")
+    ax_win.bar(names, rates, yerr=errors, capsize=6,
+               color=["tab:blue"] * len(METHODS) + ["tab:cyan"] * (len(names) - len(METHODS)))
     for x, run in enumerate(runs):
         label = "not run" if run is None else f"{run['win_rate']:.3f}"
         ax_win.text(x, (run["ci_high"] if run else 0.0) + 0.01, label, ha="center", va="bottom", fontsize=9)
     ax_win.set_ylim(0, max(0.1, max((run["ci_high"] for run in runs if run), default=0.0) * 1.3))
-    ax_win.set_ylabel("win rate vs reference summaries")
+    if len(names) > len(METHODS):
+        ax_win.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+    ax_win.set_ylabel("win rate vs the references (blue) / vs SFT (cyan)")
     ax_win.set_title(f"{art['judge_name'] or 'judge'} (Wilson 95% CI)")
 
     groups = [("RM", preference_accuracies(art["rm"], "eval/rm"), art["rm"] is not None),
@@ -171,7 +189,7 @@ def plot_report(art: dict, path: str) -> None:
     colors = {"labels": "tab:orange", "gold": "tab:green"}
     for x, (label, value) in enumerate(bars):
         ax_acc.bar(x, value or 0.0, color=colors[label.rsplit("\n", 1)[1]])
-        ax_acc.text(x, (value or 0.0) + 0.01, fmt(value, 2), ha="center", va="bottom", fontsize=8)
+        ax_acc.text(x, (value or 0.0) + 0.01, fmt(value), ha="center", va="bottom", fontsize=8)
     ax_acc.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
     not_run = [model for model, _, ran in groups if not ran]
     if not_run:

@@ -55,6 +55,7 @@ def test_report_has_every_stage_and_the_figure(tmp_path):
     for row in ("| base model (no training) | ROUGE-1 / 2 / L | 0.250 / 0.125 / 0.200 |",
                 "| SFT | ROUGE-1 / 2 / L | 0.412 / 0.200 / 0.375 |",
                 "| reward model | TL;DR validation accuracy vs the labels (noise ceiling 0.836) | 0.688 |",
+                "| PPO | 0.781 | [0.700, 0.800] | 200 / 256 | 0 | 15.0 (14.0) |",
                 "| reward model | TL;DR validation accuracy vs the gold judge | 0.719 |",
                 "| reward model | CNN/DM accuracy vs the labels (noise ceiling 0.843) | 0.641 |",
                 "| DPO (implicit reward) | TL;DR validation accuracy vs the labels (noise ceiling 0.836) | 0.656 |",
@@ -66,7 +67,9 @@ def test_report_has_every_stage_and_the_figure(tmp_path):
                 "| DPO | 0.188 | [0.140, 0.240] | 48 / 256 | 0 | 15.0 (14.0) |",
                 "| reward | 110 s |", "| **total** | **5 min 0 s** |"):
         assert row in report, row
-    assert "not run" not in report and "0.800" not in report  # the head-to-head PPO vs SFT is not a reference win rate
+    reference_table = report.split("## Win rate")[1].split("## Head to head")[0]
+    assert "not run" not in report and "0.800" not in reference_table  # the head-to-head PPO vs SFT is not a reference win rate
+    assert report.index("## Head to head against SFT") < report.index("| PPO | 0.781 |")  # ... it has its own table
     png = (models / "report.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
