@@ -777,9 +777,9 @@ if __name__ == "__main__":
         critic.backbone.gradient_checkpointing_enable()
     if args.offload:
         # ZeRO-3 inference engines keep the frozen models' parameters on the CPU and stream them to
-        # the GPU layer by layer (the paper's 6.9B runs). Needs a DeepSpeed launch with GPUs; it is
-        # not exercised by the tests (CPU only). Every rank must call every forward (parameters are
-        # gathered collectively), which the rollout does; unequal eval shards would hang.
+        # the GPU layer by layer (the paper's 6.9B runs). Needs a DeepSpeed launch (tests: 2 CPU
+        # processes, against the same launch without it). Every rank must call every forward
+        # (parameters are gathered collectively), which the rollout does; unequal eval shards would hang.
         import deepspeed
 
         ds_config = {"train_micro_batch_size_per_gpu": args.local_micro_batch_size,
@@ -787,8 +787,9 @@ if __name__ == "__main__":
                      "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                                            "stage3_param_persistence_threshold": 1e4},
                      "prescale_gradients": False, "wall_clock_breakdown": False}
-        ref_policy = deepspeed.initialize(model=ref_policy, config=ds_config)[0].eval()
-        reward_model = deepspeed.initialize(model=reward_model, config=ds_config)[0].eval()
+        ref_policy = deepspeed.initialize(model=ref_policy, config=ds_config)[0]  # (an engine's .eval() returns None)
+        reward_model = deepspeed.initialize(model=reward_model, config=ds_config)[0]
+        ref_policy.eval(), reward_model.eval()
     else:
         ref_policy, reward_model = ref_policy.to(accelerator.device), reward_model.to(accelerator.device)
 

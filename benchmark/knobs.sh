@@ -47,7 +47,9 @@ export SAVE_EVERY_RM=${SAVE_EVERY_RM:-100}
 export SAVE_EVERY_DPO=${SAVE_EVERY_DPO:-100}
 export SAVE_EVERY_PPO=${SAVE_EVERY_PPO:-50}
 
-# The accelerate config of every training launch: DeepSpeed ZeRO-2, bf16, 8 processes on one node.
+# Detail 8: Tech stack
+# The accelerate config of every training launch: DeepSpeed ZeRO-2, bf16, 8 processes on one node
+# (the paper's stack); 6.9B PPO adds ppo.py --offload (the table's PPO_OFFLOAD column).
 export ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-benchmark/accelerate/deepspeed_zero2.yaml}
 
 # Tracking: the paper's runs log to W&B (TRACK=0 turns it off); PUSH=1 also pushes each model.

@@ -365,3 +365,41 @@ def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
     events = EventAccumulator(str(tmp_path / "runs" / "ppo_two"))
     events.Reload()
     assert all(abs(e.value - 1) < 1e-4 for e in events.Scalars("policy/ratio_first_epoch"))
+
+
+def test_deepspeed_offload_matches_deepspeed(tiny_tldr, tmp_path):
+    """--offload (reference policy and RM as ZeRO-3 engines, parameters on the CPU; the paper's 6.9B setting)
+    trains like the plain DeepSpeed ZeRO-2 launch: 2 CPU processes each, same weights, same samples."""
+    import socket
+
+    from safetensors.torch import load_file
+
+    make_reward_model(tmp_path / "rm")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("ACCELERATE_USE_CPU", None)  # ENV_NOTES: CPU DeepSpeed must not set it (it would drop DeepSpeed)
+    for name, extra in (("plain", []), ("offload", ["--offload"])):
+        with socket.socket() as sock:  # a free port: other test sessions may launch at the same time
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO / "benchmark/accelerate/deepspeed_zero2.yaml"), "--num_processes", "2", "--mixed_precision", "no",
+               "--main_process_port", str(port), str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"),
+               "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
+               "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / name), "--run_name", name,
+               "--total_episodes", "16", "--batch_size", "16", "--local_micro_batch_size", "4",
+               "--local_rollout_forward_batch_size", "8", "--response_length", "16", "--num_eval_samples", "4",
+               "--local_eval_batch_size", "2", "--lr", "1e-3", *extra]
+        result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert json.loads((tmp_path / "offload" / "args.json").read_text())["offload"] is True
+    plain, offload = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("plain", "offload"))
+    start = load_file(str(WORLD / "pythia-tiny" / "model.safetensors"))
+    assert max((plain[k] - start[k]).abs().max().item() for k in plain) > 1e-4  # an update happened
+    assert max((plain[k] - offload[k]).abs().max().item() for k in plain) < 1e-5
+    rows = []
+    for name in ("plain", "offload"):
+        with open(tmp_path / name / "eval_validation.csv") as file:
+            rows.append(list(csv.DictReader(file)))
+    assert [(r["query"], r["response"]) for r in rows[0]] == [(r["query"], r["response"]) for r in rows[1]]
+    for key in ("score", "reference_score"):  # the offloaded RM scores them alike (ZeRO-3: float rounding)
+        assert max(abs(float(a[key]) - float(b[key])) for a, b in zip(*rows)) < 1e-5
