@@ -666,7 +666,9 @@ if __name__ == "__main__":
             "confidence": [(extra or {}).get("confidence") for extra in eval_set["extra"]],
             "chosen_policy": eval_set["chosen_policy"], "rejected_policy": eval_set["rejected_policy"],
             "chosen_reward": rewards["chosen"], "rejected_reward": rewards["rejected"]})
-        table["accuracy"] = (table["chosen_reward"] > table["rejected_reward"]).astype(float)
+        # 1 ranked as labeled, 0 the other way; an exact tie counts 1/2 (with 0 updates, pi = pi_ref
+        # and every implicit reward is exactly 0: a coin flip, not "all wrong").
+        table["accuracy"] = 0.5 + 0.5 * np.sign(table["chosen_reward"] - table["rejected_reward"])
         # Detail 16: Accuracy differs by batch / confidence / split
         # One overall accuracy hides the labeling batches' policies and labelers and the near coin
         # flips of low-confidence pairs (paper Table 5): the same groups as the RM's.
@@ -685,7 +687,8 @@ if __name__ == "__main__":
                                     for p, (c, r) in zip(posts, texts)])
             table["gold_prefers_chosen"] = np.where(gold_margin == 0, np.nan, gold_margin > 0)
             decided = gold_margin != 0  # gold ties (e.g. two identical summaries) prefer neither
-            gold_accuracy = float(((table["accuracy"] > 0) == (gold_margin > 0))[decided].mean())
+            agree = np.where(table["accuracy"] == 0.5, 0.5, (table["accuracy"] > 0.5) == (gold_margin > 0))
+            gold_accuracy = float(agree[decided].mean())
             metrics[f"eval/dpo/{split}/gold_accuracy"] = gold_accuracy
             report += (f"\nGold judge: DPO agrees with the gold ordering on {gold_accuracy:.3f} of {decided.sum()} "
                        f"pairs without a gold tie; accuracy on the labels {table['accuracy'].mean():.3f} vs "

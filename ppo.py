@@ -437,7 +437,7 @@ def sample_rollout(model, queries: torch.Tensor, pad_token_id: int, eos_token_id
     # The sampling of generate() above (pure temperature: softmax of logits / T, one multinomial
     # draw per row and step), as a plain KV-cache loop that stops once EVERY row holds an EOS: the
     # tokens after a row's EOS are never used (truncated, masked, causal attention), so the steps
-    # after the last row's EOS only cost time. They become pads (scores 0), and their random draws
+    # after the last row's EOS only cost time. They become EOS fillers (scores 0), and their random draws
     # are still taken, so the random stream, and every later sample, is what the full length gives.
     attention_mask = queries != pad_token_id  # (B, T_q), grows by one column per step
     position_ids = (attention_mask.long().cumsum(1) - 1).masked_fill(~attention_mask, 0)  # generate()'s convention
@@ -460,7 +460,9 @@ def sample_rollout(model, queries: torch.Tensor, pad_token_id: int, eos_token_id
                        past_key_values=cache, use_cache=True).logits
     for _ in range(response_length - len(tokens)):  # the skipped steps' draws (a draw's use of the stream
         torch.multinomial(torch.ones_like(score), num_samples=1)  # depends on the shape only)
-    tokens += [torch.full_like(token, pad_token_id)] * (response_length - len(tokens))
+    # EOS as filler, not [PAD]: [PAD] may lie past the vocabulary (log-probs are gathered at these
+    # ids too, then masked); every row has ended, so truncate_response pads them all anyway.
+    tokens += [torch.full_like(token, eos_token_id)] * (response_length - len(tokens))
     scores += [torch.zeros_like(score)] * (response_length - len(scores))
     return torch.cat((queries, torch.stack(tokens, 1)), 1), torch.stack(scores, 1)
 

@@ -210,7 +210,7 @@ def test_sample_rollout_draws_what_generate_draws(tiny_tldr):
     responses, fast_responses = reference[:, context:], fast[:, context:]
     eos_at = first_true_indices(responses == EOS)  # (B,): length when a row has none
     assert (eos_at < length - 1).all()  # every row ended early, so the loop stopped before `length` steps
-    assert (fast_responses[:, -1] == PAD).all()  # ... and padded the steps it skipped
+    assert (fast_responses[:, -1] == EOS).all()  # ... and filled the steps it skipped (EOS: a valid id)
     used = torch.arange(length)[None] <= eos_at[:, None]  # (B, T_resp): up to and with each row's EOS
     assert torch.equal(fast_responses[used], responses[used])
     torch.testing.assert_close(fast_scores[used], reference_scores[used], rtol=1e-5, atol=1e-5)
