@@ -3,10 +3,9 @@
 #
 #   bash benchmark/tiny.sh                 # from the repository root, in the project's venv
 #
-# It ends with a report of every stage's results and time: models/tiny/report.md + report.png
-# (benchmark/tiny_report.py).
-# Each stage issue extends this file with its stage (sft -> reward -> ppo / dpo -> judge). The
-# tiny world is committed in assets/tiny_world; pointing $WORLD elsewhere builds one there first.
+# Stages: preprocess -> base-model eval -> SFT -> reward model -> DPO, PPO -> gold judge, then a
+# report of every stage's results and time: models/tiny/report.md + report.png (benchmark/tiny_report.py).
+# The tiny world is committed in assets/tiny_world; pointing $WORLD elsewhere builds one there first.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -57,12 +56,6 @@ SFT_TINY=(--base_model "$WORLD/pythia-tiny" --query_dataset "$DATA/sft" --seed "
 stage "sft: base model" python sft.py "${SFT_TINY[@]}" --total_episodes 0 --output_dir "$MODELS/base_$SEED"
 stage "sft" python sft.py "${SFT_TINY[@]}" --output_dir "$MODELS/sft_$SEED" \
   --lr 2e-3 --batch_size 16 --local_micro_batch_size 16 --total_episodes 9600
-python - "$MODELS/base_$SEED" "$MODELS/sft_$SEED" <<'EOF'
-import json, sys
-for label, folder in zip(("base model", "SFT"), sys.argv[1:]):
-    metrics = json.load(open(f"{folder}/eval_metrics.json"))["validation"]
-    print(f"validation, {label}: " + ", ".join(f"{key} {value:.4f}" for key, value in metrics.items()))
-EOF
 
 # Reward model (reward.py), initialised from the SFT model. Scale knobs only (lr, batch, epochs):
 # 3 passes over the 4,096 pairs in updates of 32 at lr 1e-3. Validation accuracy against the labels
