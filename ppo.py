@@ -241,9 +241,16 @@ class ScalarModel(PreTrainedModel):
         if module is self.head:
             init_reward_head(module)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B, T) ids and mask -> (B, T) scalar per position (the last hidden state through the head)."""
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, d)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, T) ids -> (B, T) scalar per position (the last hidden state through the head). The mask is
+        (B, T) padding, or (B, 1, T, T) boolean: the keys each position reads (then give position_ids too)."""
+        if attention_mask.dim() == 4 and self.backbone.config._attn_implementation == "eager":
+            # sdpa reads a boolean mask as it is; eager attention adds the mask to its scores
+            attention_mask = torch.zeros(attention_mask.shape, dtype=self.dtype, device=attention_mask.device
+                                         ).masked_fill(~attention_mask, torch.finfo(self.dtype).min)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids).last_hidden_state  # (B, T, d)
         return self.head(hidden).squeeze(-1)
 
 

@@ -102,6 +102,43 @@ def test_left_and_right_padding_give_the_same_reward():
     assert abs(r_right.item() - r_left.item()) < 1e-4
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_pair_rewards_match_separate_rows(attention):
+    """Training's one row per pair (query ++ chosen ++ rejected) gives each summary the reward, and the loss
+    the gradient, of its own right-padded query+summary row: queries of different lengths, summaries with
+    and without pads, a rejected summary longer than the chosen one."""
+    model = tiny_scalar_model(seed=2).train()  # train mode: what the training loop runs (dropout is off)
+    model.backbone.set_attn_implementation(attention)
+    queries = [[11, 12, 13, 14, 15, 16], [17, 18, 19], [20, 21, 22, 23]]
+    chosen = [[31, 32, 0], [33, 0], [34, 35, 36, 37, 0]]
+    rejected = [[41, 42, 43, 44, 45, 0], [46, 0], [47, 48, 0]]
+    pad = lambda rows, width, left=False: torch.tensor(  # noqa: E731
+        [[PAD] * (width - len(r)) + r if left else r + [PAD] * (width - len(r)) for r in rows])
+    rows = pad([q + c for q, c in zip(queries, chosen)] + [q + r for q, r in zip(queries, rejected)], 12)
+    responses = pad(chosen + rejected, 6)  # one width for both: chosen row 2 and rejected row 0 fill it
+
+    def loss_and_grads(chosen_rewards, rejected_rewards):
+        loss = -torch.nn.functional.logsigmoid(chosen_rewards - rejected_rewards).mean()
+        grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+        return loss, torch.cat([g.flatten() for g in grads])
+
+    _, separate = reward.get_reward(model, rows, PAD, 0)
+    packed = reward.pair_rewards(model, reward.trim_left_padding(pad(queries, 9, left=True), PAD),
+                                 *responses.split(3), PAD)
+    assert torch.allclose(torch.cat(packed), separate, atol=1e-5), (packed, separate)
+    assert separate.std() > 0.1  # distinct rewards: a mix-up of rows or summaries would show
+    loss_separate, grads_separate = loss_and_grads(*separate.split(3))
+    loss_packed, grads_packed = loss_and_grads(*packed)
+    assert abs(loss_separate.item() - loss_packed.item()) < 1e-5
+    assert torch.allclose(grads_packed, grads_separate, atol=1e-5, rtol=1e-4)
+
+
+def test_trim_left_padding():
+    ids = torch.tensor([[PAD, PAD, PAD, 5, 6], [PAD, PAD, 4, 5, 6]])
+    assert reward.trim_left_padding(ids, PAD).tolist() == [[PAD, 5, 6], [4, 5, 6]]
+    assert reward.trim_left_padding(torch.full((2, 3), PAD), PAD).shape == (2, 1)  # all pads: one column kept
+
+
 def test_normalization_bias_makes_the_mean_zero():
     """Detail 15: subtracting the references' mean reward from the head's bias centres them at 0."""
     model = tiny_scalar_model(seed=1)
