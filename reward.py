@@ -525,12 +525,14 @@ if __name__ == "__main__":
                                                              args.world_size)
     args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
     args.micro_batch_size = args.local_micro_batch_size * args.world_size
-    # accelerate launch decides the backend (one process, DDP, DeepSpeed ZeRO-2 + bf16); the script
-    # names the accumulation and the micro-batch, which DeepSpeed cannot read from a DataLoader here.
+    # Detail 8: Tech stack
+    # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
+    # The script names the accumulation and the micro-batch (DeepSpeed cannot read them from a
+    # DataLoader here) and turns off gradient clipping (accelerate fills in 1.0; the paper does not clip).
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
     if accelerator.state.deepspeed_plugin is not None:
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = \
-            args.local_micro_batch_size
+        accelerator.state.deepspeed_plugin.deepspeed_config.update(
+            train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
 
     # ---- checks: every bad input fails here, before a model is loaded ----
     problem = output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
@@ -559,6 +561,10 @@ if __name__ == "__main__":
     if args.gold_judge is not None and not os.path.isfile(os.path.join(args.gold_judge, "world.json")):
         raise SetupError(f"--gold_judge {args.gold_judge}: no world.json there (want a tiny world folder)")
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="right")
+    # Detail 3: Leading space, EOS at the end, a distinct [PAD]
+    # The reward is read at the EOS before the first pad (Detail 12): a pad that IS the EOS would
+    # move it, so it is refused; no pad at all (Pythia) gets preprocess_tldr.py's [PAD], and the
+    # datasets must have been tokenized with exactly these pad / eos ids.
     if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise SetupError(f"{args.sft_model_path}: the pad token {tokenizer.pad_token!r} is the EOS token; "
                          "give the tokenizer a distinct pad token or none (then [PAD] is added)")

@@ -205,19 +205,22 @@ def small_world(tiny_tldr, tmp_path_factory):
     return root
 
 
-def run_reward(small_world, output_dir, *extra, processes=1):
-    """Run reward.py on the small world (1 process, or 2 CPU processes with accelerate launch)."""
+def run_reward(small_world, output_dir, *extra, processes=1, deepspeed=False):
+    """Run reward.py on the small world (1 process, or CPU processes with accelerate launch: DDP or DeepSpeed)."""
     flags = ["--sft_model_path", str(WORLD / "pythia-tiny"), "--label_dataset", str(small_world / "preference"),
              "--query_dataset", str(small_world / "sft"), "--output_dir", str(output_dir), "--lr", "1e-3",
              "--batch_size", str(BATCH), "--num_train_epochs", str(EPOCHS), "--local_eval_batch_size", "8",
              "--log_seen_rows", *extra]
     if processes == 1:
         cmd = [sys.executable, str(REPO / "reward.py"), *flags]
-    else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(REPO / "reward.py"), *flags]
-    env = {**ENV, "ACCELERATE_USE_CPU": "1"} if processes > 1 else ENV
+    else:  # ENV_NOTES: CPU DDP needs --multi_gpu with ACCELERATE_USE_CPU; CPU DeepSpeed must not set it
+        # (fp32: the config's bf16 is for GPUs)
+        backend = (["--config_file", str(REPO / "benchmark/accelerate/deepspeed_zero2.yaml")] if deepspeed else
+                   ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"])
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *backend, "--num_processes", str(processes),
+               "--mixed_precision", "no", str(REPO / "reward.py"), *flags]
+    env = {key: value for key, value in ENV.items() if key != "ACCELERATE_USE_CPU"}
+    env.update({"ACCELERATE_USE_CPU": "1"} if processes > 1 and not deepspeed else {})
     result = subprocess.run(cmd, cwd=output_dir.parent, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout + result.stderr
@@ -299,7 +302,7 @@ def test_two_processes_read_each_pair_once_and_match_one_process(resumed_run, sm
 
 
 def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
-    """A dataset without the pair columns, then an output folder holding another run: clear SetupErrors."""
+    """A dataset without the pair columns, an output folder holding another run, other token ids (Detail 3)."""
     base = [sys.executable, str(REPO / "reward.py"), "--sft_model_path", str(WORLD / "pythia-tiny"),
             "--query_dataset", str(small_world / "sft"), "--batch_size", "8"]
     wrong = subprocess.run(base + ["--label_dataset", str(small_world / "sft"), "--output_dir", str(tmp_path / "a")],
@@ -310,4 +313,26 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
     taken = subprocess.run(base + ["--label_dataset", str(small_world / "preference"), "--output_dir", str(tmp_path / "b")],
                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert taken.returncode != 0 and "holds a different run" in taken.stderr
-    assert not (tmp_path / "a").exists() and sorted(os.listdir(tmp_path / "b")) == ["args.json"]
+    other_ids = tmp_path / "other_ids"  # Detail 3: data tokenized with other pad / eos ids than the model's
+    shutil.copytree(small_world, other_ids)
+    (other_ids / "args.json").write_text(json.dumps({"pad_token_id": 5, "eos_token_id": 0}))
+    mismatch = subprocess.run(base + ["--label_dataset", str(other_ids / "preference"), "--output_dir",
+                                      str(tmp_path / "c")], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                              timeout=300)
+    assert mismatch.returncode != 0 and "was tokenized with {'pad_token_id': 5, 'eos_token_id': 0}" in mismatch.stderr
+    assert "Loading weights" not in mismatch.stdout + mismatch.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+    assert sorted(os.listdir(tmp_path / "b")) == ["args.json"]
+
+
+def test_deepspeed_zero2_matches_one_process(resumed_run, small_world, tmp_path):
+    """The paper's launcher config on 2 CPU processes (fp32: bf16 is for GPUs): DeepSpeed reads the
+    micro-batch and the accumulation from the script and must not clip gradients (accelerate fills
+    in clipping at 1.0; the paper's runs do not clip), then it matches the 1-process run like DDP."""
+    out = tmp_path / "rm_deepspeed"
+    run_reward(small_world, out, "--local_micro_batch_size", "2", processes=2, deepspeed=True)
+    assert_each_pair_once_per_epoch(out, processes=2)
+    two = reward.ScalarModel.from_pretrained(str(out)).state_dict()
+    one = reward.ScalarModel.from_pretrained(str(resumed_run)).state_dict()
+    for key in one:
+        assert torch.allclose(one[key], two[key], atol=1e-4), key

@@ -1,0 +1,116 @@
+"""Side-by-side RM training speed: one row per pair (reward.py's pair_rewards) vs two rows per pair.
+
+    python benchmark/reward_pair_rows.py                      # tiny world, after benchmark/tiny.sh
+    python benchmark/reward_pair_rows.py --rounds 5 --updates 20 --out benchmark/results/reward_pair_rows.md
+
+Both layouts train the same fresh RM (the SFT model + reward.py's head) on the same batches of the
+preference dataset: "two rows" is query+chosen and query+rejected right-padded (get_reward), "one row"
+is query ++ chosen ++ rejected with the rejected summary masked from the chosen one (pair_rewards).
+An update = forward, Bradley-Terry loss, backward, AdamW step. The layouts alternate, `--rounds`
+times each, `--updates` timed updates per round after one untimed warm-up update. Before timing,
+the two layouts' rewards and gradients on the first batch are compared.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import datasets
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, ROOT)
+import reward  # noqa: E402  (the stage script's helpers, imported from the repository root)
+
+
+def fresh_rm(sft_model_path: str, device: str) -> reward.ScalarModel:
+    """reward.py's starting point: the SFT backbone, dropout off, the Detail 11 head (seeded)."""
+    torch.manual_seed(0)
+    backbone = AutoModelForCausalLM.from_pretrained(sft_model_path).base_model
+    config = {key: value for key, value in backbone.config.to_dict().items() if key != "_name_or_path"}
+    model = reward.ScalarModel(reward.ScalarModelConfig(base_config=config))
+    model.backbone.load_state_dict(backbone.state_dict())
+    reward.disable_dropout(model)
+    return model.to(device).train()
+
+
+def batch_rewards(model, batch: dict, layout: str, pad_id: int, device: str) -> tuple:
+    """((B,) chosen, (B,) rejected) rewards of a batch of pairs in the given layout."""
+    size = len(batch["query_token"])
+    if layout == "two rows":
+        rows = reward.trim_right_padding(torch.cat((batch["query_chosen_token"], batch["query_rejected_token"])), pad_id)
+        return reward.get_reward(model, rows.to(device), pad_id, context_length=0)[1].split(size)
+    queries = reward.trim_left_padding(batch["query_token"], pad_id).to(device)
+    chosen, rejected = reward.trim_right_padding(torch.cat((batch["chosen_token"], batch["rejected_token"])),
+                                                 pad_id).to(device).split(size)
+    return reward.pair_rewards(model, queries, chosen, rejected, pad_id)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sft_model_path", default=os.path.join(ROOT, "models/tiny/sft_1"))
+    parser.add_argument("--label_dataset", default=os.path.join(ROOT, "data/tiny_tldr/preference"))
+    parser.add_argument("--batch_size", type=int, default=32, help="pairs per update (reward.py's tiny setting)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per layout, alternating")
+    parser.add_argument("--updates", type=int, default=20, help="timed updates per round")
+    parser.add_argument("--out", default=None, help="also write the markdown table here")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pad_id = AutoTokenizer.from_pretrained(args.sft_model_path).pad_token_id
+    pairs = datasets.load_from_disk(args.label_dataset)["train"].with_format("torch", columns=list(reward.PAIR_COLUMNS))
+    batches = [pairs[list(range(start, start + args.batch_size))]
+               for start in range(0, (args.updates + 1) * args.batch_size, args.batch_size)]
+
+    # The same rewards and gradients first: a fast wrong layout is worth nothing.
+    model = fresh_rm(args.sft_model_path, device)
+    compared = {}
+    for layout in ("two rows", "one row"):
+        chosen, rejected = batch_rewards(model, batches[0], layout, pad_id, device)
+        loss = -F.logsigmoid(chosen - rejected).mean()
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        compared[layout] = (torch.cat((chosen, rejected)).detach(), torch.cat([g.flatten() for g in grads]))
+    reward_diff = (compared["one row"][0] - compared["two rows"][0]).abs().max().item()
+    grad_diff = (compared["one row"][1] - compared["two rows"][1]).abs().max().item()
+    print(f"first batch: max |reward difference| {reward_diff:.2e}, max |gradient difference| {grad_diff:.2e}")
+
+    seconds = {"two rows": [], "one row": []}
+    for round_index in range(args.rounds):
+        for layout in seconds:
+            model = fresh_rm(args.sft_model_path, device)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5, weight_decay=0.01)
+            for index, batch in enumerate(batches):
+                if index == 1:  # update 0 is the warm-up
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    start = time.perf_counter()
+                chosen, rejected = batch_rewards(model, batch, layout, pad_id, device)
+                (-F.logsigmoid(chosen - rejected).mean()).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds[layout].append(time.perf_counter() - start)
+            print(f"round {round_index + 1} {layout}: {args.updates * args.batch_size / seconds[layout][-1]:.1f} pairs/s "
+                  f"(load {os.getloadavg()[0]:.2f})")
+    speed = {layout: args.updates * args.batch_size / statistics.median(values) for layout, values in seconds.items()}
+    table = "\n".join([
+        f"# RM training: one row per pair vs two rows ({device}, {torch.get_num_threads()} threads)", "",
+        f"`python benchmark/reward_pair_rows.py --rounds {args.rounds} --updates {args.updates}`: "
+        f"{os.path.relpath(args.sft_model_path, ROOT)}, batch {args.batch_size}, median of {args.rounds} alternating rounds of "
+        f"{args.updates} updates each.", "",
+        "| layout | pairs / s |", "|---|---|",
+        *[f"| {layout} | {value:.1f} |" for layout, value in speed.items()], "",
+        f"**One row per pair: {speed['one row'] / speed['two rows']:.2f}x.** First batch: max |reward difference| "
+        f"{reward_diff:.1e}, max |gradient difference| {grad_diff:.1e}.", ""])
+    print(table)
+    if args.out:
+        with open(args.out, "w") as file:
+            file.write(table)
+
+
+if __name__ == "__main__":
+    main()
