@@ -342,19 +342,21 @@ def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_
 
 
 def trim_left_padding(queries: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """(B, T) left-padded ids -> (B, T') with the leading columns that are pad in every row dropped (at least 1 kept)."""
+    """(B, T) left-padded ids -> (B, T') without the leading columns that are pad in every row (1 kept at least)."""
     used = (queries != pad_token_id).any(0).nonzero()  # (n, 1): columns with a token
     return queries[:, int(used.min()) if len(used) else -1:]
 
 
-def pair_rewards(model, queries: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor, pad_token_id: int) -> tuple:
+def pair_rewards(model, queries: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor,
+                 pad_token_id: int) -> tuple:
     """(B, T_q) left-padded queries, (B, T_r) right-padded chosen and rejected summaries -> (B,) rewards of
     query ++ chosen and (B,) of query ++ rejected, from ONE row per pair: query ++ chosen ++ rejected."""
     # Speed only: the two rows of a pair repeat its query, most of their tokens (~130 of ~150 in the
-    # tiny world, ~450 of ~500 in TL;DR). Here the query is read once: the rejected summary's tokens
-    # do not attend to the chosen summary, and both summaries take the positions right after the
-    # query. Each reward is the one get_reward gives the pair's own right-padded row, up to float
-    # rounding (tests/test_reward.py), for about 60% of the compute.
+    # tiny world; TL;DR queries run to 512 tokens, summaries to 53). Here the query is read once: the
+    # rejected summary's tokens do not attend to the chosen summary, and both summaries take the
+    # positions right after the query. Each reward is the one get_reward gives the pair's own
+    # right-padded row, up to float rounding (tests/test_reward.py), in ~2/3 of the time on the tiny
+    # world (benchmark/reward_pair_rows.py).
     query_width, response_width = queries.shape[1], chosen.shape[1]
     input_ids = torch.cat((queries, chosen, rejected), dim=1)  # (B, T), T = T_q + 2 T_r
     is_token = input_ids != pad_token_id  # (B, T)
@@ -365,9 +367,10 @@ def pair_rewards(model, queries: torch.Tensor, chosen: torch.Tensor, rejected: t
     part = torch.cat([torch.full((width,), k, device=queries.device)  # (T,): 0 query, 1 chosen, 2 rejected
                       for k, width in enumerate((query_width, response_width, response_width))])
     column = torch.arange(input_ids.size(1), device=queries.device)  # (T,)
-    reads = (column[None, :] <= column[:, None]) & ~((part[:, None] == 2) & (part[None, :] == 1))  # (T, T) causal, rejected !-> chosen
+    # (T, T): causal, and no rejected position reads a chosen one
+    reads = (column[None, :] <= column[:, None]) & ~((part[:, None] == 2) & (part[None, :] == 1))
     # A position reads no pad; each reads at least itself (a pad's own output is never used).
-    attention_mask = (reads & is_token[:, None, :]) | torch.eye(input_ids.size(1), dtype=torch.bool, device=queries.device)
+    attention_mask = (reads & is_token[:, None, :]) | torch.eye(len(column), dtype=torch.bool, device=queries.device)
     reward_logits = model(input_ids=torch.masked_fill(input_ids, ~is_token, 0), attention_mask=attention_mask[:, None],
                           position_ids=position_ids)  # (B, T)
     rows = torch.arange(queries.size(0), device=queries.device)
@@ -664,7 +667,8 @@ if __name__ == "__main__":
             chosen, rejected = trim_right_padding(torch.cat((batch["chosen_token"], batch["rejected_token"])),
                                                   pad_id).to(accelerator.device).split(len(indices))
             with accelerator.accumulate(model):
-                chosen_rewards, rejected_rewards = pair_rewards(model, queries, chosen, rejected, pad_id)  # (micro,) each
+                # (micro,) each: one row per pair, query ++ chosen ++ rejected
+                chosen_rewards, rejected_rewards = pair_rewards(model, queries, chosen, rejected, pad_id)
                 # Bradley-Terry: P(chosen preferred) = sigmoid(r_c - r_r); maximise its log-likelihood.
                 loss = -F.logsigmoid(chosen_rewards - rejected_rewards).mean()
                 accelerator.backward(loss)
