@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -217,8 +218,11 @@ def run_reward(small_world, output_dir, *extra, processes=1, deepspeed=False):
         # (fp32: the config's bf16 is for GPUs)
         backend = (["--config_file", str(REPO / "benchmark/accelerate/deepspeed_zero2.yaml")] if deepspeed else
                    ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"])
+        with socket.socket() as sock:  # a free port: other test sessions may launch at the same time
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *backend, "--num_processes", str(processes),
-               "--mixed_precision", "no", str(REPO / "reward.py"), *flags]
+               "--mixed_precision", "no", "--main_process_port", str(port), str(REPO / "reward.py"), *flags]
     env = {key: value for key, value in ENV.items() if key != "ACCELERATE_USE_CPU"}
     env.update({"ACCELERATE_USE_CPU": "1"} if processes > 1 and not deepspeed else {})
     result = subprocess.run(cmd, cwd=output_dir.parent, env=env, capture_output=True, text=True, timeout=600)
