@@ -160,7 +160,8 @@ class Args:
 RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
 # preprocess_tldr.py's PREFERENCE_DESCRIPTIONS / SFT_DESCRIPTIONS say what these columns hold.
 # Training reads a pair's query and summaries apart (pair_rewards), evaluation its two whole rows.
-PAIR_COLUMNS = ("query_token", "chosen_token", "rejected_token", "query_chosen_token", "query_rejected_token")
+TRAIN_PAIR_COLUMNS = ("query_token", "chosen_token", "rejected_token")
+PAIR_COLUMNS = ("query_chosen_token", "query_rejected_token")
 REFERENCE_COLUMNS = ("query_token", "reference_response_token", "query_reference_response_token")
 EVAL_SPLITS = ("validation", "validation_cnndm")
 GROUPS = ("split", "batch", "confidence")
@@ -300,6 +301,19 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for name, value in vars(model.config).items():  # saved with the model: later loads start at 0 too
         if "dropout" in name and isinstance(value, float):
             setattr(model.config, name, 0.0)
+
+
+def reward_model_from_sft(sft_model_path: str) -> ScalarModel:
+    """A new RM: the SFT model's backbone (no LM head), dropout off, and a fresh head (init_reward_head)."""
+    # The backbone's config is stored as a dict, minus the local path it was loaded from, so the
+    # saved RM never refers back to the SFT folder.
+    sft_backbone = AutoModelForCausalLM.from_pretrained(sft_model_path).base_model
+    disable_dropout(sft_backbone)
+    base_config = {key: value for key, value in sft_backbone.config.to_dict().items() if key != "_name_or_path"}
+    model = ScalarModel(ScalarModelConfig(base_config=base_config))
+    model.backbone.load_state_dict(sft_backbone.state_dict())
+    disable_dropout(model)
+    return model
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -543,7 +557,7 @@ if __name__ == "__main__":
     if problem:
         raise SetupError(problem)
     datasets_by_flag = {}
-    for flag, splits, columns in (("label_dataset", ("train",) + EVAL_SPLITS, PAIR_COLUMNS),
+    for flag, splits, columns in (("label_dataset", ("train",) + EVAL_SPLITS, TRAIN_PAIR_COLUMNS + PAIR_COLUMNS),
                                   ("query_dataset", ("train",), REFERENCE_COLUMNS)):
         path = getattr(args, flag)
         datasets_by_flag[flag] = datasets.load_from_disk(path) if os.path.isdir(path) else datasets.load_dataset(path)
@@ -578,7 +592,7 @@ if __name__ == "__main__":
         problem = token_ids_problem(path, pad_id, eos_id) if os.path.isdir(path) else None
         if problem:
             raise SetupError(problem + ": preprocess with the SFT model's tokenizer")
-    train = preference["train"].with_format("torch", columns=list(PAIR_COLUMNS))
+    train = preference["train"].with_format("torch", columns=list(TRAIN_PAIR_COLUMNS))
     total_episodes = len(train) * args.num_train_epochs if args.total_episodes is None else args.total_episodes
     args.num_updates = total_episodes // args.batch_size
     checkpoints = os.path.join(args.output_dir, "checkpoints")
@@ -623,15 +637,7 @@ if __name__ == "__main__":
                              args.local_micro_batch_size)[:, :, accelerator.process_index]  # (U, GAS, micro)
 
     # ---- model ----
-    # The SFT causal LM without its LM head becomes the backbone; its config is stored as a dict
-    # (minus the local path it was loaded from) so the saved RM never refers back to the SFT folder.
-    sft_backbone = AutoModelForCausalLM.from_pretrained(args.sft_model_path).base_model
-    disable_dropout(sft_backbone)
-    base_config = {key: value for key, value in sft_backbone.config.to_dict().items() if key != "_name_or_path"}
-    model = ScalarModel(ScalarModelConfig(base_config=base_config))  # head: init_reward_head
-    model.backbone.load_state_dict(sft_backbone.state_dict())
-    del sft_backbone
-    disable_dropout(model)
+    model = reward_model_from_sft(args.sft_model_path)
     model.train()
 
     # ---- optimizer & schedule ----

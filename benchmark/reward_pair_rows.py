@@ -20,7 +20,7 @@ import time
 import datasets
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, ROOT)
@@ -28,14 +28,9 @@ import reward  # noqa: E402  (the stage script's helpers, imported from the repo
 
 
 def fresh_rm(sft_model_path: str, device: str) -> reward.ScalarModel:
-    """reward.py's starting point: the SFT backbone, dropout off, the Detail 11 head (seeded)."""
+    """reward.py's starting point (the SFT backbone, dropout off, the Detail 11 head), seeded alike each time."""
     torch.manual_seed(0)
-    backbone = AutoModelForCausalLM.from_pretrained(sft_model_path).base_model
-    config = {key: value for key, value in backbone.config.to_dict().items() if key != "_name_or_path"}
-    model = reward.ScalarModel(reward.ScalarModelConfig(base_config=config))
-    model.backbone.load_state_dict(backbone.state_dict())
-    reward.disable_dropout(model)
-    return model.to(device).train()
+    return reward.reward_model_from_sft(sft_model_path).to(device).train()
 
 
 def batch_rewards(model, batch: dict, layout: str, pad_id: int, device: str) -> tuple:
@@ -61,7 +56,8 @@ def main():
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pad_id = AutoTokenizer.from_pretrained(args.sft_model_path).pad_token_id
-    pairs = datasets.load_from_disk(args.label_dataset)["train"].with_format("torch", columns=list(reward.PAIR_COLUMNS))
+    pairs = datasets.load_from_disk(args.label_dataset)["train"].with_format(
+        "torch", columns=list(reward.TRAIN_PAIR_COLUMNS + reward.PAIR_COLUMNS))
     batches = [pairs[list(range(start, start + args.batch_size))]
                for start in range(0, (args.updates + 1) * args.batch_size, args.batch_size)]
 
