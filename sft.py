@@ -38,6 +38,7 @@ Logged (TensorBoard, and W&B with --track; x-axis = training samples seen):
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import time
@@ -75,8 +76,8 @@ class Args:
     """W&B project (with --track)"""
     wandb_entity: Optional[str] = None
     """W&B entity (with --track; None: the default of the logged-in user)"""
-    output_dir: str = "models/sft_model"
-    """Folder for the trained model, tokenizer, args.json, eval tables and checkpoints"""
+    output_dir: Optional[str] = None
+    """Folder for the trained model, tokenizer, args.json, eval tables and checkpoints (None: models/{base_model}/sft_{seed})"""
     push_to_hub: bool = False
     """Push the output folder to {hf_entity}/{base_model}__{exp_name}__tldr at revision run_name"""
     hf_entity: Optional[str] = None
@@ -89,8 +90,8 @@ class Args:
     """Checkpoint and exit after update N of the run, as a time-limited SLURM job would end; rerun with --resume"""
 
     # data
-    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
-    """SFT dataset: a folder written by preprocess_tldr.py (e.g. data/tldr/sft) or a Hub id with its columns"""
+    query_dataset: Optional[str] = None
+    """SFT dataset: a preprocess_tldr.py folder or a Hub id with its columns, e.g. the reference's vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144 (None: data/{base_model}/tldr/sft)"""
     total_episodes: Optional[int] = None
     """Training samples to draw (None: the train split x num_train_epochs; 0: evaluate the base model)"""
     num_train_epochs: int = 1
@@ -163,6 +164,8 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
         if os.path.isdir(output_dir) and os.listdir(output_dir):
             return f"--output_dir {output_dir} is not empty and has no args.json: choose an empty or new folder"
         return None
+    if os.listdir(output_dir) == ["args.json"]:  # a start that failed before any work: nothing to lose
+        return None
     with open(path) as file:
         saved = json.load(file)
     changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
@@ -178,6 +181,62 @@ def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
     missing = [split for split in splits if split not in dataset_dict]
     return missing + [f"{split}.{column}" for split in splits if split in dataset_dict
                       for column in columns if column not in dataset_dict[split].column_names]
+
+
+def default_dir(root: str, base_model: str, leaf: str) -> str:
+    """{root}/{model}/{leaf}, model = a Hub id as it is (org/name) or a local model folder's own name."""
+    # Every base model gets its own folders, so a 1B SFT model is never picked up by a 2.8B run.
+    model = os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
+    return os.path.join(root, model, leaf)
+
+
+def input_problem(path: str, flag: str, make: str) -> Optional[str]:
+    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
+    # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
+    if os.path.exists(path) or hub_id:
+        return None
+    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
+
+
+def load_fp32(model_class, path: str, flag: str):
+    """`model_class.from_pretrained(path)` in fp32 whatever dtype it was saved in (Pythia's Hub weights are fp16)."""
+    # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
+    # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
+    # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
+    try:
+        return model_class.from_pretrained(path, dtype=torch.float32)
+    except OSError as error:
+        raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def load_tokenizer(path: str, flag: str):
+    """AutoTokenizer of `path` with right padding; a SetupError naming `flag` when there is none."""
+    try:
+        return AutoTokenizer.from_pretrained(path, padding_side="right")
+    except OSError as error:
+        raise SetupError(f"{flag} {path}: no tokenizer at {path}, and none of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def gpu_problem(environ, cuda_available: bool) -> Optional[str]:
+    """Why this launch cannot run: it asks for a GPU (DeepSpeed, bf16 / fp16) and sees none; None if it can."""
+    # A SLURM job on a node whose torch is a CPU build would otherwise train on the CPU, silently,
+    # for days. A CPU rehearsal is fine when it says so: DS_ACCELERATOR=cpu, or accelerate's --cpu.
+    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if cuda_available or not (deepspeed or precision != "no"):
+        return None
+    if deepspeed and environ.get("DS_ACCELERATOR") == "cpu":
+        return None
+    if not deepspeed and environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return None
+    asked = "DeepSpeed" if deepspeed else f"mixed precision {precision}"
+    rehearsal = "DS_ACCELERATOR=cpu" if deepspeed else "accelerate launch --cpu"
+    return (f"this launch asks for a GPU ({asked}), but torch {torch.__version__} sees no CUDA device "
+            f"(CUDA build: {torch.version.cuda or 'none, a CPU-only torch'}). Run it on a GPU node with a CUDA "
+            f"build of torch, or, for a CPU rehearsal on purpose, use {rehearsal}")
 
 
 def git_commit(folder: str) -> Optional[str]:
@@ -230,6 +289,26 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for name, value in vars(model.config).items():  # saved with the model: later loads start at 0 too
         if "dropout" in name and isinstance(value, float):
             setattr(model.config, name, 0.0)
+
+
+def rotary_problem(models: dict) -> Optional[str]:
+    """{name: model} -> the rotary `inv_freq` buffers stored below fp32 (None if there are none)."""
+    # Rotary angles are position x inv_freq: rounded to bf16 (8 bits of mantissa) the angle at
+    # distance 565 of Pythia-1B is off by ~0.25 rad, and two copies of one model that disagree on
+    # it disagree on every log-prob. DeepSpeed casts parameters only; a blanket .to(bf16) does not.
+    low = [f"{name}: {module_name}.inv_freq is {buffer.dtype}" for name, model in models.items()
+           for module_name, module in model.named_modules()
+           for buffer_name, buffer in module.named_buffers(recurse=False)
+           if buffer_name == "inv_freq" and buffer.dtype != torch.float32]
+    return "; ".join(low) or None
+
+
+def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:
+    """Ids that sampling never emits: [PAD] and the embedding rows past the tokenizer (no token owns them)."""
+    # Pythia's embedding has 50304 rows for 50277 tokens, and the [PAD] we add is 50277: a sampled
+    # [PAD] in mid-summary would move the EOS the reward is read at, and an unowned row decodes to
+    # nothing. Their logits are masked wherever the policy samples (a departure from the reference).
+    return sorted({tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)})
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -317,28 +396,60 @@ def save_checkpoint(accelerator, folder: str, update: int, run_name: str) -> Non
     accelerator.wait_for_everyone()
 
 
+def fp32_state_dict(accelerator, model) -> dict:
+    """All ranks: the model's state dict in fp32, under DeepSpeed its fp32 master weights (not the bf16 copies)."""
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    if accelerator.state.deepspeed_plugin is not None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, param in accelerator.unwrap_model(model).named_parameters():
+            master = safe_get_full_fp32_param(param)  # collective (all-gathers the master's shards); None if frozen
+            if master is not None:
+                state_dict[name] = master
+    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
+
+
+def save_fp32(model, output_dir: str, state_dict: dict) -> None:
+    """`model.save_pretrained` with an fp32 `state_dict`, its config saying float32 (the dtype of the weights saved)."""
+    model.save_pretrained(output_dir, state_dict=state_dict)
+    model.config.dtype = "float32"  # save_pretrained wrote the dtype of the module's bf16 compute copy under DeepSpeed
+    model.config.save_pretrained(output_dir)
+
+
+def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
+    """[(row indices, number of real rows)] of rank `rank`: rows rank, rank + W, ... in batches of `batch_size`;
+    every rank gets the same batches count and sizes, a rank one row short repeating its last row (not kept)."""
+    # Frozen models run as ZeRO-3 engines (--offload) gather their parameters in every forward,
+    # a collective: a rank with one batch fewer would leave the others waiting forever.
+    mine = list(range(rank, num_rows, world_size))
+    per_rank = -(-num_rows // world_size)  # ceil
+    padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
+    return [(padded[start:start + batch_size], max(0, min(batch_size, len(mine) - start)))
+            for start in range(0, per_rank, batch_size)]
+
+
 @torch.no_grad()
 def sft_evaluate(accelerator, model, dataset, tokenizer, generation_config, local_eval_batch_size: int) -> tuple:
     """All ranks: eval loss and sampled summaries of `dataset` -> ({loss, rouge1, rouge2, rougeL}, rows)."""
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()
-    mine = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))  # rank r: r, r+W, ...
     nll_sum, num_tokens, rows = torch.zeros((), device=accelerator.device), 0, []
-    for start in tqdm(range(0, len(mine), local_eval_batch_size), desc="eval", disable=not accelerator.is_main_process):
-        indices = mine[start:start + local_eval_batch_size]
+    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
+    for indices, real in tqdm(batches, desc="eval", disable=not accelerator.is_main_process):
         batch = dataset[indices]
-        # Same loss as training, on the right-padded query+reference ids.
+        # Same loss as training, on the right-padded query+reference ids (of the real rows only).
         query_references = batch["query_reference_response_token"].to(accelerator.device)  # (B, T), right-padded
-        nll, count = next_token_nll(forward(unwrapped, query_references, pad_id).logits, query_references, pad_id)
+        logits = forward(unwrapped, query_references, pad_id).logits
+        nll, count = next_token_nll(logits[:real], query_references[:real], pad_id)
         nll_sum, num_tokens = nll_sum + nll, num_tokens + count
         queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
         query_responses, _ = generate(unwrapped, queries, pad_id, generation_config)
         responses = truncate_response(query_responses[:, queries.shape[1]:], eos_id, pad_id)  # (B, T_resp)
-        for i, query, response, reference in zip(
+        for i, query, response, reference in list(zip(
                 indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
                 tokenizer.batch_decode(responses, skip_special_tokens=True),
-                tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True)):
+                tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True)))[:real]:
             rows.append({"index": i, "query": query.strip(), "response": response.strip(), "reference": reference.strip()})
     unwrapped.train()
     totals = accelerator.reduce(torch.stack([nll_sum, torch.as_tensor(num_tokens, device=nll_sum.device).float()]))
@@ -351,6 +462,9 @@ def sft_evaluate(accelerator, model, dataset, tokenizer, generation_config, loca
 if __name__ == "__main__":
     # ---- args & sizes ----
     args = tyro.cli(Args)
+    problem = gpu_problem(os.environ, torch.cuda.is_available())
+    if problem:
+        raise SetupError(problem)
     # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
     deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
@@ -369,9 +483,18 @@ if __name__ == "__main__":
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
 
-    # ---- checks: every bad input fails here, before a model is loaded ----
-    problem = output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
-        "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates"))
+    # ---- checks: every bad input fails here, before a model is loaded or anything is written ----
+    # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, then
+    # models/{base_model}/{sft,reward,dpo,ppo}_{seed}, so each default input is the last stage's default output.
+    data_dir = default_dir("data", args.base_model, "tldr")
+    make_data = f"python preprocess_tldr.py --base_model {args.base_model}"
+    if args.query_dataset is not None and os.path.dirname(os.path.normpath(args.query_dataset)) != data_dir:
+        make_data += f" --output_dir {os.path.dirname(os.path.normpath(args.query_dataset))}"
+    args.query_dataset = args.query_dataset or os.path.join(data_dir, "sft")
+    args.output_dir = args.output_dir or default_dir("models", args.base_model, f"sft_{args.seed}")
+    problem = input_problem(args.query_dataset, "--query_dataset", make_data) or output_dir_problem(
+        args.output_dir, asdict(args), RESUME_FLAGS + (
+            "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates"))
     if problem:
         raise SetupError(problem)
     local_dataset = os.path.isdir(args.query_dataset)
@@ -380,7 +503,7 @@ if __name__ == "__main__":
     missing = missing_columns(dataset, ("train",) + eval_splits, REQUIRED_COLUMNS)
     if missing:
         raise SetupError(f"{args.query_dataset} lacks {missing}: build it with preprocess_tldr.py")
-    tokenizer = AutoTokenizer.from_pretrained(args.base_model, padding_side="right")
+    tokenizer = load_tokenizer(args.base_model, "--base_model")
     # The token columns hold the ids of the tokenizer preprocess_tldr.py used (its args.json).
     built_with = os.path.join(os.path.dirname(os.path.abspath(args.query_dataset)), "args.json")
     data_ids = None
@@ -397,6 +520,26 @@ if __name__ == "__main__":
     args.num_updates = total_episodes // args.batch_size
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     resume_from = latest_checkpoint(checkpoints) if args.resume else None
+
+    # ---- seeding & data order ----
+    local_seed = args.seed + accelerator.process_index * 100003  # eval sampling differs per rank
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    torch.backends.cudnn.deterministic = True
+    # One permutation per pass, seeded alike on every rank: update u, micro-step m, rank r reads the
+    # slice [u, m, r] of the episode order, so ranks read disjoint rows and each row once per pass.
+    # The position in the data is the update counter, so a resumed run reads what an uninterrupted
+    # one would, and 1 process x 2 accumulation steps reads the micro-batches 2 processes read.
+    order = episode_order(len(train), args.num_updates * args.batch_size, args.seed)
+    local_order = order.view(args.num_updates, args.gradient_accumulation_steps, args.world_size,
+                             args.local_micro_batch_size)[:, :, accelerator.process_index]  # (U, GAS, micro)
+
+    # ---- model ----
+    model = load_fp32(AutoModelForCausalLM, args.base_model, "--base_model")
+    disable_dropout(model)
+    model.train()
+    unsampled = unsampled_token_ids(tokenizer, model.get_output_embeddings().weight.size(0))
 
     # ---- run name & logging ----
     # Rank 0's clock gives every rank the same name (and the broadcast waits until all passed the checks).
@@ -423,25 +566,6 @@ if __name__ == "__main__":
                       f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
                       f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size}")
 
-    # ---- seeding & data order ----
-    local_seed = args.seed + accelerator.process_index * 100003  # eval sampling differs per rank
-    random.seed(local_seed)
-    np.random.seed(local_seed)
-    torch.manual_seed(local_seed)
-    torch.backends.cudnn.deterministic = True
-    # One permutation per pass, seeded alike on every rank: update u, micro-step m, rank r reads the
-    # slice [u, m, r] of the episode order, so ranks read disjoint rows and each row once per pass.
-    # The position in the data is the update counter, so a resumed run reads what an uninterrupted
-    # one would, and 1 process x 2 accumulation steps reads the micro-batches 2 processes read.
-    order = episode_order(len(train), args.num_updates * args.batch_size, args.seed)
-    local_order = order.view(args.num_updates, args.gradient_accumulation_steps, args.world_size,
-                             args.local_micro_batch_size)[:, :, accelerator.process_index]  # (U, GAS, micro)
-
-    # ---- model ----
-    model = AutoModelForCausalLM.from_pretrained(args.base_model)
-    disable_dropout(model)
-    model.train()
-
     # ---- optimizer & schedule ----
     # Detail 9: SFT setup
     # The paper's recipe: AdamW (eps 1e-5, torch's weight decay 0.01), lr 3e-6 with a cosine decay
@@ -452,6 +576,9 @@ if __name__ == "__main__":
     # step it once per update ourselves. Registered, it is still saved in checkpoints.
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
+    problem = rotary_problem({"model": model})
+    if problem:
+        raise SetupError(f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
     start_update = 0
     if resume_from is not None:
         accelerator.load_state(resume_from[1])  # also the RNG states saved at that update
@@ -502,7 +629,7 @@ if __name__ == "__main__":
     generation_config = GenerationConfig(
         max_new_tokens=args.response_length, min_new_tokens=args.response_length,  # always the full length
         temperature=args.temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,  # pure temperature sampling
-        return_dict_in_generate=True, output_scores=True)
+        return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled)  # never [PAD] / unowned rows
     all_metrics = {}
     for split in eval_splits if args.num_eval_samples != 0 else ():
         eval_set = dataset[split].with_format("torch", columns=list(REQUIRED_COLUMNS))
@@ -524,13 +651,13 @@ if __name__ == "__main__":
 
     # ---- save ----
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
         unwrapped.generation_config.eos_token_id = tokenizer.eos_token_id
         unwrapped.generation_config.pad_token_id = tokenizer.pad_token_id
-        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)
+        save_fp32(unwrapped, args.output_dir, state_dict)
         tokenizer.save_pretrained(args.output_dir)
         with open(os.path.join(args.output_dir, "eval_metrics.json"), "w") as file:
             json.dump(all_metrics, file, indent=2)
