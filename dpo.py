@@ -57,6 +57,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import time
@@ -93,8 +94,8 @@ class Args:
     """W&B project (with --track)"""
     wandb_entity: Optional[str] = None
     """W&B entity (with --track; None: the default of the logged-in user)"""
-    output_dir: str = "models/dpo_model"
-    """Folder for the trained policy, tokenizer, args.json, eval tables, plots and checkpoints"""
+    output_dir: Optional[str] = None
+    """Folder for the trained policy, tokenizer, args.json, eval tables, plots and checkpoints (None: models/{base_model}/dpo_{seed})"""
     push_to_hub: bool = False
     """Push the output folder to {hf_entity}/{sft model name}__{exp_name}__tldr at revision run_name"""
     hf_entity: Optional[str] = None
@@ -107,10 +108,10 @@ class Args:
     """Checkpoint and exit after this many updates, as a time-limited SLURM job would; rerun with --resume"""
 
     # data
-    label_dataset: str = "vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144"
-    """Preference dataset: a folder written by preprocess_tldr.py (e.g. data/tldr/preference) or a Hub id"""
-    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
-    """SFT dataset whose validation queries the policy summarises at the end, e.g. data/tldr/sft"""
+    label_dataset: Optional[str] = None
+    """Preference dataset: a preprocess_tldr.py folder or a Hub id, e.g. the reference's vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144 (None: data/{base_model}/tldr/preference)"""
+    query_dataset: Optional[str] = None
+    """SFT dataset whose validation queries the policy summarises at the end (None: data/{base_model}/tldr/sft)"""
     total_episodes: Optional[int] = None
     """Training pairs to draw (None: the train split x num_train_epochs; 0: evaluate the SFT model)"""
     num_train_epochs: int = 1
@@ -121,8 +122,10 @@ class Args:
     """Tiny world folder (e.g. assets/tiny_world): also score pairs with tiny_world.gold_score beside its noise ceiling"""
 
     # model
-    sft_model_path: str = "models/sft_model"
-    """SFT model (sft.py's output folder or a Hub id): the policy, the reference and the tokenizer"""
+    base_model: Optional[str] = None
+    """Base model the SFT model was fine-tuned from, as given to sft.py: names the default paths (None: the one the SFT model's args.json records, else EleutherAI/pythia-1b-deduped)"""
+    sft_model_path: Optional[str] = None
+    """SFT model (sft.py's output folder or a Hub id): the policy, the reference and the tokenizer (None: models/{base_model}/sft_{seed})"""
     response_length: int = 53
     """Tokens sampled per eval query (paper: 53, the longest SFT reference; the reference code's 128 is a bug)"""
     temperature: float = 0.01
@@ -195,6 +198,8 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
         if os.path.isdir(output_dir) and os.listdir(output_dir):
             return f"--output_dir {output_dir} is not empty and has no args.json: choose an empty or new folder"
         return None
+    if os.listdir(output_dir) == ["args.json"]:  # a start that failed before any work: nothing to lose
+        return None
     with open(path) as file:
         saved = json.load(file)
     changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
@@ -210,6 +215,71 @@ def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
     missing = [split for split in splits if split not in dataset_dict]
     return missing + [f"{split}.{column}" for split in splits if split in dataset_dict
                       for column in columns if column not in dataset_dict[split].column_names]
+
+
+def model_name(base_model: str) -> str:
+    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
+    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
+    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
+    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
+
+
+def input_problem(path: str, flag: str, make: str) -> Optional[str]:
+    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
+    # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
+    if os.path.exists(path) or hub_id:
+        return None
+    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
+
+
+def recorded_base_model(folder: str) -> Optional[str]:
+    """The base model name (`model_name`) recorded in the args.json of the stage output `folder`; None if none."""
+    path = os.path.join(folder, "args.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        return json.load(file).get("base_model_name")
+
+
+def load_fp32(model_class, path: str, flag: str):
+    """`model_class.from_pretrained(path)` in fp32 whatever dtype it was saved in (Pythia's Hub weights are fp16)."""
+    # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
+    # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
+    # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
+    try:
+        return model_class.from_pretrained(path, dtype=torch.float32)
+    except OSError as error:
+        raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def load_tokenizer(path: str, flag: str):
+    """AutoTokenizer of `path` with right padding; a SetupError naming `flag` when there is none."""
+    try:
+        return AutoTokenizer.from_pretrained(path, padding_side="right")
+    except OSError as error:
+        raise SetupError(f"{flag} {path}: no tokenizer at {path}, and none of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def gpu_problem(environ, cuda_available: bool) -> Optional[str]:
+    """Why this launch cannot run: it asks for a GPU (DeepSpeed, bf16 / fp16) and sees none; None if it can."""
+    # A SLURM job on a node whose torch is a CPU build would otherwise train on the CPU, silently,
+    # for days. A CPU rehearsal is fine when it says so: DS_ACCELERATOR=cpu, or accelerate's --cpu.
+    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if cuda_available or not (deepspeed or precision != "no"):
+        return None
+    if deepspeed and environ.get("DS_ACCELERATOR") == "cpu":
+        return None
+    if not deepspeed and environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return None
+    asked = "DeepSpeed" if deepspeed else f"mixed precision {precision}"
+    rehearsal = "DS_ACCELERATOR=cpu" if deepspeed else "accelerate launch --cpu"
+    return (f"this launch asks for a GPU ({asked}), but torch {torch.__version__} sees no CUDA device "
+            f"(CUDA build: {torch.version.cuda or 'none, a CPU-only torch'}). Run it on a GPU node with a CUDA "
+            f"build of torch, or, for a CPU rehearsal on purpose, use {rehearsal}")
 
 
 def git_commit(folder: str) -> Optional[str]:
@@ -262,6 +332,34 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for name, value in vars(model.config).items():  # saved with the model: later loads start at 0 too
         if "dropout" in name and isinstance(value, float):
             setattr(model.config, name, 0.0)
+
+
+def rotary_problem(models: dict) -> Optional[str]:
+    """{name: model} -> the rotary `inv_freq` buffers stored below fp32 (None if there are none)."""
+    # Rotary angles are position x inv_freq: rounded to bf16 (8 bits of mantissa) the angle at
+    # distance 565 of Pythia-1B is off by ~0.25 rad, and two copies of one model that disagree on
+    # it disagree on every log-prob. DeepSpeed casts parameters only; a blanket .to(bf16) does not.
+    low = [f"{name}: {module_name}.inv_freq is {buffer.dtype}" for name, model in models.items()
+           for module_name, module in model.named_modules()
+           for buffer_name, buffer in module.named_buffers(recurse=False)
+           if buffer_name == "inv_freq" and buffer.dtype != torch.float32]
+    return "; ".join(low) or None
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast `model`'s parameters (not its buffers) to `dtype`, in place, as DeepSpeed casts the trained model."""
+    # A plain .to(bf16) would also round the fp32 rotary frequencies (see rotary_problem).
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
+
+
+def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:
+    """Ids that sampling never emits: [PAD] and the embedding rows past the tokenizer (no token owns them)."""
+    # Pythia's embedding has 50304 rows for 50277 tokens, and the [PAD] we add is 50277: a sampled
+    # [PAD] in mid-summary would move the EOS the reward is read at, and an unowned row decodes to
+    # nothing. Their logits are masked wherever the policy samples (a departure from the reference).
+    return sorted({tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)})
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -332,6 +430,38 @@ def save_checkpoint(accelerator, folder: str, update: int, run_name: str) -> Non
             if name != f"update_{update}":
                 shutil.rmtree(os.path.join(folder, name))
     accelerator.wait_for_everyone()
+
+
+def fp32_state_dict(accelerator, model) -> dict:
+    """All ranks: the model's state dict in fp32, under DeepSpeed its fp32 master weights (not the bf16 copies)."""
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    if accelerator.state.deepspeed_plugin is not None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, param in accelerator.unwrap_model(model).named_parameters():
+            master = safe_get_full_fp32_param(param)  # collective (all-gathers the master's shards); None if frozen
+            if master is not None:
+                state_dict[name] = master
+    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
+
+
+def save_fp32(model, output_dir: str, state_dict: dict) -> None:
+    """`model.save_pretrained` with an fp32 `state_dict`, its config saying float32 (the dtype of the weights saved)."""
+    model.save_pretrained(output_dir, state_dict=state_dict)
+    model.config.dtype = "float32"  # save_pretrained wrote the dtype of the module's bf16 compute copy under DeepSpeed
+    model.config.save_pretrained(output_dir)
+
+
+def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
+    """[(row indices, number of real rows)] of rank `rank`: rows rank, rank + W, ... in batches of `batch_size`;
+    every rank gets the same batches count and sizes, a rank one row short repeating its last row (not kept)."""
+    # Frozen models run as ZeRO-3 engines (--offload) gather their parameters in every forward,
+    # a collective: a rank with one batch fewer would leave the others waiting forever.
+    mine = list(range(rank, num_rows, world_size))
+    per_rank = -(-num_rows // world_size)  # ceil
+    padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
+    return [(padded[start:start + batch_size], max(0, min(batch_size, len(mine) - start)))
+            for start in range(0, per_rank, batch_size)]
 
 
 def grouped_accuracy(table: pd.DataFrame, groups: tuple) -> pd.DataFrame:
@@ -437,16 +567,15 @@ def implicit_rewards(accelerator, model, ref_policy, dataset, pad_token_id: int,
     """All ranks: {"chosen": (N,), "rejected": (N,)} implicit rewards of the pairs of `dataset`, in its order."""
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()
-    mine = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))  # rank r: r, r+W, ...
     rows = []
-    for start in tqdm(range(0, len(mine), local_eval_batch_size), desc="score", disable=not accelerator.is_main_process):
-        indices = mine[start:start + local_eval_batch_size]
+    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
+    for indices, real in tqdm(batches, desc="score", disable=not accelerator.is_main_process):
         batch = {key: value.to(accelerator.device) for key, value in dataset[indices].items()}
         chosen, rejected = pair_logprobs(unwrapped, batch, pad_token_id)
         with accelerator.autocast():
             ref_chosen, ref_rejected = pair_logprobs(ref_policy, batch, pad_token_id)
         _, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta)
-        rows += [(i, c, r) for i, c, r in zip(indices, chosen_rewards.tolist(), rejected_rewards.tolist())]
+        rows += list(zip(indices, chosen_rewards.tolist(), rejected_rewards.tolist()))[:real]
     unwrapped.train()
     rows = sorted(gather_object(rows), key=lambda row: row[0])  # every rank's rows, in dataset order
     return {"chosen": np.array([row[1] for row in rows]), "rejected": np.array([row[2] for row in rows])}
@@ -458,18 +587,17 @@ def sample_summaries(accelerator, model, dataset, tokenizer, generation_config, 
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()
-    mine = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))  # rank r: r, r+W, ...
     rows = []
-    for start in tqdm(range(0, len(mine), local_eval_batch_size), desc="sample", disable=not accelerator.is_main_process):
-        indices = mine[start:start + local_eval_batch_size]
+    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
+    for indices, real in tqdm(batches, desc="sample", disable=not accelerator.is_main_process):
         batch = dataset[indices]
         queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
         query_responses, _ = generate(unwrapped, queries, pad_id, generation_config)
         responses = truncate_response(query_responses[:, queries.shape[1]:], eos_id, pad_id)  # (B, T_resp)
-        for i, query, response, reference in zip(
+        for i, query, response, reference in list(zip(
                 indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
                 tokenizer.batch_decode(responses, skip_special_tokens=True),
-                tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True)):
+                tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True)))[:real]:
             rows.append({"index": i, "query": query.strip(), "response": response.strip(), "reference": reference.strip()})
     unwrapped.train()
     rows = sorted(gather_object(rows), key=lambda row: row["index"])  # every rank's rows, in split order
@@ -479,6 +607,9 @@ def sample_summaries(accelerator, model, dataset, tokenizer, generation_config, 
 if __name__ == "__main__":
     # ---- args & sizes ----
     args = tyro.cli(Args)
+    problem = gpu_problem(os.environ, torch.cuda.is_available())
+    if problem:
+        raise SetupError(problem)
     # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
     deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
@@ -496,9 +627,30 @@ if __name__ == "__main__":
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
 
-    # ---- checks: every bad input fails here, before a model is loaded ----
-    problem = output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
-        "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates"))
+    # ---- checks: every bad input fails here, before a model is loaded or anything is written ----
+    # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, sft.py ->
+    # models/{base_model}/sft_{seed}, this script -> models/{base_model}/dpo_{seed}.
+    name = model_name(args.base_model) if args.base_model else None
+    make_sft = f"python sft.py --base_model {args.base_model or 'EleutherAI/pythia-1b-deduped'} --seed {args.seed}"
+    if args.sft_model_path is None:
+        args.sft_model_path = os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"sft_{args.seed}")
+    else:
+        make_sft += f" --output_dir {args.sft_model_path}"
+    recorded = recorded_base_model(args.sft_model_path)
+    if name and recorded and name != recorded:
+        raise SetupError(f"--sft_model_path {args.sft_model_path} was fine-tuned from {recorded}, not from --base_model "
+                         f"{args.base_model}: pass --base_model {recorded} or another --sft_model_path")
+    name = name or recorded or "EleutherAI/pythia-1b-deduped"
+    args.base_model = args.base_model or name
+    make_data = f"python preprocess_tldr.py --base_model {args.base_model}"
+    args.label_dataset = args.label_dataset or os.path.join("data", name, "tldr", "preference")
+    args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
+    args.output_dir = args.output_dir or os.path.join("models", name, f"dpo_{args.seed}")
+    problem = (input_problem(args.sft_model_path, "--sft_model_path", make_sft)
+               or input_problem(args.label_dataset, "--label_dataset", make_data)
+               or input_problem(args.query_dataset, "--query_dataset", make_data)
+               or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
+                   "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates")))
     if problem:
         raise SetupError(problem)
     if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5 or (args.ipo and args.label_smoothing):
@@ -515,7 +667,7 @@ if __name__ == "__main__":
     preference, sft = datasets_by_flag["label_dataset"], datasets_by_flag["query_dataset"]
     if args.gold_judge is not None and not os.path.isfile(os.path.join(args.gold_judge, "world.json")):
         raise SetupError(f"--gold_judge {args.gold_judge}: no world.json there (want a tiny world folder)")
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="right")
+    tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")
     for path in (args.label_dataset, args.query_dataset):  # the token columns must be this tokenizer's ids
         built_with = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json")
         data_ids = None  # a Hub dataset or a folder without preprocess_tldr.py's args.json: nothing to compare
@@ -532,31 +684,6 @@ if __name__ == "__main__":
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     resume_from = latest_checkpoint(checkpoints) if args.resume else None
 
-    # ---- run name & logging ----
-    if resume_from is not None:  # a resumed run logs on into its own TensorBoard folder
-        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
-            run_name = args.run_name or json.load(file)["run_name"]
-    else:
-        start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
-        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "args.json"), "w") as file:
-            json.dump({**asdict(args), "run_name": run_name, "eos_token_id": eos_id, "pad_token_id": pad_id,
-                       "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
-        writer = SummaryWriter(f"runs/{run_name}")
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{key}|{value}|" for key, value in asdict(args).items()))
-        if args.track:
-            import wandb  # imported here: without --track nothing touches the network
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
-    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} pairs = "
-                      f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
-                      f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size} "
-                      f"({args.gradient_accumulation_steps} accumulation steps)")
-
     # ---- seeding & data order ----
     local_seed = args.seed + accelerator.process_index * 100003  # eval sampling differs per rank
     random.seed(local_seed)
@@ -571,12 +698,39 @@ if __name__ == "__main__":
                              args.local_micro_batch_size)[:, :, accelerator.process_index]  # (U, GAS, micro)
 
     # ---- models ----
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
+    policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
+    ref_policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
     for model in (policy, ref_policy):
         disable_dropout(model)  # with dropout, h would not even be 0 before the first update
     policy.train()
     ref_policy.eval().requires_grad_(False)
+    unsampled = unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0))
+
+    # ---- run name & logging ----
+    if resume_from is not None:  # a resumed run logs on into its own TensorBoard folder
+        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
+            run_name = args.run_name or json.load(file)["run_name"]
+    else:
+        start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
+        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "args.json"), "w") as file:
+            json.dump({**asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id,
+                       "pad_token_id": pad_id,
+                       "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{key}|{value}|" for key, value in asdict(args).items()))
+        if args.track:
+            import wandb  # imported here: without --track nothing touches the network
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, save_code=True)
+    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} pairs = "
+                      f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
+                      f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size} "
+                      f"({args.gradient_accumulation_steps} accumulation steps)")
 
     # ---- optimizer & schedule ----
     # The RM's recipe (Detail 10): AdamW (eps 1e-5, weight decay 0.01), lr 3e-6 with a cosine decay
@@ -586,10 +740,14 @@ if __name__ == "__main__":
     # The scheduler stays unprepared (stepped once per update by us) but is saved in checkpoints.
     model, optimizer = accelerator.prepare(policy, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    # The reference runs in the policy's dtype (bf16 weights under DeepSpeed, fp32 weights under
-    # accelerate's bf16 autocast, which its forwards enter too): were it more precise than the
-    # policy, h would start away from 0 by the rounding difference. The reference code keeps it in fp32.
-    ref_policy = ref_policy.to(accelerator.device, dtype=next(model.parameters()).dtype)
+    # The reference takes the policy's precision path: DeepSpeed's bf16 parameters and fp32 buffers
+    # (the rotary frequencies), or fp32 weights under accelerate's bf16 autocast, which its forwards
+    # enter too. Were it more precise than the policy, h would start away from 0 by the rounding
+    # difference (the reference code keeps it in fp32).
+    ref_policy = cast_parameters(ref_policy.to(accelerator.device), next(model.parameters()).dtype)
+    problem = rotary_problem({"policy": model, "reference": ref_policy})
+    if problem:
+        raise SetupError(f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
     start_update = 0
     if resume_from is not None:
         accelerator.load_state(resume_from[1])  # also the RNG states saved at that update
@@ -709,7 +867,7 @@ if __name__ == "__main__":
     generation_config = GenerationConfig(
         max_new_tokens=args.response_length, min_new_tokens=args.response_length,  # always the full length
         temperature=args.temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,  # pure temperature sampling
-        return_dict_in_generate=True, output_scores=True)
+        return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled)  # never [PAD] / unowned rows
     if args.num_eval_samples != 0:
         rows = sample_summaries(accelerator, model, first(sft["validation"]).with_format("torch", columns=list(QUERY_COLUMNS)),
                                 tokenizer, generation_config, args.local_eval_batch_size)
@@ -723,7 +881,7 @@ if __name__ == "__main__":
 
     # ---- save ----
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it
     if accelerator.is_main_process:
         for key, value in metrics.items():
             writer.add_scalar(key, value, step)
@@ -731,7 +889,7 @@ if __name__ == "__main__":
         # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
         unwrapped.generation_config.eos_token_id = eos_id
         unwrapped.generation_config.pad_token_id = pad_id
-        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)
+        save_fp32(unwrapped, args.output_dir, state_dict)
         tokenizer.save_pretrained(args.output_dir)
         with open(os.path.join(args.output_dir, "eval_metrics.json"), "w") as file:
             json.dump(metrics, file, indent=2)
@@ -743,8 +901,8 @@ if __name__ == "__main__":
             from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
 
             api = HfApi()
-            name = args.sft_model_path.rstrip("/").replace("/", "_")
-            repo_id = f"{args.hf_entity or api.whoami()['name']}/{name}__{args.exp_name}__tldr"
+            repo_name = args.sft_model_path.rstrip("/").replace("/", "_")
+            repo_id = f"{args.hf_entity or api.whoami()['name']}/{repo_name}__{args.exp_name}__tldr"
             api.create_repo(repo_id, exist_ok=True)
             api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
             api.upload_folder(folder_path=args.output_dir, repo_id=repo_id, revision=run_name)

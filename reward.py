@@ -55,6 +55,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import time
@@ -92,8 +93,8 @@ class Args:
     """W&B project (with --track)"""
     wandb_entity: Optional[str] = None
     """W&B entity (with --track; None: the default of the logged-in user)"""
-    output_dir: str = "models/reward_model"
-    """Folder for the trained reward model, tokenizer, args.json, eval tables, plots and checkpoints"""
+    output_dir: Optional[str] = None
+    """Folder for the trained reward model, tokenizer, args.json, eval tables, plots and checkpoints (None: models/{base_model}/reward_{seed})"""
     push_to_hub: bool = False
     """Push the output folder to {hf_entity}/{sft model name}__{exp_name}__tldr at revision run_name"""
     hf_entity: Optional[str] = None
@@ -108,10 +109,10 @@ class Args:
     """Debug: each rank writes the train rows it read, per update, to {output_dir}/seen_rows_rank{r}.json"""
 
     # data
-    label_dataset: str = "vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144"
-    """Preference dataset: a folder written by preprocess_tldr.py (e.g. data/tldr/preference) or a Hub id"""
-    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
-    """SFT dataset whose train references set the normalisation (Detail 15), e.g. data/tldr/sft"""
+    label_dataset: Optional[str] = None
+    """Preference dataset: a preprocess_tldr.py folder or a Hub id, e.g. the reference's vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144 (None: data/{base_model}/tldr/preference)"""
+    query_dataset: Optional[str] = None
+    """SFT dataset whose train references set the normalisation (Detail 15) (None: data/{base_model}/tldr/sft)"""
     total_episodes: Optional[int] = None
     """Training pairs to draw (None: the train split x num_train_epochs; 0: evaluate the initial RM)"""
     num_train_epochs: int = 1
@@ -124,8 +125,10 @@ class Args:
     """Tiny world folder (e.g. assets/tiny_world): also score pairs with tiny_world.gold_score beside its noise ceiling"""
 
     # model
-    sft_model_path: str = "models/sft_model"
-    """SFT model (sft.py's output folder or a Hub id): the RM's backbone and tokenizer (Detail 10)"""
+    base_model: Optional[str] = None
+    """Base model the SFT model was fine-tuned from, as given to sft.py: names the default paths (None: the one the SFT model's args.json records, else EleutherAI/pythia-1b-deduped)"""
+    sft_model_path: Optional[str] = None
+    """SFT model (sft.py's output folder or a Hub id): the RM's backbone and tokenizer (Detail 10; None: models/{base_model}/sft_{seed})"""
 
     # optimization
     lr: float = 3e-6
@@ -237,6 +240,8 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
         if os.path.isdir(output_dir) and os.listdir(output_dir):
             return f"--output_dir {output_dir} is not empty and has no args.json: choose an empty or new folder"
         return None
+    if os.listdir(output_dir) == ["args.json"]:  # a start that failed before any work: nothing to lose
+        return None
     with open(path) as file:
         saved = json.load(file)
     changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
@@ -252,6 +257,71 @@ def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
     missing = [split for split in splits if split not in dataset_dict]
     return missing + [f"{split}.{column}" for split in splits if split in dataset_dict
                       for column in columns if column not in dataset_dict[split].column_names]
+
+
+def model_name(base_model: str) -> str:
+    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
+    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
+    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
+    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
+
+
+def input_problem(path: str, flag: str, make: str) -> Optional[str]:
+    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
+    # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
+    if os.path.exists(path) or hub_id:
+        return None
+    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
+
+
+def recorded_base_model(folder: str) -> Optional[str]:
+    """The base model name (`model_name`) recorded in the args.json of the stage output `folder`; None if none."""
+    path = os.path.join(folder, "args.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        return json.load(file).get("base_model_name")
+
+
+def load_fp32(model_class, path: str, flag: str):
+    """`model_class.from_pretrained(path)` in fp32 whatever dtype it was saved in (Pythia's Hub weights are fp16)."""
+    # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
+    # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
+    # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
+    try:
+        return model_class.from_pretrained(path, dtype=torch.float32)
+    except OSError as error:
+        raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def load_tokenizer(path: str, flag: str):
+    """AutoTokenizer of `path` with right padding; a SetupError naming `flag` when there is none."""
+    try:
+        return AutoTokenizer.from_pretrained(path, padding_side="right")
+    except OSError as error:
+        raise SetupError(f"{flag} {path}: no tokenizer at {path}, and none of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def gpu_problem(environ, cuda_available: bool) -> Optional[str]:
+    """Why this launch cannot run: it asks for a GPU (DeepSpeed, bf16 / fp16) and sees none; None if it can."""
+    # A SLURM job on a node whose torch is a CPU build would otherwise train on the CPU, silently,
+    # for days. A CPU rehearsal is fine when it says so: DS_ACCELERATOR=cpu, or accelerate's --cpu.
+    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if cuda_available or not (deepspeed or precision != "no"):
+        return None
+    if deepspeed and environ.get("DS_ACCELERATOR") == "cpu":
+        return None
+    if not deepspeed and environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return None
+    asked = "DeepSpeed" if deepspeed else f"mixed precision {precision}"
+    rehearsal = "DS_ACCELERATOR=cpu" if deepspeed else "accelerate launch --cpu"
+    return (f"this launch asks for a GPU ({asked}), but torch {torch.__version__} sees no CUDA device "
+            f"(CUDA build: {torch.version.cuda or 'none, a CPU-only torch'}). Run it on a GPU node with a CUDA "
+            f"build of torch, or, for a CPU rehearsal on purpose, use {rehearsal}")
 
 
 def token_ids_problem(dataset_path: str, pad_token_id: int, eos_token_id: int) -> Optional[str]:
@@ -303,11 +373,23 @@ def disable_dropout(model: torch.nn.Module) -> None:
             setattr(model.config, name, 0.0)
 
 
+def rotary_problem(models: dict) -> Optional[str]:
+    """{name: model} -> the rotary `inv_freq` buffers stored below fp32 (None if there are none)."""
+    # Rotary angles are position x inv_freq: rounded to bf16 (8 bits of mantissa) the angle at
+    # distance 565 of Pythia-1B is off by ~0.25 rad, and two copies of one model that disagree on
+    # it disagree on every log-prob. DeepSpeed casts parameters only; a blanket .to(bf16) does not.
+    low = [f"{name}: {module_name}.inv_freq is {buffer.dtype}" for name, model in models.items()
+           for module_name, module in model.named_modules()
+           for buffer_name, buffer in module.named_buffers(recurse=False)
+           if buffer_name == "inv_freq" and buffer.dtype != torch.float32]
+    return "; ".join(low) or None
+
+
 def reward_model_from_sft(sft_model_path: str) -> ScalarModel:
     """A new RM: the SFT model's backbone (no LM head), dropout off, and a fresh head (init_reward_head)."""
     # The backbone's config is stored as a dict, minus the local path it was loaded from, so the
     # saved RM never refers back to the SFT folder.
-    sft_backbone = AutoModelForCausalLM.from_pretrained(sft_model_path).base_model
+    sft_backbone = load_fp32(AutoModelForCausalLM, sft_model_path, "--sft_model_path").base_model
     disable_dropout(sft_backbone)
     base_config = {key: value for key, value in sft_backbone.config.to_dict().items() if key != "_name_or_path"}
     model = ScalarModel(ScalarModelConfig(base_config=base_config))
@@ -424,6 +506,38 @@ def save_checkpoint(accelerator, folder: str, update: int, run_name: str) -> Non
     accelerator.wait_for_everyone()
 
 
+def fp32_state_dict(accelerator, model) -> dict:
+    """All ranks: the model's state dict in fp32, under DeepSpeed its fp32 master weights (not the bf16 copies)."""
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    if accelerator.state.deepspeed_plugin is not None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, param in accelerator.unwrap_model(model).named_parameters():
+            master = safe_get_full_fp32_param(param)  # collective (all-gathers the master's shards); None if frozen
+            if master is not None:
+                state_dict[name] = master
+    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
+
+
+def save_fp32(model, output_dir: str, state_dict: dict) -> None:
+    """`model.save_pretrained` with an fp32 `state_dict`, its config saying float32 (the dtype of the weights saved)."""
+    model.save_pretrained(output_dir, state_dict=state_dict)
+    model.config.dtype = "float32"  # save_pretrained wrote the dtype of the module's bf16 compute copy under DeepSpeed
+    model.config.save_pretrained(output_dir)
+
+
+def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
+    """[(row indices, number of real rows)] of rank `rank`: rows rank, rank + W, ... in batches of `batch_size`;
+    every rank gets the same batches count and sizes, a rank one row short repeating its last row (not kept)."""
+    # Frozen models run as ZeRO-3 engines (--offload) gather their parameters in every forward,
+    # a collective: a rank with one batch fewer would leave the others waiting forever.
+    mine = list(range(rank, num_rows, world_size))
+    per_rank = -(-num_rows // world_size)  # ceil
+    padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
+    return [(padded[start:start + batch_size], max(0, min(batch_size, len(mine) - start)))
+            for start in range(0, per_rank, batch_size)]
+
+
 @torch.no_grad()
 def score_dataset(accelerator, model, dataset, layouts: dict, pad_token_id: int, local_eval_batch_size: int) -> dict:
     """All ranks: {name: (N,) reward of each row} for layouts {name: token columns concatenated left to right}.
@@ -431,10 +545,9 @@ def score_dataset(accelerator, model, dataset, layouts: dict, pad_token_id: int,
     The context length of a layout is the width of all its columns but the last (0 for one column)."""
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()
-    mine = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))  # rank r: r, r+W, ...
     rows = []
-    for start in tqdm(range(0, len(mine), local_eval_batch_size), desc="score", disable=not accelerator.is_main_process):
-        indices = mine[start:start + local_eval_batch_size]
+    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
+    for indices, real in tqdm(batches, desc="score", disable=not accelerator.is_main_process):
         batch = dataset[indices]
         scores = {}
         for name, columns in layouts.items():
@@ -442,7 +555,7 @@ def score_dataset(accelerator, model, dataset, layouts: dict, pad_token_id: int,
             context_length = sum(part.shape[1] for part in parts[:-1])
             query_responses = trim_right_padding(torch.cat(parts, dim=1), pad_token_id)
             _, scores[name] = get_reward(unwrapped, query_responses, pad_token_id, context_length)
-        rows += [(i, {name: score[j].item() for name, score in scores.items()}) for j, i in enumerate(indices)]
+        rows += [(i, {name: score[j].item() for name, score in scores.items()}) for j, i in enumerate(indices[:real])]
     unwrapped.train()
     rows = sorted(gather_object(rows), key=lambda row: row[0])  # every rank's rows, in dataset order
     return {name: np.array([row[1][name] for row in rows]) for name in layouts}
@@ -534,6 +647,9 @@ def plot_token_rewards(samples: list, path: str) -> None:
 if __name__ == "__main__":
     # ---- args & sizes ----
     args = tyro.cli(Args)
+    problem = gpu_problem(os.environ, torch.cuda.is_available())
+    if problem:
+        raise SetupError(problem)
     # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
     deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
@@ -551,9 +667,30 @@ if __name__ == "__main__":
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
 
-    # ---- checks: every bad input fails here, before a model is loaded ----
-    problem = output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
-        "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates"))
+    # ---- checks: every bad input fails here, before a model is loaded or anything is written ----
+    # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, sft.py ->
+    # models/{base_model}/sft_{seed}, this script -> models/{base_model}/reward_{seed}.
+    name = model_name(args.base_model) if args.base_model else None
+    make_sft = f"python sft.py --base_model {args.base_model or 'EleutherAI/pythia-1b-deduped'} --seed {args.seed}"
+    if args.sft_model_path is None:
+        args.sft_model_path = os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"sft_{args.seed}")
+    else:
+        make_sft += f" --output_dir {args.sft_model_path}"
+    recorded = recorded_base_model(args.sft_model_path)
+    if name and recorded and name != recorded:
+        raise SetupError(f"--sft_model_path {args.sft_model_path} was fine-tuned from {recorded}, not from --base_model "
+                         f"{args.base_model}: pass --base_model {recorded} or another --sft_model_path")
+    name = name or recorded or "EleutherAI/pythia-1b-deduped"
+    args.base_model = args.base_model or name
+    make_data = f"python preprocess_tldr.py --base_model {args.base_model}"
+    args.label_dataset = args.label_dataset or os.path.join("data", name, "tldr", "preference")
+    args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
+    args.output_dir = args.output_dir or os.path.join("models", name, f"reward_{args.seed}")
+    problem = (input_problem(args.sft_model_path, "--sft_model_path", make_sft)
+               or input_problem(args.label_dataset, "--label_dataset", make_data)
+               or input_problem(args.query_dataset, "--query_dataset", make_data)
+               or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
+                   "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates")))
     if problem:
         raise SetupError(problem)
     datasets_by_flag = {}
@@ -577,7 +714,7 @@ if __name__ == "__main__":
         raise SetupError(f"--num_eval_samples {args.num_eval_samples}: the normalisation needs at least 1 reference")
     if args.gold_judge is not None and not os.path.isfile(os.path.join(args.gold_judge, "world.json")):
         raise SetupError(f"--gold_judge {args.gold_judge}: no world.json there (want a tiny world folder)")
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="right")
+    tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")
     # Detail 3: Leading space, EOS at the end, a distinct [PAD]
     # The reward is read at the EOS before the first pad (Detail 12): a pad that IS the EOS would
     # move it, so it is refused; no pad at all (Pythia) gets preprocess_tldr.py's [PAD], and the
@@ -598,31 +735,6 @@ if __name__ == "__main__":
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     resume_from = latest_checkpoint(checkpoints) if args.resume else None
 
-    # ---- run name & logging ----
-    if resume_from is not None:  # a resumed run logs on into its own TensorBoard folder
-        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
-            run_name = args.run_name or json.load(file)["run_name"]
-    else:
-        start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
-        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "args.json"), "w") as file:
-            json.dump({**asdict(args), "run_name": run_name, "eos_token_id": eos_id, "pad_token_id": pad_id,
-                       "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
-        writer = SummaryWriter(f"runs/{run_name}")
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{key}|{value}|" for key, value in asdict(args).items()))
-        if args.track:
-            import wandb  # imported here: without --track nothing touches the network
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
-    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} pairs = "
-                      f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
-                      f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size} "
-                      f"({args.gradient_accumulation_steps} accumulation steps)")
-
     # ---- seeding & data order ----
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
@@ -640,6 +752,32 @@ if __name__ == "__main__":
     model = reward_model_from_sft(args.sft_model_path)
     model.train()
 
+    # ---- run name & logging ----
+    if resume_from is not None:  # a resumed run logs on into its own TensorBoard folder
+        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
+            run_name = args.run_name or json.load(file)["run_name"]
+    else:
+        start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
+        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "args.json"), "w") as file:
+            json.dump({**asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id,
+                       "pad_token_id": pad_id,
+                       "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{key}|{value}|" for key, value in asdict(args).items()))
+        if args.track:
+            import wandb  # imported here: without --track nothing touches the network
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, save_code=True)
+    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} pairs = "
+                      f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
+                      f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size} "
+                      f"({args.gradient_accumulation_steps} accumulation steps)")
+
     # ---- optimizer & schedule ----
     # Detail 10: RM setup
     # The paper's recipe: initialised from the SFT model, AdamW (eps 1e-5, weight decay 0.01),
@@ -649,6 +787,9 @@ if __name__ == "__main__":
     # The scheduler stays unprepared (stepped once per update by us) but is saved in checkpoints.
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
+    problem = rotary_problem({"model": model})
+    if problem:
+        raise SetupError(f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
     start_update = 0
     if resume_from is not None:
         accelerator.load_state(resume_from[1])  # also the RNG states saved at that update
@@ -725,6 +866,10 @@ if __name__ == "__main__":
     # our dataset achieve a mean score of 0". Only the mean, folded into the head's bias: the saved
     # weights (and the PPO critic initialised from them, Detail 22) output normalised rewards.
     reference_mean = float(scores["right"].mean())
+    # The trained weights in fp32 (under DeepSpeed the masters: its bf16 module copy is not what we
+    # save); the mean is taken off the saved bias in fp32, and off the module's for the evaluation.
+    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it
+    state_dict["head.bias"] = state_dict["head.bias"] - reference_mean
     with torch.no_grad():
         unwrapped.head.bias -= reference_mean
     normalization = {"mean": reference_mean, "std": float(scores["right"].std()), "min": float(scores["right"].min()),
@@ -831,11 +976,10 @@ if __name__ == "__main__":
 
     # ---- save ----
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
     if accelerator.is_main_process:
         for key, value in metrics.items():
             writer.add_scalar(key, value, step)
-        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)  # safetensors, bias normalised
+        save_fp32(unwrapped, args.output_dir, state_dict)  # safetensors, fp32, bias normalised
         tokenizer.save_pretrained(args.output_dir)
         with open(os.path.join(args.output_dir, "normalization.json"), "w") as file:
             json.dump(normalization, file, indent=2)
@@ -849,8 +993,8 @@ if __name__ == "__main__":
             from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
 
             api = HfApi()
-            name = args.sft_model_path.rstrip("/").replace("/", "_")
-            repo_id = f"{args.hf_entity or api.whoami()['name']}/{name}__{args.exp_name}__tldr"
+            repo_name = args.sft_model_path.rstrip("/").replace("/", "_")
+            repo_id = f"{args.hf_entity or api.whoami()['name']}/{repo_name}__{args.exp_name}__tldr"
             api.create_repo(repo_id, exist_ok=True)
             api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
             api.upload_folder(folder_path=args.output_dir, repo_id=repo_id, revision=run_name)

@@ -183,11 +183,11 @@ def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
                       for column in columns if column not in dataset_dict[split].column_names]
 
 
-def default_dir(root: str, base_model: str, leaf: str) -> str:
-    """{root}/{model}/{leaf}, model = a Hub id as it is (org/name) or a local model folder's own name."""
-    # Every base model gets its own folders, so a 1B SFT model is never picked up by a 2.8B run.
-    model = os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
-    return os.path.join(root, model, leaf)
+def model_name(base_model: str) -> str:
+    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
+    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
+    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
+    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
 
 
 def input_problem(path: str, flag: str, make: str) -> Optional[str]:
@@ -486,12 +486,12 @@ if __name__ == "__main__":
     # ---- checks: every bad input fails here, before a model is loaded or anything is written ----
     # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, then
     # models/{base_model}/{sft,reward,dpo,ppo}_{seed}, so each default input is the last stage's default output.
-    data_dir = default_dir("data", args.base_model, "tldr")
+    name = model_name(args.base_model)
     make_data = f"python preprocess_tldr.py --base_model {args.base_model}"
-    if args.query_dataset is not None and os.path.dirname(os.path.normpath(args.query_dataset)) != data_dir:
+    if args.query_dataset is not None:
         make_data += f" --output_dir {os.path.dirname(os.path.normpath(args.query_dataset))}"
-    args.query_dataset = args.query_dataset or os.path.join(data_dir, "sft")
-    args.output_dir = args.output_dir or default_dir("models", args.base_model, f"sft_{args.seed}")
+    args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
+    args.output_dir = args.output_dir or os.path.join("models", name, f"sft_{args.seed}")
     problem = input_problem(args.query_dataset, "--query_dataset", make_data) or output_dir_problem(
         args.output_dir, asdict(args), RESUME_FLAGS + (
             "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates"))
@@ -551,8 +551,8 @@ if __name__ == "__main__":
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
         with open(os.path.join(args.output_dir, "args.json"), "w") as file:
-            json.dump({**asdict(args), "run_name": run_name, "eos_token_id": tokenizer.eos_token_id,
-                       "pad_token_id": tokenizer.pad_token_id,
+            json.dump({**asdict(args), "run_name": run_name, "base_model_name": name,
+                       "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
                        "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
         writer = SummaryWriter(f"runs/{run_name}")
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
