@@ -63,6 +63,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import time
@@ -103,8 +104,8 @@ class Args:
     """W&B project (with --track)"""
     wandb_entity: Optional[str] = None
     """W&B entity (with --track; None: the default of the logged-in user)"""
-    output_dir: str = "models/ppo_model"
-    """Folder for the trained policy, tokenizer, args.json, eval tables and checkpoints"""
+    output_dir: Optional[str] = None
+    """Folder for the trained policy, tokenizer, args.json, eval tables and checkpoints (None: models/{base_model}/ppo_{seed})"""
     push_to_hub: bool = False
     """Push the output folder to {hf_entity}/{base_model}__{exp_name}__tldr at revision run_name"""
     hf_entity: Optional[str] = None
@@ -117,8 +118,8 @@ class Args:
     """Checkpoint and exit after this many updates, as a time-limited SLURM job would; rerun with --resume"""
 
     # data
-    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
-    """SFT dataset whose train queries are the prompts: a folder of preprocess_tldr.py (e.g. data/tldr/sft) or a Hub id"""
+    query_dataset: Optional[str] = None
+    """SFT dataset whose train queries are the prompts: a folder of preprocess_tldr.py (e.g. data/tldr/sft) or a Hub id (None: data/{base_model}/tldr/sft)"""
     total_episodes: int = 1_000_000
     """Prompts (episodes) to sample in all (Detail 20; paper: 1,000,000, about 8.6 passes over 116,722)"""
     eval_every: int = 0
@@ -129,12 +130,12 @@ class Args:
     """Evaluate on the first N rows of each eval split (None: all; 0: skip evaluation)"""
 
     # model
-    base_model: str = "EleutherAI/pythia-1b-deduped"
-    """Tokenizer source and Hub repo name (the paper's smallest scale by default)"""
-    sft_model_path: str = "models/sft_model"
-    """SFT model (sft.py's output folder or a Hub id): the policy's and the reference's start"""
-    reward_model_path: str = "models/reward_model"
-    """Reward model (reward.py's output folder): the scorer and the critic's start (Detail 22)"""
+    base_model: Optional[str] = None
+    """Base model the SFT model was fine-tuned from, as given to sft.py: names the default paths and the Hub repo (None: the one the SFT model's args.json records, else EleutherAI/pythia-1b-deduped)"""
+    sft_model_path: Optional[str] = None
+    """SFT model (sft.py's output folder or a Hub id): the policy's and the reference's start (None: models/{base_model}/sft_{seed})"""
+    reward_model_path: Optional[str] = None
+    """Reward model (reward.py's output folder): the scorer and the critic's start (Detail 22) (None: models/{base_model}/reward_{seed})"""
     response_length: int = 53
     """Tokens sampled per prompt, past the EOS (Detail 23; paper: 53): sampling stops early only once every row has an EOS"""
     temperature: float = 0.7
@@ -339,6 +340,8 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
         if os.path.isdir(output_dir) and os.listdir(output_dir):
             return f"--output_dir {output_dir} is not empty and has no args.json: choose an empty or new folder"
         return None
+    if os.listdir(output_dir) == ["args.json"]:  # a start that failed before any work: nothing to lose
+        return None
     with open(path) as file:
         saved = json.load(file)
     changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
@@ -354,6 +357,71 @@ def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
     missing = [split for split in splits if split not in dataset_dict]
     return missing + [f"{split}.{column}" for split in splits if split in dataset_dict
                       for column in columns if column not in dataset_dict[split].column_names]
+
+
+def model_name(base_model: str) -> str:
+    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
+    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
+    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
+    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
+
+
+def input_problem(path: str, flag: str, make: str) -> Optional[str]:
+    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
+    # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
+    if os.path.exists(path) or hub_id:
+        return None
+    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
+
+
+def recorded_base_model(folder: str) -> Optional[str]:
+    """The base model name (`model_name`) recorded in the args.json of the stage output `folder`; None if none."""
+    path = os.path.join(folder, "args.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        return json.load(file).get("base_model_name")
+
+
+def load_fp32(model_class, path: str, flag: str):
+    """`model_class.from_pretrained(path)` in fp32 whatever dtype it was saved in (Pythia's Hub weights are fp16)."""
+    # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
+    # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
+    # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
+    try:
+        return model_class.from_pretrained(path, dtype=torch.float32)
+    except OSError as error:
+        raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def load_tokenizer(path: str, flag: str):
+    """AutoTokenizer of `path` with right padding; a SetupError naming `flag` when there is none."""
+    try:
+        return AutoTokenizer.from_pretrained(path, padding_side="right")
+    except OSError as error:
+        raise SetupError(f"{flag} {path}: no tokenizer at {path}, and none of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def gpu_problem(environ, cuda_available: bool) -> Optional[str]:
+    """Why this launch cannot run: it asks for a GPU (DeepSpeed, bf16 / fp16) and sees none; None if it can."""
+    # A SLURM job on a node whose torch is a CPU build would otherwise train on the CPU, silently,
+    # for days. A CPU rehearsal is fine when it says so: DS_ACCELERATOR=cpu, or accelerate's --cpu.
+    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if cuda_available or not (deepspeed or precision != "no"):
+        return None
+    if deepspeed and environ.get("DS_ACCELERATOR") == "cpu":
+        return None
+    if not deepspeed and environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return None
+    asked = "DeepSpeed" if deepspeed else f"mixed precision {precision}"
+    rehearsal = "DS_ACCELERATOR=cpu" if deepspeed else "accelerate launch --cpu"
+    return (f"this launch asks for a GPU ({asked}), but torch {torch.__version__} sees no CUDA device "
+            f"(CUDA build: {torch.version.cuda or 'none, a CPU-only torch'}). Run it on a GPU node with a CUDA "
+            f"build of torch, or, for a CPU rehearsal on purpose, use {rehearsal}")
 
 
 def git_commit(folder: str) -> Optional[str]:
@@ -408,6 +476,47 @@ def disable_dropout(model: torch.nn.Module) -> None:
             setattr(model.config, name, 0.0)
 
 
+def rotary_problem(models: dict) -> Optional[str]:
+    """{name: model} -> the rotary `inv_freq` buffers stored below fp32 (None if there are none)."""
+    # Rotary angles are position x inv_freq: rounded to bf16 (8 bits of mantissa) the angle at
+    # distance 565 of Pythia-1B is off by ~0.25 rad, and two copies of one model that disagree on
+    # it disagree on every log-prob. DeepSpeed casts parameters only; a blanket .to(bf16) does not.
+    low = [f"{name}: {module_name}.inv_freq is {buffer.dtype}" for name, model in models.items()
+           for module_name, module in model.named_modules()
+           for buffer_name, buffer in module.named_buffers(recurse=False)
+           if buffer_name == "inv_freq" and buffer.dtype != torch.float32]
+    return "; ".join(low) or None
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast `model`'s parameters (not its buffers) to `dtype`, in place, as DeepSpeed casts the trained model."""
+    # A plain .to(bf16) would also round the fp32 rotary frequencies (see rotary_problem).
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
+
+
+def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:
+    """Ids that sampling never emits: [PAD] and the embedding rows past the tokenizer (no token owns them)."""
+    # Pythia's embedding has 50304 rows for 50277 tokens, and the [PAD] we add is 50277: a sampled
+    # [PAD] in mid-summary would move the EOS the reward is read at, and an unowned row decodes to
+    # nothing. Their logits are masked wherever the policy samples (a departure from the reference).
+    return sorted({tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)})
+
+
+def mask_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits -> the same with the columns `token_ids` at the dtype's lowest value (probability 0)."""
+    # The lowest finite value, not -inf: softmax gives exactly 0 there and entropy's p * logit stays 0, not NaN.
+    return logits.index_fill(-1, token_ids, torch.finfo(logits.dtype).min)
+
+
+def trained_width(sequence_lengths: torch.Tensor, response_length: int, score_after_eos: bool) -> int:
+    """(micro,) EOS indices (-1: the response starts with [PAD]) -> response positions the micro-batch trains, 1 ... T."""
+    # Positions after a row's EOS (and after its value target) are masked in every loss: the
+    # forward only computes the first n. Never 0: x[:, -0:] would select every position.
+    return max(1, min(response_length, int(sequence_lengths.max()) + 1 + int(score_after_eos)))
+
+
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     """(B, T) bool -> (B,): index of the first True of each row, T for a row without one."""
     row_len = bools.size(-1)
@@ -439,8 +548,9 @@ def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config)
 
 
 def sample_rollout(model, queries: torch.Tensor, pad_token_id: int, eos_token_id: int, response_length: int,
-                   temperature: float) -> tuple:
-    """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores = logits / T)."""
+                   temperature: float, unsampled: torch.Tensor) -> tuple:
+    """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores = logits / T,
+    the `unsampled` ids masked)."""
     # The sampling of generate() above (pure temperature: softmax of logits / T, one multinomial
     # draw per row and step), as a plain KV-cache loop that stops once EVERY row holds an EOS: the
     # tokens after a row's EOS are never used (truncated, masked, causal attention), so the steps
@@ -454,7 +564,7 @@ def sample_rollout(model, queries: torch.Tensor, pad_token_id: int, eos_token_id
     tokens, scores = [], []
     has_eos = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
     while True:
-        score = logits[:, -1].float() / temperature  # (B, V)
+        score = mask_logits(logits[:, -1].float() / temperature, unsampled)  # (B, V)
         token = torch.multinomial(F.softmax(score, dim=-1), num_samples=1).squeeze(1)  # (B,)
         tokens.append(token)
         scores.append(score)
@@ -540,6 +650,38 @@ def save_checkpoint(accelerator, folder: str, update: int, run_name: str) -> Non
             if name != f"update_{update}":
                 shutil.rmtree(os.path.join(folder, name))
     accelerator.wait_for_everyone()
+
+
+def fp32_state_dict(accelerator, model) -> dict:
+    """All ranks: the model's state dict in fp32, under DeepSpeed its fp32 master weights (not the bf16 copies)."""
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    if accelerator.state.deepspeed_plugin is not None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, param in accelerator.unwrap_model(model).named_parameters():
+            master = safe_get_full_fp32_param(param)  # collective (all-gathers the master's shards); None if frozen
+            if master is not None:
+                state_dict[name] = master
+    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
+
+
+def save_fp32(model, output_dir: str, state_dict: dict) -> None:
+    """`model.save_pretrained` with an fp32 `state_dict`, its config saying float32 (the dtype of the weights saved)."""
+    model.save_pretrained(output_dir, state_dict=state_dict)
+    model.config.dtype = "float32"  # save_pretrained wrote the dtype of the module's bf16 compute copy under DeepSpeed
+    model.config.save_pretrained(output_dir)
+
+
+def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
+    """[(row indices, number of real rows)] of rank `rank`: rows rank, rank + W, ... in batches of `batch_size`;
+    every rank gets the same batches count and sizes, a rank one row short repeating its last row (not kept)."""
+    # Frozen models run as ZeRO-3 engines (--offload) gather their parameters in every forward,
+    # a collective: a rank with one batch fewer would leave the others waiting forever.
+    mine = list(range(rank, num_rows, world_size))
+    per_rank = -(-num_rows // world_size)  # ceil
+    padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
+    return [(padded[start:start + batch_size], max(0, min(batch_size, len(mine) - start)))
+            for start in range(0, per_rank, batch_size)]
 
 
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -651,10 +793,9 @@ def ppo_evaluate(accelerator, policy, reward_model, dataset, tokenizer, generati
     """All ranks: sample and score `dataset` -> ({score, reference_score, eos_fraction, response_length}, rows)."""
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     policy.eval()
-    mine = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))  # rank r: r, r+W, ...
     rows = []
-    for start in tqdm(range(0, len(mine), local_eval_batch_size), desc="eval", disable=not accelerator.is_main_process):
-        indices = mine[start:start + local_eval_batch_size]
+    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
+    for indices, real in tqdm(batches, desc="eval", disable=not accelerator.is_main_process):
         batch = dataset[indices]
         queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
         references = batch["reference_response_token"].to(accelerator.device)  # (B, T_ref), right-padded
@@ -664,10 +805,10 @@ def ppo_evaluate(accelerator, policy, reward_model, dataset, tokenizer, generati
             responses = truncate_response(query_responses[:, context_length:], eos_id, pad_id)  # (B, T_resp)
             _, scores = get_reward(reward_model, torch.cat((queries, responses), 1), pad_id, context_length)
             _, reference_scores = get_reward(reward_model, torch.cat((queries, references), 1), pad_id, context_length)
-        for j, (i, query, response, reference) in enumerate(zip(
+        for j, (i, query, response, reference) in enumerate(list(zip(
                 indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
                 tokenizer.batch_decode(responses, skip_special_tokens=True),
-                tokenizer.batch_decode(references, skip_special_tokens=True))):
+                tokenizer.batch_decode(references, skip_special_tokens=True)))[:real]):
             rows.append({"index": i, "query": query.strip(), "response": response.strip(),
                          "reference": reference.strip(), "score": scores[j].item(),
                          "reference_score": reference_scores[j].item(),
@@ -685,6 +826,9 @@ def ppo_evaluate(accelerator, policy, reward_model, dataset, tokenizer, generati
 if __name__ == "__main__":
     # ---- args & sizes ----
     args = tyro.cli(Args)
+    problem = gpu_problem(os.environ, torch.cuda.is_available())
+    if problem:
+        raise SetupError(problem)
     # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
     deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
@@ -703,10 +847,32 @@ if __name__ == "__main__":
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
 
-    # ---- checks: every bad input fails here, before a model is loaded ----
-    problem = output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
-        "world_size", "local_batch_size", "mini_batch_size", "local_mini_batch_size", "gradient_accumulation_steps",
-        "micro_batch_size", "num_updates"))
+    # ---- checks: every bad input fails here, before a model is loaded or anything is written ----
+    # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, then
+    # models/{base_model}/{sft,reward}_{seed}, and this script -> models/{base_model}/ppo_{seed}.
+    name = model_name(args.base_model) if args.base_model else None
+    make = {}  # flag -> the command that creates its default
+    for flag, stage in (("sft_model_path", "sft"), ("reward_model_path", "reward")):
+        make[flag] = f"python {stage}.py --base_model {args.base_model or 'EleutherAI/pythia-1b-deduped'} --seed {args.seed}"
+        if getattr(args, flag) is None:
+            setattr(args, flag, os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"{stage}_{args.seed}"))
+        else:
+            make[flag] += f" --output_dir {getattr(args, flag)}"
+        recorded = recorded_base_model(getattr(args, flag))
+        if name and recorded and name != recorded:
+            raise SetupError(f"--{flag} {getattr(args, flag)} was trained from {recorded}, not from --base_model "
+                             f"{args.base_model}: pass --base_model {recorded} or another --{flag}")
+        name = name or recorded  # the SFT model's record names the reward model's default too
+    name = name or "EleutherAI/pythia-1b-deduped"
+    args.base_model = args.base_model or name
+    args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
+    args.output_dir = args.output_dir or os.path.join("models", name, f"ppo_{args.seed}")
+    problem = (input_problem(args.sft_model_path, "--sft_model_path", make["sft_model_path"])
+               or input_problem(args.reward_model_path, "--reward_model_path", make["reward_model_path"])
+               or input_problem(args.query_dataset, "--query_dataset", f"python preprocess_tldr.py --base_model {args.base_model}")
+               or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
+                   "world_size", "local_batch_size", "mini_batch_size", "local_mini_batch_size",
+                   "gradient_accumulation_steps", "micro_batch_size", "num_updates")))
     if problem:
         raise SetupError(problem)
     if args.num_updates < 1:
@@ -717,7 +883,7 @@ if __name__ == "__main__":
     missing = missing_columns(dataset, ("train",) + eval_splits, REQUIRED_COLUMNS)
     if missing:
         raise SetupError(f"{args.query_dataset} lacks {missing}: build it with preprocess_tldr.py")
-    tokenizer = AutoTokenizer.from_pretrained(args.base_model, padding_side="right")
+    tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")  # sft.py saved it with its [PAD]
     built_with = os.path.join(os.path.dirname(os.path.abspath(args.query_dataset)), "args.json")
     data_ids = None
     if local_dataset and os.path.isfile(built_with):
@@ -727,35 +893,11 @@ if __name__ == "__main__":
     else:
         accelerator.print(f"note: no args.json beside {args.query_dataset}; its eos / pad ids are not checked")
     if check_tokenizer(tokenizer, data_ids, f"{args.query_dataset} ({built_with})"):
-        accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.base_model}")
+        accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     train = dataset["train"].with_format("torch", columns=["query_token"])
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     resume_from = latest_checkpoint(checkpoints) if args.resume else None
-
-    # ---- run name & logging ----
-    start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
-    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
-    if resume_from is not None and args.run_name is None:  # a resumed run logs on into its own folder
-        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
-            run_name = json.load(file)["run_name"]
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "args.json"), "w") as file:
-            json.dump({**asdict(args), "run_name": run_name, "eos_token_id": eos_id, "pad_token_id": pad_id,
-                       "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
-        writer = SummaryWriter(f"runs/{run_name}")
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{key}|{value}|" for key, value in asdict(args).items()))
-        if args.track:
-            import wandb  # imported here: without --track nothing touches the network
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
-    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} episodes = "
-                      f"{args.local_batch_size} per rank x {args.world_size} ranks; {args.num_minibatches} "
-                      f"minibatch(es) of {args.mini_batch_size} = {args.local_micro_batch_size} x "
-                      f"{args.gradient_accumulation_steps} per rank x {args.world_size}; {args.micro_batch_size} per forward")
 
     # ---- seeding & data order ----
     local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
@@ -773,10 +915,11 @@ if __name__ == "__main__":
     # Detail 22: Value model initialised from the RM
     # The critic is a second, trainable copy of the RM (backbone, head and the head's bias, which
     # carries the normalisation of Detail 15): its first values are the RM's per-token logits.
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
-    critic = ScalarModel.from_pretrained(args.reward_model_path)
-    reward_model = ScalarModel.from_pretrained(args.reward_model_path)
+    policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
+    ref_policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
+    critic = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
+    reward_model = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
+    unsampled = torch.tensor(unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
     for model in (policy, ref_policy, critic, reward_model):
         disable_dropout(model)
     for model in (ref_policy, reward_model):
@@ -799,8 +942,31 @@ if __name__ == "__main__":
         ref_policy = deepspeed.initialize(model=ref_policy, config=ds_config)[0]  # (an engine's .eval() returns None)
         reward_model = deepspeed.initialize(model=reward_model, config=ds_config)[0]
         ref_policy.eval(), reward_model.eval()
-    else:
-        ref_policy, reward_model = ref_policy.to(accelerator.device), reward_model.to(accelerator.device)
+
+    # ---- run name & logging ----
+    start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
+    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
+    if resume_from is not None and args.run_name is None:  # a resumed run logs on into its own folder
+        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
+            run_name = json.load(file)["run_name"]
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "args.json"), "w") as file:
+            json.dump({**asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id,
+                       "pad_token_id": pad_id,
+                       "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{key}|{value}|" for key, value in asdict(args).items()))
+        if args.track:
+            import wandb  # imported here: without --track nothing touches the network
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, save_code=True)
+    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} episodes = "
+                      f"{args.local_batch_size} per rank x {args.world_size} ranks; {args.num_minibatches} "
+                      f"minibatch(es) of {args.mini_batch_size} = {args.local_micro_batch_size} x "
+                      f"{args.gradient_accumulation_steps} per rank x {args.world_size}; {args.micro_batch_size} per forward")
 
     # ---- optimizer ----
     # Detail 20: PPO setup
@@ -809,6 +975,17 @@ if __name__ == "__main__":
     model = PolicyAndValueWrapper(policy, critic)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if not args.offload:
+        # The frozen models take the policy's precision path: DeepSpeed's bf16 parameters with fp32
+        # buffers, or fp32 under accelerate's autocast. A more precise reference would make the KL
+        # start away from 0 by the rounding difference alone.
+        dtype = next(model.parameters()).dtype
+        ref_policy = cast_parameters(ref_policy.to(accelerator.device), dtype)
+        reward_model = cast_parameters(reward_model.to(accelerator.device), dtype)
+    problem = rotary_problem({"policy and critic": model, "reference": ref_policy, "reward model": reward_model})
+    if problem:
+        raise SetupError(f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
+    unsampled = unsampled.to(accelerator.device)
     start_update = 0
     if resume_from is not None:
         accelerator.load_state(resume_from[1])  # also the RNG states saved at that update
@@ -820,7 +997,7 @@ if __name__ == "__main__":
     eval_generation_config = GenerationConfig(
         max_new_tokens=args.response_length, min_new_tokens=args.response_length,
         temperature=args.eval_temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,
-        return_dict_in_generate=True, output_scores=True)
+        return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled.tolist())  # never [PAD] / unowned rows
 
     def evaluate(splits: tuple, episode: int) -> dict:
         """All ranks: evaluate the policy on `splits`, log eval/ppo/*, write the sample tables."""
@@ -871,7 +1048,7 @@ if __name__ == "__main__":
                 # 1a. Sample response_length tokens, no stop at a row's EOS (Detail 23 below; only once every
                 # row has one); the scores are logits / (T + 1e-7): behaviour log-probs without a second forward.
                 query_response, gen_logits = sample_rollout(unwrapped.policy, query, pad_id, eos_id,
-                                                            args.response_length, args.temperature + 1e-7)
+                                                            args.response_length, args.temperature + 1e-7, unsampled)
                 response = query_response[:, context_length:]  # (b, T_resp)
                 rollout["logprobs"].append(gather_logprobs(gen_logits, response))
                 rollout["entropy"].append(entropy_from_logits(gen_logits))
@@ -884,7 +1061,8 @@ if __name__ == "__main__":
                                                                          args.response_length)
                 ref_logits = ref_policy(input_ids=ref_input_ids, attention_mask=ref_mask, position_ids=ref_positions,
                                         logits_to_keep=args.response_length, return_dict=True).logits
-                rollout["ref_logprobs"].append(gather_logprobs(ref_logits / (args.temperature + 1e-7), response))
+                ref_logits = mask_logits(ref_logits / (args.temperature + 1e-7), unsampled)  # the policy's support
+                rollout["ref_logprobs"].append(gather_logprobs(ref_logits, response))
                 del ref_logits
                 # 1c. Values of the states before each response token (the critic sees the untruncated
                 # sequence, as in training): (b, T_resp).
@@ -944,14 +1122,14 @@ if __name__ == "__main__":
                     # Only response positions 0 ... n - 1 are trained (later ones are masked in every row
                     # of the micro-batch: after its EOS, and after its value target), so the forward
                     # computes just the columns they read, and the policy's logits only there.
-                    n = min(responses.size(1), int(sequence_lengths[mb].max()) + 1 + int(args.score_after_eos))
+                    n = trained_width(sequence_lengths[mb], responses.size(1), args.score_after_eos)
                     window_ids, window_mask, window_positions = response_window(query_responses[mb], pad_id,
                                                                                 context_length, n)
                     with accelerator.accumulate(model):
                         logits, vpred = model(input_ids=window_ids, attention_mask=window_mask,
                                               position_ids=window_positions, num_outputs=n)
                         # (micro, n, V) and (micro, n): the positions that predict response tokens 0 ... n - 1
-                        logits = logits / (args.temperature + 1e-7)
+                        logits = mask_logits(logits / (args.temperature + 1e-7), unsampled)
                         # Back to (micro, T_resp): the masked positions take the rollout's values (ratio 1, no loss).
                         new_logprobs = torch.cat((gather_logprobs(logits, responses[mb, :n]), logprobs[mb, n:]), 1)
                         vpred = torch.cat((vpred.float(), values[mb, n:]), 1)
@@ -1008,13 +1186,13 @@ if __name__ == "__main__":
 
     # ---- save ----
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it
     if accelerator.is_main_process:
         policy_state = {key[len("policy."):]: value for key, value in state_dict.items() if key.startswith("policy.")}
         # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
         unwrapped.policy.generation_config.eos_token_id = eos_id
         unwrapped.policy.generation_config.pad_token_id = pad_id
-        unwrapped.policy.save_pretrained(args.output_dir, state_dict=policy_state)
+        save_fp32(unwrapped.policy, args.output_dir, policy_state)
         tokenizer.save_pretrained(args.output_dir)
         for split in all_metrics:  # the final tables, where judge.py reads them
             shutil.copy(os.path.join(f"runs/{run_name}", f"samples_{split}_{args.num_updates * args.batch_size}.csv"),
