@@ -21,9 +21,10 @@ Each dataset folder holds a card (README.md) with a one-line description of ever
         --max_sft_query_response_length 226 --max_rm_response_length 53 \
         --max_rm_query_response_length 237 --cnndm_query_length 192 \
         --cnndm_max_rm_response_length 44 --cnndm_max_rm_query_response_length 193
-    # the paper's datasets with the Pythia tokenizer (every length flag at its paper value)
-    python preprocess_tldr.py --output_dir data/tldr
-    # the same, then publish both datasets with their cards on the Hub
+    # the paper's datasets with the Pythia tokenizer (every length flag at its paper value), into
+    # data/EleutherAI/pythia-1b-deduped/tldr, where sft.py / reward.py / dpo.py / ppo.py look by default
+    python preprocess_tldr.py --base_model EleutherAI/pythia-1b-deduped
+    # the same into data/tldr, then publish both datasets with their cards on the Hub
     python preprocess_tldr.py --output_dir data/tldr --push_to_hub
 
 Details (paper, Appendix B): 1 the two datasets and the split `validation_cnndm`; 2 the query
@@ -53,8 +54,8 @@ class Args:
     """Tokenize TL;DR into SFT and preference datasets (see the module docstring of preprocess_tldr.py)."""
 
     # experiment & output
-    output_dir: str = "data/tldr"
-    """Folder for sft/, preference/, args.json, policy_pairs.json and visuals/"""
+    output_dir: Optional[str] = None
+    """Folder for sft/, preference/, args.json, policy_pairs.json and visuals/ (None: data/{base_model}/tldr, where the training stages look by default)"""
     push_to_hub: bool = False
     """Also push both datasets and their cards to the Hub (needs a login; off: nothing networked)"""
     hf_entity: Optional[str] = None
@@ -152,6 +153,13 @@ PREFERENCE_DESCRIPTIONS = {
 
 class DataError(ValueError):
     """Input data or a length flag the script cannot use; the message says where and what to fix."""
+
+
+def model_name(base_model: str) -> str:
+    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
+    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
+    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
+    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
 
 
 def add_pad_token(tokenizer) -> bool:
@@ -414,6 +422,7 @@ def plot_visuals(length_panels: list, confidences: dict, pair_counts: dict, fold
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    args.output_dir = args.output_dir or os.path.join("data", model_name(args.base_model), "tldr")
     num_proc = args.num_proc or os.cpu_count()
     os.makedirs(args.output_dir, exist_ok=True)
 
@@ -551,7 +560,8 @@ if __name__ == "__main__":
         json.dump(pair_counts, file, indent=2)
     # The ids let later stages check that their tokenizer matches the one behind the token columns.
     with open(os.path.join(args.output_dir, "args.json"), "w") as file:
-        json.dump({**asdict(args), "eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad_id,
+        json.dump({**asdict(args), "base_model_name": model_name(args.base_model),
+                   "eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad_id,
                    "git_commit": commit}, file, indent=2)
     print(f"saved {args.output_dir}/sft, {args.output_dir}/preference, args.json, policy_pairs.json, {visuals}")
 
