@@ -50,6 +50,7 @@ Logged (TensorBoard, and W&B with --track; x-axis = episodes seen):
   policy/ratio                mean ratio exp(logp_new - logp_old) over valid tokens, all epochs
   policy/ratio_first_epoch    the same before the first optimizer step (the first epoch with 1 minibatch):
                               1 up to numerical noise, or the behaviour log-probs are wrong
+  policy/ratio_first_epoch_max_deviation  max over its valid tokens of |ratio - 1| (bf16 noise shows here)
   policy/loss                 clipped policy loss
   policy/lr                   learning rate of the update
   value/loss                  0.5 * clipped squared error of the values
@@ -784,7 +785,8 @@ def ppo_losses(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
             "pg_clipfrac": masked_mean((pg_losses2 > pg_losses1).float(), token_mask),
             "vf_clipfrac": masked_mean((vf_losses2 > vf_losses1).float(), value_mask),
             "approxkl": 0.5 * masked_mean(log_ratio ** 2, token_mask),
-            "ratio": masked_mean(ratio, token_mask)}
+            "ratio": masked_mean(ratio, token_mask),
+            "ratio_max_deviation": ((ratio - 1).abs() * token_mask).max()}
 
 
 @torch.no_grad()
@@ -1025,7 +1027,8 @@ if __name__ == "__main__":
     context_length = train[0]["query_token"].shape[0]  # T_q: every query is left-padded to this width
     stat_names = ("objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores",
                   "objective/rlhf_reward", "objective/eos_fraction", "objective/response_length",
-                  "policy/approxkl", "policy/clipfrac", "policy/ratio", "policy/ratio_first_epoch", "policy/loss",
+                  "policy/approxkl", "policy/clipfrac", "policy/ratio", "policy/ratio_first_epoch",
+                  "policy/ratio_first_epoch_max_deviation", "policy/loss",
                   "value/loss", "value/clipfrac")
     start_clock = time.time()
     stop_at = args.num_updates if args.stop_after_updates is None else min(args.stop_after_updates, args.num_updates)
@@ -1112,7 +1115,8 @@ if __name__ == "__main__":
 
         # 6. PPO epochs: shuffle, split into minibatches (one optimizer step each) of micro-batches.
         clock = time.time()
-        ppo_stats = {key: [] for key in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio")}
+        ppo_stats = {key: [] for key in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio",
+                                          "ratio_max_deviation")}
         for epoch in range(args.num_ppo_epochs):
             permutation = torch.randperm(args.local_batch_size, device=accelerator.device)
             for mini_start in range(0, args.local_batch_size, args.local_mini_batch_size):
@@ -1149,6 +1153,7 @@ if __name__ == "__main__":
                         ppo_stats[key].append(value.detach())
                 if epoch == 0 and mini_start == 0:  # before the first optimizer step: must be 1
                     ratio_first_epoch = torch.stack(ppo_stats["ratio"]).mean()
+                    ratio_first_epoch_max_deviation = torch.stack(ppo_stats["ratio_max_deviation"]).max()
         training_time = time.time() - clock
         ppo_stats = {key: torch.stack(value).mean() for key, value in ppo_stats.items()}
 
@@ -1159,6 +1164,7 @@ if __name__ == "__main__":
         local = torch.stack([mean_kl, (rollout["entropy"] * valid).sum(1).mean(), mean_non_score, scores.mean(),
                              scores.mean() + mean_non_score, contains_eos.float().mean(), valid.sum(1).mean(),
                              ppo_stats["approxkl"], ppo_stats["pg_clipfrac"], ppo_stats["ratio"], ratio_first_epoch,
+                             ratio_first_epoch_max_deviation,
                              ppo_stats["pg_loss"], ppo_stats["vf_loss"], ppo_stats["vf_clipfrac"]]).float()
         means = dict(zip(stat_names, accelerator.reduce(local, reduction="mean").tolist()))
         episode = (update + 1) * args.batch_size
@@ -1202,6 +1208,8 @@ if __name__ == "__main__":
         shutil.rmtree(checkpoints, ignore_errors=True)  # only an unfinished run needs them
         writer.close()
         print(f"saved {args.output_dir}")
+        if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
+            print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
         if args.push_to_hub:
             from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
 

@@ -989,6 +989,8 @@ if __name__ == "__main__":
         writer.close()
         print("\n".join(f"{key}: {metrics[key]:.4f}" for key in metrics if key.count("/") == 3 or "normalized" in key))
         print(f"saved {args.output_dir}")
+        if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
+            print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
         if args.push_to_hub:
             from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
 

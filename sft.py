@@ -664,6 +664,8 @@ if __name__ == "__main__":
         shutil.rmtree(checkpoints, ignore_errors=True)  # only an unfinished run needs them
         writer.close()
         print(f"saved {args.output_dir}")
+        if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
+            print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
         if args.push_to_hub:
             from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
 
