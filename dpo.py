@@ -28,13 +28,13 @@ references.
         --query_dataset data/tiny_tldr/sft --output_dir models/tiny/dpo_1 --lr 4e-4 --batch_size 32 \
         --local_micro_batch_size 32 --total_episodes 640 --response_length 44 --local_eval_batch_size 64 \
         --gold_judge assets/tiny_world
-    # one GPU, Pythia 1B, bf16 (global batch 64 = 8 x 8 accumulation steps)
-    accelerate launch --num_processes 1 --mixed_precision bf16 dpo.py --sft_model_path models/sft_1b \
-        --label_dataset data/tldr/preference --query_dataset data/tldr/sft --local_micro_batch_size 8
+    # one GPU, Pythia 1B, bf16 autocast (global batch 64 = 8 x 8 accumulation steps): reads
+    # models/EleutherAI/pythia-1b-deduped/sft_1 and data/EleutherAI/pythia-1b-deduped/tldr, writes .../dpo_1
+    accelerate launch --num_processes 1 --mixed_precision bf16 dpo.py \
+        --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 8
     # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (global batch 64 = 8 x 1 x 8 processes)
     accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml dpo.py \
-        --sft_model_path models/EleutherAI/pythia-1b-deduped/sft_44413 --seed 44413 \
-        --local_micro_batch_size 8 --output_dir models/EleutherAI/pythia-1b-deduped/dpo_44413 --track
+        --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_micro_batch_size 8 --track
 
 Details: 3 distinct [PAD], ids checked against both datasets; 6 accuracy per split (validation is
 out of distribution); 7 dropout off in policy and reference; 8 accelerate / DeepSpeed ZeRO-2 /

@@ -21,14 +21,13 @@ temperature 0.01, scored by the RM beside the human references.
         --sft_model_path models/tiny/sft_1 --reward_model_path models/tiny/reward_1 \
         --output_dir models/tiny/ppo_1 --total_episodes 640 --batch_size 64 --local_micro_batch_size 16 \
         --lr 1e-4 --response_length 44 --local_eval_batch_size 128 --num_eval_samples 256
-    # one GPU, Pythia 1B, bf16 (global batch 512 = 4 x 128 accumulation steps, 1 minibatch)
-    accelerate launch --num_processes 1 --mixed_precision bf16 ppo.py --query_dataset data/tldr/sft \
-        --sft_model_path models/sft_1b --reward_model_path models/reward_1b --local_micro_batch_size 4
+    # one GPU, Pythia 1B, bf16 autocast (global batch 512 = 4 x 128 accumulation steps, 1 minibatch):
+    # reads models/EleutherAI/pythia-1b-deduped/{sft_1,reward_1} and data/..., writes .../ppo_1
+    accelerate launch --num_processes 1 --mixed_precision bf16 ppo.py \
+        --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 4
     # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (512 = 1 x 64 x 8 processes); 6.9B adds --offload
-    accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml ppo.py --seed 44413 \
-        --sft_model_path models/EleutherAI/pythia-1b-deduped/sft_44413 \
-        --reward_model_path models/EleutherAI/pythia-1b-deduped/reward_44413 \
-        --output_dir models/EleutherAI/pythia-1b-deduped/ppo_44413 --local_rollout_forward_batch_size 16 --track
+    accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml ppo.py \
+        --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_rollout_forward_batch_size 16 --track
 
 Details: 3 distinct [PAD], ids checked against the dataset; 7 dropout off in all four models; 8
 accelerate / DeepSpeed / bf16, ZeRO-3 CPU offload of the frozen models (--offload); 12 and 14 the

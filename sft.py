@@ -17,13 +17,14 @@ reward.py, dpo.py and ppo.py load with `from_pretrained`:
     python sft.py --base_model assets/tiny_world/pythia-tiny --query_dataset data/tiny_tldr/sft \
         --output_dir models/tiny/sft_1 --lr 2e-3 --batch_size 16 --local_micro_batch_size 16 \
         --total_episodes 9600 --response_length 44 --local_eval_batch_size 128
-    # one GPU, Pythia 1B, bf16 (global batch 128 = 16 x 8 accumulation steps)
+    # one GPU, Pythia 1B, bf16 autocast (global batch 128 = 16 x 8 accumulation steps): reads
+    # data/EleutherAI/pythia-1b-deduped/tldr/sft, writes models/EleutherAI/pythia-1b-deduped/sft_1
     accelerate launch --num_processes 1 --mixed_precision bf16 sft.py \
-        --query_dataset data/tldr/sft --local_micro_batch_size 16 --output_dir models/sft_1b
+        --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 16
     # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (global batch 128 = 16 x 1 x 8 processes)
     accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml sft.py \
         --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 16 --seed 44413 \
-        --output_dir models/EleutherAI/pythia-1b-deduped/sft_44413 --save_every 200 --eval_test --track
+        --save_every 200 --eval_test --track
 
 Details: 3 the tokenizer's [PAD] must be distinct from EOS and match the dataset's ids; 7 every
 dropout is off; 8 accelerate + DeepSpeed ZeRO-2 + bf16, tracked with W&B; 9 the paper's SFT
