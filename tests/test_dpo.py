@@ -233,6 +233,7 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
               "--beta 0.0 must be > 0")]
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "args.json").write_text(json.dumps({"lr": 0.5}))
+    (tmp_path / "b" / "eval_metrics.json").write_text("{}")  # that run's work (an args.json alone is a failed start)
     other_ids = tmp_path / "other_ids"  # Detail 3: data tokenized with other pad / eos ids than the model's
     shutil.copytree(small_world, other_ids)
     (other_ids / "args.json").write_text(json.dumps({"pad_token_id": 5, "eos_token_id": EOS}))
