@@ -244,4 +244,4 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
         assert result.returncode != 0 and "SetupError" in result.stderr and message in result.stderr, result.stderr[-2000:]
         assert "Loading weights" not in result.stdout + result.stderr
     assert not any((tmp_path / name).exists() for name in "acd")
-    assert sorted(os.listdir(tmp_path / "b")) == ["args.json"] and not (tmp_path / "runs").exists()
+    assert sorted(os.listdir(tmp_path / "b")) == ["args.json", "eval_metrics.json"] and not (tmp_path / "runs").exists()

@@ -327,7 +327,7 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
     assert mismatch.returncode != 0 and "was tokenized with {'pad_token_id': 5, 'eos_token_id': 0}" in mismatch.stderr
     assert "Loading weights" not in mismatch.stdout + mismatch.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
-    assert sorted(os.listdir(tmp_path / "b")) == ["args.json"]
+    assert sorted(os.listdir(tmp_path / "b")) == ["args.json", "eval_metrics.json"]  # untouched
 
 
 def test_deepspeed_zero2_matches_one_process(resumed_run, small_world, tmp_path):
