@@ -173,6 +173,7 @@ class JudgeServer:
         self.row_faults = {row: list(faults) for row, faults in (row_faults or {}).items()}
         self.lock = threading.Lock()
         self.requests = []  # (request number, post row id, fault or None, request body)
+        self.seen = []  # (request path with query, Authorization header) of each request
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -191,6 +192,7 @@ class JudgeServer:
                     queued = server.row_faults.get(row)
                     fault = server.faults.get(number) or (queued.pop(0) if queued else None)
                     server.requests.append((number, row, fault, body))
+                    server.seen.append((self.path, self.headers.get("Authorization")))
                 echoed = f"{self.path} {self.headers.get('Authorization')}"
                 if fault == "hang":
                     time.sleep(server.hang)  # the client gave up long ago
