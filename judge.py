@@ -361,7 +361,7 @@ def summarize(rows: list[dict], other_name: str) -> dict:
     """Per-run statistics from rows (keys status, preferred, ours_words, other_words, ours_score, other_score).
 
     status: "judged" (the judge replied), "failed" (no reply: counted, asked again by a rerun) or
-    "unasked"; preferred: "ours", `other_name`, "tie", "malformed", or "unjudged" without a reply."""
+    "unjudged" (not asked yet); preferred: "ours", `other_name`, "tie", "malformed", or "unjudged" without a reply."""
     preferred, status = [r["preferred"] for r in rows], [r["status"] for r in rows]
     wins, losses = preferred.count("ours"), preferred.count(other_name)
     # Ties and malformed verdicts are reported, never counted for either side: the reference counted
@@ -372,7 +372,7 @@ def summarize(rows: list[dict], other_name: str) -> dict:
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     return dict(n=n, wins=wins, win_rate=wins / n if n else None, ci_low=low, ci_high=high,
                 judged=status.count("judged"), malformed=preferred.count("malformed"), ties=preferred.count("tie"),
-                failed=status.count("failed"), unjudged=status.count("unasked"), rows=len(rows),
+                failed=status.count("failed"), unjudged=status.count("unjudged"), rows=len(rows),
                 mean_words=mean([r["ours_words"] for r in rows]), mean_other_words=mean([r["other_words"] for r in rows]),
                 rm_agreement=agreement, n_rm_agreement=n_agreement)
 
@@ -439,6 +439,9 @@ async def call_with_retries(call, tally: dict, timeout: float, max_retries: int,
         tally["calls"] += 1
         try:
             return await asyncio.wait_for(call(), timeout)
+        except asyncio.CancelledError:  # Ctrl-C, or another row stopped the run: the server may still bill it
+            tally["abandoned"] += 1
+            raise
         except Exception as error:
             tally["abandoned"] += int(may_be_billed(error))
             if not is_retryable(error) or attempt == max_retries:
@@ -493,37 +496,49 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
     semaphore = asyncio.Semaphore(max_concurrency)
     rng = random.Random()  # jitter only: deliberately unseeded, it changes no result
     bar = tqdm(total=len(todo), desc=f"judging ({meta['model']})", unit="call")
+    stopping = []  # set by the row that stops the run: the rows it releases the semaphore to start no call
 
     async def one(item: dict) -> None:
         a, b = (item["ours"], item["other"]) if item["ours_is_a"] else (item["other"], item["ours"])
-        totals = row_totals(cache.get(item["key"]))  # a failed row's counts from the runs before this one
-        before = dict(totals)
+        totals = row_totals(cache.get(item["key"]))  # a failed or abandoned row's counts from earlier runs
+        before, start = dict(totals), time.monotonic()
+
+        def save(status: str, reply: Optional[str] = None, error: Optional[BaseException] = None) -> None:
+            """Append the row's record: status "judged", "failed" (no reply) or "abandoned" (run stopped mid-call)."""
+            verdict = parse_verdict(reply, allow_tie=meta["allow_tie"]) if status == "judged" else None
+            record = dict(key=item["key"], model=meta["model"], prompt_version=meta["prompt_version"],
+                          temperature=meta["temperature"], label=item["label"], row=item["row"],
+                          ours_is_a=item["ours_is_a"], status=status, reply=scrub(reply, secrets), verdict=verdict,
+                          preferred=preferred_side(verdict, item["ours_is_a"], item["other_name"])
+                          if status == "judged" else "unjudged",
+                          error=scrub(describe(error), secrets) if error else None,
+                          # this run's calls, then the counts over every run that asked this row
+                          attempts=totals["calls"] - before["calls"], abandoned=totals["abandoned"] - before["abandoned"],
+                          billed_twice=totals["billed_twice"] - before["billed_twice"], totals=totals,
+                          run=run_id, seconds=round(time.monotonic() - start, 3), time=time.time())
+            # One write, no await in between: whole lines in completion order; flushed, a kill loses none.
+            # ASCII JSON: a line torn by a kill can never break the decoding of the whole file.
+            cache_file.write(json.dumps(record) + "\n")
+            cache_file.flush()
+            cache[item["key"]] = record
+            bar.update(1)
+
         async with semaphore:
-            start = time.monotonic()
+            if stopping:
+                return
             try:
-                reply, error = await call_with_retries(lambda: ask(item["post"], a, b), totals, rng=rng, **retry), None
-            except (openai.OpenAIError, TimeoutError, BadReply) as failure:
-                if stops_run(failure):
-                    raise RunStopped(scrub(describe(failure), secrets)) from failure
-                reply, error = None, failure
-        totals["failed_runs"] += int(error is not None)
-        verdict = parse_verdict(reply, allow_tie=meta["allow_tie"])
-        record = dict(key=item["key"], model=meta["model"], prompt_version=meta["prompt_version"],
-                      temperature=meta["temperature"], label=item["label"], row=item["row"],
-                      ours_is_a=item["ours_is_a"], status="failed" if error else "judged",
-                      reply=scrub(reply, secrets), verdict=verdict,
-                      preferred=preferred_side(verdict, item["ours_is_a"], item["other_name"]) if not error else "unjudged",
-                      error=scrub(describe(error), secrets) if error else None,
-                      # this run's calls, then the counts over every run that asked this row
-                      attempts=totals["calls"] - before["calls"], abandoned=totals["abandoned"] - before["abandoned"],
-                      billed_twice=totals["billed_twice"] - before["billed_twice"], totals=totals,
-                      run=run_id, seconds=round(time.monotonic() - start, 3), time=time.time())
-        # One write, no await in between: whole lines in completion order; flushed, a kill loses none.
-        # ASCII JSON: a line torn by a kill can never break the decoding of the whole file.
-        cache_file.write(json.dumps(record) + "\n")
-        cache_file.flush()
-        cache[item["key"]] = record
-        bar.update(1)
+                reply = await call_with_retries(lambda: ask(item["post"], a, b), totals, rng=rng, **retry)
+            except (openai.OpenAIError, TimeoutError, BadReply) as error:
+                if stops_run(error):
+                    stopping.append(item["key"])
+                    raise RunStopped(scrub(describe(error), secrets)) from error
+                totals["failed_runs"] += 1
+                return save("failed", error=error)
+            except asyncio.CancelledError:
+                if totals["calls"] > before["calls"]:  # calls were made: keep their count for the re-ask
+                    save("abandoned")
+                raise
+        save("judged", reply)
 
     try:
         async with asyncio.TaskGroup() as group:
@@ -534,25 +549,27 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
 
 
 def should_ask(record: Optional[dict], failed_row_retries: int) -> bool:
-    """Whether a row is asked in this run: never asked, or failed in at most `failed_row_retries` runs so far."""
+    """Whether a row is asked in this run: never answered, and failed in at most `failed_row_retries` runs so far."""
     # A row that failed in run 1 is asked again by runs 2 .. 1 + failed_row_retries, then left failed.
-    return record is None or (record.get("status") == "failed" and
+    # Records older than `status` are all judged ones.
+    return record is None or (record.get("status", "judged") != "judged" and
                               row_totals(record)["failed_runs"] <= failed_row_retries)
 
 
 def call_counts(records: list[Optional[dict]], this_run_only: bool) -> dict:
-    """Rows judged / malformed / failed / unjudged (None: never asked) and their calls / possibly billed twice.
+    """Rows judged / malformed / failed / unjudged (None: never asked; or abandoned) and their calls / possibly billed twice.
 
     Calls of this run only (`attempts`, `billed_twice`), or of every run that asked the rows (`totals`)."""
     asked = [r for r in records if r is not None]
     judged = [r for r in asked if r.get("status", "judged") == "judged"]
+    failed = [r for r in asked if r.get("status") == "failed"]
     if this_run_only:
         calls, twice = sum(r["attempts"] for r in asked), sum(r["billed_twice"] for r in asked)
     else:
         calls = sum(row_totals(r)["calls"] for r in asked)
         twice = sum(row_totals(r)["billed_twice"] for r in asked)
     return dict(rows=len(records), judged=len(judged), malformed=sum(r["verdict"] is None for r in judged),
-                failed=len(asked) - len(judged), unjudged=len(records) - len(asked), calls=calls,
+                failed=len(failed), unjudged=len(records) - len(judged) - len(failed), calls=calls,
                 possibly_billed_twice=twice)
 
 
@@ -789,7 +806,8 @@ if __name__ == "__main__":
         judged = []
         for item in run["items"]:
             record = cache.get(item["key"])
-            status = record.get("status", "judged") if record else "unasked"
+            status = record.get("status", "judged") if record else "unjudged"
+            status = status if status in ("judged", "failed") else "unjudged"  # never asked, or abandoned
             verdict = record["verdict"] if status == "judged" else None
             totals = row_totals(record)
             judged.append(dict(
@@ -822,7 +840,8 @@ if __name__ == "__main__":
     totals = call_counts(records, this_run_only=False)
     this_run = dict(to_ask=len(todo), **call_counts([r for r in records if r and r.get("run") == run_id], True),
                     stopped=stopped)
-    this_run["unjudged"] = len(todo) - this_run.pop("rows")  # not reached before the run stopped
+    del this_run["rows"]  # the rows of this run are `to_ask`; those not reached or abandoned are unjudged:
+    this_run["unjudged"] = len(todo) - this_run["judged"] - this_run["failed"]
 
     header = (f"Judge `{meta['model']}`, prompt `{meta['prompt_version']}`, temperature {fmt(meta['temperature'], 2)}, "
               f"A/B order seed {args.seed}. Win rate = wins / (wins + losses); malformed verdicts, ties, "

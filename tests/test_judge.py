@@ -80,7 +80,7 @@ def test_order_is_balanced_seeded_and_recorded():
 
 def test_win_rate_ci_and_malformed_by_hand():
     preferred = ["ours"] * 7 + ["reference"] * 3 + ["malformed"] * 2 + ["tie", "unjudged", "unjudged", "unjudged"]
-    status = ["judged"] * 13 + ["unasked", "failed", "failed"]  # a failed row has no verdict: it counts for nobody
+    status = ["judged"] * 13 + ["unjudged", "failed", "failed"]  # a failed row has no verdict: it counts for nobody
     rows = [dict(preferred=p, status=s, ours_words=w, other_words=4, ours_score=None, other_score=None)
             for p, s, w in zip(preferred, status, [10, 2] * 7 + [6, 6])]
     stats = judge.summarize(rows, "reference")

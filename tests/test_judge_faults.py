@@ -12,6 +12,9 @@ import dataclasses
 import json
 import os
 import random
+import signal
+import subprocess
+import time
 
 import pytest
 
@@ -331,3 +334,36 @@ def test_torn_last_cache_line_is_asked_again_and_nothing_else(tmp_path, server_f
     assert server.rows(start) == [torn_row]  # only the torn row is asked again
     assert verdicts(out) == before and results(out)["runs"]["sft"] == {**first["sft"]}
     assert len(judge.load_cache(str(path))[0]) == 6 and path.read_text().endswith("\n")
+
+
+def test_interrupted_run_writes_results_and_counts_calls_in_flight(tmp_path, server_factory):
+    server = server_factory(delay=1.0)  # slow replies: calls are in flight when Ctrl-C comes
+    table = write_table(tmp_path / "sft.csv", llm_rows(8))
+    out = tmp_path / "out"
+    flags = flags_for(server.url, table, out, "--max_concurrency", "2", "--timeout", "10")
+    process = subprocess.Popen(judge_cmd(*flags), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=judge_env())
+    deadline = time.time() + 60
+    while len(server.requests) < 4 and time.time() < deadline:  # two judged, two more in flight
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 1 and "stopped: interrupted" in stderr, stdout[-3000:] + stderr[-3000:]
+    records = cached(out)
+    judged = {row for row, r in records.items() if r["status"] == "judged"}
+    abandoned = {row for row, r in records.items() if r["status"] == "abandoned"}
+    # Every call the server saw is either a verdict in the cache or recorded as abandoned in flight.
+    assert judged and abandoned and judged | abandoned == set(server.rows()) and not judged & abandoned
+    result = results(out)
+    assert result["this_run"]["stopped"] == "interrupted" and result["runs"]["sft"]["judged"] == len(judged)
+    assert result["runs"]["sft"]["unjudged"] == 8 - len(judged) and result["runs"]["sft"]["failed"] == 0
+    before = verdicts(out)
+
+    # The rerun asks what has no verdict, once; re-asking a call abandoned in flight may pay twice.
+    start = len(server.requests)
+    proc = run_judge(*flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(server.rows(start)) == sorted(set(range(8)) - judged)
+    result = results(out)
+    assert result["this_run"]["possibly_billed_twice"] == len(abandoned) == result["totals"]["possibly_billed_twice"]
+    assert result["runs"]["sft"]["judged"] == 8 and {row: verdicts(out)[row] for row in before} == before
