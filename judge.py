@@ -162,93 +162,6 @@ def parse_run_label(label: str) -> tuple[str, Optional[str]]:
     return (method, seed) if sep and seed else (label, None)
 
 
-def flag_problems(args: Args) -> list[str]:
-    """One line per flag that cannot work (named, with what to pass instead); empty when all can."""
-    # Checked before anything is written, so a typo leaves no folder or file behind.
-    problems, labels = [], []
-    for spec in args.tables:
-        try:
-            label, path = parse_table_spec(spec)
-        except ValueError as error:
-            problems.append(str(error))
-            continue
-        labels.append(label)
-        if not os.path.isfile(path):
-            problems.append(f"--tables {spec}: no file {path}")
-    if not args.tables or len(set(labels)) != len(labels):
-        problems.append("--tables: pass LABEL=PATH.csv ... with distinct labels")
-    for pair in args.pairs:
-        ours, sep, other = pair.partition(":")
-        if not sep or ours not in labels or other not in labels:
-            problems.append(f"--pairs {pair}: want OURS:OTHER, both labels of --tables {labels}")
-    if not args.reference and not args.pairs:
-        problems.append("--no-reference without --pairs: nothing to compare; keep --reference or pass --pairs")
-    checks = [("n", args.n == -1 or args.n >= 1, "-1 (all rows) or >= 1"),
-              ("temperature", 0 <= args.temperature <= 2, "a number in [0, 2]"),
-              ("max_concurrency", args.max_concurrency >= 1, ">= 1"),
-              ("timeout", 0 < args.timeout < math.inf, "seconds > 0"),
-              ("max_retries", args.max_retries >= 0, ">= 0"),
-              ("retry_base_delay", 0 <= args.retry_base_delay < math.inf, "seconds >= 0"),
-              ("retry_max_delay", args.retry_base_delay <= args.retry_max_delay < math.inf, "seconds >= --retry_base_delay"),
-              ("max_new_judgments", args.max_new_judgments >= -1, "-1 (no limit) or >= 0"),
-              ("failed_row_retries", args.failed_row_retries >= 0, ">= 0"),
-              ("length_bins", args.length_bins >= 1, ">= 1"),
-              ("model", bool(args.model.strip()), "a model name")]
-    problems += [f"--{flag} {getattr(args, flag)}: want {want}" for flag, ok, want in checks if not ok]
-    if args.base_url is not None and not endpoint_is_valid(args.base_url):
-        # Not echoed: a URL that does not parse may still hold a key.
-        problems.append("--base_url (not shown: it may hold a key): want http(s)://host[:port][/path]")
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
-        problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
-    return problems
-
-
-def endpoint_is_valid(url: str) -> bool:
-    """Whether `url` is an http(s) URL with a host (and a numeric port if any)."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 (raises ValueError on a port that is not a number)
-    except ValueError:
-        return False
-    return parts.scheme in ("http", "https") and bool(parts.hostname)
-
-
-def redact_url(url: Optional[str]) -> Optional[str]:
-    """`url` safe to write: user:password@ becomes ***@, every query value ***, the fragment goes."""
-    # Every query value, not a list of secret names (key, api_key, token ...): a list always misses
-    # one (sig=, code=, x-goog-api-key=). A bare `?TOKEN` becomes `?***`.
-    if url is None:
-        return None
-    parts = urllib.parse.urlsplit(url)
-    host = parts.netloc.rpartition("@")[2]
-    query = "&".join(f"{p.partition('=')[0]}=***" if "=" in p else "***" for p in parts.query.split("&") if p)
-    return urllib.parse.urlunsplit((parts.scheme, ("***@" if "@" in parts.netloc else "") + host, parts.path, query, ""))
-
-
-def url_secrets(url: Optional[str]) -> list[str]:
-    """The credentials inside `url` (user, password, query values, fragment), raw, decoded and as Basic auth."""
-    if url is None:
-        return []
-    parts = urllib.parse.urlsplit(url)
-    userinfo = parts.netloc.rpartition("@")[0]
-    found = userinfo.split(":", 1) if userinfo else []
-    found += [p.partition("=")[2] if "=" in p else p for p in parts.query.split("&") if p] + [parts.fragment]
-    found += [urllib.parse.unquote(s) for s in found]
-    if userinfo:  # httpx sends user:password as `Authorization: Basic base64(...)`: a server may echo it
-        found.append(base64.b64encode(urllib.parse.unquote(userinfo).encode()).decode())
-    return found
-
-
-def scrub(text: Optional[str], secrets: list[str]) -> Optional[str]:
-    """`text` with every secret of 6 or more characters replaced by ***."""
-    # Shorter strings are not keys, and replacing them would mangle the text (a user `A` would eat
-    # the verdict of `Preferred: A`). Longest first: a secret containing another goes whole.
-    for secret in sorted(set(secrets), key=len, reverse=True):
-        if text is not None and len(secret) >= 6:
-            text = text.replace(secret, "***")
-    return text
-
-
 def read_table(path: str, n: int, columns: tuple) -> list[dict]:
     """The first n rows (-1: all) of a sample CSV as dicts; empty cells stay empty strings.
 
@@ -401,7 +314,7 @@ def retry_after(error: BaseException) -> float:
 
 
 class BadReply(Exception):
-    """An HTTP 200 without a usable reply (a body that is not JSON, no choices): maybe billed, so not re-asked at once."""
+    """An HTTP 200 without a usable reply (body not JSON, no choices): maybe billed, so not re-asked at once."""
 
 
 class RunStopped(Exception):
@@ -496,7 +409,9 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
     semaphore = asyncio.Semaphore(max_concurrency)
     rng = random.Random()  # jitter only: deliberately unseeded, it changes no result
     bar = tqdm(total=len(todo), desc=f"judging ({meta['model']})", unit="call")
-    stopping = []  # set by the row that stops the run: the rows it releases the semaphore to start no call
+    # Non-empty once a row stopped the run: the rows that get the semaphore it releases before the
+    # TaskGroup cancels them must not start a call (it would be abandoned at once, maybe billed).
+    stopping = []
 
     async def one(item: dict) -> None:
         a, b = (item["ours"], item["other"]) if item["ours_is_a"] else (item["other"], item["ours"])
@@ -513,7 +428,8 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
                           if status == "judged" else "unjudged",
                           error=scrub(describe(error), secrets) if error else None,
                           # this run's calls, then the counts over every run that asked this row
-                          attempts=totals["calls"] - before["calls"], abandoned=totals["abandoned"] - before["abandoned"],
+                          attempts=totals["calls"] - before["calls"],
+                          abandoned=totals["abandoned"] - before["abandoned"],
                           billed_twice=totals["billed_twice"] - before["billed_twice"], totals=totals,
                           run=run_id, seconds=round(time.monotonic() - start, 3), time=time.time())
             # One write, no await in between: whole lines in completion order; flushed, a kill loses none.
@@ -557,7 +473,7 @@ def should_ask(record: Optional[dict], failed_row_retries: int) -> bool:
 
 
 def call_counts(records: list[Optional[dict]], this_run_only: bool) -> dict:
-    """Rows judged / malformed / failed / unjudged (None: never asked; or abandoned) and their calls / possibly billed twice.
+    """Rows judged / malformed / failed / unjudged (None or abandoned) and their calls / possibly billed twice.
 
     Calls of this run only (`attempts`, `billed_twice`), or of every run that asked the rows (`totals`)."""
     asked = [r for r in records if r is not None]
@@ -571,32 +487,6 @@ def call_counts(records: list[Optional[dict]], this_run_only: bool) -> dict:
     return dict(rows=len(records), judged=len(judged), malformed=sum(r["verdict"] is None for r in judged),
                 failed=len(failed), unjudged=len(records) - len(judged) - len(failed), calls=calls,
                 possibly_billed_twice=twice)
-
-
-def split_endpoint(url: Optional[str]) -> tuple[Optional[str], dict]:
-    """(`url` without its query and fragment, the query as a dict) for the client's base_url and default_query."""
-    if url is None:
-        return None, {}
-    parts = urllib.parse.urlsplit(url)
-    query = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")), query
-
-
-def write_atomic(path: str, write) -> None:
-    """Create `path` whole or not at all: `write(tmp_path)` writes beside it, then a rename replaces it."""
-    # A kill mid-write leaves the old file (or none) and a `.partial` that the next run overwrites;
-    # a reader never sees half a results.json. os.replace is atomic within one file system.
-    partial = path + ".partial"
-    write(partial)
-    os.replace(partial, path)
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """write_atomic for a text file (UTF-8)."""
-    def write(partial: str) -> None:
-        with open(partial, "w", encoding="utf-8", newline="") as file:
-            file.write(text)
-    write_atomic(path, write)
 
 
 def gold_reply(post: str, summary_a: str, summary_b: str) -> str:
@@ -652,7 +542,8 @@ def markdown_tables(runs: dict, header: str) -> str:
         lines.append(f"| {label} | {r['method']} | {r['seed'] or '-'} | {r['vs']} | {r['n']} | {fmt(r['win_rate'])} "
                      f"| [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}] | {r['malformed']} | {r['ties']} | {r['unjudged']} "
                      f"| {r['failed']} | {fmt(r['mean_words'], 1)} / {fmt(r['mean_other_words'], 1)} "
-                     f"| {fmt(r['rm_agreement'])} ({r['n_rm_agreement']}) | {r['calls']} ({r['possibly_billed_twice']}) |")
+                     f"| {fmt(r['rm_agreement'])} ({r['n_rm_agreement']}) "
+                     f"| {r['calls']} ({r['possibly_billed_twice']}) |")
     methods: dict = {}
     for r in runs.values():
         if r["vs"] == "reference" and r["n"]:
@@ -665,6 +556,126 @@ def markdown_tables(runs: dict, header: str) -> str:
             lines.append(f"| {method} | {len(rs)} | {fmt(statistics.mean(rates))} | {fmt(std)} "
                          f"| {fmt(statistics.mean(r['mean_words'] for r in rs), 1)} |")
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# Plumbing: flags checked before any write, credentials kept out of every written text, files
+# replaced whole. No Detail below.
+# ------------------------------------------------------------------------------------------------
+
+
+def flag_problems(args: Args) -> list[str]:
+    """One line per flag that cannot work (named, with what to pass instead); empty when all can."""
+    # Checked before anything is written, so a typo leaves no folder or file behind.
+    problems, labels = [], []
+    for spec in args.tables:
+        try:
+            label, path = parse_table_spec(spec)
+        except ValueError as error:
+            problems.append(str(error))
+            continue
+        labels.append(label)
+        if not os.path.isfile(path):
+            problems.append(f"--tables {spec}: no file {path}")
+    if not args.tables or len(set(labels)) != len(labels):
+        problems.append("--tables: pass LABEL=PATH.csv ... with distinct labels")
+    for pair in args.pairs:
+        ours, sep, other = pair.partition(":")
+        if not sep or ours not in labels or other not in labels:
+            problems.append(f"--pairs {pair}: want OURS:OTHER, both labels of --tables {labels}")
+    if not args.reference and not args.pairs:
+        problems.append("--no-reference without --pairs: nothing to compare; keep --reference or pass --pairs")
+    checks = [("n", args.n == -1 or args.n >= 1, "-1 (all rows) or >= 1"),
+              ("temperature", 0 <= args.temperature <= 2, "a number in [0, 2]"),
+              ("max_concurrency", args.max_concurrency >= 1, ">= 1"),
+              ("timeout", 0 < args.timeout < math.inf, "seconds > 0"),
+              ("max_retries", args.max_retries >= 0, ">= 0"),
+              ("retry_base_delay", 0 <= args.retry_base_delay < math.inf, "seconds >= 0"),
+              ("retry_max_delay", args.retry_base_delay <= args.retry_max_delay < math.inf,
+               "seconds >= --retry_base_delay"),
+              ("max_new_judgments", args.max_new_judgments >= -1, "-1 (no limit) or >= 0"),
+              ("failed_row_retries", args.failed_row_retries >= 0, ">= 0"),
+              ("length_bins", args.length_bins >= 1, ">= 1"),
+              ("model", bool(args.model.strip()), "a model name")]
+    problems += [f"--{flag} {getattr(args, flag)}: want {want}" for flag, ok, want in checks if not ok]
+    if args.base_url is not None and not endpoint_is_valid(args.base_url):
+        # Not echoed: a URL that does not parse may still hold a key.
+        problems.append("--base_url (not shown: it may hold a key): want http(s)://host[:port][/path]")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
+    return problems
+
+
+def endpoint_is_valid(url: str) -> bool:
+    """Whether `url` is an http(s) URL with a host (and a numeric port if any)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError on a port that is not a number)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
+def redact_url(url: Optional[str]) -> Optional[str]:
+    """`url` safe to write: user:password@ becomes ***@, every query value ***, the fragment goes."""
+    # Every query value, not a list of secret names (key, api_key, token ...): a list always misses
+    # one (sig=, code=, x-goog-api-key=). A bare `?TOKEN` becomes `?***`.
+    if url is None:
+        return None
+    parts = urllib.parse.urlsplit(url)
+    netloc = ("***@" if "@" in parts.netloc else "") + parts.netloc.rpartition("@")[2]
+    query = "&".join(f"{p.partition('=')[0]}=***" if "=" in p else "***" for p in parts.query.split("&") if p)
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def url_secrets(url: Optional[str]) -> list[str]:
+    """The credentials inside `url` (user, password, query values, fragment), raw, decoded and as Basic auth."""
+    if url is None:
+        return []
+    parts = urllib.parse.urlsplit(url)
+    userinfo = parts.netloc.rpartition("@")[0]
+    found = userinfo.split(":", 1) if userinfo else []
+    found += [p.partition("=")[2] if "=" in p else p for p in parts.query.split("&") if p] + [parts.fragment]
+    found += [urllib.parse.unquote(s) for s in found]
+    if userinfo:  # httpx sends user:password as `Authorization: Basic base64(...)`: a server may echo it
+        found.append(base64.b64encode(urllib.parse.unquote(userinfo).encode()).decode())
+    return found
+
+
+def scrub(text: Optional[str], secrets: list[str]) -> Optional[str]:
+    """`text` with every secret of 6 or more characters replaced by ***."""
+    # Shorter strings are not keys, and replacing them would mangle the text (a user `A` would eat
+    # the verdict of `Preferred: A`). Longest first: a secret containing another goes whole.
+    for secret in sorted(set(secrets), key=len, reverse=True):
+        if text is not None and len(secret) >= 6:
+            text = text.replace(secret, "***")
+    return text
+
+
+def split_endpoint(url: Optional[str]) -> tuple[Optional[str], dict]:
+    """(`url` without its query and fragment, the query as a dict) for the client's base_url and default_query."""
+    if url is None:
+        return None, {}
+    parts = urllib.parse.urlsplit(url)
+    query = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")), query
+
+
+def write_atomic(path: str, write) -> None:
+    """Create `path` whole or not at all: `write(tmp_path)` writes beside it, then a rename replaces it."""
+    # A kill mid-write leaves the old file (or none) and a `.partial` that the next run overwrites;
+    # a reader never sees half a results.json. os.replace is atomic within one file system.
+    partial = path + ".partial"
+    write(partial)
+    os.replace(partial, path)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """write_atomic for a text file (UTF-8)."""
+    def write(partial: str) -> None:
+        with open(partial, "w", encoding="utf-8", newline="") as file:
+            file.write(text)
+    write_atomic(path, write)
 
 
 def git_commit(folder: str) -> Optional[str]:
@@ -700,7 +711,8 @@ if __name__ == "__main__":
         except (OSError, ValueError, csv.Error) as error:  # UnicodeDecodeError is a ValueError
             problems.append(f"--tables {label}={path}: {error}")
     if problems:
-        sys.exit("judge.py: cannot start (nothing was written):\n  " + "\n  ".join(scrub(p, secrets) for p in problems))
+        sys.exit("judge.py: cannot start (nothing was written):\n  " +
+                 "\n  ".join(scrub(p, secrets) for p in problems))
 
     # ---- runs: the comparisons to judge ----
     comparisons = {}  # run name -> its items (one per row), the other side's name, our label, what we face
@@ -740,7 +752,7 @@ if __name__ == "__main__":
             item["key"] = judgment_key(meta["model"], meta["prompt_version"], meta["temperature"], item["post"], a, b)
             item["other_name"] = run["other_name"]
             record = cache.get(item["key"])
-            if should_ask(record, args.failed_row_retries) and item["key"] not in queued:  # a pair twice: asked once
+            if should_ask(record, args.failed_row_retries) and item["key"] not in queued:  # a pair twice: once
                 queued.add(item["key"])
                 todo.append(item)
     total = sum(len(run["items"]) for run in comparisons.values())
@@ -809,17 +821,19 @@ if __name__ == "__main__":
             status = record.get("status", "judged") if record else "unjudged"
             status = status if status in ("judged", "failed") else "unjudged"  # never asked, or abandoned
             verdict = record["verdict"] if status == "judged" else None
-            totals = row_totals(record)
+            counts = row_totals(record)
             judged.append(dict(
                 row=item["row"], ours_is_a=item["ours_is_a"], verdict=verdict,
-                preferred=preferred_side(verdict, item["ours_is_a"], run["other_name"]) if status == "judged" else "unjudged",
+                preferred=preferred_side(verdict, item["ours_is_a"], run["other_name"])
+                if status == "judged" else "unjudged",
                 status=status, ours_words=len(item["ours"].split()), other_words=len(item["other"].split()),
                 ours_score=item["ours_score"], other_score=item["other_score"],
-                post=item["post"], ours=item["ours"], other=item["other"], reply=record["reply"] if record else "",
-                error=(record or {}).get("error") or "", calls=totals["calls"],
-                possibly_billed_twice=totals["billed_twice"]))
+                post=item["post"], ours=item["ours"], other=item["other"], reply=(record or {}).get("reply") or "",
+                error=(record or {}).get("error") or "", calls=counts["calls"],
+                possibly_billed_twice=counts["billed_twice"]))
             if status == "failed":
-                failures.append(dict(run=name, row=item["row"], error=record["error"], failed_runs=totals["failed_runs"],
+                failures.append(dict(run=name, row=item["row"], error=record["error"],
+                                     failed_runs=counts["failed_runs"],
                                      asked_by_rerun=should_ask(record, args.failed_row_retries)))
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=list(judged[0]) if judged else ["row"])
@@ -867,10 +881,10 @@ if __name__ == "__main__":
                  "results.json; fix the cause and rerun the same command to continue")
     if failures:
         for failure in failures[:10]:
-            print(f"failed: {failure['run']} row {failure['row']} in {failure['failed_runs']} run(s): {failure['error']}",
-                  file=sys.stderr)
+            print(f"failed: {failure['run']} row {failure['row']} in {failure['failed_runs']} run(s): "
+                  f"{failure['error']}", file=sys.stderr)
         again = sum(f["asked_by_rerun"] for f in failures)
         print(f"judge.py: {len(failures)} row(s) failed (listed in results.json `failures` and judged/<run>.csv); "
-              f"a rerun asks {again} of them again, the others failed in {args.failed_row_retries + 1} runs "
-              "(raise --failed_row_retries to ask them again)", file=sys.stderr)
+              f"a rerun asks {again} of them again; the others failed in more than --failed_row_retries "
+              f"{args.failed_row_retries} reruns (raise it to ask them again)", file=sys.stderr)
         sys.exit(3)  # finished, but the results lack these rows

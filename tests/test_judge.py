@@ -414,7 +414,7 @@ def test_run_level_faults_stop_the_run_row_faults_do_not(tmp_path, server_factor
     server = server_factory(faults={k: "500" for k in range(1, 10)})
     proc = run_judge("--base_url", server.url, "--tables", f"t={table}", "--output_dir", str(tmp_path / "b"),
                      "--max_concurrency", "1", "--max_retries", "2", *FAST)
-    assert proc.returncode == 3 and "InternalServerError" in proc.stderr and "failed_row_retries" in proc.stderr
+    assert proc.returncode == 3 and "InternalServerError" in proc.stderr and "a rerun asks 3 of them" in proc.stderr
     assert sorted(server.rows()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     result = json.loads((tmp_path / "b" / "results.json").read_text())
     assert (result["runs"]["t"]["failed"], result["runs"]["t"]["calls"], result["runs"]["t"]["n"]) == (3, 9, 0)
