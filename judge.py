@@ -884,7 +884,9 @@ if __name__ == "__main__":
             print(f"failed: {failure['run']} row {failure['row']} in {failure['failed_runs']} run(s): "
                   f"{failure['error']}", file=sys.stderr)
         again = sum(f["asked_by_rerun"] for f in failures)
+        given_up = "" if again == len(failures) else (
+            f"; the other {len(failures) - again} failed in more than --failed_row_retries {args.failed_row_retries} "
+            "reruns (raise it to ask them again)")
         print(f"judge.py: {len(failures)} row(s) failed (listed in results.json `failures` and judged/<run>.csv); "
-              f"a rerun asks {again} of them again; the others failed in more than --failed_row_retries "
-              f"{args.failed_row_retries} reruns (raise it to ask them again)", file=sys.stderr)
+              f"a rerun asks {again} of them again{given_up}", file=sys.stderr)
         sys.exit(3)  # finished, but the results lack these rows

@@ -175,7 +175,7 @@ def test_row_that_always_fails_is_counted_and_retried_a_bounded_number_of_times(
         assert (failure["failed_runs"], failure["asked_by_rerun"]) == (min(rerun + 1, 3), rerun < 2)
         assert verdicts(out) == before  # nothing judged before the fault is lost or asked again
         assert results(out)["runs"]["sft"] == {**stats, "calls": 6 + min(rerun, 2)}
-    assert "a rerun asks 0 of them again" in proc.stderr and "more than --failed_row_retries 2 reruns" in proc.stderr
+    assert "a rerun asks 0 of them again" in proc.stderr and "the other 1 failed in more than --failed_row_retries 2 reruns" in proc.stderr
     # The bound is the flag: raising it asks the row once more.
     start = len(server.requests)
     assert run_judge(*flags, "--failed_row_retries", "3").returncode == 3
