@@ -264,7 +264,7 @@ def test_credentials_in_base_url_are_written_nowhere(tmp_path, server_factory):
         assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
         # The credentials were sent: Basic auth from the URL (else the key), the query on every call.
         auth = f"Basic {basic}" if userinfo else f"Bearer {SECRET}"
-        assert {seen for seen in server.seen} == {(f"/v1/chat/completions?api_key={query_key}&token={token}", auth)}
+        assert set(server.seen) == {(f"/v1/chat/completions?api_key={query_key}&token={token}", auth)}
         assert judge.load_cache(str(out / "judgments.jsonl"))[0]  # something was written to scan
         records = cached(out)
         # The echo reached the cache scrubbed, not left out: the row's error and reply say ***.
