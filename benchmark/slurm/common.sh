@@ -1,6 +1,7 @@
 # Array plumbing shared by the stage launchers in this folder (sourced; the knobs are in
 # benchmark/knobs.sh). A launcher defines STAGE, TASKS ("sweep": one task per model x seed, or
-# "single": one task), DONE (the file its script writes last, relative to $OUT), GPU ("yes" for
+# "single": one task), DONE (the file its script writes last, relative to $OUT; a `stage_done`
+# function, if defined, decides instead whether that file marks a finished run), GPU ("yes" for
 # the training stages: a node whose torch sees no CUDA GPU stops the task at once) and a function
 # `stage_command MODEL SEED` that sets OUT (its output folder) and CMD (the command, an array).
 # Then `run_stage "$@"`:
@@ -72,8 +73,9 @@ run_stage() {  # run_stage [--dry-run]
     return 2
   fi
   task_command "$i"
-  if [[ -f $OUT/$DONE ]]; then
-    echo "$STAGE [$i]: $OUT/$DONE exists, nothing to do"
+  # A launcher may define stage_done (its own test of a finished run); else DONE's existence is it.
+  if { declare -F stage_done >/dev/null && stage_done; } || { ! declare -F stage_done >/dev/null && [[ -f $OUT/$DONE ]]; }; then
+    echo "$STAGE [$i]: $OUT/$DONE says the run is complete, nothing to do"
     return 0
   fi
   if [[ $GPU == yes ]]; then
