@@ -541,9 +541,8 @@ def write_hub_style_dataset(folder, config, splits, features):
     (folder / "README.md").write_text("\n".join(lines + ["---", ""]))
 
 
-def test_script_smoke(tmp_path, tok):
-    base_model = tmp_path / "tokenizer"
-    make_tokenizer().save_pretrained(str(base_model))  # no pad token: the script must add one
+def smoke_sources():
+    """Small SFT and preference sources ({split: [row]}): one post to truncate, two CNN/DM comparisons."""
     long_post = "the cat sat on the mat.\n" + "the dog sat on the log. " * 8
     sft = {"train": [sft_row("a1"), sft_row("a2", summary="my cat sat on the mat and the dog did not"),
                      sft_row("a3", post=long_post)],
@@ -554,45 +553,77 @@ def test_script_smoke(tmp_path, tok):
                        preference_row("c1", batch="cnndm0", cnndm=True),
                        preference_row("c2", batch="batch0_cnndm", cnndm=True, texts=(" a dog sat", " the cat"))],
     }
-    write_hub_style_dataset(tmp_path / "sft_src", "default", sft, SFT_FEATURES)
-    write_hub_style_dataset(tmp_path / "pref_src", "comparisons", preference, PREFERENCE_FEATURES)
+    return sft, preference
 
+
+def reference_flags(tok, sft, preference, query_length=40):
+    """The length flags for rows built the reference's way (the script's check accepts exactly these), and the
+    (query, response, query+response) ids of each response: {"sft" | "tldr" | "cnndm": [(q, r, qr)]}.
+
+    Query budgets the data reach (a budget above a query+response width is a flag error): `query_length`
+    cuts long posts; the CNN/DM budget is the longest article query, untruncated. Without CNN/DM rows the
+    cnndm_* flags keep their defaults."""
+    def widths(format_str, field, length, fields, response):
+        ref = reference_columns(tok, format_str, fields, field, length, response)
+        return ref["query_token_len"], ref["response_token_len"], ref["query_response_token_len"]
+    cnndm_rows = [row for row in preference["validation"] if row["batch"] in pre.CNNDM_BATCHES]
+    tldr_rows = preference["train"] + [row for row in preference["validation"] if row not in cnndm_rows]
+    cnndm_query_length = max((len(encode(tok, pre.CNNDM_FORMAT.format(**row["info"]))) for row in cnndm_rows),
+                             default=None)
+    found = {
+        "sft": [widths(pre.TLDR_FORMAT, "post", query_length, row, " " + row["summary"] + EOS)
+                for rows in sft.values() for row in rows],
+        "tldr": [widths(pre.TLDR_FORMAT, "post", query_length, row["info"], s["text"] + EOS)
+                 for row in tldr_rows for s in row["summaries"]],
+        "cnndm": [widths(pre.CNNDM_FORMAT, "article", cnndm_query_length, row["info"], s["text"] + EOS)
+                  for row in cnndm_rows for s in row["summaries"]],
+    }
+    flags = {"query_length": query_length,
+             "max_sft_response_length": max(r for _, r, _ in found["sft"]),
+             "max_sft_query_response_length": max(qr for _, _, qr in found["sft"]),
+             "max_rm_response_length": max(r for _, r, _ in found["tldr"]),
+             "max_rm_query_response_length": max(qr for _, _, qr in found["tldr"])}
+    if cnndm_rows:
+        flags.update(cnndm_query_length=cnndm_query_length,
+                     cnndm_max_rm_response_length=max(r for _, r, _ in found["cnndm"]),
+                     cnndm_max_rm_query_response_length=max(qr for _, _, qr in found["cnndm"]))
+    return flags, found
+
+
+def write_world(folder, sft, preference) -> list:
+    """Write a tokenizer (no pad token) and hub-style sources into `folder`; return the script's command
+    without --output_dir and length flags."""
+    make_tokenizer().save_pretrained(str(folder / "tokenizer"))  # no pad token: the script must add one
+    write_hub_style_dataset(folder / "sft_src", "default", sft, SFT_FEATURES)
+    write_hub_style_dataset(folder / "pref_src", "comparisons", preference, PREFERENCE_FEATURES)
+    return [sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(folder / "tokenizer"),
+            "--sft_dataset", str(folder / "sft_src"), "--preference_dataset", str(folder / "pref_src")]
+
+
+def flag_args(flags: dict) -> list:
+    """{flag: value} as command-line arguments."""
+    return [arg for flag, value in flags.items() for arg in (f"--{flag}", str(value))]
+
+
+def test_script_smoke(tmp_path, tok):
+    sft, preference = smoke_sources()
     # Expected maxima of rows built the reference's way (the long post truncated, the stripped query
     # re-tokenized with each response): the script's length check must accept exactly these.
-    # Query budgets the data reach (a budget above every query+response width is a flag error): 40 cuts
-    # the long post; the CNN/DM budget is the longest article query, untruncated.
-    query_length = 40
-    cnndm_query_length = max(len(encode(tok, pre.CNNDM_FORMAT.format(**row["info"])))
-                             for row in preference["validation"][1:])
-    def widths(fmt, field, length, fields, response):  # (query ids, response ids, query+response ids)
-        ref = reference_columns(tok, fmt, fields, field, length, response)
-        return ref["query_token_len"], ref["response_token_len"], ref["query_response_token_len"]
-    sft_widths = [widths(pre.TLDR_FORMAT, "post", query_length, row, " " + row["summary"] + EOS)
-                  for rows in sft.values() for row in rows]
-    def preference_widths(rows, fmt, field, length):
-        return [widths(fmt, field, length, row["info"], s["text"] + EOS) for row in rows for s in row["summaries"]]
-    tldr = preference_widths(preference["train"] + preference["validation"][:1], pre.TLDR_FORMAT, "post", query_length)
-    cnndm = preference_widths(preference["validation"][1:], pre.CNNDM_FORMAT, "article", cnndm_query_length)
-    flags = {
-        "query_length": query_length, "cnndm_query_length": cnndm_query_length,
-        "max_sft_response_length": max(r for _, r, _ in sft_widths),
-        "max_sft_query_response_length": max(qr for _, _, qr in sft_widths),
-        "max_rm_response_length": max(r for _, r, _ in tldr), "max_rm_query_response_length": max(qr for _, _, qr in tldr),
-        "cnndm_max_rm_response_length": max(r for _, r, _ in cnndm),
-        "cnndm_max_rm_query_response_length": max(qr for _, _, qr in cnndm),
-    }
+    flags, widths = reference_flags(tok, sft, preference)
+    query_length = flags["query_length"]
     # Shaped like the real CNN/DM: the query's final newline is stripped, so query ids + response ids
     # (the layout before) would be one id longer than the reference's rows and fail this check.
-    assert all(qr == q - 1 + r for q, r, qr in cnndm) and all(qr == q + r for q, r, qr in tldr + sft_widths)
+    assert all(qr == q - 1 + r for q, r, qr in widths["cnndm"])
+    assert all(qr == q + r for q, r, qr in widths["tldr"] + widths["sft"])
     out = tmp_path / "out"
-    command = [sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(base_model),
-               "--sft_dataset", str(tmp_path / "sft_src"), "--preference_dataset", str(tmp_path / "pref_src"),
-               "--output_dir", str(out), "--num_proc", "2"]
-    command += [arg for flag, value in flags.items() for arg in (f"--{flag}", str(value))]
+    command = write_world(tmp_path, sft, preference) + ["--output_dir", str(out), "--num_proc", "2"]
+    command += flag_args(flags)
     env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")}  # keep ~/.cache clean
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "added the pad token '[PAD]'" in result.stdout
+    # the outputs and nothing else: the scratch folder is gone when the script returns
+    assert sorted(os.listdir(out)) == ["args.json", "policy_pairs.json", "preference", "sft", "visuals"]
 
     sft_out = datasets.load_from_disk(str(out / "sft"))
     preference_out = datasets.load_from_disk(str(out / "preference"))
@@ -605,13 +636,13 @@ def test_script_smoke(tmp_path, tok):
     cnndm_rows = preference_out["validation_cnndm"]
     assert [row["info"]["id"] for row in cnndm_rows] == ["c1", "c2"]
     assert all(row["query"].startswith("Article:\n") for row in cnndm_rows)
-    assert {len(row["query_token"]) for row in cnndm_rows} == {cnndm_query_length}
+    assert {len(row["query_token"]) for row in cnndm_rows} == {flags["cnndm_query_length"]}
     assert {len(row["query_chosen_token"]) for row in cnndm_rows} == {flags["cnndm_max_rm_query_response_length"]}
     assert {len(row["query_chosen_token"]) for row in preference_out["validation"]} == {flags["max_rm_query_response_length"]}
 
     saved = json.loads((out / "args.json").read_text())
     assert saved["pad_token_id"] == len(make_tokenizer()) and saved["pad_token_id"] != saved["eos_token_id"]
-    assert saved["base_model"] == str(base_model) and "git_commit" in saved
+    assert saved["base_model"] == str(tmp_path / "tokenizer") and "git_commit" in saved
     pairs = json.loads((out / "policy_pairs.json").read_text())
     assert pairs["train"] == {"ref--sup2": 1, "sup1--sup2": 1} and pairs["validation"] == {"ppo--ref": 1}
     for name, dataset_dict in (("sft", sft_out), ("preference", preference_out)):
