@@ -822,7 +822,10 @@ if __name__ == "__main__":
                "preference": (preference, args.preference_dataset, PREFERENCE_DESCRIPTIONS)}
     for name, (dataset_dict, source, descriptions) in outputs.items():
         # Arrow shards that load_from_disk memory-maps: later stages open 100k+ rows in a second.
-        dataset_dict.save_to_disk(os.path.join(new, name))
+        # An empty split (validation_cnndm without CNN/DM rows) needs its one shard asked for: datasets
+        # would write none and then fail to load the split.
+        dataset_dict.save_to_disk(os.path.join(new, name),
+                                  num_shards={split: 1 for split, dataset in dataset_dict.items() if not len(dataset)})
         # The card sits beside the saved splits: load_from_disk ignores it, a Hub repo shows it.
         intro = (f"Built from `{source}` by preprocess_tldr.py (commit {commit}) with the tokenizer of "
                  f"`{args.base_model}` (eos id {tokenizer.eos_token_id}, pad id {pad_id}); "
