@@ -22,7 +22,7 @@ or is killed leaves the previous outputs whole (and a watcher process deletes th
         --output_dir data/tiny_tldr --query_length 192 --max_sft_response_length 44 \
         --max_sft_query_response_length 226 --max_rm_response_length 53 \
         --max_rm_query_response_length 237 --cnndm_query_length 192 \
-        --cnndm_max_rm_response_length 44 --cnndm_max_rm_query_response_length 193
+        --cnndm_max_rm_response_length 44 --cnndm_max_rm_query_response_length 192
     # the paper's datasets with the Pythia tokenizer (every length flag at its paper value)
     python preprocess_tldr.py --output_dir data/tldr
     # the same, then publish both datasets with their cards on the Hub
@@ -49,8 +49,8 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from itertools import accumulate
 from dataclasses import asdict, dataclass
+from itertools import accumulate
 from typing import Optional
 
 import datasets
@@ -368,9 +368,10 @@ def truncation_cuts(text: str, separator: str = "\n") -> list:
     return cuts + list(range(cuts[-1] - 1, -1, -1))  # no separator left: one character at a time
 
 
-# Cutting a text re-tokenizes its kept end (the last word, the junction with the template): this
-# bounds how many fewer ids that end may take than it did inside the longer text. A BPE word's ids
-# differ from its prefix's near the cut only; tests check the bound on random posts.
+# Cutting a text re-tokenizes its kept end (the last word, the junction with the template), which may
+# then take a few ids fewer than it did inside the longer text. The skip in tokenize_query assumes
+# never more than this many (a BPE word's ids differ from its prefix's near the cut only: 0-3 on the
+# random posts of the tests, which compare the result with the reference's loop).
 RETOKENIZE_SLACK = 32
 
 
@@ -744,7 +745,9 @@ if __name__ == "__main__":
     # Detail 5: Pre-tokenize; right-pad query+response, left-pad queries
     # Queries are left-padded (generation appends on the right, so every query must end in the
     # same column); query+response rows are right-padded (training reads left to right and finds
-    # the EOS as the last non-pad id). Padded once here, every later batch is a plain stack.
+    # the EOS as the last non-pad id). Padded once here, every later batch is a plain stack. Each
+    # query+response row is the reference's: `query.strip() + response` tokenized as one text, then
+    # the EOS id (response_columns).
     # map pickles the function and its fn_kwargs (the tokenizer included) into each worker process.
     common = dict(tokenizer=tokenizer, eos_text=eos_text, pad_id=pad_id)
     sft = datasets.DatasetDict({split: dataset.map(

@@ -247,7 +247,8 @@ def test_token_layout_equals_reference(any_tok):
         else:
             # The query ends in "\n", which strip() drops: the row holds n_q - 1 query ids. The reference
             # masks n_q positions, the first response id included; the exact mask keeps that id.
-            assert out["query"].endswith("TL;DR:\n") and encode(tok, out["query"].strip()) == out["query_token"][-n_q:-1]
+            assert out["query"].endswith("TL;DR:\n")
+            assert encode(tok, out["query"].strip()) == out["query_token"][-n_q:-1]
             assert label[: n_q - 1] == [pad] * (n_q - 1) and label[n_q - 1] == full[n_q - 1] != pad
             assert ref_label[n_q - 1] == pad and label[:n_q - 1] + label[n_q:] == ref_label[:n_q - 1] + ref_label[n_q:]
         response_ids = out[f"{name}_token"][:out[f"{name}_token_len"]]
@@ -259,7 +260,8 @@ def test_label_mask_needs_the_query_ids_to_open_the_row(tok):
     assert encode(tok, "my cat sat")[:2] != encode(tok, "my ca")
     where = "split 'train', row id 'r1'"
     with pytest.raises(pre.DataError, match=rf"{where}: the ids of the query \+ chosen do not start with"):
-        pre.response_columns(tok, "my ca", encode(tok, "my ca"), "chosen", "t sat", EOS, 10, 20, tok.pad_token_id, where)
+        pre.response_columns(tok, "my ca", encode(tok, "my ca"), "chosen", "t sat", EOS, 10, 20, tok.pad_token_id,
+                             where)
 
 
 # ---- Detail 3: a special-token string typed by a user stays text ----
@@ -326,8 +328,8 @@ def reference_loop(tok, format_str, fields, field, length):
     return ids
 
 
-PIECES = ["the", "cat", " sat", "mat.", "\n", "\n\n", "  ", "aaaaaaaaaaaaaaaaaaaaaaa", "é", "日本語", "🙂", "!!!!!!",
-          "http://x.com/a?b=c", "catcatcatcatcatcat", "[PAD]", "<|endoftext|>", "dog,"]
+PIECES = ["the", "cat", " sat", "mat.", "\n", "\n\n", "  ", "aaaaaaaaaaaaaaaaaaaaaaa", "é", "日本語", "🙂",
+          "!!!!!!", "http://x.com/a?b=c", "catcatcatcatcatcat", "[PAD]", "<|endoftext|>", "dog,"]
 
 
 def mismatches_with_reference_loop(tok, seed, cases):
@@ -356,15 +358,17 @@ def test_tokenize_query_equals_the_reference_loop_on_random_posts(any_tok, monke
 
 
 def test_truncating_a_25k_character_post_without_newlines_is_fast(any_tok):
-    fields = {"subreddit": "cats", "title": "my cat", "post": ("the cat sat on the mat, the dog on the log; " * 600)[:25000]}
+    post = ("the cat sat on the mat, the dog on the log; " * 600)[:25000]
+    assert len(post) == 25000 and "\n" not in post
+    fields = {"subreddit": "cats", "title": "my cat", "post": post}
     start = time.perf_counter()
     ids = pre.tokenize_query(any_tok, pre.TLDR_FORMAT, fields, "post", 512, "row")
     elapsed = time.perf_counter() - start
     assert elapsed < 2, f"{elapsed:.2f} s"  # the one-character-per-pass loop: minutes
     # the reference's answer: the longest character prefix that fits (one character more does not)
-    post = any_tok.decode(ids).split("POST: ", 1)[1].rsplit("\n\nTL;DR:", 1)[0]
-    assert len(ids) <= 512 and fields["post"].startswith(post)
-    longer = pre.TLDR_FORMAT.format(**{**fields, "post": fields["post"][:len(post) + 1]})
+    kept = any_tok.decode(ids).split("POST: ", 1)[1].rsplit("\n\nTL;DR:", 1)[0]
+    assert len(ids) <= 512 and post.startswith(kept) and len(kept) < len(post)
+    longer = pre.TLDR_FORMAT.format(**{**fields, "post": post[:len(kept) + 1]})
     assert len(pre.encode_text(any_tok, longer)) > 512
 
 
@@ -435,7 +439,8 @@ def test_split_surgery_cnndm(tok):
     assert out["query_chosen"] == text.strip() + " a dog" + EOS
     assert out["query_chosen_token"] == prompt + chosen + [pad] * (60 - len(prompt) - len(chosen))
     assert out["query_chosen_token_len"] == len(prompt) + len(chosen)
-    assert out["query_chosen_token_response_label"] == [pad] * len(prompt) + chosen + [pad] * (60 - len(prompt) - len(chosen))
+    label = out["query_chosen_token_response_label"]
+    assert label == [pad] * len(prompt) + chosen + [pad] * (60 - len(prompt) - len(chosen))
     assert (out["chosen_policy"], out["rejected_policy"], out["policies"]) == ("ref", "sup2", "ref--sup2")
 
 
