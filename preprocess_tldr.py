@@ -616,18 +616,14 @@ def start_scratch(output_dir: str) -> str:
                                stdin=subprocess.PIPE)
     atexit.register(stop_watcher, watcher)
     # datasets' `map` workers are forked (even for num_proc=1) and would outlive a SIGKILLed run,
-    # blocked on their task queue forever, holding the watcher's pipe and the scratch: they die with it.
-    os.register_at_fork(after_in_child=die_with_parent)
+    # blocked on their task queue forever, holding the watcher's pipe and the scratch: the kernel
+    # kills them with it (Linux PR_SET_PDEATHSIG = 1; prctl is looked up here, not in the child).
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+    if prctl is not None:
+        os.register_at_fork(after_in_child=lambda: prctl(1, signal.SIGKILL))
     os.makedirs(os.path.join(scratch, "new"))
     remove_stale_scratch(output_dir)
     return scratch
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this (forked) process when its parent dies (Linux PR_SET_PDEATHSIG)."""
-    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
-    if prctl is not None:
-        prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG, from <linux/prctl.h>
 
 
 def stop_watcher(watcher: subprocess.Popen) -> None:
