@@ -30,7 +30,7 @@ TINY_LENGTHS=(
   --max_rm_query_response_length 237
   --cnndm_query_length 192
   --cnndm_max_rm_response_length 44
-  --cnndm_max_rm_query_response_length 193
+  --cnndm_max_rm_query_response_length 192
 )
 
 stage() {  # stage NAME COMMAND...: run one stage, time it (appended to $TIMINGS)
