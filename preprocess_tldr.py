@@ -183,7 +183,7 @@ class SetupError(ValueError):
     """Flags, data, tokenizer or output folder the script cannot use; raised before any compute."""
 
 
-def flag_problems(args: Args) -> list:
+def preprocess_flag_problems(args: Args) -> list:
     """What is wrong with the flags on their own (checked before anything is loaded or written); [] if nothing."""
     problems = []
     if args.num_proc is not None and args.num_proc < 1:
@@ -202,7 +202,7 @@ def flag_problems(args: Args) -> list:
             problems.append(f"--{response} {lengths[response]} is not smaller than --{query_response} "
                             f"{lengths[query_response]}: every response comes after a query of at least one token; "
                             f"raise --{query_response} or lower --{response}")
-    if not args.output_dir or os.path.isfile(args.output_dir):
+    if args.output_dir is not None and (not args.output_dir or os.path.isfile(args.output_dir)):  # None: the default
         problems.append(f"--output_dir {args.output_dir!r} is not a folder name: pass a new or existing folder")
     return problems
 
@@ -699,7 +699,7 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     args.output_dir = args.output_dir or os.path.join("data", model_name(args.base_model), "tldr")
     # ---- checks: every flag, before anything is loaded or written ----
-    problems = flag_problems(args)
+    problems = preprocess_flag_problems(args)
     if problems:
         raise SetupError("bad flags:\n  " + "\n  ".join(problems))
     num_proc = args.num_proc or os.cpu_count()

@@ -16,7 +16,7 @@ from conftest import REPO, WORLD, tiny_lengths
 
 
 def problems_of(*argv: str) -> list:
-    return pre.flag_problems(tyro.cli(pre.Args, args=list(argv)))
+    return pre.preprocess_flag_problems(tyro.cli(pre.Args, args=list(argv)))
 
 
 def test_paper_and_tiny_world_flags_pass():
