@@ -179,6 +179,13 @@ PAIR_COLUMNS = ("query_chosen_token", "query_chosen_token_response_label",
 QUERY_COLUMNS = ("query_token", "reference_response_token")
 EVAL_SPLITS = ("validation", "validation_cnndm")
 GROUPS = ("split", "batch", "confidence")
+# Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
+POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
+NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
+AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")
+AT_LEAST_0 = (lambda value: value >= 0, "an integer >= 0")
+NONE_OR_AT_LEAST_1 = (lambda value: value is None or value >= 1, "an integer >= 1, or no flag")
+NONE_OR_AT_LEAST_0 = (lambda value: value is None or value >= 0, "an integer >= 0, or no flag")
 
 
 class SetupError(ValueError):
@@ -192,6 +199,33 @@ def gradient_accumulation(batch_size: int, local_micro_batch_size: int, world_si
         raise SetupError(f"--batch_size {batch_size} is not a positive multiple of --local_micro_batch_size "
                          f"{local_micro_batch_size} x world size {world_size} = {per_step}")
     return batch_size // per_step
+
+
+def dpo_flag_problems(args: Args, world_size: int) -> list:
+    """One line per flag that cannot work, naming it and what to pass instead; empty if all can. Loads and writes nothing."""
+    # Every flag is checked before anything is loaded or written, and all problems are listed at once:
+    # a bad value would otherwise surface inside AdamW, after training, or never (a model saved untrained).
+    problems = flag_range_problems(args, {
+        "seed": (lambda seed: 0 <= seed < 2 ** 32 - 100003 * world_size, f"an integer in [0, 2^32 - {100003 * world_size})"),
+        "save_every": AT_LEAST_0, "stop_after_updates": NONE_OR_AT_LEAST_1, "num_train_epochs": AT_LEAST_1,
+        "total_episodes": (lambda n: n is None or n == 0 or n >= args.batch_size,
+                           f"0 (evaluate the SFT model only) or at least one batch, --batch_size {args.batch_size}"),
+        "num_eval_samples": NONE_OR_AT_LEAST_0, "response_length": AT_LEAST_1, "temperature": POSITIVE,
+        "beta": POSITIVE, "label_smoothing": (lambda value: 0 <= value < 0.5, "a number in [0, 0.5)"),
+        "lr": POSITIVE, "eps": POSITIVE, "weight_decay": NON_NEGATIVE, "local_eval_batch_size": AT_LEAST_1})
+    if args.ipo and args.label_smoothing:
+        problems.append(f"--label_smoothing {args.label_smoothing} with --ipo: want 0 (IPO has no label smoothing)")
+    try:
+        gradient_accumulation(args.batch_size, args.local_micro_batch_size, world_size)
+    except SetupError as error:
+        problems.append(str(error))
+    problem = scheduler_problem(args.scheduler)
+    problems += [problem] if problem else []
+    if args.gold_judge is not None and not os.path.isfile(os.path.join(args.gold_judge, "world.json")):
+        problems.append(f"--gold_judge {args.gold_judge}: no world.json there (want a tiny world folder)")
+    if args.output_dir is not None and os.path.isfile(args.output_dir):
+        problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
+    return problems
 
 
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
@@ -887,6 +921,9 @@ if __name__ == "__main__":
     # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
     deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
+    problems = dpo_flag_problems(args, accelerator.num_processes)
+    if problems:
+        raise SetupError("dpo.py cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
     args.world_size = accelerator.num_processes
     args.gradient_accumulation_steps = gradient_accumulation(args.batch_size, args.local_micro_batch_size,
                                                              args.world_size)
@@ -920,6 +957,9 @@ if __name__ == "__main__":
     args.label_dataset = args.label_dataset or os.path.join("data", name, "tldr", "preference")
     args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
     args.output_dir = args.output_dir or os.path.join("models", name, f"dpo_{args.seed}")
+    if accelerator.is_main_process:
+        tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
+    accelerator.wait_for_everyone()
     problem = (input_problem(args.sft_model_path, "--sft_model_path", make_sft)
                or input_problem(args.label_dataset, "--label_dataset", make_data)
                or input_problem(args.query_dataset, "--query_dataset", make_data)
@@ -927,9 +967,6 @@ if __name__ == "__main__":
                    "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates")))
     if problem:
         raise SetupError(problem)
-    if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5 or (args.ipo and args.label_smoothing):
-        raise SetupError(f"--beta {args.beta} must be > 0 and --label_smoothing {args.label_smoothing} in [0, 0.5), "
-                         "and 0 with --ipo")
     datasets_by_flag = {}
     for flag, splits, columns in (("label_dataset", ("train",) + EVAL_SPLITS, PAIR_COLUMNS),
                                   ("query_dataset", ("validation",), QUERY_COLUMNS)):
@@ -939,8 +976,6 @@ if __name__ == "__main__":
         if missing:
             raise SetupError(f"--{flag} {path} lacks {missing}: build it with preprocess_tldr.py")
     preference, sft = datasets_by_flag["label_dataset"], datasets_by_flag["query_dataset"]
-    if args.gold_judge is not None and not os.path.isfile(os.path.join(args.gold_judge, "world.json")):
-        raise SetupError(f"--gold_judge {args.gold_judge}: no world.json there (want a tiny world folder)")
     tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")
     for path in (args.label_dataset, args.query_dataset):  # the token columns must be this tokenizer's ids
         built_with = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json")
@@ -952,9 +987,21 @@ if __name__ == "__main__":
         if check_tokenizer(tokenizer, data_ids, f"{path} ({built_with})"):
             accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    identity = tokenizer_identity(tokenizer)
+    problem = identity_problem({
+        f"--sft_model_path {args.sft_model_path} (its tokenizer)": identity,
+        f"--sft_model_path {args.sft_model_path} (its args.json)": recorded_tokenizer_identity(args.sft_model_path),
+        **{f"--{flag} {path} ({os.path.dirname(os.path.abspath(path))}/args.json)":
+           recorded_tokenizer_identity(os.path.dirname(os.path.abspath(path))) if os.path.isdir(path) else None
+           for flag, path in (("label_dataset", args.label_dataset), ("query_dataset", args.query_dataset))}})
+    if problem:
+        raise SetupError(problem)
     train = preference["train"].with_format("torch", columns=list(PAIR_COLUMNS))
     total_episodes = len(train) * args.num_train_epochs if args.total_episodes is None else args.total_episodes
     args.num_updates = total_episodes // args.batch_size
+    if args.total_episodes is None and args.num_updates == 0:
+        raise SetupError(f"--label_dataset {args.label_dataset}: its train split ({len(train)} pairs) x --num_train_epochs "
+                         f"{args.num_train_epochs} is less than one batch of {args.batch_size}: pass --total_episodes")
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     resume_from = latest_checkpoint(checkpoints) if args.resume else None
 
@@ -976,6 +1023,10 @@ if __name__ == "__main__":
     ref_policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
     for model in (policy, ref_policy):
         disable_dropout(model)  # with dropout, h would not even be 0 before the first update
+    problem = vocabulary_problem(tokenizer, policy.get_input_embeddings().weight.size(0),
+                                 f"--sft_model_path {args.sft_model_path}")
+    if problem:
+        raise SetupError(problem)
     policy.train()
     ref_policy.eval().requires_grad_(False)
     unsampled = unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0))
@@ -989,10 +1040,10 @@ if __name__ == "__main__":
         run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "args.json"), "w") as file:
-            json.dump({**asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id,
-                       "pad_token_id": pad_id,
-                       "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
+        write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
+            **asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id, "pad_token_id": pad_id,
+            "tokenizer_identity": identity, "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))},
+            indent=2))
         writer = SummaryWriter(f"runs/{run_name}")
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
             f"|{key}|{value}|" for key, value in asdict(args).items()))
@@ -1011,9 +1062,8 @@ if __name__ == "__main__":
     # to 0 over one epoch in updates of 64 pairs (1450 updates); the paper's Figure 6 compares the two.
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
-    # The scheduler stays unprepared (stepped once per update by us) but is saved in checkpoints.
+    # The scheduler stays unprepared (stepped once per update by us); save_checkpoint stores its state.
     model, optimizer = accelerator.prepare(policy, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
     # The reference takes the policy's precision path: DeepSpeed's bf16 parameters and fp32 buffers
     # (the rotary frequencies), or fp32 weights under accelerate's bf16 autocast, which its forwards
     # enter too. Were it more precise than the policy, h would start away from 0 by the rounding
@@ -1024,7 +1074,7 @@ if __name__ == "__main__":
         raise SetupError(f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
     start_update = 0
     if resume_from is not None:
-        accelerator.load_state(resume_from[1])  # also the RNG states saved at that update
+        load_checkpoint(accelerator, resume_from[1], model, optimizer, scheduler)  # also the RNG states of that update
         start_update = resume_from[0]
         accelerator.print(f"resumed from {resume_from[1]} at update {start_update}")
     elif args.resume:
@@ -1062,14 +1112,20 @@ if __name__ == "__main__":
                 writer.add_scalar(f"train/dpo/{key}", value, pairs_seen)
             progress.set_postfix(loss=f"{loss:.4f}", accuracy=f"{accuracy:.3f}", margin=f"{chosen - rejected:.3f}",
                                  lr=f"{lr:.2e}")
+        # A nan / inf stops every rank here, before anything of this update is saved (no checkpoint
+        # holding it ever replaces a good one).
+        if not all_finite(accelerator, model, stats[:, 0]):
+            raise FloatingPointError(nonfinite_message(update + 1, args.num_updates, checkpoints))
         if (args.save_every and (update + 1) % args.save_every == 0) or update + 1 == args.stop_after_updates:
-            save_checkpoint(accelerator, checkpoints, update + 1, run_name)
+            save_checkpoint(accelerator, checkpoints, update + 1, run_name, model, optimizer, scheduler)
     if stop_at < args.num_updates:
         accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
         if accelerator.is_main_process:
             writer.close()
         raise SystemExit(0)
     step = args.num_updates * args.batch_size
+    # Results and model go to a new folder beside output_dir, swapped in whole once complete.
+    staging = staging_folder(args.output_dir) if accelerator.is_main_process else None
 
     def first(dataset):
         """The first --num_eval_samples rows of `dataset` (all of them when the flag is None)."""
@@ -1125,8 +1181,8 @@ if __name__ == "__main__":
             report += (f"\nGold judge: DPO agrees with the gold ordering on {gold_accuracy:.3f} of {decided.sum()} "
                        f"pairs without a gold tie; accuracy on the labels {table['accuracy'].mean():.3f} vs "
                        f"noise ceiling {noise_ceiling.get(split, float('nan')):.3f}\n")
-        table.to_csv(os.path.join(args.output_dir, f"eval_pairs_{split}.csv"), index=False)
-        with open(os.path.join(args.output_dir, f"accuracy_{split}.md"), "w") as file:
+        table.to_csv(os.path.join(staging, f"eval_pairs_{split}.csv"), index=False)
+        with open(os.path.join(staging, f"accuracy_{split}.md"), "w") as file:
             file.write(report)
         if args.track:
             wandb.log({f"eval/dpo/{split}/samples": wandb.Table(dataframe=table)})
@@ -1135,7 +1191,7 @@ if __name__ == "__main__":
         calibration[split] = calibration_bins((table["chosen_reward"] - table["rejected_reward"]).to_numpy(), 0.5)
         print(f"calibration on {split}:\n" + markdown_table(calibration[split]))
     if accelerator.is_main_process and calibration:
-        plot_calibration(calibration, os.path.join(args.output_dir, "calibration.png"))
+        plot_calibration(calibration, os.path.join(staging, "calibration.png"))
 
     # ---- evaluation: summaries of the SFT validation queries, for judge.py ----
     generation_config = GenerationConfig(
@@ -1147,7 +1203,7 @@ if __name__ == "__main__":
                                 tokenizer, generation_config, args.local_eval_batch_size)
         if accelerator.is_main_process:
             table = pd.DataFrame(rows, columns=["query", "response", "reference"])
-            table.to_csv(os.path.join(args.output_dir, "eval_validation.csv"), index=False)
+            table.to_csv(os.path.join(staging, "eval_validation.csv"), index=False)
             if args.track:
                 wandb.log({"eval/dpo/validation/query_responses": wandb.Table(dataframe=table)})
             for row in rows[:3]:
@@ -1163,11 +1219,11 @@ if __name__ == "__main__":
         # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
         unwrapped.generation_config.eos_token_id = eos_id
         unwrapped.generation_config.pad_token_id = pad_id
-        save_fp32(unwrapped, args.output_dir, state_dict)
-        tokenizer.save_pretrained(args.output_dir)
-        with open(os.path.join(args.output_dir, "eval_metrics.json"), "w") as file:
+        save_fp32(unwrapped, staging, state_dict)
+        tokenizer.save_pretrained(staging)
+        with open(os.path.join(staging, "eval_metrics.json"), "w") as file:
             json.dump(metrics, file, indent=2)
-        shutil.rmtree(checkpoints, ignore_errors=True)  # only an unfinished run needs them
+        publish_output(staging, args.output_dir)  # the checkpoints go with the old folder: only an unfinished run needs them
         writer.close()
         print("\n".join(f"{key}: {metrics[key]:.4f}" for key in metrics if key.count("/") == 3))
         print(f"saved {args.output_dir}")

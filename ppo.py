@@ -212,6 +212,13 @@ class Args:
 # Flags that may change between an interrupted run and its resumption (see output_dir_problem).
 RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
 REQUIRED_COLUMNS = ("query_token", "reference_response_token")
+# Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
+POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
+NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
+AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")
+AT_LEAST_0 = (lambda value: value >= 0, "an integer >= 0")
+NONE_OR_AT_LEAST_1 = (lambda value: value is None or value >= 1, "an integer >= 1, or no flag")
+NONE_OR_AT_LEAST_0 = (lambda value: value is None or value >= 0, "an integer >= 0, or no flag")
 
 
 class SetupError(ValueError):
@@ -334,6 +341,30 @@ def ppo_batch_sizes(batch_size: int, world_size: int, num_minibatches: int, loca
             "gradient_accumulation_steps": exact(local_mini_batch_size, local_micro_batch_size,
                                                  "minibatch per rank / --local_micro_batch_size"),
             "micro_batch_size": local_micro_batch_size * world_size}
+
+
+def ppo_flag_problems(args: Args, world_size: int) -> list:
+    """One line per flag that cannot work, naming it and what to pass instead; empty if all can. Loads and writes nothing."""
+    # Every flag is checked before anything is loaded or written, and all problems are listed at once:
+    # a bad value would otherwise surface inside AdamW or the rollout, or after training.
+    unit = (lambda value: 0 <= value <= 1, "a number in [0, 1]")
+    problems = flag_range_problems(args, {
+        "seed": (lambda seed: 0 <= seed < 2 ** 32 - 100003 * world_size, f"an integer in [0, 2^32 - {100003 * world_size})"),
+        "save_every": AT_LEAST_0, "stop_after_updates": NONE_OR_AT_LEAST_1,
+        "total_episodes": (lambda n: n >= args.batch_size, f"at least one batch, --batch_size {args.batch_size}"),
+        "eval_every": AT_LEAST_0, "num_eval_samples": NONE_OR_AT_LEAST_0, "response_length": AT_LEAST_1,
+        "temperature": POSITIVE, "eval_temperature": POSITIVE, "lr": POSITIVE, "eps": POSITIVE,
+        "weight_decay": NON_NEGATIVE, "local_rollout_forward_batch_size": AT_LEAST_1, "local_eval_batch_size": AT_LEAST_1,
+        "num_ppo_epochs": AT_LEAST_1, "kl_coef": NON_NEGATIVE, "gamma": unit, "lam": unit, "cliprange": POSITIVE,
+        "cliprange_value": POSITIVE, "vf_coef": NON_NEGATIVE,
+        "penalty_reward_value": (math.isfinite, "a finite number")})
+    try:
+        ppo_batch_sizes(args.batch_size, world_size, args.num_minibatches, args.local_micro_batch_size)
+    except SetupError as error:
+        problems.append(str(error))
+    if args.output_dir is not None and os.path.isfile(args.output_dir):
+        problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
+    return problems
 
 
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
@@ -1095,6 +1126,9 @@ if __name__ == "__main__":
     # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
     deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
+    problems = ppo_flag_problems(args, accelerator.num_processes)
+    if problems:
+        raise SetupError("ppo.py cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
     args.world_size = accelerator.num_processes
     sizes = ppo_batch_sizes(args.batch_size, args.world_size, args.num_minibatches, args.local_micro_batch_size)
     args.local_batch_size, args.mini_batch_size = sizes["local_batch_size"], sizes["mini_batch_size"]
@@ -1130,6 +1164,9 @@ if __name__ == "__main__":
     args.base_model = args.base_model or name
     args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
     args.output_dir = args.output_dir or os.path.join("models", name, f"ppo_{args.seed}")
+    if accelerator.is_main_process:
+        tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
+    accelerator.wait_for_everyone()
     problem = (input_problem(args.sft_model_path, "--sft_model_path", make["sft_model_path"])
                or input_problem(args.reward_model_path, "--reward_model_path", make["reward_model_path"])
                or input_problem(args.query_dataset, "--query_dataset", f"python preprocess_tldr.py --base_model {args.base_model}")
@@ -1138,8 +1175,6 @@ if __name__ == "__main__":
                    "gradient_accumulation_steps", "micro_batch_size", "num_updates")))
     if problem:
         raise SetupError(problem)
-    if args.num_updates < 1:
-        raise SetupError(f"--total_episodes {args.total_episodes} is less than one batch of {args.batch_size}")
     local_dataset = os.path.isdir(args.query_dataset)
     dataset = datasets.load_from_disk(args.query_dataset) if local_dataset else datasets.load_dataset(args.query_dataset)
     eval_splits = ("validation", "test") if args.eval_test else ("validation",)
@@ -1158,6 +1193,20 @@ if __name__ == "__main__":
     if check_tokenizer(tokenizer, data_ids, f"{args.query_dataset} ({built_with})"):
         accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    # The RM scores the policy's token ids: it must read them as the same tokens (its own tokenizer,
+    # saved by reward.py, with [PAD] by the same rule), and its embedding must hold every id (below).
+    reward_tokenizer = load_tokenizer(args.reward_model_path, "--reward_model_path")
+    add_pad_token(reward_tokenizer)
+    identity = tokenizer_identity(tokenizer)
+    problem = identity_problem({
+        f"--sft_model_path {args.sft_model_path} (its tokenizer)": identity,
+        f"--sft_model_path {args.sft_model_path} (its args.json)": recorded_tokenizer_identity(args.sft_model_path),
+        f"--reward_model_path {args.reward_model_path} (its tokenizer)": tokenizer_identity(reward_tokenizer),
+        f"--reward_model_path {args.reward_model_path} (its args.json)": recorded_tokenizer_identity(args.reward_model_path),
+        f"--query_dataset {args.query_dataset} ({built_with})":
+            recorded_tokenizer_identity(os.path.dirname(built_with)) if local_dataset else None})
+    if problem:
+        raise SetupError(problem)
     train = dataset["train"].with_format("torch", columns=["query_token"])
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     resume_from = latest_checkpoint(checkpoints) if args.resume else None
@@ -1182,6 +1231,11 @@ if __name__ == "__main__":
     ref_policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
     critic = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
     reward_model = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
+    for what, model in ((f"--sft_model_path {args.sft_model_path}", policy),
+                        (f"--reward_model_path {args.reward_model_path}", critic.backbone)):
+        problem = vocabulary_problem(tokenizer, model.get_input_embeddings().weight.size(0), what)
+        if problem:
+            raise SetupError(problem)
     unsampled = torch.tensor(unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
     for model in (policy, ref_policy, critic, reward_model):
         disable_dropout(model)
@@ -1214,10 +1268,10 @@ if __name__ == "__main__":
             run_name = json.load(file)["run_name"]
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "args.json"), "w") as file:
-            json.dump({**asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id,
-                       "pad_token_id": pad_id,
-                       "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
+        write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
+            **asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id, "pad_token_id": pad_id,
+            "tokenizer_identity": identity, "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))},
+            indent=2))
         writer = SummaryWriter(f"runs/{run_name}")
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
             f"|{key}|{value}|" for key, value in asdict(args).items()))
@@ -1251,7 +1305,7 @@ if __name__ == "__main__":
     unsampled = unsampled.to(accelerator.device)
     start_update = 0
     if resume_from is not None:
-        accelerator.load_state(resume_from[1])  # also the RNG states saved at that update
+        load_checkpoint(accelerator, resume_from[1], model, optimizer, None)  # also the RNG states of that update
         start_update = resume_from[0]
         accelerator.print(f"resumed from {resume_from[1]} at update {start_update}")
     elif args.resume:
@@ -1278,7 +1332,8 @@ if __name__ == "__main__":
                 if split == "validation":
                     writer.add_scalar("objective/validation_score", metrics["score"], episode)
                 table = pd.DataFrame(rows, columns=["query", "response", "reference", "score", "reference_score"])
-                table.to_csv(os.path.join(f"runs/{run_name}", f"samples_{split}_{episode}.csv"), index=False)
+                write_atomic(os.path.join(f"runs/{run_name}", f"samples_{split}_{episode}.csv"),
+                             lambda partial: table.to_csv(partial, index=False))
                 if args.track:
                     wandb.log({f"eval/ppo/{split}/samples": wandb.Table(dataframe=table)})
                 print(f"eval/{split} after {episode} episodes: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
@@ -1402,11 +1457,6 @@ if __name__ == "__main__":
                                            returns[mb], ~padding_mask[mb], ~value_padding_mask[mb],
                                            args.cliprange, args.cliprange_value)
                         loss = stats["pg_loss"] + args.vf_coef * stats["vf_loss"]  # no entropy bonus
-                        if not torch.isfinite(loss):
-                            raise FloatingPointError(
-                                f"update {update + 1}, epoch {epoch + 1}: loss is {loss.item()} (policy "
-                                f"{stats['pg_loss'].item()}, value {stats['vf_loss'].item()}); stopping. "
-                                f"The last good checkpoint, if any, is in {checkpoints}")
                         accelerator.backward(loss)
                         optimizer.step()
                         optimizer.zero_grad()
@@ -1416,6 +1466,7 @@ if __name__ == "__main__":
                     ratio_first_epoch = torch.stack(ppo_stats["ratio"]).mean()
                     ratio_first_epoch_max_deviation = torch.stack(ppo_stats["ratio_max_deviation"]).max()
         training_time = time.time() - clock
+        losses = torch.stack(ppo_stats["pg_loss"] + ppo_stats["vf_loss"])  # every micro-batch's, for the check below
         ppo_stats = {key: torch.stack(value).mean() for key, value in ppo_stats.items()}
 
         # 7. Log: per-rank means, averaged over ranks (every rank holds local_batch_size episodes).
@@ -1438,8 +1489,12 @@ if __name__ == "__main__":
             progress.set_postfix(score=f"{means['objective/scores']:.3f}", kl=f"{means['objective/kl']:.3f}",
                                  ratio0=f"{means['policy/ratio_first_epoch']:.5f}", eos=f"{means['objective/eos_fraction']:.2f}")
         del rollout, query_responses, logprobs, values, rewards, advantages, returns
+        # A nan / inf stops every rank here, before anything of this update is saved (no checkpoint
+        # holding it ever replaces a good one), and before the next rollout samples from such weights.
+        if not all_finite(accelerator, model, losses):
+            raise FloatingPointError(nonfinite_message(update + 1, args.num_updates, checkpoints))
         if (args.save_every and (update + 1) % args.save_every == 0) or update + 1 == args.stop_after_updates:
-            save_checkpoint(accelerator, checkpoints, update + 1, run_name)
+            save_checkpoint(accelerator, checkpoints, update + 1, run_name, model, optimizer, None)
         if args.eval_every and (update + 1) % args.eval_every == 0 and update + 1 < args.num_updates:
             evaluate(("validation",), episode)
     if stop_at < args.num_updates:
@@ -1459,14 +1514,16 @@ if __name__ == "__main__":
         # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
         unwrapped.policy.generation_config.eos_token_id = eos_id
         unwrapped.policy.generation_config.pad_token_id = pad_id
-        save_fp32(unwrapped.policy, args.output_dir, policy_state)
-        tokenizer.save_pretrained(args.output_dir)
+        # Model and results go to a new folder beside output_dir, swapped in whole once complete.
+        staging = staging_folder(args.output_dir)
+        save_fp32(unwrapped.policy, staging, policy_state)
+        tokenizer.save_pretrained(staging)
         for split in all_metrics:  # the final tables, where judge.py reads them
             shutil.copy(os.path.join(f"runs/{run_name}", f"samples_{split}_{args.num_updates * args.batch_size}.csv"),
-                        os.path.join(args.output_dir, f"eval_{split}.csv"))
-        with open(os.path.join(args.output_dir, "eval_metrics.json"), "w") as file:
+                        os.path.join(staging, f"eval_{split}.csv"))
+        with open(os.path.join(staging, "eval_metrics.json"), "w") as file:
             json.dump(all_metrics, file, indent=2)
-        shutil.rmtree(checkpoints, ignore_errors=True)  # only an unfinished run needs them
+        publish_output(staging, args.output_dir)  # the checkpoints go with the old folder: only an unfinished run needs them
         writer.close()
         print(f"saved {args.output_dir}")
         if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage

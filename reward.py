@@ -171,6 +171,13 @@ PAIR_COLUMNS = ("query_chosen_token", "query_rejected_token")
 REFERENCE_COLUMNS = ("query_token", "reference_response_token", "query_reference_response_token")
 EVAL_SPLITS = ("validation", "validation_cnndm")
 GROUPS = ("split", "batch", "confidence")
+# Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
+POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
+NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
+AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")
+AT_LEAST_0 = (lambda value: value >= 0, "an integer >= 0")
+NONE_OR_AT_LEAST_1 = (lambda value: value is None or value >= 1, "an integer >= 1, or no flag")
+NONE_OR_AT_LEAST_0 = (lambda value: value is None or value >= 0, "an integer >= 0, or no flag")
 
 
 class SetupError(ValueError):
@@ -234,6 +241,32 @@ def gradient_accumulation(batch_size: int, local_micro_batch_size: int, world_si
         raise SetupError(f"--batch_size {batch_size} is not a positive multiple of --local_micro_batch_size "
                          f"{local_micro_batch_size} x world size {world_size} = {per_step}")
     return batch_size // per_step
+
+
+def reward_flag_problems(args: Args, world_size: int) -> list:
+    """One line per flag that cannot work, naming it and what to pass instead; empty if all can. Loads and writes nothing."""
+    # Every flag is checked before anything is loaded or written, and all problems are listed at once:
+    # a bad value would otherwise surface inside AdamW, after training, or never (a model saved untrained).
+    problems = flag_range_problems(args, {
+        "seed": (lambda seed: 0 <= seed < 2 ** 32 - 100003 * world_size, f"an integer in [0, 2^32 - {100003 * world_size})"),
+        "save_every": AT_LEAST_0, "stop_after_updates": NONE_OR_AT_LEAST_1, "num_train_epochs": AT_LEAST_1,
+        "total_episodes": (lambda n: n is None or n == 0 or n >= args.batch_size,
+                           f"0 (evaluate the initial RM only) or at least one batch, --batch_size {args.batch_size}"),
+        "num_eval_samples": (NONE_OR_AT_LEAST_1[0], "an integer >= 1 (the normalisation needs a reference), or no flag"),
+        "lr": POSITIVE, "eps": POSITIVE, "weight_decay": NON_NEGATIVE, "local_eval_batch_size": AT_LEAST_1})
+    try:
+        gradient_accumulation(args.batch_size, args.local_micro_batch_size, world_size)
+    except SetupError as error:
+        problems.append(str(error))
+    problem = scheduler_problem(args.scheduler)
+    problems += [problem] if problem else []
+    if args.judged_file is not None and not os.path.isfile(args.judged_file):
+        problems.append(f"--judged_file {args.judged_file}: no such file (want judge.py's judged/<run>.csv)")
+    if args.gold_judge is not None and not os.path.isfile(os.path.join(args.gold_judge, "world.json")):
+        problems.append(f"--gold_judge {args.gold_judge}: no world.json there (want a tiny world folder)")
+    if args.output_dir is not None and os.path.isfile(args.output_dir):
+        problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
+    return problems
 
 
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
@@ -927,6 +960,9 @@ if __name__ == "__main__":
     # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
     deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
+    problems = reward_flag_problems(args, accelerator.num_processes)
+    if problems:
+        raise SetupError("reward.py cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
     args.world_size = accelerator.num_processes
     args.gradient_accumulation_steps = gradient_accumulation(args.batch_size, args.local_micro_batch_size,
                                                              args.world_size)
@@ -960,6 +996,9 @@ if __name__ == "__main__":
     args.label_dataset = args.label_dataset or os.path.join("data", name, "tldr", "preference")
     args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
     args.output_dir = args.output_dir or os.path.join("models", name, f"reward_{args.seed}")
+    if accelerator.is_main_process:
+        tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
+    accelerator.wait_for_everyone()
     problem = (input_problem(args.sft_model_path, "--sft_model_path", make_sft)
                or input_problem(args.label_dataset, "--label_dataset", make_data)
                or input_problem(args.query_dataset, "--query_dataset", make_data)
@@ -984,10 +1023,6 @@ if __name__ == "__main__":
         if lacking:
             raise SetupError(f"--judged_file {args.judged_file} lacks columns {lacking}: want judge.py's "
                              "judged/<run>.csv (post, ours, other, preferred)")
-    if args.num_eval_samples is not None and args.num_eval_samples <= 0:
-        raise SetupError(f"--num_eval_samples {args.num_eval_samples}: the normalisation needs at least 1 reference")
-    if args.gold_judge is not None and not os.path.isfile(os.path.join(args.gold_judge, "world.json")):
-        raise SetupError(f"--gold_judge {args.gold_judge}: no world.json there (want a tiny world folder)")
     tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")
     # Detail 3: Leading space, EOS at the end, a distinct [PAD]
     # The reward is read at the EOS before the first pad (Detail 12): a pad that IS the EOS would
@@ -1003,9 +1038,21 @@ if __name__ == "__main__":
         problem = token_ids_problem(path, pad_id, eos_id) if os.path.isdir(path) else None
         if problem:
             raise SetupError(problem + ": preprocess with the SFT model's tokenizer")
+    identity = tokenizer_identity(tokenizer)
+    problem = identity_problem({
+        f"--sft_model_path {args.sft_model_path} (its tokenizer)": identity,
+        f"--sft_model_path {args.sft_model_path} (its args.json)": recorded_tokenizer_identity(args.sft_model_path),
+        **{f"--{flag} {path} ({os.path.dirname(os.path.abspath(path))}/args.json)":
+           recorded_tokenizer_identity(os.path.dirname(os.path.abspath(path))) if os.path.isdir(path) else None
+           for flag, path in (("label_dataset", args.label_dataset), ("query_dataset", args.query_dataset))}})
+    if problem:
+        raise SetupError(problem)
     train = preference["train"].with_format("torch", columns=list(TRAIN_PAIR_COLUMNS))
     total_episodes = len(train) * args.num_train_epochs if args.total_episodes is None else args.total_episodes
     args.num_updates = total_episodes // args.batch_size
+    if args.total_episodes is None and args.num_updates == 0:
+        raise SetupError(f"--label_dataset {args.label_dataset}: its train split ({len(train)} pairs) x --num_train_epochs "
+                         f"{args.num_train_epochs} is less than one batch of {args.batch_size}: pass --total_episodes")
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     resume_from = latest_checkpoint(checkpoints) if args.resume else None
 
@@ -1024,6 +1071,10 @@ if __name__ == "__main__":
 
     # ---- model ----
     model = reward_model_from_sft(args.sft_model_path)
+    problem = vocabulary_problem(tokenizer, model.backbone.get_input_embeddings().weight.size(0),
+                                 f"--sft_model_path {args.sft_model_path}")
+    if problem:
+        raise SetupError(problem)
     model.train()
 
     # ---- run name & logging ----
@@ -1035,10 +1086,10 @@ if __name__ == "__main__":
         run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "args.json"), "w") as file:
-            json.dump({**asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id,
-                       "pad_token_id": pad_id,
-                       "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
+        write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
+            **asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id, "pad_token_id": pad_id,
+            "tokenizer_identity": identity, "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))},
+            indent=2))
         writer = SummaryWriter(f"runs/{run_name}")
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
             f"|{key}|{value}|" for key, value in asdict(args).items()))
@@ -1058,15 +1109,14 @@ if __name__ == "__main__":
     # lr 3e-6 with a cosine decay to 0 over one epoch in updates of 64 pairs (1450 updates).
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
-    # The scheduler stays unprepared (stepped once per update by us) but is saved in checkpoints.
+    # The scheduler stays unprepared (stepped once per update by us); save_checkpoint stores its state.
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
     problem = rotary_problem({"model": model})
     if problem:
         raise SetupError(f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
     start_update = 0
     if resume_from is not None:
-        accelerator.load_state(resume_from[1])  # also the RNG states saved at that update
+        load_checkpoint(accelerator, resume_from[1], model, optimizer, scheduler)  # also the RNG states of that update
         start_update = resume_from[0]
         accelerator.print(f"resumed from {resume_from[1]} at update {start_update}")
     elif args.resume:
@@ -1108,16 +1158,21 @@ if __name__ == "__main__":
                                ("rejected_rewards", rejected), ("lr", lr)):
                 writer.add_scalar(f"train/rm/{key}", value, pairs_seen)
             progress.set_postfix(loss=f"{loss:.4f}", accuracy=f"{accuracy:.3f}", lr=f"{lr:.2e}")
+        # A nan / inf stops every rank here, before anything of this update is saved (no checkpoint
+        # holding it ever replaces a good one).
+        if not all_finite(accelerator, model, stats[:, 0]):
+            raise FloatingPointError(nonfinite_message(update + 1, args.num_updates, checkpoints))
         if args.log_seen_rows:
-            with open(seen_path, "w") as file:
-                json.dump(seen, file)
+            write_text_atomic(seen_path, json.dumps(seen))
         if (args.save_every and (update + 1) % args.save_every == 0) or update + 1 == args.stop_after_updates:
-            save_checkpoint(accelerator, checkpoints, update + 1, run_name)
+            save_checkpoint(accelerator, checkpoints, update + 1, run_name, model, optimizer, scheduler)
     if stop_at < args.num_updates:
         accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
         raise SystemExit(0)
     step = args.num_updates * args.batch_size
     unwrapped = accelerator.unwrap_model(model)
+    # Results and model go to a new folder beside output_dir, swapped in whole once complete.
+    staging = staging_folder(args.output_dir) if accelerator.is_main_process else None
 
     def first(dataset):
         """The first --num_eval_samples rows of `dataset` (all of them when the flag is None)."""
@@ -1202,8 +1257,8 @@ if __name__ == "__main__":
             report += (f"\nGold judge: RM agrees with the gold ordering on {gold_accuracy:.3f} of {decided.sum()} "
                        f"pairs without a gold tie; accuracy on the labels {table['accuracy'].mean():.3f} vs "
                        f"noise ceiling {noise_ceiling.get(split, float('nan')):.3f}\n")
-        table.to_csv(os.path.join(args.output_dir, f"eval_{split}.csv"), index=False)
-        with open(os.path.join(args.output_dir, f"accuracy_{split}.md"), "w") as file:
+        table.to_csv(os.path.join(staging, f"eval_{split}.csv"), index=False)
+        with open(os.path.join(staging, f"accuracy_{split}.md"), "w") as file:
             file.write(report)
         if args.track:
             wandb.log({f"eval/rm/{split}/samples": wandb.Table(dataframe=table)})
@@ -1214,7 +1269,7 @@ if __name__ == "__main__":
         calibration[split] = calibration_bins((table["chosen_reward"] - table["rejected_reward"]).to_numpy(), 0.5)
         print(f"calibration on {split}:\n" + markdown_table(calibration[split]))
     if accelerator.is_main_process:
-        plot_calibration(calibration, os.path.join(args.output_dir, "calibration.png"))
+        plot_calibration(calibration, os.path.join(staging, "calibration.png"))
         # Detail 13: Non-EOS reward logits are not valid rewards
         # Only the EOS logit is trained; the head's output elsewhere is whatever the hidden states
         # give (the paper sees mostly negative values). Plot a few sequences to show it.
@@ -1227,7 +1282,7 @@ if __name__ == "__main__":
             pair, kind = i % len(examples), ("chosen", "rejected")[i // len(examples)]
             token_samples.append((f"validation pair {pair}, {kind}", logits[i, :int(eos[i]) + 6].tolist(),
                                   int(list(examples["query_token_len"])[pair]), int(eos[i])))  # + a few pads
-        plot_token_rewards(token_samples, os.path.join(args.output_dir, "token_rewards.png"))
+        plot_token_rewards(token_samples, os.path.join(staging, "token_rewards.png"))
 
     # ---- agreement with a judge ----
     if args.judged_file is not None:
@@ -1253,13 +1308,13 @@ if __name__ == "__main__":
     if accelerator.is_main_process:
         for key, value in metrics.items():
             writer.add_scalar(key, value, step)
-        save_fp32(unwrapped, args.output_dir, state_dict)  # safetensors, fp32, bias normalised
-        tokenizer.save_pretrained(args.output_dir)
-        with open(os.path.join(args.output_dir, "normalization.json"), "w") as file:
+        save_fp32(unwrapped, staging, state_dict)  # safetensors, fp32, bias normalised
+        tokenizer.save_pretrained(staging)
+        with open(os.path.join(staging, "normalization.json"), "w") as file:
             json.dump(normalization, file, indent=2)
-        with open(os.path.join(args.output_dir, "eval_metrics.json"), "w") as file:
+        with open(os.path.join(staging, "eval_metrics.json"), "w") as file:
             json.dump(metrics, file, indent=2)
-        shutil.rmtree(checkpoints, ignore_errors=True)  # only an unfinished run needs them
+        publish_output(staging, args.output_dir)  # the checkpoints go with the old folder: only an unfinished run needs them
         writer.close()
         print("\n".join(f"{key}: {metrics[key]:.4f}" for key in metrics if key.count("/") == 3 or "normalized" in key))
         print(f"saved {args.output_dir}")
