@@ -663,7 +663,14 @@ def sample_rollout(model, queries: torch.Tensor, pad_token_id: int, eos_token_id
     has_eos = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
     while True:
         score = mask_logits(logits[:, -1].float() / temperature, unsampled)  # (B, V)
-        token = torch.multinomial(F.softmax(score, dim=-1), num_samples=1).squeeze(1)  # (B,)
+        probs = F.softmax(score, dim=-1)  # (B, V)
+        # Weights blown up by a too large step give nan / inf logits: multinomial would raise on some
+        # rank (a device-side assert on a GPU). Such a row draws uniformly from the sampled ids instead;
+        # its log-probs stay non-finite, and the update's finite check stops every rank together.
+        # Finite rows are drawn from exactly as before.
+        uniform = torch.ones_like(probs).index_fill(-1, unsampled, 0.0)
+        probs = torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, uniform)
+        token = torch.multinomial(probs, num_samples=1).squeeze(1)  # (B,)
         tokens.append(token)
         scores.append(score)
         has_eos |= token == eos_token_id

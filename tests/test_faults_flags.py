@@ -63,7 +63,7 @@ def test_every_bad_flag_is_listed_at_once(script):
     good = module.Args(base_model=BASE) if script == "sft.py" else module.Args()
     assert flag_problems(good, 1) == []  # the defaults are fine
     # the batch must split over the ranks: 4 processes cannot share micro-batches of 16 in a batch of 32
-    assert any("--batch_size 32" in line for line in flag_problems(module.Args(
+    assert any("--local_micro_batch_size" in line for line in flag_problems(module.Args(
         batch_size=32, local_micro_batch_size=16, **({"base_model": BASE} if script == "sft.py" else {})), 4))
 
 

@@ -39,7 +39,7 @@ def stage_command(script, tiny_tldr, tmp_path):
     return ["--base_model", BASE, "--query_dataset", tiny_tldr / "sft", "--sft_model_path", BASE,
             "--reward_model_path", tmp_path / "rm", "--total_episodes", "32", "--batch_size", "8",
             "--local_micro_batch_size", "4", "--local_rollout_forward_batch_size", "8", "--response_length", "8",
-            "--num_eval_samples", "8", "--local_eval_batch_size", "8"]
+            "--num_eval_samples", "8", "--local_eval_batch_size", "8", "--num_ppo_epochs", "1"]
 
 
 @pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py", "ppo.py"])
@@ -58,7 +58,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(script, tiny_tldr,
     # The checkpoint of the update before is kept whole, finite and loadable; nothing later was saved.
     checkpoints = sorted(path.name for path in (out / "checkpoints").iterdir())
     assert checkpoints == [f"update_{stopped_at - 1}"], checkpoints
-    assert f"update_{stopped_at - 1}), is kept as it was" in message
+    assert f"update_{stopped_at - 1} (update {stopped_at - 1}), is kept as it was" in message
     folder = out / "checkpoints" / checkpoints[0]
     state = json.loads((folder / "trainer_state.json").read_text())
     assert state["update"] == stopped_at - 1
