@@ -11,7 +11,7 @@ then it samples a summary for each SFT validation query, which judge.py compares
 references.
 
     {output_dir}/                     the policy: a causal-LM folder + tokenizer (loads with from_pretrained)
-    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, git commit
+    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, git commit
     {output_dir}/eval_validation.csv  columns query, response, reference: summaries of the SFT
                                       validation queries (what judge.py reads, as sft.py writes it)
     {output_dir}/eval_pairs_{split}.csv  one row per preference pair: texts, batch, split, confidence,
@@ -19,7 +19,7 @@ references.
     {output_dir}/accuracy_{split}.md  accuracy overall and by split / batch / confidence (as reward.py's)
     {output_dir}/calibration.png      accuracy vs |implicit reward margin| beside the ideal sigmoid
     {output_dir}/eval_metrics.json    every eval/dpo/* scalar below
-    {output_dir}/checkpoints/         the latest --save_every checkpoint, removed when the run ends
+    {output_dir}/checkpoints/         the latest --save_every checkpoint (no pickle), removed when the run ends
     runs/{run_name}/                  TensorBoard
 
     # tiny world, offline, 2 CPU cores, ~45 s (benchmark/tiny.sh runs this after sft.py; 20 updates of 32:
@@ -106,7 +106,7 @@ class Args:
     save_every: int = 0
     """Save a checkpoint (model, optimizer, scheduler, RNG states, update) every N updates (0: never)"""
     resume: bool = False
-    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0)"""
+    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0); required when there is one"""
     stop_after_updates: Optional[int] = None
     """Checkpoint and exit after this many updates, as a time-limited SLURM job would; rerun with --resume"""
 

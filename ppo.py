@@ -9,10 +9,10 @@ At the end (and every --eval_every updates) the policy samples summaries of vali
 temperature 0.01, scored by the RM beside the human references.
 
     {output_dir}/                   the policy: a causal-LM folder + tokenizer (loads with from_pretrained)
-    {output_dir}/args.json          these flags, derived sizes, run name, eos / pad ids, git commit
+    {output_dir}/args.json          these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, git commit
     {output_dir}/eval_{split}.csv   columns query, response, reference, score, reference_score (judge.py)
     {output_dir}/eval_metrics.json  {split: {score, reference_score, eos_fraction, response_length}}
-    {output_dir}/checkpoints/       the latest --save_every checkpoint, removed when the run ends
+    {output_dir}/checkpoints/       the latest --save_every checkpoint (no pickle), removed when the run ends
     runs/{run_name}/                TensorBoard; samples_{episode}.csv of every --eval_every evaluation
 
     # tiny world, offline, 2 CPU cores, ~2 min with OMP_NUM_THREADS=1 (10 updates; RM score of the
@@ -116,7 +116,7 @@ class Args:
     save_every: int = 0
     """Save a checkpoint (policy, critic, optimizer, RNG states, update) every N updates (0: never)"""
     resume: bool = False
-    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0)"""
+    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0); required when there is one"""
     stop_after_updates: Optional[int] = None
     """Checkpoint and exit after this many updates, as a time-limited SLURM job would; rerun with --resume"""
 

@@ -9,7 +9,7 @@ RM is evaluated on `validation` (TL;DR) and `validation_cnndm` (news, never trai
 
     {output_dir}/                     ScalarModel (safetensors) + tokenizer; loads anywhere with
                                       `from reward import ScalarModel; ScalarModel.from_pretrained(path)`
-    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, git commit
+    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, git commit
     {output_dir}/eval_{split}.csv     one row per pair: texts, batch, split, confidence, policies,
                                       chosen/rejected reward, accuracy (+ gold_prefers_chosen)
     {output_dir}/accuracy_{split}.md  accuracy overall and by split / batch / confidence
@@ -18,7 +18,7 @@ RM is evaluated on `validation` (TL;DR) and `validation_cnndm` (news, never trai
     {output_dir}/normalization.json   reference rewards before normalisation (mean/std/min/max)
                                       and the left- vs right-padding difference
     {output_dir}/eval_metrics.json    every eval/rm/* scalar below
-    {output_dir}/checkpoints/         the latest --save_every checkpoint, removed when the run ends
+    {output_dir}/checkpoints/         the latest --save_every checkpoint (no pickle), removed when the run ends
     runs/{run_name}/                  TensorBoard
 
     # tiny world, offline, 2 CPU cores, ~3 min on an idle machine (benchmark/tiny.sh runs this after sft.py)
@@ -105,7 +105,7 @@ class Args:
     save_every: int = 0
     """Save a checkpoint (model, optimizer, scheduler, RNG states, update) every N updates (0: never)"""
     resume: bool = False
-    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0)"""
+    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0); required when there is one"""
     stop_after_updates: Optional[int] = None
     """Checkpoint and exit after this many updates, as a time-limited SLURM job would; rerun with --resume"""
     log_seen_rows: bool = False

@@ -7,10 +7,10 @@ then samples a summary for each validation (and with --eval_test, test) query at
 reward.py, dpo.py and ppo.py load with `from_pretrained`:
 
     {output_dir}/                 model + tokenizer ([PAD] included), dropout 0 in its config
-    {output_dir}/args.json        these flags, derived sizes, run name, eos / pad ids, git commit
+    {output_dir}/args.json        these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, git commit
     {output_dir}/eval_{split}.csv columns query, response, reference (what judge.py reads)
     {output_dir}/eval_metrics.json  {split: {loss, rouge1, rouge2, rougeL}}
-    {output_dir}/checkpoints/     the latest --save_every checkpoint, removed when the run ends
+    {output_dir}/checkpoints/     the latest --save_every checkpoint (no pickle), removed when the run ends
     runs/{run_name}/              TensorBoard
 
     # tiny world, offline, 2 CPU cores, ~1.5 min (benchmark/tiny.sh runs this)
@@ -90,7 +90,7 @@ class Args:
     save_every: int = 0
     """Save a checkpoint (model, optimizer, scheduler, RNG states, update) every N updates (0: never)"""
     resume: bool = False
-    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0)"""
+    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0); required when there is one"""
     stop_after_updates: Optional[int] = None
     """Checkpoint and exit after update N of the run, as a time-limited SLURM job would end; rerun with --resume"""
 
