@@ -803,7 +803,8 @@ def load_checkpoint(accelerator, path: str, model, optimizer, scheduler) -> dict
         model.checkpoint_engine.load = load_weights_only  # DeepSpeed's own loader would run any pickled code
         loaded, _ = model.load_checkpoint(path, tag="deepspeed", load_lr_scheduler_states=False)
         if loaded is None:
-            raise SetupError(f"--resume: DeepSpeed could not load {path}/deepspeed: delete it to resume from none")
+            raise SetupError(f"--resume: DeepSpeed found no checkpoint in {path}/deepspeed (its log above says why): "
+                             f"delete {path} to resume from an earlier one, or start again without --resume")
     else:
         load_model(accelerator.unwrap_model(model), os.path.join(path, "model.safetensors"), device=str(accelerator.device))
         with open(os.path.join(path, "optimizer.json")) as file:
