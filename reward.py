@@ -667,7 +667,7 @@ def load_checkpoint(accelerator, path: str, model, optimizer, scheduler) -> dict
             raise SetupError(f"--resume: DeepSpeed found no checkpoint in {path}/deepspeed (its log above says why): "
                              f"delete {path} to resume from an earlier one, or start again without --resume")
     else:
-        load_model(accelerator.unwrap_model(model), os.path.join(path, "model.safetensors"), device=str(accelerator.device))
+        load_model(accelerator.unwrap_model(model), os.path.join(path, "model.safetensors"))  # copied onto its device
         with open(os.path.join(path, "optimizer.json")) as file:
             param_groups = json.load(file)["param_groups"]
         for group in param_groups:
