@@ -70,11 +70,13 @@ def test_kills_during_saves_lose_nothing_and_the_run_resumes_bit_identical(tiny_
     scratch = [tmp_path / ".out.partial", tmp_path / ".out.new", tmp_path / ".out.old"]
     assert not (out / "checkpoints").exists() and not any(path.exists() for path in scratch)
 
-    # The same command again (it may overwrite a finished run), killed while it writes a checkpoint:
-    # a later one, so that an earlier complete one is there.
+    # The same command again (it may overwrite a finished run), killed while it writes a checkpoint: a
+    # later one, so that an earlier complete one is there (or, should this busy machine not schedule the
+    # poll during that save, just after it).
     def saving_a_checkpoint():
         names = os.listdir(out / "checkpoints") if (out / "checkpoints").is_dir() else []
-        return any(name.endswith(".partial") for name in names) and any("." not in name for name in names)
+        complete = [int(name.split("_")[1]) for name in names if "." not in name]
+        return bool(complete) and (any(name.endswith(".partial") for name in names) or max(complete) >= 2)
 
     assert run_until(tmp_path, flags, saving_a_checkpoint), (tmp_path / "killed.log").read_text()[-3000:]
     update = checkpoint_loads(out)
@@ -85,17 +87,23 @@ def test_kills_during_saves_lose_nothing_and_the_run_resumes_bit_identical(tiny_
     assert result.returncode != 0 and f"holds an unfinished run, checkpointed at update {update}" in result.stderr
     assert "pass --resume" in result.stderr and checkpoint_loads(out) == update
 
-    # --resume, killed while it writes the final model beside the output folder.
+    # --resume, killed while it writes the final results and model beside the output folder.
     def saving_the_model():
-        return (tmp_path / ".out.partial" / "model.safetensors").exists()
+        return (tmp_path / ".out.partial").exists()
 
     assert run_until(tmp_path, [*flags, "--resume"], saving_the_model), (tmp_path / "killed.log").read_text()[-3000:]
-    assert checkpoint_loads(out) >= update
-    previous_model_intact(out, reference)
+    # The signal may land a little later, even within the swap (between its two renames there is no
+    # out/, but .out.old and .out.new are both whole); the next start finishes the swap first.
+    if not out.exists():
+        assert (tmp_path / ".out.old" / "args.json").exists() and (tmp_path / ".out.new" / "model.safetensors").exists()
+    sft.tidy_output_dir(str(out))
+    unfinished = (out / "checkpoints").exists()  # False only if the kill came after the new folder was complete
+    assert not unfinished or checkpoint_loads(out) >= update
+    previous_model_intact(out, reference)  # the old model, or the new one: the same weights
 
     # --resume to the end: bit for bit the uninterrupted run's model, and no scratch anywhere.
     result = run_sft(tmp_path, *flags, "--resume")
-    assert "resumed from" in result.stdout
+    assert "resumed from" in result.stdout or not unfinished
     assert all(torch.equal(weights(out)[key], reference[key]) for key in reference)
     assert not (out / "checkpoints").exists() and not any(path.exists() for path in scratch)
     assert not [name for name in os.listdir(out) if name.endswith(".partial")]
