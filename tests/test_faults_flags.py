@@ -24,42 +24,34 @@ from test_sft import TINY_RUN, run_sft, weights
 BASE = str(WORLD / "pythia-tiny")
 STAGES = {"sft.py": (sft, sft.sft_flag_problems), "reward.py": (reward, reward.reward_flag_problems),
           "dpo.py": (dpo, dpo.dpo_flag_problems), "ppo.py": (ppo, ppo.ppo_flag_problems)}
-# Flags every stage has, each set to a value that cannot work: (flag, value as typed, start of the value shown)
-COMMON_BAD = [("lr", "-1", "-1.0"), ("eps", "nan", "nan"), ("weight_decay", "inf", "inf"),
-              ("local_eval_batch_size", "0", "0"), ("save_every", "-3", "-3"), ("stop_after_updates", "0", "0"),
-              ("seed", "-1", "-1")]
-# Flags some stages have (the issue's cases: a negative response length, 0 eval batch, -16 episodes, ...)
+# Flags every stage has, each set to a value that cannot work (a NaN fails every comparison)
+COMMON_BAD = {"lr": -1.0, "eps": math.nan, "weight_decay": math.inf, "local_eval_batch_size": 0, "save_every": -3,
+              "stop_after_updates": 0, "seed": -1}
+# Flags of some stages (the issue's cases: a negative response length, eval batch 0, -16 episodes, ...)
 STAGE_BAD = {
-    "sft.py": [("total_episodes", "-16", "-16"), ("response_length", "-1", "-1"), ("temperature", "0", "0.0"),
-               ("scheduler", "cosine_sometimes", "cosine_sometimes")],
-    "reward.py": [("total_episodes", "-16", "-16"), ("num_eval_samples", "0", "0"), ("scheduler", "nope", "nope")],
-    "dpo.py": [("total_episodes", "5", "5"), ("response_length", "-1", "-1"), ("beta", "0", "0.0"),
-               ("label_smoothing", "0.5", "0.5")],
-    "ppo.py": [("total_episodes", "-16", "-16"), ("response_length", "-1", "-1"), ("gamma", "1.5", "1.5"),
-               ("num_ppo_epochs", "0", "0"), ("eval_temperature", "nan", "nan")],
+    "sft.py": {"total_episodes": -16, "response_length": -1, "temperature": 0.0, "scheduler": "cosine_sometimes"},
+    "reward.py": {"total_episodes": -16, "num_eval_samples": 0, "scheduler": "nope"},
+    "dpo.py": {"total_episodes": 5, "response_length": -1, "beta": 0.0, "label_smoothing": 0.5},
+    "ppo.py": {"total_episodes": -16, "response_length": -1, "gamma": 1.5, "num_ppo_epochs": 0,
+               "eval_temperature": math.nan},
 }
 
 
 def bad_args(script):
-    """(Args of `script` with every bad value of COMMON_BAD + STAGE_BAD, the flags that must be named)."""
-    module, _ = STAGES[script]
-    fields = module.Args.__dataclass_fields__
-    values = {}
-    for flag, typed, _ in COMMON_BAD + STAGE_BAD[script]:
-        kind = fields[flag].type
-        values[flag] = typed if "str" in str(kind) else (float(typed) if "float" in str(kind) else int(typed))
-    return module.Args(**values), [flag for flag, _, _ in COMMON_BAD + STAGE_BAD[script]]
+    """(Args of `script` holding every bad value of COMMON_BAD and STAGE_BAD, {flag: bad value})."""
+    bad = {**COMMON_BAD, **STAGE_BAD[script]}
+    return STAGES[script][0].Args(**bad), bad
 
 
 @pytest.mark.parametrize("script", list(STAGES))
 def test_every_bad_flag_is_listed_at_once(script):
     module, flag_problems = STAGES[script]
-    args, flags = bad_args(script)
+    args, bad = bad_args(script)
     problems = flag_problems(args, 1)
-    for flag in flags:  # each bad flag has its own line, with what to pass instead
+    for flag in bad:  # each bad flag has its own line, with what to pass instead
         lines = [line for line in problems if line.startswith(f"--{flag} ")]
         assert len(lines) == 1 and ("want" in lines[0] or "not a positive multiple" in lines[0]), (flag, problems)
-    assert len(problems) == len(flags)
+    assert len(problems) == len(bad)
     good = module.Args(base_model=BASE) if script == "sft.py" else module.Args()
     assert flag_problems(good, 1) == []  # the defaults are fine
     # the batch must split over the ranks: 4 processes cannot share micro-batches of 16 in a batch of 32
@@ -86,8 +78,8 @@ def test_a_missing_model_folder_is_named():
 @pytest.mark.parametrize("script", list(STAGES))
 def test_bad_flags_stop_before_anything_is_loaded_or_written(script, tiny_tldr, tmp_path):
     """The real command line: every bad flag in one message, no model loaded, no folder created."""
-    _, flags = bad_args(script)
-    typed = [token for flag, value, _ in COMMON_BAD + STAGE_BAD[script] for token in (f"--{flag}", value)]
+    _, bad = bad_args(script)
+    typed = [token for flag, value in bad.items() for token in (f"--{flag}", str(value))]
     inputs = {"sft.py": ["--base_model", BASE, "--query_dataset", tiny_tldr / "sft"],
               "ppo.py": ["--query_dataset", tiny_tldr / "sft", "--sft_model_path", BASE, "--reward_model_path", BASE]}
     cmd = [sys.executable, str(REPO / script), *inputs.get(script, ["--sft_model_path", BASE]),
@@ -97,8 +89,8 @@ def test_bad_flags_stop_before_anything_is_loaded_or_written(script, tiny_tldr, 
                             timeout=300)
     assert result.returncode != 0
     assert f"{script} cannot start (nothing was loaded or written)" in result.stderr, result.stderr[-3000:]
-    for flag, _, shown in COMMON_BAD + STAGE_BAD[script]:
-        assert f"--{flag} {shown}" in result.stderr, (flag, result.stderr[-3000:])
+    for flag, value in bad.items():  # each named with its value, as typed
+        assert f"--{flag} {value}" in result.stderr, (flag, result.stderr[-3000:])
     assert "Loading weights" not in result.stdout + result.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == []  # no output folder, no runs/
 
