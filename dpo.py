@@ -11,7 +11,7 @@ then it samples a summary for each SFT validation query, which judge.py compares
 references.
 
     {output_dir}/                     the policy: a causal-LM folder + tokenizer (loads with from_pretrained)
-    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, git commit
+    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, git commit
     {output_dir}/eval_validation.csv  columns query, response, reference: summaries of the SFT
                                       validation queries (what judge.py reads, as sft.py writes it)
     {output_dir}/eval_pairs_{split}.csv  one row per preference pair: texts, batch, split, confidence,
@@ -19,7 +19,7 @@ references.
     {output_dir}/accuracy_{split}.md  accuracy overall and by split / batch / confidence (as reward.py's)
     {output_dir}/calibration.png      accuracy vs |implicit reward margin| beside the ideal sigmoid
     {output_dir}/eval_metrics.json    every eval/dpo/* scalar below
-    {output_dir}/checkpoints/         the latest --save_every checkpoint, removed when the run ends
+    {output_dir}/checkpoints/         the latest --save_every checkpoint (no pickle), removed when the run ends
     runs/{run_name}/                  TensorBoard
 
     # tiny world, offline, 2 CPU cores, ~45 s (benchmark/tiny.sh runs this after sft.py; 20 updates of 32:
@@ -53,6 +53,7 @@ Logged (TensorBoard, and W&B with --track; x-axis = training pairs seen):
   eval/dpo/{split}/gold_accuracy     agreement with the tiny world's gold judge (--gold_judge)
 """
 
+import hashlib
 import json
 import math
 import os
@@ -72,6 +73,8 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
@@ -103,7 +106,7 @@ class Args:
     save_every: int = 0
     """Save a checkpoint (model, optimizer, scheduler, RNG states, update) every N updates (0: never)"""
     resume: bool = False
-    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0)"""
+    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0); required when there is one"""
     stop_after_updates: Optional[int] = None
     """Checkpoint and exit after this many updates, as a time-limited SLURM job would; rerun with --resume"""
 
@@ -176,6 +179,13 @@ PAIR_COLUMNS = ("query_chosen_token", "query_chosen_token_response_label",
 QUERY_COLUMNS = ("query_token", "reference_response_token")
 EVAL_SPLITS = ("validation", "validation_cnndm")
 GROUPS = ("split", "batch", "confidence")
+# Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
+POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
+NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
+AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")
+AT_LEAST_0 = (lambda value: value >= 0, "an integer >= 0")
+NONE_OR_AT_LEAST_1 = (lambda value: value is None or value >= 1, "an integer >= 1, or no flag")
+NONE_OR_AT_LEAST_0 = (lambda value: value is None or value >= 0, "an integer >= 0, or no flag")
 
 
 class SetupError(ValueError):
@@ -189,6 +199,33 @@ def gradient_accumulation(batch_size: int, local_micro_batch_size: int, world_si
         raise SetupError(f"--batch_size {batch_size} is not a positive multiple of --local_micro_batch_size "
                          f"{local_micro_batch_size} x world size {world_size} = {per_step}")
     return batch_size // per_step
+
+
+def dpo_flag_problems(args: Args, world_size: int) -> list:
+    """One line per flag that cannot work, naming it and what to pass instead; empty if all can. Loads and writes nothing."""
+    # Every flag is checked before anything is loaded or written, and all problems are listed at once:
+    # a bad value would otherwise surface inside AdamW, after training, or never (a model saved untrained).
+    problems = flag_range_problems(args, {
+        "seed": (lambda seed: 0 <= seed < 2 ** 32 - 100003 * world_size, f"an integer in [0, 2^32 - {100003 * world_size})"),
+        "save_every": AT_LEAST_0, "stop_after_updates": NONE_OR_AT_LEAST_1, "num_train_epochs": AT_LEAST_1,
+        "total_episodes": (lambda n: n is None or n == 0 or n >= args.batch_size,
+                           f"0 (evaluate the SFT model only) or at least one batch, --batch_size {args.batch_size}"),
+        "num_eval_samples": NONE_OR_AT_LEAST_0, "response_length": AT_LEAST_1, "temperature": POSITIVE,
+        "beta": POSITIVE, "label_smoothing": (lambda value: 0 <= value < 0.5, "a number in [0, 0.5)"),
+        "lr": POSITIVE, "eps": POSITIVE, "weight_decay": NON_NEGATIVE, "local_eval_batch_size": AT_LEAST_1})
+    if args.ipo and args.label_smoothing:
+        problems.append(f"--label_smoothing {args.label_smoothing} with --ipo: want 0 (IPO has no label smoothing)")
+    try:
+        gradient_accumulation(args.batch_size, args.local_micro_batch_size, world_size)
+    except SetupError as error:
+        problems.append(str(error))
+    problem = scheduler_problem(args.scheduler)
+    problems += [problem] if problem else []
+    if args.gold_judge is not None and not os.path.isfile(os.path.join(args.gold_judge, "world.json")):
+        problems.append(f"--gold_judge {args.gold_judge}: no world.json there (want a tiny world folder)")
+    if args.output_dir is not None and os.path.isfile(args.output_dir):
+        problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
+    return problems
 
 
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
@@ -207,6 +244,10 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
     if changed:
         return (f"--output_dir {output_dir} holds a different run ({'; '.join(changed)}): "
                 "choose another folder, delete it, or pass the same flags to overwrite or --resume it")
+    checkpoint = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
+    if checkpoint is not None and not flags.get("resume"):  # starting again at update 0 would discard them
+        return (f"--output_dir {output_dir} holds an unfinished run, checkpointed at update {checkpoint[0]}: "
+                "pass --resume to continue it, or choose another folder (or delete this one) to start again")
     return None
 
 
@@ -249,7 +290,7 @@ def load_fp32(model_class, path: str, flag: str):
     # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
     try:
         return model_class.from_pretrained(path, dtype=torch.float32)
-    except OSError as error:
+    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
         raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
                          f"(or the Hub cannot be reached): {error}") from error
 
@@ -258,9 +299,81 @@ def load_tokenizer(path: str, flag: str):
     """AutoTokenizer of `path` with right padding; a SetupError naming `flag` when there is none."""
     try:
         return AutoTokenizer.from_pretrained(path, padding_side="right")
-    except OSError as error:
+    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
         raise SetupError(f"{flag} {path}: no tokenizer at {path}, and none of that name on the Hub "
                          f"(or the Hub cannot be reached): {error}") from error
+
+
+def model_path_problem(path: str, flag: str) -> Optional[str]:
+    """Why `path` (given to `flag`) is neither a local model folder nor a Hub id; None if it may be either."""
+    # from_pretrained would read a missing folder as a Hub id and fail with "Repo id must be in the
+    # form ...", which never says that the folder is missing.
+    if os.path.isdir(path):
+        return None
+    if os.path.exists(path):
+        return f"{flag} {path} is a file: pass a model folder or a Hub id (org/name)"
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return f"{flag} {path}: no model folder at {path}, and it is not a Hub id either (org/name): pass a folder that exists"
+    return None  # a Hub id: from_pretrained fetches it, or says that it cannot
+
+
+def flag_range_problems(args, rules: dict) -> list:
+    """['--flag value: want ...'] for each flag of `rules` ({flag: (ok(value) -> bool, what to pass)}) whose value fails."""
+    return [f"--{flag} {getattr(args, flag)}: want {want}" for flag, (ok, want) in rules.items()
+            if not ok(getattr(args, flag))]
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """sha256 (hex) of the tokenizer's vocabulary, as sorted (token, id) pairs, and of its special tokens map."""
+    # Two tokenizers with the same EOS and [PAD] ids may still map every other id to another token: a
+    # model would then train on, or score, text it cannot read, silently. Every stage records this in
+    # its args.json (taken after add_pad_token) and compares it across everything it loads.
+    payload = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "special_tokens": tokenizer.special_tokens_map},
+                         sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def recorded_tokenizer_identity(folder: str) -> Optional[str]:
+    """The "tokenizer_identity" of `folder`/args.json (a stage's output or preprocess_tldr.py's data folder); None if none."""
+    path = os.path.join(folder, "args.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        return json.load(file).get("tokenizer_identity")
+
+
+def identity_problem(sides: dict) -> Optional[str]:
+    """{what: tokenizer identity, or None when unknown} -> why the known ones differ, each side named; None if they agree."""
+    known = {what: identity for what, identity in sides.items() if identity is not None}
+    if len(set(known.values())) <= 1:
+        return None
+    return ("these inputs come from different tokenizers (tokenizer_identity = sha256 of vocabulary and special tokens): "
+            + "; ".join(f"{what} has {identity[:16]}" for what, identity in known.items())
+            + ". Preprocess the data and train every model from one base model's tokenizer")
+
+
+def vocabulary_problem(tokenizer, rows: int, what: str) -> Optional[str]:
+    """Why `what`, a model with `rows` embedding rows, cannot read every id of `tokenizer` but [PAD]; None if it can."""
+    # [PAD] may lie past the table: it is replaced by a valid id before every forward.
+    largest = max(i for i in tokenizer.get_vocab().values() if i != tokenizer.pad_token_id)
+    if largest < rows:
+        return None
+    return (f"{what} has {rows} embedding rows, but the tokenizer has ids up to {largest}: it was not trained "
+            "with this tokenizer; use models and data made from one base model")
+
+
+def scheduler_problem(name: str) -> Optional[str]:
+    """Why transformers.get_scheduler cannot build `name` as the stages use it (stepped once per update); None if it can."""
+    if name == "reduce_lr_on_plateau":  # steps on a metric, which the stages do not pass
+        return f"--scheduler {name}: it needs a metric at every step; want e.g. cosine, linear or constant"
+    try:
+        get_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), num_warmup_steps=0,
+                      num_training_steps=1)
+    except (ValueError, TypeError) as error:
+        return f"--scheduler {name}: {str(error).splitlines()[0]}; want e.g. cosine, linear or constant"
+    return None
 
 
 def gpu_problem(environ, cuda_available: bool) -> Optional[str]:
@@ -413,23 +526,219 @@ def latest_checkpoint(folder: str) -> Optional[tuple]:
     """(update, path) of the newest complete `update_{k}` checkpoint in `folder`, None if there is none."""
     complete = [(int(name.split("_")[1]), os.path.join(folder, name))
                 for name in (os.listdir(folder) if os.path.isdir(folder) else [])
-                if name.startswith("update_") and os.path.isfile(os.path.join(folder, name, "trainer_state.json"))]
+                if re.fullmatch(r"update_\d+", name) and os.path.isfile(os.path.join(folder, name, "trainer_state.json"))]
     return max(complete) if complete else None
 
 
-def save_checkpoint(accelerator, folder: str, update: int, run_name: str) -> None:
-    """All ranks: save the accelerate state as {folder}/update_{update}, mark it complete, drop older ones."""
+def save_checkpoint(accelerator, folder: str, update: int, run_name: str, model, optimizer, scheduler) -> None:
+    """All ranks: write {folder}/update_{update} whole (as update_{update}.partial, then renamed), then drop older ones."""
+    # A kill at any moment leaves the previous checkpoint or this one complete on disk: the older ones
+    # go only after the rename has made this one complete (and the loop saves only finite weights).
     path = os.path.join(folder, f"update_{update}")
-    accelerator.save_state(path)  # model, optimizer, registered scheduler, RNG states of every rank
+    partial = path + ".partial"
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)  # what a killed save left
+        os.makedirs(partial)
+    accelerator.wait_for_everyone()
+    save_training_state(accelerator, partial, model, optimizer)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        # Written last: a job killed mid-save leaves no marker, and --resume takes the previous one.
-        with open(os.path.join(path, "trainer_state.json"), "w") as file:
-            json.dump({"update": update, "run_name": run_name}, file)
+        # JSON, not pickle: the scheduler's state_dict and the counters are plain numbers.
+        state = {"update": update, "run_name": run_name, "accelerator_step": accelerator.step,
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                 "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None}
+        with open(os.path.join(partial, "trainer_state.json"), "w") as file:
+            json.dump(state, file)
+        if os.path.isdir(path):  # this update was saved before (a rerun of it): keep that copy
+            shutil.rmtree(partial)
+        else:
+            os.rename(partial, path)
         for name in os.listdir(folder):
-            if name != f"update_{update}":
+            if name != os.path.basename(path):
                 shutil.rmtree(os.path.join(folder, name))
     accelerator.wait_for_everyone()
+
+
+def save_training_state(accelerator, folder: str, model, optimizer) -> None:
+    """All ranks: the model and optimizer state, and this rank's RNG states, into `folder`, in formats that run no code."""
+    if accelerator.state.deepspeed_plugin is not None:
+        # ZeRO shards the optimizer over the ranks: DeepSpeed writes its own files (torch.save),
+        # which load_checkpoint reads back with load_weights_only.
+        model.save_checkpoint(folder, tag="deepspeed")
+    elif accelerator.is_main_process:  # DDP: every rank holds the same weights and optimizer state
+        save_model(accelerator.unwrap_model(model), os.path.join(folder, "model.safetensors"))
+        state = optimizer.state_dict()  # AdamW: {"state": {index: {name: tensor}}, "param_groups": [plain values]}
+        save_file({f"{index}.{name}": value.contiguous() for index, values in state["state"].items()
+                   for name, value in values.items()}, os.path.join(folder, "optimizer.safetensors"))
+        with open(os.path.join(folder, "optimizer.json"), "w") as file:
+            json.dump({"param_groups": state["param_groups"]}, file)
+    save_rng_state(os.path.join(folder, f"rng_state_{accelerator.process_index}"))
+
+
+def load_checkpoint(accelerator, path: str, model, optimizer, scheduler) -> dict:
+    """All ranks: restore what save_checkpoint wrote in `path`, unpickling nothing; its trainer_state.json."""
+    with open(os.path.join(path, "trainer_state.json")) as file:
+        state = json.load(file)
+    deepspeed = accelerator.state.deepspeed_plugin is not None
+    needed = ["deepspeed"] if deepspeed else ["model.safetensors", "optimizer.safetensors", "optimizer.json"]
+    missing = [name for name in needed if not os.path.exists(os.path.join(path, name))]
+    if missing:
+        raise SetupError(f"--resume: {path} lacks {missing} (it holds {sorted(os.listdir(path))}): it was written by "
+                         "an older version or another launch (DeepSpeed or not). Older checkpoints are pickles, which "
+                         "can run code when loaded and are never opened: resume with the launch that wrote it, or "
+                         f"delete {os.path.dirname(path)} and start again without --resume")
+    if deepspeed:
+        model.checkpoint_engine.load = load_weights_only  # DeepSpeed's own loader would run any pickled code
+        loaded, _ = model.load_checkpoint(path, tag="deepspeed", load_lr_scheduler_states=False)
+        if loaded is None:
+            raise SetupError(f"--resume: DeepSpeed found no checkpoint in {path}/deepspeed (its log above says why): "
+                             f"delete {path} to resume from an earlier one, or start again without --resume")
+    else:
+        load_model(accelerator.unwrap_model(model), os.path.join(path, "model.safetensors"))  # copied onto its device
+        with open(os.path.join(path, "optimizer.json")) as file:
+            param_groups = json.load(file)["param_groups"]
+        for group in param_groups:
+            group["betas"] = tuple(group["betas"])  # JSON has no tuples
+        optimizer_state = {}
+        for name, tensor in load_file(os.path.join(path, "optimizer.safetensors")).items():
+            index, key = name.split(".", 1)
+            optimizer_state.setdefault(int(index), {})[key] = tensor
+        optimizer.load_state_dict({"state": optimizer_state, "param_groups": param_groups})
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if accelerator.scaler is not None and state["scaler"] is not None:
+        accelerator.scaler.load_state_dict(state["scaler"])
+    accelerator.step = state["accelerator_step"]  # where accumulate() is within an update: 0 mod the accumulation
+    if not load_rng_state(os.path.join(path, f"rng_state_{accelerator.process_index}")):
+        print(f"note: {path} has no RNG state of rank {accelerator.process_index} (saved by fewer processes); "
+              "this rank keeps its seeded one")
+    return state
+
+
+def save_rng_state(path: str) -> None:
+    """This process's python and numpy RNG states as `path`.json, torch's (CPU, CUDA) as `path`.safetensors."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with open(path + ".json", "w") as file:
+        json.dump({"python": [python_state[0], list(python_state[1]), python_state[2]],
+                   "numpy": [numpy_state[0], numpy_state[1].tolist(), int(numpy_state[2]), int(numpy_state[3]),
+                             float(numpy_state[4])]}, file)
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda_{i}": state for i, state in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(tensors, path + ".safetensors")
+
+
+def load_rng_state(path: str) -> bool:
+    """Restore the RNG states save_rng_state wrote at `path`; False if there are none."""
+    if not os.path.isfile(path + ".json"):
+        return False
+    with open(path + ".json") as file:
+        state = json.load(file)
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    np.random.set_state((state["numpy"][0], np.array(state["numpy"][1], dtype=np.uint32), *state["numpy"][2:]))
+    tensors = load_file(path + ".safetensors")
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[f"cuda_{i}"] for i in range(torch.cuda.device_count())])
+    return True
+
+
+def load_weights_only(path: str, map_location=None):
+    """torch.load(`path`) building only tensors, plain containers and the 4 data-only DeepSpeed classes its files hold."""
+    # DeepSpeed's own loader calls torch.load(weights_only=False): a pickle planted in a checkpoint would
+    # run its code on --resume. Its ZeRO-1/2 files hold, besides tensors and containers, these classes.
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def all_finite(accelerator, model, losses: torch.Tensor) -> bool:
+    """All ranks: whether `losses` and every parameter of `model` are finite on every rank (one all-reduce)."""
+    # Summed over ranks, so that every rank stops at the same update (a rank stopping alone would
+    # leave the others waiting in the next collective).
+    local = torch.stack([torch.isfinite(losses).all()] + [torch.isfinite(p).all() for p in model.parameters()]).all()
+    return accelerator.reduce((~local).float().reshape(1), reduction="sum").item() == 0
+
+
+def nonfinite_message(update: int, num_updates: int, checkpoints: str) -> str:
+    """Why the run stops at `update` (counted from 1) with a nan / inf, and which checkpoint it keeps."""
+    last = latest_checkpoint(checkpoints)
+    kept = (f"the last checkpoint, {last[1]} (update {last[0]}), is kept as it was" if last else
+            "no checkpoint was written before it (--save_every N keeps one every N updates)")
+    return (f"update {update} of {num_updates}: the loss or the weights are not finite (nan or inf) on at least one "
+            f"rank, so the run stops before saving anything of it; {kept}. Try a lower --lr (or look at the data of "
+            f"update {update}) in a new --output_dir; --resume with these flags continues from the kept checkpoint")
+
+
+def write_atomic(path: str, write) -> None:
+    """Create `path` whole or not at all: `write(tmp_path)` writes beside it, then a rename replaces it."""
+    # A kill mid-write leaves the old file (or none) and a `.partial` that the next run overwrites;
+    # a reader never sees half a results.json. os.replace is atomic within one file system.
+    partial = path + ".partial"
+    write(partial)
+    os.replace(partial, path)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """write_atomic for a text file (UTF-8)."""
+    def write(partial: str) -> None:
+        with open(partial, "w", encoding="utf-8", newline="") as file:
+            file.write(text)
+    write_atomic(path, write)
+
+
+def scratch_path(output_dir: str, kind: str) -> str:
+    """The sibling of `output_dir` where its final contents are written ("partial"), complete ("new") or retired ("old")."""
+    parent, name = os.path.split(os.path.abspath(output_dir))
+    return os.path.join(parent, f".{name}.{kind}")
+
+
+def staging_folder(output_dir: str) -> str:
+    """Rank 0: a new, empty sibling folder where the run writes its final model and results (publish_output)."""
+    staging = scratch_path(output_dir, "partial")
+    shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
+    os.makedirs(staging)
+    return staging
+
+
+def publish_output(staging: str, output_dir: str) -> None:
+    """Rank 0: the complete `staging` becomes `output_dir` (args.json and the like carried over, checkpoints dropped)."""
+    # Written beside and swapped in whole: a kill at any moment leaves the old folder (args.json and the
+    # checkpoints, or a finished run's model) or the new one, never a mix; the next start finishes a swap.
+    for name in os.listdir(output_dir):
+        source, target = os.path.join(output_dir, name), os.path.join(staging, name)
+        if name != "checkpoints" and not name.endswith(".partial") and not os.path.exists(target):
+            (shutil.copytree if os.path.isdir(source) else shutil.copy2)(source, target)
+    os.rename(staging, scratch_path(output_dir, "new"))  # complete: from here on, the new folder wins
+    finish_publish(output_dir)
+
+
+def finish_publish(output_dir: str) -> None:
+    """Swap a complete `.new` sibling in for `output_dir` (the old one renamed `.old`, then deleted); drop other scratch."""
+    new, old = scratch_path(output_dir, "new"), scratch_path(output_dir, "old")
+    if os.path.isdir(new):
+        if os.path.isdir(output_dir):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(output_dir, old)
+        os.rename(new, output_dir)  # between the two renames there is no output_dir, but .old and .new are whole
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(scratch_path(output_dir, "partial"), ignore_errors=True)
+
+
+def tidy_output_dir(output_dir: str) -> None:
+    """Rank 0, at start: finish a swap a kill interrupted, and remove the `.partial` files and folders kills left."""
+    finish_publish(output_dir)
+    for folder in (output_dir, os.path.join(output_dir, "checkpoints")):
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            if name.endswith(".partial"):
+                path = os.path.join(folder, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
 
 
 def fp32_state_dict(accelerator, model) -> dict:
@@ -613,6 +922,9 @@ if __name__ == "__main__":
     # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
     deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
+    problems = dpo_flag_problems(args, accelerator.num_processes)
+    if problems:
+        raise SetupError("dpo.py cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
     args.world_size = accelerator.num_processes
     args.gradient_accumulation_steps = gradient_accumulation(args.batch_size, args.local_micro_batch_size,
                                                              args.world_size)
@@ -646,6 +958,9 @@ if __name__ == "__main__":
     args.label_dataset = args.label_dataset or os.path.join("data", name, "tldr", "preference")
     args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
     args.output_dir = args.output_dir or os.path.join("models", name, f"dpo_{args.seed}")
+    if accelerator.is_main_process:
+        tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
+    accelerator.wait_for_everyone()
     problem = (input_problem(args.sft_model_path, "--sft_model_path", make_sft)
                or input_problem(args.label_dataset, "--label_dataset", make_data)
                or input_problem(args.query_dataset, "--query_dataset", make_data)
@@ -653,9 +968,6 @@ if __name__ == "__main__":
                    "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates")))
     if problem:
         raise SetupError(problem)
-    if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5 or (args.ipo and args.label_smoothing):
-        raise SetupError(f"--beta {args.beta} must be > 0 and --label_smoothing {args.label_smoothing} in [0, 0.5), "
-                         "and 0 with --ipo")
     datasets_by_flag = {}
     for flag, splits, columns in (("label_dataset", ("train",) + EVAL_SPLITS, PAIR_COLUMNS),
                                   ("query_dataset", ("validation",), QUERY_COLUMNS)):
@@ -665,8 +977,6 @@ if __name__ == "__main__":
         if missing:
             raise SetupError(f"--{flag} {path} lacks {missing}: build it with preprocess_tldr.py")
     preference, sft = datasets_by_flag["label_dataset"], datasets_by_flag["query_dataset"]
-    if args.gold_judge is not None and not os.path.isfile(os.path.join(args.gold_judge, "world.json")):
-        raise SetupError(f"--gold_judge {args.gold_judge}: no world.json there (want a tiny world folder)")
     tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")
     for path in (args.label_dataset, args.query_dataset):  # the token columns must be this tokenizer's ids
         built_with = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json")
@@ -678,9 +988,21 @@ if __name__ == "__main__":
         if check_tokenizer(tokenizer, data_ids, f"{path} ({built_with})"):
             accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    identity = tokenizer_identity(tokenizer)
+    problem = identity_problem({
+        f"--sft_model_path {args.sft_model_path} (its tokenizer)": identity,
+        f"--sft_model_path {args.sft_model_path} (its args.json)": recorded_tokenizer_identity(args.sft_model_path),
+        **{f"--{flag} {path} ({os.path.dirname(os.path.abspath(path))}/args.json)":
+           recorded_tokenizer_identity(os.path.dirname(os.path.abspath(path))) if os.path.isdir(path) else None
+           for flag, path in (("label_dataset", args.label_dataset), ("query_dataset", args.query_dataset))}})
+    if problem:
+        raise SetupError(problem)
     train = preference["train"].with_format("torch", columns=list(PAIR_COLUMNS))
     total_episodes = len(train) * args.num_train_epochs if args.total_episodes is None else args.total_episodes
     args.num_updates = total_episodes // args.batch_size
+    if args.total_episodes is None and args.num_updates == 0:
+        raise SetupError(f"--label_dataset {args.label_dataset}: its train split ({len(train)} pairs) x --num_train_epochs "
+                         f"{args.num_train_epochs} is less than one batch of {args.batch_size}: pass --total_episodes")
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     resume_from = latest_checkpoint(checkpoints) if args.resume else None
 
@@ -702,6 +1024,10 @@ if __name__ == "__main__":
     ref_policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
     for model in (policy, ref_policy):
         disable_dropout(model)  # with dropout, h would not even be 0 before the first update
+    problem = vocabulary_problem(tokenizer, policy.get_input_embeddings().weight.size(0),
+                                 f"--sft_model_path {args.sft_model_path}")
+    if problem:
+        raise SetupError(problem)
     policy.train()
     ref_policy.eval().requires_grad_(False)
     unsampled = unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0))
@@ -715,10 +1041,10 @@ if __name__ == "__main__":
         run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "args.json"), "w") as file:
-            json.dump({**asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id,
-                       "pad_token_id": pad_id,
-                       "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
+        write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
+            **asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id, "pad_token_id": pad_id,
+            "tokenizer_identity": identity, "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))},
+            indent=2))
         writer = SummaryWriter(f"runs/{run_name}")
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
             f"|{key}|{value}|" for key, value in asdict(args).items()))
@@ -737,9 +1063,8 @@ if __name__ == "__main__":
     # to 0 over one epoch in updates of 64 pairs (1450 updates); the paper's Figure 6 compares the two.
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
-    # The scheduler stays unprepared (stepped once per update by us) but is saved in checkpoints.
+    # The scheduler stays unprepared (stepped once per update by us); save_checkpoint stores its state.
     model, optimizer = accelerator.prepare(policy, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
     # The reference takes the policy's precision path: DeepSpeed's bf16 parameters and fp32 buffers
     # (the rotary frequencies), or fp32 weights under accelerate's bf16 autocast, which its forwards
     # enter too. Were it more precise than the policy, h would start away from 0 by the rounding
@@ -750,7 +1075,7 @@ if __name__ == "__main__":
         raise SetupError(f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
     start_update = 0
     if resume_from is not None:
-        accelerator.load_state(resume_from[1])  # also the RNG states saved at that update
+        load_checkpoint(accelerator, resume_from[1], model, optimizer, scheduler)  # also the RNG states of that update
         start_update = resume_from[0]
         accelerator.print(f"resumed from {resume_from[1]} at update {start_update}")
     elif args.resume:
@@ -788,14 +1113,20 @@ if __name__ == "__main__":
                 writer.add_scalar(f"train/dpo/{key}", value, pairs_seen)
             progress.set_postfix(loss=f"{loss:.4f}", accuracy=f"{accuracy:.3f}", margin=f"{chosen - rejected:.3f}",
                                  lr=f"{lr:.2e}")
+        # A nan / inf stops every rank here, before anything of this update is saved (no checkpoint
+        # holding it ever replaces a good one).
+        if not all_finite(accelerator, model, stats[:, 0]):
+            raise FloatingPointError(nonfinite_message(update + 1, args.num_updates, checkpoints))
         if (args.save_every and (update + 1) % args.save_every == 0) or update + 1 == args.stop_after_updates:
-            save_checkpoint(accelerator, checkpoints, update + 1, run_name)
+            save_checkpoint(accelerator, checkpoints, update + 1, run_name, model, optimizer, scheduler)
     if stop_at < args.num_updates:
         accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
         if accelerator.is_main_process:
             writer.close()
         raise SystemExit(0)
     step = args.num_updates * args.batch_size
+    # Results and model go to a new folder beside output_dir, swapped in whole once complete.
+    staging = staging_folder(args.output_dir) if accelerator.is_main_process else None
 
     def first(dataset):
         """The first --num_eval_samples rows of `dataset` (all of them when the flag is None)."""
@@ -851,8 +1182,8 @@ if __name__ == "__main__":
             report += (f"\nGold judge: DPO agrees with the gold ordering on {gold_accuracy:.3f} of {decided.sum()} "
                        f"pairs without a gold tie; accuracy on the labels {table['accuracy'].mean():.3f} vs "
                        f"noise ceiling {noise_ceiling.get(split, float('nan')):.3f}\n")
-        table.to_csv(os.path.join(args.output_dir, f"eval_pairs_{split}.csv"), index=False)
-        with open(os.path.join(args.output_dir, f"accuracy_{split}.md"), "w") as file:
+        table.to_csv(os.path.join(staging, f"eval_pairs_{split}.csv"), index=False)
+        with open(os.path.join(staging, f"accuracy_{split}.md"), "w") as file:
             file.write(report)
         if args.track:
             wandb.log({f"eval/dpo/{split}/samples": wandb.Table(dataframe=table)})
@@ -861,7 +1192,7 @@ if __name__ == "__main__":
         calibration[split] = calibration_bins((table["chosen_reward"] - table["rejected_reward"]).to_numpy(), 0.5)
         print(f"calibration on {split}:\n" + markdown_table(calibration[split]))
     if accelerator.is_main_process and calibration:
-        plot_calibration(calibration, os.path.join(args.output_dir, "calibration.png"))
+        plot_calibration(calibration, os.path.join(staging, "calibration.png"))
 
     # ---- evaluation: summaries of the SFT validation queries, for judge.py ----
     generation_config = GenerationConfig(
@@ -873,7 +1204,7 @@ if __name__ == "__main__":
                                 tokenizer, generation_config, args.local_eval_batch_size)
         if accelerator.is_main_process:
             table = pd.DataFrame(rows, columns=["query", "response", "reference"])
-            table.to_csv(os.path.join(args.output_dir, "eval_validation.csv"), index=False)
+            table.to_csv(os.path.join(staging, "eval_validation.csv"), index=False)
             if args.track:
                 wandb.log({"eval/dpo/validation/query_responses": wandb.Table(dataframe=table)})
             for row in rows[:3]:
@@ -889,11 +1220,11 @@ if __name__ == "__main__":
         # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
         unwrapped.generation_config.eos_token_id = eos_id
         unwrapped.generation_config.pad_token_id = pad_id
-        save_fp32(unwrapped, args.output_dir, state_dict)
-        tokenizer.save_pretrained(args.output_dir)
-        with open(os.path.join(args.output_dir, "eval_metrics.json"), "w") as file:
+        save_fp32(unwrapped, staging, state_dict)
+        tokenizer.save_pretrained(staging)
+        with open(os.path.join(staging, "eval_metrics.json"), "w") as file:
             json.dump(metrics, file, indent=2)
-        shutil.rmtree(checkpoints, ignore_errors=True)  # only an unfinished run needs them
+        publish_output(staging, args.output_dir)  # the checkpoints go with the old folder: only an unfinished run needs them
         writer.close()
         print("\n".join(f"{key}: {metrics[key]:.4f}" for key in metrics if key.count("/") == 3))
         print(f"saved {args.output_dir}")

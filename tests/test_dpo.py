@@ -230,7 +230,7 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
              (["--label_dataset", str(small_world / "preference"), "--output_dir", str(tmp_path / "b")],
               "holds a different run"),
              (["--label_dataset", str(small_world / "preference"), "--output_dir", str(tmp_path / "c"), "--beta", "0"],
-              "--beta 0.0 must be > 0")]
+              "--beta 0.0: want a finite number > 0")]
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "args.json").write_text(json.dumps({"lr": 0.5}))
     (tmp_path / "b" / "eval_metrics.json").write_text("{}")  # that run's work (an args.json alone is a failed start)
