@@ -42,6 +42,7 @@ split and row id.
 import atexit
 import ctypes
 import errno
+import hashlib
 import json
 import os
 import signal
@@ -205,6 +206,17 @@ def preprocess_flag_problems(args: Args) -> list:
     if args.output_dir is not None and (not args.output_dir or os.path.isfile(args.output_dir)):  # None: the default
         problems.append(f"--output_dir {args.output_dir!r} is not a folder name: pass a new or existing folder")
     return problems
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """sha256 (hex) of the tokenizer's vocabulary, as sorted (token, id) pairs, and of its special tokens map."""
+    # Two tokenizers with the same EOS and [PAD] ids may still map every other id to another token: a
+    # model would then train on, or score, text it cannot read, silently. Every stage records this in
+    # its args.json (taken after add_pad_token) and compares it across everything it loads.
+    payload = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "special_tokens": tokenizer.special_tokens_map},
+                         sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
 
 
 def add_pad_token(tokenizer) -> bool:
@@ -857,6 +869,7 @@ if __name__ == "__main__":
     with open(os.path.join(new, "args.json"), "w") as file:
         json.dump({**asdict(args), "base_model_name": model_name(args.base_model),
                    "eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad_id,
+                   "tokenizer_identity": tokenizer_identity(tokenizer),
                    "git_commit": commit}, file, indent=2)
     # A failed run never reaches this point, so it leaves the old outputs as they were. Each output
     # replaces its old version in one rename; args.json, the record of the run, goes last.

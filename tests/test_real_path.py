@@ -318,11 +318,13 @@ def chained(pythia_like, tmp_path_factory):
 def test_stages_chain_by_default_paths_in_fp32(chained, pythia_like):
     data = chained / "data" / NAME / "tldr"
     pad = len(AutoTokenizer.from_pretrained(pythia_like))  # [PAD] appended after the last token, as for Pythia
-    assert json.loads((data / "args.json").read_text())["pad_token_id"] == pad
+    data_args = json.loads((data / "args.json").read_text())
+    assert data_args["pad_token_id"] == pad and data_args["base_model_name"] == NAME
     for stage_name in ("sft", "reward", "dpo", "ppo"):
         out = chained / "models" / NAME / f"{stage_name}_1"
         saved = json.loads((out / "args.json").read_text())
         assert saved["base_model_name"] == NAME and saved["pad_token_id"] == pad
+        assert saved["tokenizer_identity"] == data_args["tokenizer_identity"]  # [PAD] included on both sides
         assert saved_dtypes(out) == ({torch.float32}, "float32")  # fp32 from fp16 Hub weights
         assert AutoTokenizer.from_pretrained(out).pad_token_id == pad
     inputs = json.loads((chained / "models" / NAME / "ppo_1" / "args.json").read_text())
