@@ -705,8 +705,11 @@ class StaticSampler:
     a GPU) and allocates nothing per step. The prefill is sample_rollout's own forward; the scores
     of later steps agree with it up to float rounding (a fused kernel sums in another order)."""
 
-    def __init__(self, batch_size: int):
+    def __init__(self, batch_size: int, backend: Optional[str] = "inductor"):
         self.batch_size = batch_size  # rows of every decode step: a smaller batch is padded to it
+        # torch.compile's backend; None runs the same step eagerly. (Tests use None and "aot_eager": the same
+        # traced graph without inductor's 20-40 s of C++ code generation.)
+        self.backend = backend
         self.cache, self.step = None, None
 
     def __call__(self, model, queries: torch.Tensor, pad_token_id: int, eos_token_id: int, response_length: int,
@@ -718,7 +721,8 @@ class StaticSampler:
         if self.cache is None or self.cache.get_max_length() != context_length + response_length:
             # One cache for the process, its tensors at fixed addresses (what CUDA graphs need).
             self.cache = StaticCache(config=model.config, max_cache_len=context_length + response_length)
-            self.step = torch.compile(decode_step, mode="reduce-overhead" if queries.is_cuda else None, dynamic=False)
+            self.step = decode_step if self.backend is None else torch.compile(
+                decode_step, backend=self.backend, mode="reduce-overhead" if queries.is_cuda else None, dynamic=False)
         # (B, T_q): the rows past `rows` repeat the last query; they are decoded but never drawn for.
         queries = torch.cat((queries, queries[-1:].expand(self.batch_size - rows, -1)))
         attention_mask = queries != pad_token_id
@@ -743,7 +747,7 @@ class StaticSampler:
         model.set_attn_implementation("eager")
         try:
             while True:
-                token = torch.multinomial(probs[:rows], num_samples=1).squeeze(1)  # (b,): sample_rollout's draws
+                token = draw_tokens(probs[:rows])  # (b,): sample_rollout's draws, from the same random stream
                 tokens.append(token)
                 scores.append(score[:rows].clone())  # a copy: a CUDA graph overwrites its outputs at the next step
                 has_eos |= token == eos_token_id
@@ -755,10 +759,22 @@ class StaticSampler:
         finally:
             model.set_attn_implementation(attention)
         for _ in range(response_length - len(tokens)):  # the skipped steps' draws, as in sample_rollout
-            torch.multinomial(torch.ones_like(scores[0]), num_samples=1)
+            draw_tokens(torch.ones_like(scores[0]))
         tokens += [torch.full_like(token[:rows], eos_token_id)] * (response_length - len(tokens))
         scores += [torch.zeros_like(scores[0])] * (response_length - len(scores))
         return torch.cat((queries[:rows], torch.stack(tokens, 1)), 1), torch.stack(scores, 1)
+
+
+def draw_tokens(probs: torch.Tensor) -> torch.Tensor:
+    """== torch.multinomial(probs, num_samples=1).squeeze(1): (B, V) probabilities -> (B,) ids, drawn from the same random stream."""
+    if probs.device.type != "cpu":
+        return torch.multinomial(probs, num_samples=1).squeeze(1)
+    # On a CPU, torch.multinomial draws one sample as argmax(probs / E), E ~ Exp(1) one per entry, in
+    # float32, each from a float64 uniform U as -log1p(-U). Drawn here the same way, it takes a third
+    # of the time of multinomial's own exponential draws (a large cost of a small model's decode
+    # step); tests/test_ppo.py checks the ids and the random stream against torch.multinomial's.
+    noise = -torch.log1p(-torch.empty(probs.shape, dtype=torch.float64).uniform_())  # (B, V)
+    return (probs / noise.float()).argmax(-1)
 
 
 def decode_step(model, token: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache,
