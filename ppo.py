@@ -146,7 +146,7 @@ class Args:
     eval_temperature: float = 0.01
     """Sampling temperature of the evaluation (paper: 0.01)"""
     fast_sampling: bool = False
-    """Sample rollouts and evaluations with a preallocated KV cache and a compiled one-token step (StaticSampler: the same tokens as the plain loop)"""
+    """Sample rollouts and evaluations with StaticSampler: a preallocated KV cache and a compiled one-token step, the same tokens as the plain loop. Off by default: on CPU it samples 1.4-1.6x faster than HF generate but its compile costs 20-60 s per process and rank, more than runs under ~50 updates save (benchmark/results/sampling.md); not yet measured on a GPU (benchmark/gpu_check.sh measures both paths); not with ZeRO-3"""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of policy and critic (memory for compute)"""
     offload: bool = False
@@ -718,11 +718,13 @@ class StaticSampler:
         rows, context_length = queries.shape
         if rows > self.batch_size:
             raise ValueError(f"{rows} queries for a sampler of {self.batch_size} rows")
-        if self.cache is None or self.cache.get_max_length() != context_length + response_length:
-            # One cache for the process, its tensors at fixed addresses (what CUDA graphs need).
-            self.cache = StaticCache(config=model.config, max_cache_len=context_length + response_length)
+        if self.step is None:
             self.step = decode_step if self.backend is None else torch.compile(
                 decode_step, backend=self.backend, mode="reduce-overhead" if queries.is_cuda else None, dynamic=False)
+        if self.cache is None or self.cache.get_max_length() != context_length + response_length:
+            # On a GPU one cache for the process, its tensors at fixed addresses (what CUDA graphs replay);
+            # on a CPU one per call, dropped at its end, so that the PPO epochs do not hold it.
+            self.cache = StaticCache(config=model.config, max_cache_len=context_length + response_length)
         # (B, T_q): the rows past `rows` repeat the last query; they are decoded but never drawn for.
         queries = torch.cat((queries, queries[-1:].expand(self.batch_size - rows, -1)))
         attention_mask = queries != pad_token_id
@@ -758,6 +760,8 @@ class StaticSampler:
                 score, probs = self.step(model, token, position_ids, attention_mask, self.cache, temperature, unsampled)
         finally:
             model.set_attn_implementation(attention)
+            if not queries.is_cuda:
+                self.cache = None
         for _ in range(response_length - len(tokens)):  # the skipped steps' draws, as in sample_rollout
             draw_tokens(torch.ones_like(scores[0]))
         tokens += [torch.full_like(token[:rows], eos_token_id)] * (response_length - len(tokens))

@@ -41,6 +41,28 @@ def query128_data(python: str = sys.executable) -> str:
     return os.path.join(out, "sft")
 
 
+def tiny_reward_model() -> str:
+    """models/tiny/reward_randomhead_1: the tiny SFT policy's backbone (models/tiny/sft_1) with a random scalar head,
+    as reward model and critic of the tiny configuration when no trained one is at hand (the speed of PPO does not
+    depend on the reward model's weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, ROOT)
+    from ppo import ScalarModel, ScalarModelConfig
+
+    sft, out = os.path.join(ROOT, "models", "tiny", "sft_1"), os.path.join(ROOT, "models", "tiny", "reward_randomhead_1")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        backbone = AutoModelForCausalLM.from_pretrained(sft).base_model
+        base_config = {k: v for k, v in backbone.config.to_dict().items() if k != "_name_or_path"}
+        torch.manual_seed(0)
+        scalar = ScalarModel(ScalarModelConfig(base_config=base_config))
+        scalar.backbone.load_state_dict(backbone.state_dict())
+        scalar.save_pretrained(out)
+        AutoTokenizer.from_pretrained(sft).save_pretrained(out)
+    return out
+
+
 def random_models() -> tuple:
     """models/random_h256_l4/{sft,reward} (built on first use, seconds): (SFT policy folder, reward model folder)."""
     import torch
