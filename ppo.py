@@ -703,7 +703,8 @@ class StaticSampler:
     `batch_size` rows and `T_q + response_length` cache columns, so the decode step has one shape
     and compiles once per process (torch.compile: inductor's C++ kernels on a CPU, CUDA graphs on
     a GPU) and allocates nothing per step. The prefill is sample_rollout's own forward; the scores
-    of later steps agree with it up to float rounding (a fused kernel sums in another order)."""
+    of later steps agree with it up to float rounding (a fused kernel sums in another order), and
+    the tokens are the same (tests/test_ppo.py; benchmark/sampling.py checks the compiled step)."""
 
     def __init__(self, batch_size: int, backend: Optional[str] = "inductor"):
         self.batch_size = batch_size  # rows of every decode step: a smaller batch is padded to it
