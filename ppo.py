@@ -146,7 +146,7 @@ class Args:
     eval_temperature: float = 0.01
     """Sampling temperature of the evaluation (paper: 0.01)"""
     fast_sampling: bool = False
-    """Sample rollouts and evaluations with StaticSampler: a preallocated KV cache and a compiled one-token step, the same tokens as the plain loop. Off by default: on CPU it samples 1.4-1.6x faster than HF generate but its compile costs 20-60 s per process and rank, more than runs under ~50 updates save (benchmark/results/sampling.md); not yet measured on a GPU (benchmark/gpu_check.sh measures both paths); not with ZeRO-3"""
+    """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop, 1.5-1.9x faster than HF generate on CPU; its compile (25-60 s per process and rank, cold) pays off after ~20-200 updates, and it has not run on a GPU yet, hence off by default (benchmark/README.md); not with ZeRO-3"""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of policy and critic (memory for compute)"""
     offload: bool = False
