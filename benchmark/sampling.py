@@ -1,5 +1,9 @@
 """Sampling speed side by side: ppo.py's fast path (StaticSampler) against HF generate and the plain KV-cache loop.
 
+Four sides: HF generate as ppo.py's evaluation calls it; HF generate with transformers' own fast path (a static
+cache and its compiled forward: cache_implementation="static", a CompileConfig allowed on every device); ppo.py's
+plain loop (sample_rollout); ppo.py's fast path (StaticSampler).
+
 Same model, same 64 queries, same seed, temperature 0.7, [PAD] and the unowned embedding rows masked, every one of
 the response tokens sampled on every side (no stop at EOS), fp32, no grad, one process. Each round runs every side
 once, the order rotated from round to round (alternating); each call is timed alone with time.perf_counter (the
@@ -82,8 +86,8 @@ def load_config(name: str) -> tuple:
 
 
 def measure(name: str, rounds: int, response_length: int, temperature: float) -> dict:
-    """Time the three samplers on configuration `name`, alternating; check they draw the same tokens."""
-    from transformers import GenerationConfig
+    """Time the samplers on configuration `name`, alternating; check they draw the same tokens."""
+    from transformers import CompileConfig, GenerationConfig
 
     from ppo import StaticSampler, generate, sample_rollout
 
@@ -91,10 +95,15 @@ def measure(name: str, rounds: int, response_length: int, temperature: float) ->
     config = GenerationConfig(max_new_tokens=response_length, min_new_tokens=response_length,
                               temperature=temperature, top_k=0, top_p=1.0, do_sample=True,
                               return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled.tolist())
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True  # generate() compiles only on accelerators unless told so
+    static_config = GenerationConfig(**config.to_dict())
+    static_config.cache_implementation, static_config.compile_config = "static", compile_config
     fast = StaticSampler(queries.shape[0])
     no_eos = -1  # no id is -1: every side samples all response_length tokens, as generate does here
     sides = {
         "HF generate": lambda: generate(policy, queries, pad_id, config)[0],
+        "HF generate, static cache + compile": lambda: generate(policy, queries, pad_id, static_config)[0],
         "plain loop (sample_rollout)": lambda: sample_rollout(policy, queries, pad_id, no_eos, response_length,
                                                               temperature, unsampled)[0],
         "fast path (StaticSampler)": lambda: fast(policy, queries, pad_id, no_eos, response_length, temperature,
@@ -106,13 +115,13 @@ def measure(name: str, rounds: int, response_length: int, temperature: float) ->
         torch.manual_seed(0)
         sides["fast path (StaticSampler)"]()
         compile_seconds = time.perf_counter() - start
-        for side in sides:  # warm-up of the others
+        for side in sides:  # warm-up of the others (and transformers' compile)
             torch.manual_seed(0)
             sides[side]()
         order = list(sides)
         for index in range(rounds):
             samples = {}
-            for side in order[index % 3:] + order[:index % 3]:
+            for side in order[index % len(order):] + order[:index % len(order)]:
                 torch.manual_seed(100 + index)
                 start = time.perf_counter()
                 samples[side] = sides[side]()
@@ -131,7 +140,7 @@ def measure(name: str, rounds: int, response_length: int, temperature: float) ->
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", choices=("tiny", "5m"), default=["tiny", "5m"])
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of the three sides, the order rotated each round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the four sides, the order rotated each round")
     parser.add_argument("--response_length", type=int, default=53)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmark", "results", "sampling.md"))
@@ -141,10 +150,10 @@ def main():
     peak = matmul_peak()
     results = {name: measure(name, args.rounds, args.response_length, args.temperature) for name in args.configs}
     peak_after = matmul_peak()
-    lines = [f"# Sampling: fast path vs HF generate vs the plain loop ({started})", "",
+    lines = [f"# Sampling: ppo.py's fast path vs HF generate vs the plain loop ({started})", "",
              f"fp32 on CPU, {threads} thread(s) (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}), "
              f"batch 64, {args.response_length} response tokens all sampled on every side, temperature "
-             f"{args.temperature}, {args.rounds} rounds, the three sides alternating (order rotated each round), "
+             f"{args.temperature}, {args.rounds} rounds, the four sides alternating (order rotated each round), "
              f"each call timed alone (time.perf_counter, no grad), the same tokens on every side (checked). "
              f"Load average (1 min) {load_before:.2f} before, {os.getloadavg()[0]:.2f} after, on a 2-core machine "
              f"shared with other jobs. Matmul peak (best 2048^3 fp32 matmul, same process and threads): "
