@@ -269,7 +269,7 @@ def assert_same_samples(sampler, policy, queries, length, temperature, unsampled
 def test_static_sampler_draws_what_the_plain_loop_draws(tiny_tldr):
     """StaticSampler (the --fast_sampling path, its step run eagerly here) = sample_rollout token for token: batches
     smaller than the sampler (padding rows), rows ending early (the loop stops, EOS fillers), a run of every step,
-    [PAD] and the unowned rows masked, the cache reused across calls."""
+    [PAD] and the unowned rows masked, a second call on the same sampler (another model of the same shape)."""
     policy, _ = tiny_models(early_eos=True)
     policy.eval()
     unsampled = unsampled_ids(policy)
@@ -278,7 +278,7 @@ def test_static_sampler_draws_what_the_plain_loop_draws(tiny_tldr):
     sampled = assert_same_samples(sampler, policy, queries[:5], 20, 0.7 + 1e-7, unsampled, seed=1)
     assert (sampled[:, -1] == EOS).all()  # every row ended early: the EOS fillers of the skipped steps
     plain, _ = tiny_models()
-    sampled = assert_same_samples(sampler, plain.eval(), queries, 20, 1.0, unsampled, seed=2)  # the same cache
+    sampled = assert_same_samples(sampler, plain.eval(), queries, 20, 1.0, unsampled, seed=2)  # the same sampler
     assert not (sampled[:, queries.shape[1]:] == EOS).any(1).all()  # a row without EOS: all 20 steps sampled
 
 
