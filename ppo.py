@@ -146,7 +146,7 @@ class Args:
     eval_temperature: float = 0.01
     """Sampling temperature of the evaluation (paper: 0.01)"""
     fast_sampling: bool = False
-    """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop, 1.5-1.9x faster than HF generate on CPU; its compile (25-60 s per process and rank, cold) pays off after ~20-200 updates, and it has not run on a GPU yet, hence off by default (benchmark/README.md); not with ZeRO-3"""
+    """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop, 1.4-1.75x faster than HF generate on CPU; its compile (25-60 s per process and rank, cold) pays off after ~20-200 updates, and it has not run on a GPU yet, hence off by default (benchmark/README.md); not with ZeRO-3"""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of policy and critic (memory for compute)"""
     offload: bool = False
