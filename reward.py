@@ -448,7 +448,6 @@ def main() -> None:
 
 
 # ---- plumbing and fast paths: no Detail below ----
-
 # Fast paths, and the helpers of the maths above.
 
 
