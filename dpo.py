@@ -73,7 +73,7 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
-from huggingface_hub.utils import HFValidationError, validate_repo_id
+from huggingface_hub.utils import HFValidationError
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
@@ -171,245 +171,11 @@ class Args:
     """Optimizer updates = total_episodes // batch_size (paper: 92,858 // 64 = 1450)"""
 
 
-# Flags that may change between an interrupted run and its resumption (see output_dir_problem).
-RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
 # preprocess_tldr.py's PREFERENCE_DESCRIPTIONS / SFT_DESCRIPTIONS say what these columns hold.
 PAIR_COLUMNS = ("query_chosen_token", "query_chosen_token_response_label",
                 "query_rejected_token", "query_rejected_token_response_label")
 QUERY_COLUMNS = ("query_token", "reference_response_token")
 EVAL_SPLITS = ("validation", "validation_cnndm")
-GROUPS = ("split", "batch", "confidence")
-# Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
-POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
-NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
-AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")
-AT_LEAST_0 = (lambda value: value >= 0, "an integer >= 0")
-NONE_OR_AT_LEAST_1 = (lambda value: value is None or value >= 1, "an integer >= 1, or no flag")
-NONE_OR_AT_LEAST_0 = (lambda value: value is None or value >= 0, "an integer >= 0, or no flag")
-
-
-class SetupError(ValueError):
-    """Flags, data, tokenizer or output folder the script cannot use; raised before any compute."""
-
-
-def gradient_accumulation(batch_size: int, local_micro_batch_size: int, world_size: int) -> int:
-    """Micro-batches per update per rank so that micro x accumulation x world = batch_size exactly."""
-    per_step = local_micro_batch_size * world_size
-    if batch_size <= 0 or local_micro_batch_size <= 0 or batch_size % per_step:
-        raise SetupError(f"--batch_size {batch_size} is not a positive multiple of --local_micro_batch_size "
-                         f"{local_micro_batch_size} x world size {world_size} = {per_step}")
-    return batch_size // per_step
-
-
-def dpo_flag_problems(args: Args, world_size: int) -> list:
-    """One line per flag that cannot work, naming it and what to pass instead; empty if all can. Loads and writes nothing."""
-    # Every flag is checked before anything is loaded or written, and all problems are listed at once:
-    # a bad value would otherwise surface inside AdamW, after training, or never (a model saved untrained).
-    problems = flag_range_problems(args, {
-        "seed": (lambda seed: 0 <= seed < 2 ** 32 - 100003 * world_size, f"an integer in [0, 2^32 - {100003 * world_size})"),
-        "save_every": AT_LEAST_0, "stop_after_updates": NONE_OR_AT_LEAST_1, "num_train_epochs": AT_LEAST_1,
-        "total_episodes": (lambda n: n is None or n == 0 or n >= args.batch_size,
-                           f"0 (evaluate the SFT model only) or at least one batch, --batch_size {args.batch_size}"),
-        "num_eval_samples": NONE_OR_AT_LEAST_0, "response_length": AT_LEAST_1, "temperature": POSITIVE,
-        "beta": POSITIVE, "label_smoothing": (lambda value: 0 <= value < 0.5, "a number in [0, 0.5)"),
-        "lr": POSITIVE, "eps": POSITIVE, "weight_decay": NON_NEGATIVE, "local_eval_batch_size": AT_LEAST_1})
-    if args.ipo and args.label_smoothing:
-        problems.append(f"--label_smoothing {args.label_smoothing} with --ipo: want 0 (IPO has no label smoothing)")
-    try:
-        gradient_accumulation(args.batch_size, args.local_micro_batch_size, world_size)
-    except SetupError as error:
-        problems.append(str(error))
-    problem = scheduler_problem(args.scheduler)
-    problems += [problem] if problem else []
-    if args.gold_judge is not None and not os.path.isfile(os.path.join(args.gold_judge, "world.json")):
-        problems.append(f"--gold_judge {args.gold_judge}: no world.json there (want a tiny world folder)")
-    if args.output_dir is not None and os.path.isfile(args.output_dir):
-        problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
-    return problems
-
-
-def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
-    """Why `output_dir` cannot hold this run (another run's args.json, or foreign files), None if it can."""
-    path = os.path.join(output_dir, "args.json")
-    if not os.path.isfile(path):
-        if os.path.isdir(output_dir) and os.listdir(output_dir):
-            return f"--output_dir {output_dir} is not empty and has no args.json: choose an empty or new folder"
-        return None
-    if os.listdir(output_dir) == ["args.json"]:  # a start that failed before any work: nothing to lose
-        return None
-    with open(path) as file:
-        saved = json.load(file)
-    changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
-               if k not in ignored and saved.get(k) != v]
-    if changed:
-        return (f"--output_dir {output_dir} holds a different run ({'; '.join(changed)}): "
-                "choose another folder, delete it, or pass the same flags to overwrite or --resume it")
-    checkpoint = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
-    if checkpoint is not None and not flags.get("resume"):  # starting again at update 0 would discard them
-        return (f"--output_dir {output_dir} holds an unfinished run, checkpointed at update {checkpoint[0]}: "
-                "pass --resume to continue it, or choose another folder (or delete this one) to start again")
-    return None
-
-
-def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
-    """['split' or 'split.column' for each missing split or column]; empty when all are there."""
-    missing = [split for split in splits if split not in dataset_dict]
-    return missing + [f"{split}.{column}" for split in splits if split in dataset_dict
-                      for column in columns if column not in dataset_dict[split].column_names]
-
-
-def model_name(base_model: str) -> str:
-    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
-    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
-    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
-    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
-
-
-def input_problem(path: str, flag: str, make: str) -> Optional[str]:
-    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
-    # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
-    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
-    if os.path.exists(path) or hub_id:
-        return None
-    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
-
-
-def recorded_base_model(folder: str) -> Optional[str]:
-    """The base model name (`model_name`) recorded in the args.json of the stage output `folder`; None if none."""
-    path = os.path.join(folder, "args.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as file:
-        return json.load(file).get("base_model_name")
-
-
-def load_fp32(model_class, path: str, flag: str):
-    """`model_class.from_pretrained(path)` in fp32 whatever dtype it was saved in (Pythia's Hub weights are fp16)."""
-    # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
-    # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
-    # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
-    try:
-        return model_class.from_pretrained(path, dtype=torch.float32)
-    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
-        raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
-                         f"(or the Hub cannot be reached): {error}") from error
-
-
-def load_tokenizer(path: str, flag: str):
-    """AutoTokenizer of `path` with right padding; a SetupError naming `flag` when there is none."""
-    try:
-        return AutoTokenizer.from_pretrained(path, padding_side="right")
-    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
-        raise SetupError(f"{flag} {path}: no tokenizer at {path}, and none of that name on the Hub "
-                         f"(or the Hub cannot be reached): {error}") from error
-
-
-def model_path_problem(path: str, flag: str) -> Optional[str]:
-    """Why `path` (given to `flag`) is neither a local model folder nor a Hub id; None if it may be either."""
-    # from_pretrained would read a missing folder as a Hub id and fail with "Repo id must be in the
-    # form ...", which never says that the folder is missing.
-    if os.path.isdir(path):
-        return None
-    if os.path.exists(path):
-        return f"{flag} {path} is a file: pass a model folder or a Hub id (org/name)"
-    try:
-        validate_repo_id(path)
-    except HFValidationError:
-        return f"{flag} {path}: no model folder at {path}, and it is not a Hub id either (org/name): pass a folder that exists"
-    return None  # a Hub id: from_pretrained fetches it, or says that it cannot
-
-
-def flag_range_problems(args, rules: dict) -> list:
-    """['--flag value: want ...'] for each flag of `rules` ({flag: (ok(value) -> bool, what to pass)}) whose value fails."""
-    return [f"--{flag} {getattr(args, flag)}: want {want}" for flag, (ok, want) in rules.items()
-            if not ok(getattr(args, flag))]
-
-
-def tokenizer_identity(tokenizer) -> str:
-    """sha256 (hex) of the tokenizer's vocabulary, as sorted (token, id) pairs, and of its special tokens map."""
-    # Two tokenizers with the same EOS and [PAD] ids may still map every other id to another token: a
-    # model would then train on, or score, text it cannot read, silently. Every stage records this in
-    # its args.json (taken after add_pad_token) and compares it across everything it loads.
-    payload = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "special_tokens": tokenizer.special_tokens_map},
-                         sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
-
-
-def recorded_tokenizer_identity(folder: str) -> Optional[str]:
-    """The "tokenizer_identity" of `folder`/args.json (a stage's output or preprocess_tldr.py's data folder); None if none."""
-    path = os.path.join(folder, "args.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as file:
-        return json.load(file).get("tokenizer_identity")
-
-
-def identity_problem(sides: dict) -> Optional[str]:
-    """{what: tokenizer identity, or None when unknown} -> why the known ones differ, each side named; None if they agree."""
-    known = {what: identity for what, identity in sides.items() if identity is not None}
-    if len(set(known.values())) <= 1:
-        return None
-    return ("these inputs come from different tokenizers (tokenizer_identity = sha256 of vocabulary and special tokens): "
-            + "; ".join(f"{what} has {identity[:16]}" for what, identity in known.items())
-            + ". Preprocess the data and train every model from one base model's tokenizer")
-
-
-def vocabulary_problem(tokenizer, rows: int, what: str) -> Optional[str]:
-    """Why `what`, a model with `rows` embedding rows, cannot read every id of `tokenizer` but [PAD]; None if it can."""
-    # [PAD] may lie past the table: it is replaced by a valid id before every forward.
-    largest = max(i for i in tokenizer.get_vocab().values() if i != tokenizer.pad_token_id)
-    if largest < rows:
-        return None
-    return (f"{what} has {rows} embedding rows, but the tokenizer has ids up to {largest}: it was not trained "
-            "with this tokenizer; use models and data made from one base model")
-
-
-def scheduler_problem(name: str) -> Optional[str]:
-    """Why transformers.get_scheduler cannot build `name` as the stages use it (stepped once per update); None if it can."""
-    if name == "reduce_lr_on_plateau":  # steps on a metric, which the stages do not pass
-        return f"--scheduler {name}: it needs a metric at every step; want e.g. cosine, linear or constant"
-    try:
-        get_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), num_warmup_steps=0,
-                      num_training_steps=1)
-    except (ValueError, TypeError) as error:
-        return f"--scheduler {name}: {str(error).splitlines()[0]}; want e.g. cosine, linear or constant"
-    return None
-
-
-def gpu_problem(environ, cuda_available: bool) -> Optional[str]:
-    """Why this launch cannot run: it asks for a GPU (DeepSpeed, bf16 / fp16) and sees none; None if it can."""
-    # A SLURM job on a node whose torch is a CPU build would otherwise train on the CPU, silently,
-    # for days. A CPU rehearsal is fine when it says so: DS_ACCELERATOR=cpu, or accelerate's --cpu.
-    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
-    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if cuda_available or not (deepspeed or precision != "no"):
-        return None
-    if deepspeed and environ.get("DS_ACCELERATOR") == "cpu":
-        return None
-    if not deepspeed and environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
-        return None
-    asked = "DeepSpeed" if deepspeed else f"mixed precision {precision}"
-    rehearsal = "DS_ACCELERATOR=cpu" if deepspeed else "accelerate launch --cpu"
-    return (f"this launch asks for a GPU ({asked}), but torch {torch.__version__} sees no CUDA device "
-            f"(CUDA build: {torch.version.cuda or 'none, a CPU-only torch'}). Run it on a GPU node with a CUDA "
-            f"build of torch, or, for a CPU rehearsal on purpose, use {rehearsal}")
-
-
-def git_commit(folder: str) -> Optional[str]:
-    """The git commit checked out in `folder`, None outside a git checkout."""
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True)
-    except OSError:
-        return None
-    return result.stdout.strip() if result.returncode == 0 else None
-
-
-def add_pad_token(tokenizer) -> bool:
-    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
-    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
-        return False
-    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    return True
 
 
 def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bool:
@@ -429,12 +195,229 @@ def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bo
     return added
 
 
+def pair_logprobs(model, batch: dict, pad_token_id: int) -> tuple:
+    """A batch of PAIR_COLUMNS tensors (B rows) -> ((B,) chosen, (B,) rejected) summed response log-probs."""
+    # (2B, T): chosen rows then rejected rows, one forward pass for both, trimmed to the batch's longest
+    query_responses = trim_right_padding(torch.cat((batch["query_chosen_token"], batch["query_rejected_token"])),
+                                         pad_token_id)
+    labels = torch.cat((batch["query_chosen_token_response_label"],
+                        batch["query_rejected_token_response_label"]))[:, :query_responses.shape[1]]  # (2B, T')
+    return sequence_logprobs(model, query_responses, labels, pad_token_id).split(len(labels) // 2)
+
+
+def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+             ref_rejected_logps: torch.Tensor, beta: float, ipo: bool = False, label_smoothing: float = 0.0) -> tuple:
+    """(B,) summed log-probs of policy and reference -> ((B,) losses, (B,) chosen and (B,) rejected implicit rewards)."""
+    # Detail 19: DPO as a reward model
+    # DPO's policy defines a reward r = beta * log(pi / pi_ref) (up to a per-query constant that
+    # cancels in a pair) and fits it with the RM's Bradley-Terry loss: -log sigmoid(r_c - r_r) =
+    # -log sigmoid(beta * h). Per pair: the caller averages over the micro-batch, which is what
+    # makes the gradient the same for any micro-batch size (the reference is right only for 1).
+    chosen_rewards = beta * (chosen_logps - ref_chosen_logps)
+    rejected_rewards = beta * (rejected_logps - ref_rejected_logps)
+    h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)  # (B,): 0 while pi = pi_ref
+    if ipo:  # IPO regresses h onto 1 / (2 beta) instead of pushing it to infinity
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:  # conservative DPO: with probability label_smoothing the label is the other way round
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    return losses, chosen_rewards.detach(), rejected_rewards.detach()
+
+
+def dpo_update(accelerator, model, ref_policy, optimizer, micro_batches: list, pad_token_id: int, args) -> dict:
+    """All ranks: one update of the DPO loss over `micro_batches` (train rows) -> {name: (GAS,) per micro-step}."""
+    stats = []
+    for batch in micro_batches:
+        batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+        with torch.no_grad(), accelerator.autocast():
+            ref_chosen, ref_rejected = pair_logprobs(ref_policy, batch, pad_token_id)  # (micro,) each
+        with accelerator.accumulate(model):
+            chosen, rejected = pair_logprobs(model, batch, pad_token_id)  # (micro,) each
+            losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected,
+                                                                args.beta, args.ipo, args.label_smoothing)
+            # The mean over the micro-batch's pairs; accelerate divides by the accumulation steps
+            # and DDP averages over ranks: the mean over the update's pairs, however it is split.
+            loss = losses.mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        stats.append({"loss": loss.detach().float(), "accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+                      "chosen_rewards": chosen_rewards.float().mean(), "rejected_rewards": rejected_rewards.float().mean()})
+    return {name: torch.stack([step[name] for step in stats]) for name in stats[0]}
+
+
+def main() -> None:
+    """The stage, top to bottom (run at the end of the file, once the plumbing below the fence is defined)."""
+    # ---- args & sizes ----
+    args = tyro.cli(Args)
+    accelerator = start_accelerator(args, dpo_flag_problems, "dpo.py")  # every flag is checked first
+    # Detail 8: Tech stack
+    # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
+    # The script names the accumulation and the micro-batch (DeepSpeed cannot read them from a
+    # DataLoader here) and turns off gradient clipping (accelerate fills in 1.0; the paper does not clip).
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
+    if accelerator.state.deepspeed_plugin is not None:
+        accelerator.state.deepspeed_plugin.deepspeed_config.update(
+            train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
+
+    # ---- data and tokenizer: every bad input fails here, before a model is loaded or anything is written ----
+    preference, sft, tokenizer, recorded = dpo_inputs(args, accelerator)  # also sets args.num_updates
+    pad_id = tokenizer.pad_token_id
+    train = preference["train"].with_format("torch", columns=list(PAIR_COLUMNS))
+    resume_from = latest_checkpoint(os.path.join(args.output_dir, "checkpoints")) if args.resume else None
+
+    # ---- seeding & data order ----
+    local_seed = args.seed + accelerator.process_index * 100003  # eval sampling differs per rank
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    torch.backends.cudnn.deterministic = True
+    # reward.py's data order (one shuffle for all ranks, not the reference's one per rank): the RM
+    # and DPO see the same pairs in the same updates, and each pair once per pass.
+    local_order = local_episode_order(len(train), args.num_updates, args.gradient_accumulation_steps, args.world_size,
+                                      args.local_micro_batch_size, args.seed, accelerator.process_index)
+
+    # ---- models, run name & logging ----
+    policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
+    ref_policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
+    # Detail 7: Disable dropout
+    # With dropout, h would not even be 0 before the first update.
+    for model in (policy, ref_policy):
+        disable_dropout(model)
+    refuse(vocabulary_problem(tokenizer, policy.get_input_embeddings().weight.size(0),
+                              f"--sft_model_path {args.sft_model_path}"))
+    policy.train()
+    ref_policy.eval().requires_grad_(False)
+    unsampled = unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0))
+    run_name, writer = start_logging(args, accelerator, resume_from, recorded, "pairs")
+
+    # ---- optimizer & schedule ----
+    # The RM's recipe (Detail 10): AdamW (eps 1e-5, weight decay 0.01), lr 3e-6 with a cosine decay
+    # to 0 over one epoch in updates of 64 pairs (1450 updates); the paper's Figure 6 compares the two.
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
+    # The scheduler stays unprepared (stepped once per update by us); save_checkpoint stores its state.
+    model, optimizer = accelerator.prepare(policy, optimizer)
+    # The reference takes the policy's precision path: DeepSpeed's bf16 parameters and fp32 buffers
+    # (the rotary frequencies), or fp32 weights under accelerate's bf16 autocast, which its forwards
+    # enter too. Were it more precise than the policy, h would start away from 0 by the rounding
+    # difference (the reference code keeps it in fp32).
+    ref_policy = cast_parameters(ref_policy.to(accelerator.device), next(model.parameters()).dtype)
+    problem = rotary_problem({"policy": model, "reference": ref_policy})
+    refuse(problem and f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
+    start_update = resume(accelerator, args, resume_from, model, optimizer, scheduler)
+
+    # ---- training loop ----
+    stop_at = args.num_updates if args.stop_after_updates is None else min(args.stop_after_updates, args.num_updates)
+    progress = tqdm(range(start_update, stop_at), desc="dpo", disable=not accelerator.is_main_process)
+    for update in progress:
+        micro_batches = [train[indices] for indices in local_order[update].tolist()]
+        stats = dpo_update(accelerator, model, ref_policy, optimizer, micro_batches, pad_id, args)  # {name: (GAS,)}
+        lr = scheduler.get_last_lr()[0]  # the rate this update used
+        scheduler.step()
+        means = accelerator.reduce({name: values.mean() for name, values in stats.items()}, reduction="mean")
+        logged = {name: value.item() for name, value in means.items()}
+        logged.update(margin=logged["chosen_rewards"] - logged["rejected_rewards"], lr=lr)
+        if accelerator.is_main_process:
+            for key, value in logged.items():
+                writer.add_scalar(f"train/dpo/{key}", value, (update + 1) * args.batch_size)  # x: pairs seen
+            progress.set_postfix(loss=f"{logged['loss']:.4f}", accuracy=f"{logged['accuracy']:.3f}",
+                                 margin=f"{logged['margin']:.3f}", lr=f"{lr:.2e}")
+        # A nan / inf stops every rank here, before this update is saved; then the --save_every checkpoint.
+        check_and_checkpoint(accelerator, args, update + 1, stats["loss"], run_name, model, optimizer, scheduler)
+    if stop_at < args.num_updates:
+        accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
+        if accelerator.is_main_process:
+            writer.close()
+        raise SystemExit(0)
+    staging = staging_folder(args.output_dir) if accelerator.is_main_process else None  # swapped in once complete
+
+    # ---- evaluation: the implicit reward as a reward model, reported as reward.py reports the RM ----
+    # Detail 6: The preference validation split is out of distribution
+    # Validation pairs come from many policies train never shows, and validation_cnndm is news:
+    # each split is reported apart, exactly as for the RM, so the two compare line by line.
+    metrics, calibration = {}, {}
+    for split in EVAL_SPLITS if args.num_eval_samples != 0 else ():
+        eval_set = first_rows(preference[split], args.num_eval_samples)
+        rewards = implicit_rewards(accelerator, model, ref_policy, eval_set.with_format("torch", columns=list(PAIR_COLUMNS)),
+                                   pad_id, args.beta, args.local_eval_batch_size)
+        if not accelerator.is_main_process:
+            continue
+        table = pair_table(eval_set, rewards)
+        # 1 ranked as labeled, 0 the other way; an exact tie counts 1/2 (with 0 updates, pi = pi_ref
+        # and every implicit reward is exactly 0: a coin flip, not "all wrong").
+        table["accuracy"] = 0.5 + 0.5 * np.sign(table["chosen_reward"] - table["rejected_reward"])
+        # Detail 16: Accuracy differs by batch / confidence / split
+        # One overall accuracy hides the labeling batches' policies and labelers and the near coin
+        # flips of low-confidence pairs (paper Table 5): the same groups as the RM's.
+        by_group = grouped_accuracy(table, ("split", "batch", "confidence"))
+        metrics.update(accuracy_metrics(by_group, f"eval/dpo/{split}/accuracy"))
+        report = f"# DPO implicit-reward accuracy on {split} ({len(table)} pairs)\n\n" + markdown_table(by_group)
+        if args.gold_judge is not None:
+            metrics[f"eval/dpo/{split}/gold_accuracy"], gold_report = gold_agreement(table, eval_set, split,
+                                                                                     args.gold_judge, "DPO")
+            report += gold_report
+        # Calibration as the RM's (Detail 18): sigmoid(r_c - r_r) is the probability DPO's model assigns.
+        calibration[split] = calibration_bins((table["chosen_reward"] - table["rejected_reward"]).to_numpy(), 0.5)
+        write_split_results(staging, split, table, report, calibration[split], f"eval_pairs_{split}.csv",
+                            f"eval/dpo/{split}/samples" if args.track else None)
+    if accelerator.is_main_process and calibration:
+        plot_calibration(calibration, os.path.join(staging, "calibration.png"))
+
+    # ---- evaluation: summaries of the SFT validation queries, for judge.py ----
+    generation_config = GenerationConfig(
+        max_new_tokens=args.response_length, min_new_tokens=args.response_length,  # always the full length
+        temperature=args.temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,  # pure temperature sampling
+        return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled)  # never [PAD] / unowned rows
+    if args.num_eval_samples != 0:
+        queries = first_rows(sft["validation"], args.num_eval_samples).with_format("torch", columns=list(QUERY_COLUMNS))
+        rows = sample_summaries(accelerator, model, queries, tokenizer, generation_config, args.local_eval_batch_size)
+        if accelerator.is_main_process:
+            write_summaries(staging, rows, "eval_validation.csv",
+                            "eval/dpo/validation/query_responses" if args.track else None)
+
+    # ---- save ----
+    save_dpo(accelerator, args, run_name, writer, model, tokenizer, staging, metrics)
+
+
+# ---- plumbing and fast paths: no Detail below ----
+# Fast paths, and the helpers of the maths above.
+
+
+def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """== (log_softmax(logits[:, :-1]).gather(2, labels[:, 1:]) * mask).sum(1), mask = labels[:, 1:] != pad.
+
+    (B, T) right-padded query+response ids, (B, T) labels (query and padding = pad) -> (B,) log-probs of the
+    responses given their queries, summed; from the positions that predict a response token only
+    (tests/test_dpo.py checks the equality)."""
+    # The summary's tokens count, its EOS included (the model must also learn where to stop); the
+    # query's ids and the padding are [PAD] in the labels and count for nothing.
+    mask = response_labels[:, 1:] != pad_token_id  # (B, T-1): position t predicts a summary token at t+1
+    # The LM head only from the first position that predicts a summary token in any row: its
+    # vocabulary-sized outputs are most of a small model's cost, and the queries' are never used.
+    start = int(mask.any(0).nonzero()[0]) if mask.any() else mask.shape[1]
+    attention_mask = query_responses != pad_token_id  # (B, T); pads get a valid id, masked (as sft.py's `forward`)
+    logits = model(input_ids=torch.masked_fill(query_responses, ~attention_mask, 0), attention_mask=attention_mask,
+                   logits_to_keep=query_responses.shape[1] - start, return_dict=True).logits[:, :-1]  # (B, T-1-start, V)
+    mask, labels = mask[:, start:], response_labels[:, start + 1:]  # (B, T-1-start): the ids the logits predict
+    # Only the masked positions' log-softmax, summed per row by index_add (no (B, T, V) log-probs).
+    logprobs = F.log_softmax(logits[mask].float(), dim=-1).gather(1, labels[mask].unsqueeze(1)).squeeze(1)  # (N,)
+    rows = torch.arange(len(labels), device=labels.device).unsqueeze(1).expand_as(mask)[mask]  # (N,): row of each
+    return torch.zeros(len(labels), device=logprobs.device).index_add(0, rows, logprobs)  # (B,): log pi(summary | query)
+
+
+def trim_right_padding(query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """(B, T) ids -> (B, T') with the trailing columns that are pad in every row dropped (at least 1 kept)."""
+    # Rows are padded to the longest sequence of the whole dataset: a batch rarely needs all of it,
+    # and an all-pad column costs compute and changes nothing (the EOS index stays where it was, or
+    # becomes the last index of a row that now ends exactly at its EOS).
+    used = (query_responses != pad_token_id).any(0).nonzero()  # (n, 1): columns with a token
+    return query_responses[:, :int(used.max()) + 1 if len(used) else 1]
+
+
 def disable_dropout(model: torch.nn.Module) -> None:
     """Set every dropout probability of `model` to 0: nn.Dropout modules, float *dropout* attributes, config."""
-    # Detail 7: Disable dropout
-    # With dropout on, two forwards of the same ids give different log-probs: the first PPO ratio
-    # would not be 1 and reward scores would be noisy. Pythia's dropout is 0 already; the tiny
-    # model's is 0.1. nn.Dropout modules are not all of it: GPT-NeoX attention copies the float
+    # Pythia's dropout is 0 already; the tiny model's is 0.1.
+    # nn.Dropout modules are not all of it: GPT-NeoX attention copies the float
     # `config.attention_dropout` into a module attribute and applies it functionally.
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -445,18 +428,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for name, value in vars(model.config).items():  # saved with the model: later loads start at 0 too
         if "dropout" in name and isinstance(value, float):
             setattr(model.config, name, 0.0)
-
-
-def rotary_problem(models: dict) -> Optional[str]:
-    """{name: model} -> the rotary `inv_freq` buffers stored below fp32 (None if there are none)."""
-    # Rotary angles are position x inv_freq: rounded to bf16 (8 bits of mantissa) the angle at
-    # distance 565 of Pythia-1B is off by ~0.25 rad, and two copies of one model that disagree on
-    # it disagree on every log-prob. DeepSpeed casts parameters only; a blanket .to(bf16) does not.
-    low = [f"{name}: {module_name}.inv_freq is {buffer.dtype}" for name, model in models.items()
-           for module_name, module in model.named_modules()
-           for buffer_name, buffer in module.named_buffers(recurse=False)
-           if buffer_name == "inv_freq" and buffer.dtype != torch.float32]
-    return "; ".join(low) or None
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -505,21 +476,612 @@ def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config)
     return torch.cat((queries, output.sequences[:, context_length:]), dim=1), torch.stack(output.scores, 1)
 
 
-def trim_right_padding(query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """(B, T) ids -> (B, T') with the trailing columns that are pad in every row dropped (at least 1 kept)."""
-    # Rows are padded to the longest sequence of the whole dataset: a batch rarely needs all of it,
-    # and an all-pad column costs compute and changes nothing (the EOS index stays where it was, or
-    # becomes the last index of a row that now ends exactly at its EOS).
-    used = (query_responses != pad_token_id).any(0).nonzero()  # (n, 1): columns with a token
-    return query_responses[:, :int(used.max()) + 1 if len(used) else 1]
-
-
 def episode_order(num_rows: int, num_episodes: int, seed: int) -> torch.Tensor:
     """(num_episodes,) row indices: a fresh seeded permutation of the rows per pass, passes concatenated."""
     generator = torch.Generator().manual_seed(seed)
     passes = -(-num_episodes // num_rows)  # ceil: the last pass may be used in part
     perms = [torch.randperm(num_rows, generator=generator) for _ in range(passes)]
     return torch.cat(perms)[:num_episodes] if perms else torch.zeros(0, dtype=torch.long)
+
+
+def local_episode_order(num_rows: int, num_updates: int, gradient_accumulation_steps: int, world_size: int,
+                        local_micro_batch_size: int, seed: int, rank: int) -> torch.Tensor:
+    """(U, GAS, local micro) row indices that rank `rank` reads: the slice [u, m, rank] of episode_order."""
+    # Update u, micro-step m, rank r reads the slice [u, m, r]: ranks read disjoint rows, each once per pass.
+    sizes = (num_updates, gradient_accumulation_steps, world_size, local_micro_batch_size)
+    return episode_order(num_rows, math.prod(sizes), seed).view(sizes)[:, :, rank]
+
+
+# Evaluation: sharded scoring and sampling, tables, plots.
+
+
+@torch.no_grad()
+def implicit_rewards(accelerator, model, ref_policy, dataset, pad_token_id: int, beta: float,
+                     local_eval_batch_size: int) -> dict:
+    """All ranks: {"chosen": (N,), "rejected": (N,)} implicit rewards of the pairs of `dataset`, in its order."""
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()
+    rows = []
+    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
+    for indices, real in tqdm(batches, desc="score", disable=not accelerator.is_main_process):
+        batch = {key: value.to(accelerator.device) for key, value in dataset[indices].items()}
+        chosen, rejected = pair_logprobs(unwrapped, batch, pad_token_id)
+        with accelerator.autocast():
+            ref_chosen, ref_rejected = pair_logprobs(ref_policy, batch, pad_token_id)
+        _, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta)
+        rows += list(zip(indices, chosen_rewards.tolist(), rejected_rewards.tolist()))[:real]
+    unwrapped.train()
+    rows = sorted(gather_object(rows), key=lambda row: row[0])  # every rank's rows, in dataset order
+    return {"chosen": np.array([row[1] for row in rows]), "rejected": np.array([row[2] for row in rows])}
+
+
+@torch.no_grad()
+def sample_summaries(accelerator, model, dataset, tokenizer, generation_config, local_eval_batch_size: int) -> list:
+    """All ranks: [{query, response, reference}] per row of `dataset`, in its order; responses cut after EOS."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()
+    rows = []
+    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
+    for indices, real in tqdm(batches, desc="sample", disable=not accelerator.is_main_process):
+        batch = dataset[indices]
+        queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
+        query_responses, _ = generate(unwrapped, queries, pad_id, generation_config)
+        responses = truncate_response(query_responses[:, queries.shape[1]:], eos_id, pad_id)  # (B, T_resp)
+        for i, query, response, reference in list(zip(
+                indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
+                tokenizer.batch_decode(responses, skip_special_tokens=True),
+                tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True)))[:real]:
+            rows.append({"index": i, "query": query.strip(), "response": response.strip(), "reference": reference.strip()})
+    unwrapped.train()
+    rows = sorted(gather_object(rows), key=lambda row: row["index"])  # every rank's rows, in split order
+    return [{key: row[key] for key in ("query", "response", "reference")} for row in rows]
+
+
+def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
+    """[(row indices, number of real rows)] of rank `rank`: rows rank, rank + W, ... in batches of `batch_size`;
+    every rank gets the same batches count and sizes, a rank one row short repeating its last row (not kept)."""
+    # Frozen models run as ZeRO-3 engines (--offload) gather their parameters in every forward,
+    # a collective: a rank with one batch fewer would leave the others waiting forever.
+    mine = list(range(rank, num_rows, world_size))
+    per_rank = -(-num_rows // world_size)  # ceil
+    padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
+    return [(padded[start:start + batch_size], max(0, min(batch_size, len(mine) - start)))
+            for start in range(0, per_rank, batch_size)]
+
+
+def first_rows(dataset, num_rows: Optional[int]):
+    """The first `num_rows` rows of `dataset` (all of them when None): --num_eval_samples caps every evaluation."""
+    return dataset if num_rows is None else dataset.select(range(min(num_rows, len(dataset))))
+
+
+def pair_table(eval_set, rewards: dict) -> pd.DataFrame:
+    """One row per preference pair: texts, labeling batch, split, confidence, policies, both rewards."""
+    table = pd.DataFrame({
+        "query": eval_set["query"], "chosen": eval_set["chosen"], "rejected": eval_set["rejected"],
+        "batch": eval_set["batch"], "split": eval_set["split"],
+        "confidence": [(extra or {}).get("confidence") for extra in eval_set["extra"]],
+        "chosen_policy": eval_set["chosen_policy"], "rejected_policy": eval_set["rejected_policy"],
+        "chosen_reward": rewards["chosen"], "rejected_reward": rewards["rejected"]})
+    return table
+
+
+def grouped_accuracy(table: pd.DataFrame, groups: tuple) -> pd.DataFrame:
+    """Rows (group, value, accuracy, pairs): 'all' first, then each value of each `groups` column of `table`."""
+    out = [("all", "all", table["accuracy"].mean(), len(table))]
+    for group in groups:
+        for value, part in table.groupby(group, dropna=False, sort=True):
+            # A column with missing values is float in pandas: show confidence 9.0 as "9"
+            value = int(value) if isinstance(value, float) and value.is_integer() else value
+            out.append((group, str(value), part["accuracy"].mean(), len(part)))
+    return pd.DataFrame(out, columns=["group", "value", "accuracy", "pairs"])
+
+
+def accuracy_metrics(by_group: pd.DataFrame, key: str) -> dict:
+    """{key: overall accuracy, key/group/value: accuracy of each group} from grouped_accuracy's rows."""
+    return {key + ("" if row.group == "all" else f"/{row.group}/{row.value}"): row.accuracy
+            for row in by_group.itertuples()}
+
+
+def calibration_bins(margins: np.ndarray, bin_width: float) -> pd.DataFrame:
+    """Rows (low, high, pairs, accuracy, ideal) per |margin| bin; margin = r_chosen - r_rejected, accurate if > 0."""
+    magnitude = np.abs(margins)
+    bins = np.floor(magnitude / bin_width).astype(int)  # bin k holds k * width <= |margin| < (k + 1) * width
+    out = []
+    for k in np.unique(bins):
+        inside = bins == k
+        # Ideal: a calibrated RM predicts P(chosen preferred) = sigmoid(margin); at the bin's centre
+        center = (k + 0.5) * bin_width
+        out.append((k * bin_width, (k + 1) * bin_width, int(inside.sum()), float((margins[inside] > 0).mean()),
+                    1 / (1 + math.exp(-center))))
+    return pd.DataFrame(out, columns=["low", "high", "pairs", "accuracy", "ideal"])
+
+
+def markdown_table(frame: pd.DataFrame) -> str:
+    """A pandas DataFrame as a markdown table (floats with 3 decimals)."""
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    for row in frame.itertuples(index=False):
+        lines.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def gold_agreement(table: pd.DataFrame, eval_set, split: str, gold_judge: str, who: str) -> tuple:
+    """Rank 0: (agreement of `who`'s ordering with the tiny world's gold judge, a report line); adds
+    table["gold_prefers_chosen"]. Pairs the gold judge ties (e.g. two identical summaries) do not count;
+    a pair `who` ties (accuracy 1/2) counts 1/2."""
+    import tiny_world  # the tiny world's gold judge, beside this script; imported only when asked
+
+    with open(os.path.join(gold_judge, "world.json")) as file:
+        noise_ceiling = json.load(file)["noise_ceiling"]
+    # The labels are Bradley-Terry noise around the gold judge: agreement with the gold
+    # ordering is what a reward should learn; the noise ceiling bounds accuracy on the labels.
+    posts = [f"{info['title']}\n{info['article'] if split == 'validation_cnndm' else info['post']}"
+             for info in eval_set["info"]]
+    texts = [(s[c]["text"], s[1 - c]["text"]) for s, c in zip(eval_set["summaries"], eval_set["choice"])]
+    gold_margin = np.array([tiny_world.gold_score(p, c) - tiny_world.gold_score(p, r)
+                            for p, (c, r) in zip(posts, texts)])
+    table["gold_prefers_chosen"] = np.where(gold_margin == 0, np.nan, gold_margin > 0)
+    decided = gold_margin != 0
+    agree = np.where(table["accuracy"] == 0.5, 0.5, (table["accuracy"] > 0.5) == (gold_margin > 0))
+    gold_accuracy = float(agree[decided].mean())
+    return gold_accuracy, (f"\nGold judge: {who} agrees with the gold ordering on {gold_accuracy:.3f} of {decided.sum()} "
+                           f"pairs without a gold tie; accuracy on the labels {table['accuracy'].mean():.3f} vs "
+                           f"noise ceiling {noise_ceiling.get(split, float('nan')):.3f}\n")
+
+
+def write_split_results(staging: str, split: str, table: pd.DataFrame, report: str, calibration: pd.DataFrame,
+                        csv_name: str, wandb_key: Optional[str]) -> None:
+    """Rank 0: `csv_name` and accuracy_{split}.md into `staging`, the table to W&B as `wandb_key` (--track: not None);
+    report and calibration printed."""
+    table.to_csv(os.path.join(staging, csv_name), index=False)
+    with open(os.path.join(staging, f"accuracy_{split}.md"), "w") as file:
+        file.write(report)
+    if wandb_key is not None:
+        import wandb
+
+        wandb.log({wandb_key: wandb.Table(dataframe=table)})
+    print(report)
+    print(f"calibration on {split}:\n" + markdown_table(calibration))
+
+
+def write_summaries(staging: str, rows: list, csv_name: str, wandb_key: Optional[str]) -> None:
+    """Rank 0: the sampled summaries (query, response, reference) as `csv_name` into `staging` (judge.py reads it), to
+    W&B as `wandb_key` (--track: not None); the first three printed."""
+    table = pd.DataFrame(rows, columns=["query", "response", "reference"])
+    table.to_csv(os.path.join(staging, csv_name), index=False)
+    if wandb_key is not None:
+        import wandb
+
+        wandb.log({wandb_key: wandb.Table(dataframe=table)})
+    for row in rows[:3]:
+        print(f"  query ...{row['query'][-80:]!r}\n  response  {row['response']!r}\n  reference {row['reference']!r}")
+
+
+def plot_calibration(tables: dict, path: str) -> None:
+    """Save accuracy vs |margin| per split ({split: calibration_bins frame}) beside the ideal sigmoid."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    figure, ax = plt.subplots(figsize=(6, 4))
+    for split, bins in tables.items():
+        ax.plot((bins["low"] + bins["high"]) / 2, bins["accuracy"], "o-", label=split)
+    grid = np.linspace(0, max([1.0] + [bins["high"].max() for bins in tables.values()]), 100)
+    ax.plot(grid, 1 / (1 + np.exp(-grid)), "k--", label="ideal: sigmoid(margin)")
+    ax.set(xlabel="|r_chosen - r_rejected|", ylabel="accuracy", ylim=(0, 1.02), title="RM calibration (Detail 18)")
+    ax.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+# Run setup: flags, inputs, tokenizer, models, logging.
+# Flags that may change between an interrupted run and its resumption (see output_dir_problem).
+RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
+# Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
+POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
+NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
+AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")
+AT_LEAST_0 = (lambda value: value >= 0, "an integer >= 0")
+NONE_OR_AT_LEAST_1 = (lambda value: value is None or value >= 1, "an integer >= 1, or no flag")
+NONE_OR_AT_LEAST_0 = (lambda value: value is None or value >= 0, "an integer >= 0, or no flag")
+
+
+class SetupError(ValueError):
+    """Flags, data, tokenizer or output folder the script cannot use; raised before any compute."""
+
+
+def refuse(problem: Optional[str]) -> None:
+    """Raise SetupError(problem) when there is a problem."""
+    if problem:
+        raise SetupError(problem)
+
+
+def dpo_flag_problems(args: Args, world_size: int) -> list:
+    """One line per flag that cannot work, naming it and what to pass instead; empty if all can. Loads and writes nothing."""
+    # Every flag is checked before anything is loaded or written, and all problems are listed at once:
+    # a bad value would otherwise surface inside AdamW, after training, or never (a model saved untrained).
+    problems = flag_range_problems(args, {
+        "seed": (lambda seed: 0 <= seed < 2 ** 32 - 100003 * world_size, f"an integer in [0, 2^32 - {100003 * world_size})"),
+        "save_every": AT_LEAST_0, "stop_after_updates": NONE_OR_AT_LEAST_1, "num_train_epochs": AT_LEAST_1,
+        "total_episodes": (lambda n: n is None or n == 0 or n >= args.batch_size,
+                           f"0 (evaluate the SFT model only) or at least one batch, --batch_size {args.batch_size}"),
+        "num_eval_samples": NONE_OR_AT_LEAST_0, "response_length": AT_LEAST_1, "temperature": POSITIVE,
+        "beta": POSITIVE, "label_smoothing": (lambda value: 0 <= value < 0.5, "a number in [0, 0.5)"),
+        "lr": POSITIVE, "eps": POSITIVE, "weight_decay": NON_NEGATIVE, "local_eval_batch_size": AT_LEAST_1})
+    if args.ipo and args.label_smoothing:
+        problems.append(f"--label_smoothing {args.label_smoothing} with --ipo: want 0 (IPO has no label smoothing)")
+    try:
+        gradient_accumulation(args.batch_size, args.local_micro_batch_size, world_size)
+    except SetupError as error:
+        problems.append(str(error))
+    problem = scheduler_problem(args.scheduler)
+    problems += [problem] if problem else []
+    if args.gold_judge is not None and not os.path.isfile(os.path.join(args.gold_judge, "world.json")):
+        problems.append(f"--gold_judge {args.gold_judge}: no world.json there (want a tiny world folder)")
+    if args.output_dir is not None and os.path.isfile(args.output_dir):
+        problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
+    return problems
+
+
+def flag_range_problems(args, rules: dict) -> list:
+    """['--flag value: want ...'] for each flag of `rules` ({flag: (ok(value) -> bool, what to pass)}) whose value fails."""
+    return [f"--{flag} {getattr(args, flag)}: want {want}" for flag, (ok, want) in rules.items()
+            if not ok(getattr(args, flag))]
+
+
+def gradient_accumulation(batch_size: int, local_micro_batch_size: int, world_size: int) -> int:
+    """Micro-batches per update per rank so that micro x accumulation x world = batch_size exactly."""
+    per_step = local_micro_batch_size * world_size
+    if batch_size <= 0 or local_micro_batch_size <= 0 or batch_size % per_step:
+        raise SetupError(f"--batch_size {batch_size} is not a positive multiple of --local_micro_batch_size "
+                         f"{local_micro_batch_size} x world size {world_size} = {per_step}")
+    return batch_size // per_step
+
+
+def scheduler_problem(name: str) -> Optional[str]:
+    """Why transformers.get_scheduler cannot build `name` as the stages use it (stepped once per update); None if it can."""
+    if name == "reduce_lr_on_plateau":  # steps on a metric, which the stages do not pass
+        return f"--scheduler {name}: it needs a metric at every step; want e.g. cosine, linear or constant"
+    try:
+        get_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), num_warmup_steps=0,
+                      num_training_steps=1)
+    except (ValueError, TypeError) as error:
+        return f"--scheduler {name}: {str(error).splitlines()[0]}; want e.g. cosine, linear or constant"
+    return None
+
+
+def gpu_problem(environ, cuda_available: bool) -> Optional[str]:
+    """Why this launch cannot run: it asks for a GPU (DeepSpeed, bf16 / fp16) and sees none; None if it can."""
+    # A SLURM job on a node whose torch is a CPU build would otherwise train on the CPU, silently,
+    # for days. A CPU rehearsal is fine when it says so: DS_ACCELERATOR=cpu, or accelerate's --cpu.
+    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if cuda_available or not (deepspeed or precision != "no"):
+        return None
+    if deepspeed and environ.get("DS_ACCELERATOR") == "cpu":
+        return None
+    if not deepspeed and environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return None
+    asked = "DeepSpeed" if deepspeed else f"mixed precision {precision}"
+    rehearsal = "DS_ACCELERATOR=cpu" if deepspeed else "accelerate launch --cpu"
+    return (f"this launch asks for a GPU ({asked}), but torch {torch.__version__} sees no CUDA device "
+            f"(CUDA build: {torch.version.cuda or 'none, a CPU-only torch'}). Run it on a GPU node with a CUDA "
+            f"build of torch, or, for a CPU rehearsal on purpose, use {rehearsal}")
+
+
+def start_accelerator(args, flag_problems, script: str) -> Accelerator:
+    """The Accelerator of this launch, once the launch and every flag are checked; sets the derived sizes of `args`."""
+    problem = gpu_problem(os.environ, torch.cuda.is_available())
+    if problem:
+        raise SetupError(problem)
+    # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
+    deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
+    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
+    problems = flag_problems(args, accelerator.num_processes)
+    if problems:
+        raise SetupError(f"{script} cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
+    args.world_size = accelerator.num_processes
+    args.gradient_accumulation_steps = gradient_accumulation(args.batch_size, args.local_micro_batch_size,
+                                                             args.world_size)
+    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    args.micro_batch_size = args.local_micro_batch_size * args.world_size
+    return accelerator
+
+
+def dpo_inputs(args, accelerator) -> tuple:
+    """(preference, sft, tokenizer, what args.json records of them), every one checked; fills in the default paths
+    and num_updates of `args`."""
+    name = resolve_paths(args, accelerator, "dpo")
+    preference, sft = load_datasets(args, {"label_dataset": (("train",) + EVAL_SPLITS, PAIR_COLUMNS),
+                                           "query_dataset": (("validation",), QUERY_COLUMNS)})
+    tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")
+    for path in (args.label_dataset, args.query_dataset):  # the token columns must be this tokenizer's ids
+        built_with = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json")
+        data_ids = None  # a Hub dataset or a folder without preprocess_tldr.py's args.json: nothing to compare
+        if os.path.isdir(path) and os.path.isfile(built_with):
+            with open(built_with) as file:
+                built = json.load(file)
+            data_ids = {key: built.get(key) for key in ("eos_token_id", "pad_token_id")}
+        if check_tokenizer(tokenizer, data_ids, f"{path} ({built_with})"):
+            accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
+    identity = tokenizer_identity(tokenizer)
+    refuse(identity_problem({
+        f"--sft_model_path {args.sft_model_path} (its tokenizer)": identity,
+        f"--sft_model_path {args.sft_model_path} (its args.json)": recorded_tokenizer_identity(args.sft_model_path),
+        **{f"--{flag} {path} ({os.path.dirname(os.path.abspath(path))}/args.json)":
+           recorded_tokenizer_identity(os.path.dirname(os.path.abspath(path))) if os.path.isdir(path) else None
+           for flag, path in (("label_dataset", args.label_dataset), ("query_dataset", args.query_dataset))}}))
+    train_pairs = len(preference["train"])
+    total_episodes = train_pairs * args.num_train_epochs if args.total_episodes is None else args.total_episodes
+    args.num_updates = total_episodes // args.batch_size
+    if args.total_episodes is None and args.num_updates == 0:
+        raise SetupError(f"--label_dataset {args.label_dataset}: its train split ({train_pairs} pairs) x --num_train_epochs "
+                         f"{args.num_train_epochs} is less than one batch of {args.batch_size}: pass --total_episodes")
+    recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+                "tokenizer_identity": identity}
+    return preference, sft, tokenizer, recorded
+
+
+def resolve_paths(args, accelerator, stage: str) -> str:
+    """Fill in the default paths of `args`, tidy its output folder and check every input; the base model's name."""
+    # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, sft.py ->
+    # models/{base_model}/sft_{seed}, this script -> models/{base_model}/{stage}_{seed}.
+    name = model_name(args.base_model) if args.base_model else None
+    make_sft = f"python sft.py --base_model {args.base_model or 'EleutherAI/pythia-1b-deduped'} --seed {args.seed}"
+    if args.sft_model_path is None:
+        args.sft_model_path = os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"sft_{args.seed}")
+    else:
+        make_sft += f" --output_dir {args.sft_model_path}"
+    recorded = recorded_base_model(args.sft_model_path)
+    if name and recorded and name != recorded:
+        raise SetupError(f"--sft_model_path {args.sft_model_path} was fine-tuned from {recorded}, not from --base_model "
+                         f"{args.base_model}: pass --base_model {recorded} or another --sft_model_path")
+    name = name or recorded or "EleutherAI/pythia-1b-deduped"
+    args.base_model = args.base_model or name
+    make_data = f"python preprocess_tldr.py --base_model {args.base_model}"
+    args.label_dataset = args.label_dataset or os.path.join("data", name, "tldr", "preference")
+    args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
+    args.output_dir = args.output_dir or os.path.join("models", name, f"{stage}_{args.seed}")
+    if accelerator.is_main_process:
+        tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
+    accelerator.wait_for_everyone()
+    problem = (input_problem(args.sft_model_path, "--sft_model_path", make_sft)
+               or input_problem(args.label_dataset, "--label_dataset", make_data)
+               or input_problem(args.query_dataset, "--query_dataset", make_data)
+               or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
+                   "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates")))
+    refuse(problem)
+    return name
+
+
+def model_name(base_model: str) -> str:
+    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
+    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
+    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
+    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
+
+
+def recorded_base_model(folder: str) -> Optional[str]:
+    """The base model name (`model_name`) recorded in the args.json of the stage output `folder`; None if none."""
+    path = os.path.join(folder, "args.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        return json.load(file).get("base_model_name")
+
+
+def input_problem(path: str, flag: str, make: str) -> Optional[str]:
+    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
+    # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
+    if os.path.exists(path) or hub_id:
+        return None
+    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
+
+
+def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
+    """Why `output_dir` cannot hold this run (another run's args.json, or foreign files), None if it can."""
+    path = os.path.join(output_dir, "args.json")
+    if not os.path.isfile(path):
+        if os.path.isdir(output_dir) and os.listdir(output_dir):
+            return f"--output_dir {output_dir} is not empty and has no args.json: choose an empty or new folder"
+        return None
+    if os.listdir(output_dir) == ["args.json"]:  # a start that failed before any work: nothing to lose
+        return None
+    with open(path) as file:
+        saved = json.load(file)
+    changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
+               if k not in ignored and saved.get(k) != v]
+    if changed:
+        return (f"--output_dir {output_dir} holds a different run ({'; '.join(changed)}): "
+                "choose another folder, delete it, or pass the same flags to overwrite or --resume it")
+    checkpoint = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
+    if checkpoint is not None and not flags.get("resume"):  # starting again at update 0 would discard them
+        return (f"--output_dir {output_dir} holds an unfinished run, checkpointed at update {checkpoint[0]}: "
+                "pass --resume to continue it, or choose another folder (or delete this one) to start again")
+    return None
+
+
+def load_datasets(args, wanted: dict) -> list:
+    """[the DatasetDict of each flag of `wanted`] ({flag: (splits, columns)}), refused if a split or column is missing."""
+    loaded = []
+    for flag, (splits, columns) in wanted.items():
+        path = getattr(args, flag)
+        loaded.append(datasets.load_from_disk(path) if os.path.isdir(path) else datasets.load_dataset(path))
+        missing = missing_columns(loaded[-1], splits, columns)
+        if missing:
+            raise SetupError(f"--{flag} {path} lacks {missing}: build it with preprocess_tldr.py")
+    return loaded
+
+
+def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
+    """['split' or 'split.column' for each missing split or column]; empty when all are there."""
+    missing = [split for split in splits if split not in dataset_dict]
+    return missing + [f"{split}.{column}" for split in splits if split in dataset_dict
+                      for column in columns if column not in dataset_dict[split].column_names]
+
+
+def load_tokenizer(path: str, flag: str):
+    """AutoTokenizer of `path` with right padding; a SetupError naming `flag` when there is none."""
+    try:
+        return AutoTokenizer.from_pretrained(path, padding_side="right")
+    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
+        raise SetupError(f"{flag} {path}: no tokenizer at {path}, and none of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def add_pad_token(tokenizer) -> bool:
+    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return False
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return True
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """sha256 (hex) of the tokenizer's vocabulary, as sorted (token, id) pairs, and of its special tokens map."""
+    # Two tokenizers with the same EOS and [PAD] ids may still map every other id to another token: a
+    # model would then train on, or score, text it cannot read, silently. Every stage records this in
+    # its args.json (taken after add_pad_token) and compares it across everything it loads.
+    payload = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "special_tokens": tokenizer.special_tokens_map},
+                         sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def recorded_tokenizer_identity(folder: str) -> Optional[str]:
+    """The "tokenizer_identity" of `folder`/args.json (a stage's output or preprocess_tldr.py's data folder); None if none."""
+    path = os.path.join(folder, "args.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        return json.load(file).get("tokenizer_identity")
+
+
+def identity_problem(sides: dict) -> Optional[str]:
+    """{what: tokenizer identity, or None when unknown} -> why the known ones differ, each side named; None if they agree."""
+    known = {what: identity for what, identity in sides.items() if identity is not None}
+    if len(set(known.values())) <= 1:
+        return None
+    return ("these inputs come from different tokenizers (tokenizer_identity = sha256 of vocabulary and special tokens): "
+            + "; ".join(f"{what} has {identity[:16]}" for what, identity in known.items())
+            + ". Preprocess the data and train every model from one base model's tokenizer")
+
+
+def vocabulary_problem(tokenizer, rows: int, what: str) -> Optional[str]:
+    """Why `what`, a model with `rows` embedding rows, cannot read every id of `tokenizer` but [PAD]; None if it can."""
+    # [PAD] may lie past the table: it is replaced by a valid id before every forward.
+    largest = max(i for i in tokenizer.get_vocab().values() if i != tokenizer.pad_token_id)
+    if largest < rows:
+        return None
+    return (f"{what} has {rows} embedding rows, but the tokenizer has ids up to {largest}: it was not trained "
+            "with this tokenizer; use models and data made from one base model")
+
+
+def load_fp32(model_class, path: str, flag: str):
+    """`model_class.from_pretrained(path)` in fp32 whatever dtype it was saved in (Pythia's Hub weights are fp16)."""
+    # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
+    # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
+    # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
+    try:
+        return model_class.from_pretrained(path, dtype=torch.float32)
+    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
+        raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def rotary_problem(models: dict) -> Optional[str]:
+    """{name: model} -> the rotary `inv_freq` buffers stored below fp32 (None if there are none)."""
+    # Rotary angles are position x inv_freq: rounded to bf16 (8 bits of mantissa) the angle at
+    # distance 565 of Pythia-1B is off by ~0.25 rad, and two copies of one model that disagree on
+    # it disagree on every log-prob. DeepSpeed casts parameters only; a blanket .to(bf16) does not.
+    low = [f"{name}: {module_name}.inv_freq is {buffer.dtype}" for name, model in models.items()
+           for module_name, module in model.named_modules()
+           for buffer_name, buffer in module.named_buffers(recurse=False)
+           if buffer_name == "inv_freq" and buffer.dtype != torch.float32]
+    return "; ".join(low) or None
+
+
+def start_logging(args, accelerator, resume_from: Optional[tuple], recorded: dict, unit: str) -> tuple:
+    """(run name, rank 0's SummaryWriter or None); rank 0 writes args.json (flags, `recorded`, git commit) and starts W&B;
+    the batch sizes printed, counted in `unit`."""
+    if resume_from is not None:  # a resumed run logs on into its own TensorBoard folder
+        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
+            run_name = args.run_name or json.load(file)["run_name"]
+    else:
+        start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
+        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
+    writer = None
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
+            **asdict(args), "run_name": run_name, **recorded,
+            "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, indent=2))
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{key}|{value}|" for key, value in asdict(args).items()))
+        if args.track:
+            import wandb  # imported here: without --track nothing touches the network
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, save_code=True)
+    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} {unit} = "
+                      f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
+                      f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size} "
+                      f"({args.gradient_accumulation_steps} accumulation steps)")
+    return run_name, writer
+
+
+def git_commit(folder: str) -> Optional[str]:
+    """The git commit checked out in `folder`, None outside a git checkout."""
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True)
+    except OSError:
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+# Fault handling and checkpoints.
+
+
+def check_and_checkpoint(accelerator, args, updates_done: int, losses: torch.Tensor, run_name: str, model, optimizer,
+                         scheduler) -> None:
+    """All ranks: stop all on a non-finite loss or weight; save a checkpoint every --save_every and at --stop_after_updates."""
+    checkpoints = os.path.join(args.output_dir, "checkpoints")
+    if not all_finite(accelerator, model, losses):
+        raise FloatingPointError(nonfinite_message(updates_done, args.num_updates, checkpoints))
+    if (args.save_every and updates_done % args.save_every == 0) or updates_done == args.stop_after_updates:
+        save_checkpoint(accelerator, checkpoints, updates_done, run_name, model, optimizer, scheduler)
+
+
+def all_finite(accelerator, model, losses: torch.Tensor) -> bool:
+    """All ranks: whether `losses` and every parameter of `model` are finite on every rank (one all-reduce)."""
+    # Summed over ranks, so that every rank stops at the same update (a rank stopping alone would
+    # leave the others waiting in the next collective).
+    local = torch.stack([torch.isfinite(losses).all()] + [torch.isfinite(p).all() for p in model.parameters()]).all()
+    return accelerator.reduce((~local).float().reshape(1), reduction="sum").item() == 0
+
+
+def nonfinite_message(update: int, num_updates: int, checkpoints: str) -> str:
+    """Why the run stops at `update` (counted from 1) with a nan / inf, and which checkpoint it keeps."""
+    last = latest_checkpoint(checkpoints)
+    kept = (f"the last checkpoint, {last[1]} (update {last[0]}), is kept as it was" if last else
+            "no checkpoint was written before it (--save_every N keeps one every N updates)")
+    return (f"update {update} of {num_updates}: the loss or the weights are not finite (nan or inf) on at least one "
+            f"rank, so the run stops before saving anything of it; {kept}. Try a lower --lr (or look at the data of "
+            f"update {update}) in a new --output_dir; --resume with these flags continues from the kept checkpoint")
+
+
+def resume(accelerator, args, resume_from: Optional[tuple], model, optimizer, scheduler) -> int:
+    """All ranks: the update to start at, after loading `resume_from` ((update, path) or None) when there is one."""
+    if resume_from is not None:
+        load_checkpoint(accelerator, resume_from[1], model, optimizer, scheduler)  # also the RNG states of that update
+        accelerator.print(f"resumed from {resume_from[1]} at update {resume_from[0]}")
+        return resume_from[0]
+    if args.resume:
+        accelerator.print(f"--resume: no checkpoint in {os.path.join(args.output_dir, 'checkpoints')}, starting at update 0")
+    return 0
 
 
 def latest_checkpoint(folder: str) -> Optional[tuple]:
@@ -655,22 +1217,71 @@ def load_weights_only(path: str, map_location=None):
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def all_finite(accelerator, model, losses: torch.Tensor) -> bool:
-    """All ranks: whether `losses` and every parameter of `model` are finite on every rank (one all-reduce)."""
-    # Summed over ranks, so that every rank stops at the same update (a rank stopping alone would
-    # leave the others waiting in the next collective).
-    local = torch.stack([torch.isfinite(losses).all()] + [torch.isfinite(p).all() for p in model.parameters()]).all()
-    return accelerator.reduce((~local).float().reshape(1), reduction="sum").item() == 0
+# Outputs: written beside output_dir, swapped in whole; the Hub.
 
 
-def nonfinite_message(update: int, num_updates: int, checkpoints: str) -> str:
-    """Why the run stops at `update` (counted from 1) with a nan / inf, and which checkpoint it keeps."""
-    last = latest_checkpoint(checkpoints)
-    kept = (f"the last checkpoint, {last[1]} (update {last[0]}), is kept as it was" if last else
-            "no checkpoint was written before it (--save_every N keeps one every N updates)")
-    return (f"update {update} of {num_updates}: the loss or the weights are not finite (nan or inf) on at least one "
-            f"rank, so the run stops before saving anything of it; {kept}. Try a lower --lr (or look at the data of "
-            f"update {update}) in a new --output_dir; --resume with these flags continues from the kept checkpoint")
+def save_dpo(accelerator, args, run_name: str, writer, model, tokenizer, staging: str, metrics: dict) -> None:
+    """All ranks wait; rank 0 logs the eval metrics, writes the policy (fp32), tokenizer and eval_metrics.json to
+    `staging`, swaps it in as output_dir and pushes it (--push_to_hub)."""
+    accelerator.wait_for_everyone()
+    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it
+    if not accelerator.is_main_process:
+        return
+    for key, value in metrics.items():
+        writer.add_scalar(key, value, args.num_updates * args.batch_size)
+    unwrapped = accelerator.unwrap_model(model)
+    # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
+    unwrapped.generation_config.eos_token_id = tokenizer.eos_token_id
+    unwrapped.generation_config.pad_token_id = tokenizer.pad_token_id
+    save_fp32(unwrapped, staging, state_dict)
+    tokenizer.save_pretrained(staging)
+    with open(os.path.join(staging, "eval_metrics.json"), "w") as file:
+        json.dump(metrics, file, indent=2)
+    publish_output(staging, args.output_dir)  # the checkpoints go with the old folder: only an unfinished run needs them
+    writer.close()
+    print("\n".join(f"{key}: {metrics[key]:.4f}" for key in metrics if key.count("/") == 3))
+    print(f"saved {args.output_dir}")
+    if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
+        print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
+    if args.push_to_hub:
+        repo_name = args.sft_model_path.rstrip("/").replace("/", "_")
+        push_to_hub(args.output_dir, repo_name, args.exp_name, args.hf_entity, run_name)
+    if args.track:
+        import wandb
+
+        wandb.finish()
+
+
+def fp32_state_dict(accelerator, model) -> dict:
+    """All ranks: the model's state dict in fp32, under DeepSpeed its fp32 master weights (not the bf16 copies)."""
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    if accelerator.state.deepspeed_plugin is not None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, param in accelerator.unwrap_model(model).named_parameters():
+            master = safe_get_full_fp32_param(param)  # collective (all-gathers the master's shards); None if frozen
+            if master is not None:
+                state_dict[name] = master
+    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
+
+
+def save_fp32(model, output_dir: str, state_dict: dict) -> None:
+    """`model.save_pretrained` with an fp32 `state_dict`, its config saying float32 (the dtype of the weights saved)."""
+    model.save_pretrained(output_dir, state_dict=state_dict)
+    model.config.dtype = "float32"  # save_pretrained wrote the dtype of the module's bf16 compute copy under DeepSpeed
+    model.config.save_pretrained(output_dir)
+
+
+def push_to_hub(output_dir: str, repo_name: str, exp_name: str, hf_entity: Optional[str], run_name: str) -> None:
+    """Upload `output_dir` to {hf_entity}/{repo_name}__{exp_name}__tldr, on a branch named `run_name`."""
+    from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
+
+    api = HfApi()
+    repo_id = f"{hf_entity or api.whoami()['name']}/{repo_name}__{exp_name}__tldr"
+    api.create_repo(repo_id, exist_ok=True)
+    api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
+    api.upload_folder(folder_path=output_dir, repo_id=repo_id, revision=run_name)
+    print(f"pushed https://huggingface.co/{repo_id}/tree/{run_name}")
 
 
 def write_atomic(path: str, write) -> None:
@@ -741,504 +1352,5 @@ def tidy_output_dir(output_dir: str) -> None:
                     os.remove(path)
 
 
-def fp32_state_dict(accelerator, model) -> dict:
-    """All ranks: the model's state dict in fp32, under DeepSpeed its fp32 master weights (not the bf16 copies)."""
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
-    if accelerator.state.deepspeed_plugin is not None:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        for name, param in accelerator.unwrap_model(model).named_parameters():
-            master = safe_get_full_fp32_param(param)  # collective (all-gathers the master's shards); None if frozen
-            if master is not None:
-                state_dict[name] = master
-    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
-
-
-def save_fp32(model, output_dir: str, state_dict: dict) -> None:
-    """`model.save_pretrained` with an fp32 `state_dict`, its config saying float32 (the dtype of the weights saved)."""
-    model.save_pretrained(output_dir, state_dict=state_dict)
-    model.config.dtype = "float32"  # save_pretrained wrote the dtype of the module's bf16 compute copy under DeepSpeed
-    model.config.save_pretrained(output_dir)
-
-
-def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
-    """[(row indices, number of real rows)] of rank `rank`: rows rank, rank + W, ... in batches of `batch_size`;
-    every rank gets the same batches count and sizes, a rank one row short repeating its last row (not kept)."""
-    # Frozen models run as ZeRO-3 engines (--offload) gather their parameters in every forward,
-    # a collective: a rank with one batch fewer would leave the others waiting forever.
-    mine = list(range(rank, num_rows, world_size))
-    per_rank = -(-num_rows // world_size)  # ceil
-    padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
-    return [(padded[start:start + batch_size], max(0, min(batch_size, len(mine) - start)))
-            for start in range(0, per_rank, batch_size)]
-
-
-def grouped_accuracy(table: pd.DataFrame, groups: tuple) -> pd.DataFrame:
-    """Rows (group, value, accuracy, pairs): 'all' first, then each value of each `groups` column of `table`."""
-    out = [("all", "all", table["accuracy"].mean(), len(table))]
-    for group in groups:
-        for value, part in table.groupby(group, dropna=False, sort=True):
-            # A column with missing values is float in pandas: show confidence 9.0 as "9"
-            value = int(value) if isinstance(value, float) and value.is_integer() else value
-            out.append((group, str(value), part["accuracy"].mean(), len(part)))
-    return pd.DataFrame(out, columns=["group", "value", "accuracy", "pairs"])
-
-
-def calibration_bins(margins: np.ndarray, bin_width: float) -> pd.DataFrame:
-    """Rows (low, high, pairs, accuracy, ideal) per |margin| bin; margin = r_chosen - r_rejected, accurate if > 0."""
-    magnitude = np.abs(margins)
-    bins = np.floor(magnitude / bin_width).astype(int)  # bin k holds k * width <= |margin| < (k + 1) * width
-    out = []
-    for k in np.unique(bins):
-        inside = bins == k
-        # Ideal: a calibrated RM predicts P(chosen preferred) = sigmoid(margin); at the bin's centre
-        center = (k + 0.5) * bin_width
-        out.append((k * bin_width, (k + 1) * bin_width, int(inside.sum()), float((margins[inside] > 0).mean()),
-                    1 / (1 + math.exp(-center))))
-    return pd.DataFrame(out, columns=["low", "high", "pairs", "accuracy", "ideal"])
-
-
-def markdown_table(frame: pd.DataFrame) -> str:
-    """A pandas DataFrame as a markdown table (floats with 3 decimals)."""
-    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
-    for row in frame.itertuples(index=False):
-        lines.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_calibration(tables: dict, path: str) -> None:
-    """Save accuracy vs |margin| per split ({split: calibration_bins frame}) beside the ideal sigmoid."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
-    figure, ax = plt.subplots(figsize=(6, 4))
-    for split, bins in tables.items():
-        ax.plot((bins["low"] + bins["high"]) / 2, bins["accuracy"], "o-", label=split)
-    grid = np.linspace(0, max([1.0] + [bins["high"].max() for bins in tables.values()]), 100)
-    ax.plot(grid, 1 / (1 + np.exp(-grid)), "k--", label="ideal: sigmoid(margin)")
-    ax.set(xlabel="|r_chosen - r_rejected|", ylabel="accuracy", ylim=(0, 1.02), title="RM calibration (Detail 18)")
-    ax.legend()
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-
-
-def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """(B, T) right-padded query+response ids, (B, T) labels (query and padding = pad) -> (B,) summed log-probs."""
-    # The summary's tokens count, its EOS included (the model must also learn where to stop); the
-    # query's ids and the padding are [PAD] in the labels and count for nothing.
-    mask = response_labels[:, 1:] != pad_token_id  # (B, T-1): position t predicts a summary token at t+1
-    # The LM head only from the first position that predicts a summary token in any row: its
-    # vocabulary-sized outputs are most of a small model's cost, and the queries' are never used.
-    start = int(mask.any(0).nonzero()[0]) if mask.any() else mask.shape[1]
-    attention_mask = query_responses != pad_token_id  # (B, T); pads get a valid id, masked (as sft.py's `forward`)
-    logits = model(input_ids=torch.masked_fill(query_responses, ~attention_mask, 0), attention_mask=attention_mask,
-                   logits_to_keep=query_responses.shape[1] - start, return_dict=True).logits[:, :-1]  # (B, T-1-start, V)
-    mask, labels = mask[:, start:], response_labels[:, start + 1:]  # (B, T-1-start): the ids the logits predict
-    logprobs = F.log_softmax(logits[mask].float(), dim=-1).gather(1, labels[mask].unsqueeze(1)).squeeze(1)  # (N,)
-    rows = torch.arange(len(labels), device=labels.device).unsqueeze(1).expand_as(mask)[mask]  # (N,): row of each
-    return torch.zeros(len(labels), device=logprobs.device).index_add(0, rows, logprobs)  # (B,): log pi(summary | query)
-
-
-def pair_logprobs(model, batch: dict, pad_token_id: int) -> tuple:
-    """A batch of PAIR_COLUMNS tensors (B rows) -> ((B,) chosen, (B,) rejected) summed response log-probs."""
-    # (2B, T): chosen rows then rejected rows, one forward pass for both, trimmed to the batch's longest
-    query_responses = trim_right_padding(torch.cat((batch["query_chosen_token"], batch["query_rejected_token"])),
-                                         pad_token_id)
-    labels = torch.cat((batch["query_chosen_token_response_label"],
-                        batch["query_rejected_token_response_label"]))[:, :query_responses.shape[1]]  # (2B, T')
-    return sequence_logprobs(model, query_responses, labels, pad_token_id).split(len(labels) // 2)
-
-
-def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
-             ref_rejected_logps: torch.Tensor, beta: float, ipo: bool = False, label_smoothing: float = 0.0) -> tuple:
-    """(B,) summed log-probs of policy and reference -> ((B,) losses, (B,) chosen and (B,) rejected implicit rewards)."""
-    # Detail 19: DPO as a reward model
-    # DPO's policy defines a reward r = beta * log(pi / pi_ref) (up to a per-query constant that
-    # cancels in a pair) and fits it with the RM's Bradley-Terry loss: -log sigmoid(r_c - r_r) =
-    # -log sigmoid(beta * h). Per pair: the caller averages over the micro-batch, which is what
-    # makes the gradient the same for any micro-batch size (the reference is right only for 1).
-    chosen_rewards = beta * (chosen_logps - ref_chosen_logps)
-    rejected_rewards = beta * (rejected_logps - ref_rejected_logps)
-    h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)  # (B,): 0 while pi = pi_ref
-    if ipo:  # IPO regresses h onto 1 / (2 beta) instead of pushing it to infinity
-        losses = (h - 1 / (2 * beta)) ** 2
-    else:  # conservative DPO: with probability label_smoothing the label is the other way round
-        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
-    return losses, chosen_rewards.detach(), rejected_rewards.detach()
-
-
-@torch.no_grad()
-def implicit_rewards(accelerator, model, ref_policy, dataset, pad_token_id: int, beta: float,
-                     local_eval_batch_size: int) -> dict:
-    """All ranks: {"chosen": (N,), "rejected": (N,)} implicit rewards of the pairs of `dataset`, in its order."""
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.eval()
-    rows = []
-    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
-    for indices, real in tqdm(batches, desc="score", disable=not accelerator.is_main_process):
-        batch = {key: value.to(accelerator.device) for key, value in dataset[indices].items()}
-        chosen, rejected = pair_logprobs(unwrapped, batch, pad_token_id)
-        with accelerator.autocast():
-            ref_chosen, ref_rejected = pair_logprobs(ref_policy, batch, pad_token_id)
-        _, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta)
-        rows += list(zip(indices, chosen_rewards.tolist(), rejected_rewards.tolist()))[:real]
-    unwrapped.train()
-    rows = sorted(gather_object(rows), key=lambda row: row[0])  # every rank's rows, in dataset order
-    return {"chosen": np.array([row[1] for row in rows]), "rejected": np.array([row[2] for row in rows])}
-
-
-@torch.no_grad()
-def sample_summaries(accelerator, model, dataset, tokenizer, generation_config, local_eval_batch_size: int) -> list:
-    """All ranks: [{query, response, reference}] per row of `dataset`, in its order; responses cut after EOS."""
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.eval()
-    rows = []
-    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
-    for indices, real in tqdm(batches, desc="sample", disable=not accelerator.is_main_process):
-        batch = dataset[indices]
-        queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
-        query_responses, _ = generate(unwrapped, queries, pad_id, generation_config)
-        responses = truncate_response(query_responses[:, queries.shape[1]:], eos_id, pad_id)  # (B, T_resp)
-        for i, query, response, reference in list(zip(
-                indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
-                tokenizer.batch_decode(responses, skip_special_tokens=True),
-                tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True)))[:real]:
-            rows.append({"index": i, "query": query.strip(), "response": response.strip(), "reference": reference.strip()})
-    unwrapped.train()
-    rows = sorted(gather_object(rows), key=lambda row: row["index"])  # every rank's rows, in split order
-    return [{key: row[key] for key in ("query", "response", "reference")} for row in rows]
-
-
 if __name__ == "__main__":
-    # ---- args & sizes ----
-    args = tyro.cli(Args)
-    problem = gpu_problem(os.environ, torch.cuda.is_available())
-    if problem:
-        raise SetupError(problem)
-    # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
-    deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
-    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
-    problems = dpo_flag_problems(args, accelerator.num_processes)
-    if problems:
-        raise SetupError("dpo.py cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
-    args.world_size = accelerator.num_processes
-    args.gradient_accumulation_steps = gradient_accumulation(args.batch_size, args.local_micro_batch_size,
-                                                             args.world_size)
-    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
-    args.micro_batch_size = args.local_micro_batch_size * args.world_size
-    # Detail 8: Tech stack
-    # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
-    # The script names the accumulation and the micro-batch (DeepSpeed cannot read them from a
-    # DataLoader here) and turns off gradient clipping (accelerate fills in 1.0; the paper does not clip).
-    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
-    if accelerator.state.deepspeed_plugin is not None:
-        accelerator.state.deepspeed_plugin.deepspeed_config.update(
-            train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
-
-    # ---- checks: every bad input fails here, before a model is loaded or anything is written ----
-    # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, sft.py ->
-    # models/{base_model}/sft_{seed}, this script -> models/{base_model}/dpo_{seed}.
-    name = model_name(args.base_model) if args.base_model else None
-    make_sft = f"python sft.py --base_model {args.base_model or 'EleutherAI/pythia-1b-deduped'} --seed {args.seed}"
-    if args.sft_model_path is None:
-        args.sft_model_path = os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"sft_{args.seed}")
-    else:
-        make_sft += f" --output_dir {args.sft_model_path}"
-    recorded = recorded_base_model(args.sft_model_path)
-    if name and recorded and name != recorded:
-        raise SetupError(f"--sft_model_path {args.sft_model_path} was fine-tuned from {recorded}, not from --base_model "
-                         f"{args.base_model}: pass --base_model {recorded} or another --sft_model_path")
-    name = name or recorded or "EleutherAI/pythia-1b-deduped"
-    args.base_model = args.base_model or name
-    make_data = f"python preprocess_tldr.py --base_model {args.base_model}"
-    args.label_dataset = args.label_dataset or os.path.join("data", name, "tldr", "preference")
-    args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
-    args.output_dir = args.output_dir or os.path.join("models", name, f"dpo_{args.seed}")
-    if accelerator.is_main_process:
-        tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
-    accelerator.wait_for_everyone()
-    problem = (input_problem(args.sft_model_path, "--sft_model_path", make_sft)
-               or input_problem(args.label_dataset, "--label_dataset", make_data)
-               or input_problem(args.query_dataset, "--query_dataset", make_data)
-               or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
-                   "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates")))
-    if problem:
-        raise SetupError(problem)
-    datasets_by_flag = {}
-    for flag, splits, columns in (("label_dataset", ("train",) + EVAL_SPLITS, PAIR_COLUMNS),
-                                  ("query_dataset", ("validation",), QUERY_COLUMNS)):
-        path = getattr(args, flag)
-        datasets_by_flag[flag] = datasets.load_from_disk(path) if os.path.isdir(path) else datasets.load_dataset(path)
-        missing = missing_columns(datasets_by_flag[flag], splits, columns)
-        if missing:
-            raise SetupError(f"--{flag} {path} lacks {missing}: build it with preprocess_tldr.py")
-    preference, sft = datasets_by_flag["label_dataset"], datasets_by_flag["query_dataset"]
-    tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")
-    for path in (args.label_dataset, args.query_dataset):  # the token columns must be this tokenizer's ids
-        built_with = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json")
-        data_ids = None  # a Hub dataset or a folder without preprocess_tldr.py's args.json: nothing to compare
-        if os.path.isdir(path) and os.path.isfile(built_with):
-            with open(built_with) as file:
-                built = json.load(file)
-            data_ids = {key: built.get(key) for key in ("eos_token_id", "pad_token_id")}
-        if check_tokenizer(tokenizer, data_ids, f"{path} ({built_with})"):
-            accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    identity = tokenizer_identity(tokenizer)
-    problem = identity_problem({
-        f"--sft_model_path {args.sft_model_path} (its tokenizer)": identity,
-        f"--sft_model_path {args.sft_model_path} (its args.json)": recorded_tokenizer_identity(args.sft_model_path),
-        **{f"--{flag} {path} ({os.path.dirname(os.path.abspath(path))}/args.json)":
-           recorded_tokenizer_identity(os.path.dirname(os.path.abspath(path))) if os.path.isdir(path) else None
-           for flag, path in (("label_dataset", args.label_dataset), ("query_dataset", args.query_dataset))}})
-    if problem:
-        raise SetupError(problem)
-    train = preference["train"].with_format("torch", columns=list(PAIR_COLUMNS))
-    total_episodes = len(train) * args.num_train_epochs if args.total_episodes is None else args.total_episodes
-    args.num_updates = total_episodes // args.batch_size
-    if args.total_episodes is None and args.num_updates == 0:
-        raise SetupError(f"--label_dataset {args.label_dataset}: its train split ({len(train)} pairs) x --num_train_epochs "
-                         f"{args.num_train_epochs} is less than one batch of {args.batch_size}: pass --total_episodes")
-    checkpoints = os.path.join(args.output_dir, "checkpoints")
-    resume_from = latest_checkpoint(checkpoints) if args.resume else None
-
-    # ---- seeding & data order ----
-    local_seed = args.seed + accelerator.process_index * 100003  # eval sampling differs per rank
-    random.seed(local_seed)
-    np.random.seed(local_seed)
-    torch.manual_seed(local_seed)
-    torch.backends.cudnn.deterministic = True
-    # reward.py's data order: one permutation per pass, seeded alike on every rank (the reference
-    # shuffles with a per-rank seed); update u, micro-step m, rank r reads the slice [u, m, r], so
-    # the RM and DPO see the same pairs in the same updates and each pair once per pass.
-    order = episode_order(len(train), args.num_updates * args.batch_size, args.seed)
-    local_order = order.view(args.num_updates, args.gradient_accumulation_steps, args.world_size,
-                             args.local_micro_batch_size)[:, :, accelerator.process_index]  # (U, GAS, micro)
-
-    # ---- models ----
-    policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
-    ref_policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
-    for model in (policy, ref_policy):
-        disable_dropout(model)  # with dropout, h would not even be 0 before the first update
-    problem = vocabulary_problem(tokenizer, policy.get_input_embeddings().weight.size(0),
-                                 f"--sft_model_path {args.sft_model_path}")
-    if problem:
-        raise SetupError(problem)
-    policy.train()
-    ref_policy.eval().requires_grad_(False)
-    unsampled = unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0))
-
-    # ---- run name & logging ----
-    if resume_from is not None:  # a resumed run logs on into its own TensorBoard folder
-        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
-            run_name = args.run_name or json.load(file)["run_name"]
-    else:
-        start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
-        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
-            **asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id, "pad_token_id": pad_id,
-            "tokenizer_identity": identity, "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))},
-            indent=2))
-        writer = SummaryWriter(f"runs/{run_name}")
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{key}|{value}|" for key, value in asdict(args).items()))
-        if args.track:
-            import wandb  # imported here: without --track nothing touches the network
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
-    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} pairs = "
-                      f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
-                      f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size} "
-                      f"({args.gradient_accumulation_steps} accumulation steps)")
-
-    # ---- optimizer & schedule ----
-    # The RM's recipe (Detail 10): AdamW (eps 1e-5, weight decay 0.01), lr 3e-6 with a cosine decay
-    # to 0 over one epoch in updates of 64 pairs (1450 updates); the paper's Figure 6 compares the two.
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
-    scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
-    # The scheduler stays unprepared (stepped once per update by us); save_checkpoint stores its state.
-    model, optimizer = accelerator.prepare(policy, optimizer)
-    # The reference takes the policy's precision path: DeepSpeed's bf16 parameters and fp32 buffers
-    # (the rotary frequencies), or fp32 weights under accelerate's bf16 autocast, which its forwards
-    # enter too. Were it more precise than the policy, h would start away from 0 by the rounding
-    # difference (the reference code keeps it in fp32).
-    ref_policy = cast_parameters(ref_policy.to(accelerator.device), next(model.parameters()).dtype)
-    problem = rotary_problem({"policy": model, "reference": ref_policy})
-    if problem:
-        raise SetupError(f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
-    start_update = 0
-    if resume_from is not None:
-        load_checkpoint(accelerator, resume_from[1], model, optimizer, scheduler)  # also the RNG states of that update
-        start_update = resume_from[0]
-        accelerator.print(f"resumed from {resume_from[1]} at update {start_update}")
-    elif args.resume:
-        accelerator.print(f"--resume: no checkpoint in {checkpoints}, starting at update 0")
-
-    # ---- training loop ----
-    stop_at = args.num_updates if args.stop_after_updates is None else min(args.stop_after_updates, args.num_updates)
-    progress = tqdm(range(start_update, stop_at), desc="dpo", disable=not accelerator.is_main_process)
-    for update in progress:
-        # (GAS, 4) per micro-step: loss, accuracy, mean chosen reward, mean rejected reward
-        stats = torch.zeros(args.gradient_accumulation_steps, 4, device=accelerator.device)
-        for micro_step in range(args.gradient_accumulation_steps):
-            batch = {key: value.to(accelerator.device) for key, value in train[local_order[update, micro_step].tolist()].items()}
-            with torch.no_grad(), accelerator.autocast():
-                ref_chosen, ref_rejected = pair_logprobs(ref_policy, batch, pad_id)  # (micro,) each
-            with accelerator.accumulate(model):
-                chosen, rejected = pair_logprobs(model, batch, pad_id)  # (micro,) each
-                losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected,
-                                                                    args.beta, args.ipo, args.label_smoothing)
-                # The mean over the micro-batch's pairs; accelerate divides by the accumulation steps
-                # and DDP averages over ranks: the mean over the update's pairs, however it is split.
-                loss = losses.mean()
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            stats[micro_step] = torch.stack([loss.detach(), (chosen_rewards > rejected_rewards).float().mean(),
-                                             chosen_rewards.mean(), rejected_rewards.mean()])
-        lr = scheduler.get_last_lr()[0]  # the rate this update used
-        scheduler.step()
-        loss, accuracy, chosen, rejected = accelerator.reduce(stats.mean(0), reduction="mean").tolist()
-        pairs_seen = (update + 1) * args.batch_size
-        if accelerator.is_main_process:
-            for key, value in (("loss", loss), ("accuracy", accuracy), ("chosen_rewards", chosen),
-                               ("rejected_rewards", rejected), ("margin", chosen - rejected), ("lr", lr)):
-                writer.add_scalar(f"train/dpo/{key}", value, pairs_seen)
-            progress.set_postfix(loss=f"{loss:.4f}", accuracy=f"{accuracy:.3f}", margin=f"{chosen - rejected:.3f}",
-                                 lr=f"{lr:.2e}")
-        # A nan / inf stops every rank here, before anything of this update is saved (no checkpoint
-        # holding it ever replaces a good one).
-        if not all_finite(accelerator, model, stats[:, 0]):
-            raise FloatingPointError(nonfinite_message(update + 1, args.num_updates, checkpoints))
-        if (args.save_every and (update + 1) % args.save_every == 0) or update + 1 == args.stop_after_updates:
-            save_checkpoint(accelerator, checkpoints, update + 1, run_name, model, optimizer, scheduler)
-    if stop_at < args.num_updates:
-        accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
-        if accelerator.is_main_process:
-            writer.close()
-        raise SystemExit(0)
-    step = args.num_updates * args.batch_size
-    # Results and model go to a new folder beside output_dir, swapped in whole once complete.
-    staging = staging_folder(args.output_dir) if accelerator.is_main_process else None
-
-    def first(dataset):
-        """The first --num_eval_samples rows of `dataset` (all of them when the flag is None)."""
-        return dataset if args.num_eval_samples is None else dataset.select(range(min(args.num_eval_samples,
-                                                                                     len(dataset))))
-
-    # ---- evaluation: the implicit reward as a reward model, reported as reward.py reports the RM ----
-    # Detail 6: The preference validation split is out of distribution
-    # Validation pairs come from many policies train never shows, and validation_cnndm is news:
-    # each split is reported apart, exactly as for the RM, so the two compare line by line.
-    metrics, calibration = {}, {}
-    if args.gold_judge is not None:
-        import tiny_world  # the tiny world's gold judge, beside this script; imported only when asked
-
-        with open(os.path.join(args.gold_judge, "world.json")) as file:
-            noise_ceiling = json.load(file)["noise_ceiling"]
-    for split in EVAL_SPLITS if args.num_eval_samples != 0 else ():
-        eval_set = first(preference[split])
-        rewards = implicit_rewards(accelerator, model, ref_policy, eval_set.with_format("torch", columns=list(PAIR_COLUMNS)),
-                                   pad_id, args.beta, args.local_eval_batch_size)
-        if not accelerator.is_main_process:
-            continue
-        table = pd.DataFrame({
-            "query": eval_set["query"], "chosen": eval_set["chosen"], "rejected": eval_set["rejected"],
-            "batch": eval_set["batch"], "split": eval_set["split"],
-            "confidence": [(extra or {}).get("confidence") for extra in eval_set["extra"]],
-            "chosen_policy": eval_set["chosen_policy"], "rejected_policy": eval_set["rejected_policy"],
-            "chosen_reward": rewards["chosen"], "rejected_reward": rewards["rejected"]})
-        # 1 ranked as labeled, 0 the other way; an exact tie counts 1/2 (with 0 updates, pi = pi_ref
-        # and every implicit reward is exactly 0: a coin flip, not "all wrong").
-        table["accuracy"] = 0.5 + 0.5 * np.sign(table["chosen_reward"] - table["rejected_reward"])
-        # Detail 16: Accuracy differs by batch / confidence / split
-        # One overall accuracy hides the labeling batches' policies and labelers and the near coin
-        # flips of low-confidence pairs (paper Table 5): the same groups as the RM's.
-        by_group = grouped_accuracy(table, GROUPS)
-        for row in by_group.itertuples():
-            key = f"eval/dpo/{split}/accuracy" + ("" if row.group == "all" else f"/{row.group}/{row.value}")
-            metrics[key] = row.accuracy
-        report = f"# DPO implicit-reward accuracy on {split} ({len(table)} pairs)\n\n" + markdown_table(by_group)
-        if args.gold_judge is not None:
-            # The labels are Bradley-Terry noise around the gold judge: agreement with the gold
-            # ordering is what the implicit reward should learn; the noise ceiling bounds label accuracy.
-            posts = [f"{info['title']}\n{info['article'] if split == 'validation_cnndm' else info['post']}"
-                     for info in eval_set["info"]]
-            texts = [(s[c]["text"], s[1 - c]["text"]) for s, c in zip(eval_set["summaries"], eval_set["choice"])]
-            gold_margin = np.array([tiny_world.gold_score(p, c) - tiny_world.gold_score(p, r)
-                                    for p, (c, r) in zip(posts, texts)])
-            table["gold_prefers_chosen"] = np.where(gold_margin == 0, np.nan, gold_margin > 0)
-            decided = gold_margin != 0  # gold ties (e.g. two identical summaries) prefer neither
-            agree = np.where(table["accuracy"] == 0.5, 0.5, (table["accuracy"] > 0.5) == (gold_margin > 0))
-            gold_accuracy = float(agree[decided].mean())
-            metrics[f"eval/dpo/{split}/gold_accuracy"] = gold_accuracy
-            report += (f"\nGold judge: DPO agrees with the gold ordering on {gold_accuracy:.3f} of {decided.sum()} "
-                       f"pairs without a gold tie; accuracy on the labels {table['accuracy'].mean():.3f} vs "
-                       f"noise ceiling {noise_ceiling.get(split, float('nan')):.3f}\n")
-        table.to_csv(os.path.join(staging, f"eval_pairs_{split}.csv"), index=False)
-        with open(os.path.join(staging, f"accuracy_{split}.md"), "w") as file:
-            file.write(report)
-        if args.track:
-            wandb.log({f"eval/dpo/{split}/samples": wandb.Table(dataframe=table)})
-        print(report)
-        # Calibration as the RM's (Detail 18): sigmoid(r_c - r_r) is the probability DPO's model assigns.
-        calibration[split] = calibration_bins((table["chosen_reward"] - table["rejected_reward"]).to_numpy(), 0.5)
-        print(f"calibration on {split}:\n" + markdown_table(calibration[split]))
-    if accelerator.is_main_process and calibration:
-        plot_calibration(calibration, os.path.join(staging, "calibration.png"))
-
-    # ---- evaluation: summaries of the SFT validation queries, for judge.py ----
-    generation_config = GenerationConfig(
-        max_new_tokens=args.response_length, min_new_tokens=args.response_length,  # always the full length
-        temperature=args.temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,  # pure temperature sampling
-        return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled)  # never [PAD] / unowned rows
-    if args.num_eval_samples != 0:
-        rows = sample_summaries(accelerator, model, first(sft["validation"]).with_format("torch", columns=list(QUERY_COLUMNS)),
-                                tokenizer, generation_config, args.local_eval_batch_size)
-        if accelerator.is_main_process:
-            table = pd.DataFrame(rows, columns=["query", "response", "reference"])
-            table.to_csv(os.path.join(staging, "eval_validation.csv"), index=False)
-            if args.track:
-                wandb.log({"eval/dpo/validation/query_responses": wandb.Table(dataframe=table)})
-            for row in rows[:3]:
-                print(f"  query ...{row['query'][-80:]!r}\n  response  {row['response']!r}\n  reference {row['reference']!r}")
-
-    # ---- save ----
-    accelerator.wait_for_everyone()
-    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it
-    if accelerator.is_main_process:
-        for key, value in metrics.items():
-            writer.add_scalar(key, value, step)
-        unwrapped = accelerator.unwrap_model(model)
-        # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
-        unwrapped.generation_config.eos_token_id = eos_id
-        unwrapped.generation_config.pad_token_id = pad_id
-        save_fp32(unwrapped, staging, state_dict)
-        tokenizer.save_pretrained(staging)
-        with open(os.path.join(staging, "eval_metrics.json"), "w") as file:
-            json.dump(metrics, file, indent=2)
-        publish_output(staging, args.output_dir)  # the checkpoints go with the old folder: only an unfinished run needs them
-        writer.close()
-        print("\n".join(f"{key}: {metrics[key]:.4f}" for key in metrics if key.count("/") == 3))
-        print(f"saved {args.output_dir}")
-        if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
-            print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
-        if args.push_to_hub:
-            from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
-
-            api = HfApi()
-            repo_name = args.sft_model_path.rstrip("/").replace("/", "_")
-            repo_id = f"{args.hf_entity or api.whoami()['name']}/{repo_name}__{args.exp_name}__tldr"
-            api.create_repo(repo_id, exist_ok=True)
-            api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
-            api.upload_folder(folder_path=args.output_dir, repo_id=repo_id, revision=run_name)
-            print(f"pushed https://huggingface.co/{repo_id}/tree/{run_name}")
-        if args.track:
-            wandb.finish()
+    main()  # here, at the end, so that every helper below the fence is defined when it runs

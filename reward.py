@@ -1,11 +1,10 @@
 """Reward model (RM) training on TL;DR human preferences, normalisation and evaluation (Details 6, 10-18).
 
-Stage 2 of the pipeline. Starts from the SFT model of sft.py, puts a scalar head on its last
-hidden state, and trains it with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) on the
-preference dataset written by preprocess_tldr.py; the reward of a sequence is the head's output at
-its EOS token. After training, every SFT reference summary is scored and the mean is folded into
-the head's bias, so the saved model gives reference summaries a reward of 0 on average; then the
-RM is evaluated on `validation` (TL;DR) and `validation_cnndm` (news, never trained on).
+Stage 2 of the pipeline. Starts from the SFT model of sft.py, puts a scalar head on its last hidden state, and
+trains it with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) on the preference dataset written by
+preprocess_tldr.py; the reward of a sequence is the head's output at its EOS token. After training, every SFT
+reference summary is scored and the mean is folded into the head's bias, so the saved RM gives reference summaries a
+mean reward of 0; then the RM is evaluated on `validation` (TL;DR) and `validation_cnndm` (news, never trained on).
 
     {output_dir}/                     ScalarModel (safetensors) + tokenizer; loads anywhere with
                                       `from reward import ScalarModel; ScalarModel.from_pretrained(path)`
@@ -34,10 +33,10 @@ RM is evaluated on `validation` (TL;DR) and `validation_cnndm` (news, never trai
     accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml reward.py \
         --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_micro_batch_size 8 --track
 
-Details: 6 accuracy per split (validation is out of distribution); 10 the paper's RM recipe; 11 the
-head's initialisation; 12 the reward at the EOS token; 13 per-token reward logits are not rewards;
-14 left- vs right-padded scoring agree; 15 normalisation by the reference summaries' mean reward;
-16 accuracy by batch / confidence; 17 agreement with a judge (--judged_file); 18 calibration.
+Details: 3 a distinct [PAD]; 6 accuracy per split (validation is out of distribution); 7 dropout off; 8 the
+tech stack; 10 the paper's RM recipe; 11 the head's initialisation; 12 the reward at the EOS token; 13 per-token
+reward logits are not rewards; 14 left- vs right-padded scoring agree; 15 normalisation by the reference
+summaries' mean reward; 16 accuracy by batch / confidence; 17 agreement with a judge (--judged_file); 18 calibration.
 Logged (TensorBoard, and W&B with --track; x-axis = training pairs seen):
   train/rm/loss                      mean Bradley-Terry loss of the update's pairs, all ranks
   train/rm/accuracy                  fraction of the update's pairs with r_chosen > r_rejected
@@ -67,11 +66,10 @@ import datasets
 import numpy as np
 import pandas as pd
 import torch
-import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
-from huggingface_hub.utils import HFValidationError, validate_repo_id
+from huggingface_hub.utils import HFValidationError
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
@@ -108,8 +106,6 @@ class Args:
     """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0); required when there is one"""
     stop_after_updates: Optional[int] = None
     """Checkpoint and exit after this many updates, as a time-limited SLURM job would; rerun with --resume"""
-    log_seen_rows: bool = False
-    """Debug: each rank writes the train rows it read, per update, to {output_dir}/seen_rows_rank{r}.json"""
 
     # data
     label_dataset: Optional[str] = None
@@ -162,26 +158,12 @@ class Args:
     """Optimizer updates = total_episodes // batch_size (paper: 92,858 // 64 = 1450)"""
 
 
-# Flags that may change between an interrupted run and its resumption (see output_dir_problem).
-RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
 # preprocess_tldr.py's PREFERENCE_DESCRIPTIONS / SFT_DESCRIPTIONS say what these columns hold.
 # Training reads a pair's query and summaries apart (pair_rewards), evaluation its two whole rows.
 TRAIN_PAIR_COLUMNS = ("query_token", "chosen_token", "rejected_token")
 PAIR_COLUMNS = ("query_chosen_token", "query_rejected_token")
 REFERENCE_COLUMNS = ("query_token", "reference_response_token", "query_reference_response_token")
 EVAL_SPLITS = ("validation", "validation_cnndm")
-GROUPS = ("split", "batch", "confidence")
-# Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
-POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
-NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
-AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")
-AT_LEAST_0 = (lambda value: value >= 0, "an integer >= 0")
-NONE_OR_AT_LEAST_1 = (lambda value: value is None or value >= 1, "an integer >= 1, or no flag")
-NONE_OR_AT_LEAST_0 = (lambda value: value is None or value >= 0, "an integer >= 0, or no flag")
-
-
-class SetupError(ValueError):
-    """Flags, data, tokenizer or output folder the script cannot use; raised before any compute."""
 
 
 class ScalarModelConfig(PretrainedConfig):
@@ -234,13 +216,573 @@ def init_reward_head(head: torch.nn.Linear) -> None:
     torch.nn.init.zeros_(head.bias)
 
 
-def gradient_accumulation(batch_size: int, local_micro_batch_size: int, world_size: int) -> int:
-    """Micro-batches per update per rank so that micro x accumulation x world = batch_size exactly."""
-    per_step = local_micro_batch_size * world_size
-    if batch_size <= 0 or local_micro_batch_size <= 0 or batch_size % per_step:
-        raise SetupError(f"--batch_size {batch_size} is not a positive multiple of --local_micro_batch_size "
-                         f"{local_micro_batch_size} x world size {world_size} = {per_step}")
-    return batch_size // per_step
+def reward_model_from_sft(sft_model_path: str) -> ScalarModel:
+    """A new RM: the SFT model's backbone (no LM head), dropout off, and a fresh head (init_reward_head)."""
+    # The backbone's config is stored as a dict, minus the local path it was loaded from, so the
+    # saved RM never refers back to the SFT folder.
+    sft_backbone = load_fp32(AutoModelForCausalLM, sft_model_path, "--sft_model_path").base_model
+    # Detail 7: Disable dropout
+    # With dropout on, two forwards of the same ids give different rewards (the tiny model's is 0.1).
+    disable_dropout(sft_backbone)
+    base_config = {key: value for key, value in sft_backbone.config.to_dict().items() if key != "_name_or_path"}
+    model = ScalarModel(ScalarModelConfig(base_config=base_config))
+    model.backbone.load_state_dict(sft_backbone.state_dict())
+    disable_dropout(model)
+    return model
+
+
+def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bool:
+    """Refuse pad == EOS, add [PAD] where there is no pad, refuse ids other than `data_ids`; True if added."""
+    # Detail 3: Leading space, EOS at the end, a distinct [PAD]
+    # "A tokenizer without a pad token" is read as: no pad at all (Pythia) gets the [PAD] that
+    # preprocess_tldr.py added, so the ids agree; a pad that IS the EOS is refused, because every
+    # mask `ids != pad` would then hide the EOS too and the model would never learn to stop.
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise SetupError(f"the tokenizer's pad token {tokenizer.pad_token!r} is its EOS token: "
+                         "give it a distinct pad token, or none (then [PAD] is added)")
+    added = add_pad_token(tokenizer)
+    ours = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    if data_ids is not None and data_ids != ours:
+        raise SetupError(f"{data_source} was tokenized with {data_ids}, this tokenizer has {ours}: "
+                         "preprocess the data with the same base model")
+    return added
+
+
+def reward_indices(query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+    """(B, T) ids -> (B,): the EOS position = first pad at or after `context_length`, minus 1 (T - 1 if none)."""
+    # Detail 12: Extract the reward at the EOS token
+    # Only the EOS position has read the whole summary, so only its output is trained (and used as
+    # the reward). Right-padded query+response rows: context 0, the first pad ends the sequence.
+    # Left-padded query ++ right-padded response (PPO's layout): the query's own pads come first,
+    # so the search starts at the response (context = query width). No pad: the last position.
+    return first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> tuple:
+    """(B, T) ids with pads -> ((B, T) per-token reward logits, (B,) reward at each row's EOS)."""
+    attention_mask = query_responses != pad_token_id  # (B, T)
+    # Pads are masked out of attention and replaced by a valid id; no position_ids are passed (the
+    # reference's convention): with left padding, positions shift by the pad count, which rotary
+    # embeddings (relative positions) do not see. Detail 14 measures what is left of it.
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    reward_logits = model(input_ids=input_ids, attention_mask=attention_mask)  # (B, T)
+    eos = reward_indices(query_responses, pad_token_id, context_length)  # (B,)
+    return reward_logits, reward_logits[torch.arange(reward_logits.size(0), device=eos.device), eos]
+
+
+def rm_update(accelerator, model, optimizer, micro_batches: list, pad_token_id: int) -> dict:
+    """All ranks: one update of the Bradley-Terry loss over `micro_batches` (train rows) -> {name: (GAS,) stats}."""
+    stats = []
+    for batch in micro_batches:
+        queries = trim_left_padding(batch["query_token"], pad_token_id).to(accelerator.device)  # (micro, T_q)
+        # (micro, T_r) each: chosen and rejected summaries, right-padded to one width
+        chosen, rejected = trim_right_padding(torch.cat((batch["chosen_token"], batch["rejected_token"])),
+                                              pad_token_id).to(accelerator.device).split(len(queries))
+        with accelerator.accumulate(model):
+            # (micro,) each: the rewards of query ++ chosen and of query ++ rejected
+            chosen_rewards, rejected_rewards = pair_rewards(model, queries, chosen, rejected, pad_token_id)
+            # Bradley-Terry: P(chosen preferred) = sigmoid(r_c - r_r); maximise its log-likelihood.
+            loss = -torch.nn.functional.logsigmoid(chosen_rewards - rejected_rewards).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        stats.append({"loss": loss.detach().float(), "accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+                      "chosen_rewards": chosen_rewards.detach().float().mean(),
+                      "rejected_rewards": rejected_rewards.detach().float().mean()})
+    return {name: torch.stack([step[name] for step in stats]) for name in stats[0]}
+
+
+def normalise_rewards(accelerator, model, references, pad_token_id: int, local_eval_batch_size: int) -> tuple:
+    """All ranks: the references' mean reward taken off the head's bias, in the module and in the fp32 state dict
+    returned, with the statistics of the references' rewards before."""
+    scores = score_dataset(accelerator, model, references, {
+        "right": ("query_reference_response_token",),  # right-padded query+reference, as in training
+        "left": ("query_token", "reference_response_token"),  # left-padded query ++ reference, as in PPO
+    }, pad_token_id, local_eval_batch_size)
+    # Detail 14: Left- vs right-padded reward extraction
+    # PPO scores left-padded queries followed by its samples; the RM was trained on right-padded
+    # rows. Same tokens, other positions and pads: the two rewards should agree to ~1e-6 in fp32
+    # (the paper reports a mean difference of -5e-4 for its bf16 6.9B RM; the reference flags 1e-2).
+    left_right_diff = scores["left"] - scores["right"]
+    # Detail 15: Reward normalisation from SFT reference summaries
+    # Stiennon et al.: "normalize the reward model outputs such that the reference summaries from
+    # our dataset achieve a mean score of 0". Only the mean, folded into the head's bias: the saved
+    # weights (and the PPO critic initialised from them, Detail 22) output normalised rewards.
+    reference_mean = float(scores["right"].mean())
+    state_dict = shift_head_bias(accelerator, model, -reference_mean)  # what is saved, and what is evaluated
+    normalization = {"mean": reference_mean, "std": float(scores["right"].std()), "min": float(scores["right"].min()),
+                     "max": float(scores["right"].max()), "references": len(references),
+                     "left_right_diff_mean": float(left_right_diff.mean()),
+                     "left_right_diff_gt_1e-2": float((np.abs(left_right_diff) > 1e-2).mean())}
+    accelerator.print(f"normalisation over {len(references)} SFT references: " + ", ".join(
+        f"{key} {value:.4g}" for key, value in normalization.items()) + f"; head bias -= {reference_mean:.4f}")
+    return state_dict, normalization
+
+
+def rm_agreement(preferred: list[str], ours_scores: list, other_scores: list) -> tuple[Optional[float], int]:
+    """Fraction of decided judgments ("ours" or the other side) where score ordering agrees; and their count."""
+    # Detail 17: Agreement with an LLM judge
+    # The RM "prefers ours" iff score > other score (strict, as the reference's eval/analyze_rm.py:
+    # an RM tie agrees with nobody). Malformed verdicts, gold ties and rows without scores do not count.
+    pairs = [(p == "ours", s > o) for p, s, o in zip(preferred, ours_scores, other_scores)
+             if p not in ("malformed", "tie", "unjudged") and s is not None and o is not None]
+    return (sum(judge == rm for judge, rm in pairs) / len(pairs) if pairs else None), len(pairs)
+
+
+def main() -> None:
+    """The stage, top to bottom (run at the end of the file, once the plumbing below the fence is defined)."""
+    # ---- args & sizes ----
+    args = tyro.cli(Args)
+    accelerator = start_accelerator(args, reward_flag_problems, "reward.py")  # every flag is checked first
+    # Detail 8: Tech stack
+    # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
+    # The script names the accumulation and the micro-batch (DeepSpeed cannot read them from a
+    # DataLoader here) and turns off gradient clipping (accelerate fills in 1.0; the paper does not clip).
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
+    if accelerator.state.deepspeed_plugin is not None:
+        accelerator.state.deepspeed_plugin.deepspeed_config.update(
+            train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
+
+    # ---- data and tokenizer: every bad input fails here, before a model is loaded or anything is written ----
+    preference, sft, judged, tokenizer, recorded = rm_inputs(args, accelerator)  # also sets args.num_updates
+    pad_id = tokenizer.pad_token_id
+    train = preference["train"].with_format("torch", columns=list(TRAIN_PAIR_COLUMNS))
+    resume_from = latest_checkpoint(os.path.join(args.output_dir, "checkpoints")) if args.resume else None
+
+    # ---- seeding & data order ----
+    local_seed = args.seed + accelerator.process_index * 100003
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(args.seed)  # the head's initialisation: the same on every rank
+    torch.backends.cudnn.deterministic = True
+    # One permutation per pass, seeded alike on every rank (the reference shuffles with a per-rank
+    # seed, so its ranks read overlapping subsets): ranks read disjoint pairs, each pair once per pass.
+    local_order = local_episode_order(len(train), args.num_updates, args.gradient_accumulation_steps, args.world_size,
+                                      args.local_micro_batch_size, args.seed, accelerator.process_index)
+
+    # ---- model, run name & logging ----
+    model = reward_model_from_sft(args.sft_model_path)
+    refuse(vocabulary_problem(tokenizer, model.backbone.get_input_embeddings().weight.size(0),
+                              f"--sft_model_path {args.sft_model_path}"))
+    model.train()
+    run_name, writer = start_logging(args, accelerator, resume_from, recorded, "pairs")
+
+    # ---- optimizer & schedule ----
+    # Detail 10: RM setup
+    # The paper's recipe: initialised from the SFT model, AdamW (eps 1e-5, weight decay 0.01),
+    # lr 3e-6 with a cosine decay to 0 over one epoch in updates of 64 pairs (1450 updates).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
+    # The scheduler stays unprepared (stepped once per update by us); save_checkpoint stores its state.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    problem = rotary_problem({"model": model})
+    refuse(problem and f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
+    start_update = resume(accelerator, args, resume_from, model, optimizer, scheduler)
+
+    # ---- training loop ----
+    stop_at = args.num_updates if args.stop_after_updates is None else min(args.stop_after_updates, args.num_updates)
+    progress = tqdm(range(start_update, stop_at), desc="reward", disable=not accelerator.is_main_process)
+    for update in progress:
+        micro_batches = [train[indices] for indices in local_order[update].tolist()]
+        stats = rm_update(accelerator, model, optimizer, micro_batches, pad_id)  # {name: (GAS,)}
+        lr = scheduler.get_last_lr()[0]  # the rate this update used
+        scheduler.step()
+        means = accelerator.reduce({name: values.mean() for name, values in stats.items()}, reduction="mean")
+        logged = {**{name: value.item() for name, value in means.items()}, "lr": lr}
+        if accelerator.is_main_process:
+            for key, value in logged.items():
+                writer.add_scalar(f"train/rm/{key}", value, (update + 1) * args.batch_size)  # x: pairs seen
+            progress.set_postfix(loss=f"{logged['loss']:.4f}", accuracy=f"{logged['accuracy']:.3f}", lr=f"{lr:.2e}")
+        # A nan / inf stops every rank here, before this update is saved; then the --save_every checkpoint.
+        check_and_checkpoint(accelerator, args, update + 1, stats["loss"], run_name, model, optimizer, scheduler)
+    if stop_at < args.num_updates:
+        accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
+        raise SystemExit(0)
+    staging = staging_folder(args.output_dir) if accelerator.is_main_process else None  # swapped in once complete
+
+    # ---- normalisation ----
+    references = first_rows(sft["train"], args.num_eval_samples).with_format("torch", columns=list(REFERENCE_COLUMNS))
+    state_dict, normalization = normalise_rewards(accelerator, model, references, pad_id, args.local_eval_batch_size)
+    metrics = {f"eval/rm/normalized_{key}": value for key, value in normalization.items() if key != "references"}
+
+    # ---- evaluation ----
+    # Detail 6: The preference validation split is out of distribution
+    # Validation pairs come from many policies train never shows (preprocess_tldr.py counts them),
+    # and validation_cnndm is news: report each split apart and never pool them into one number.
+    calibration = {}
+    for split in EVAL_SPLITS:
+        eval_set = first_rows(preference[split], args.num_eval_samples)
+        rewards = score_dataset(accelerator, model, eval_set.with_format("torch", columns=list(PAIR_COLUMNS)),
+                                {"chosen": ("query_chosen_token",), "rejected": ("query_rejected_token",)},
+                                pad_id, args.local_eval_batch_size)
+        if not accelerator.is_main_process:
+            continue
+        table = pair_table(eval_set, rewards)
+        table["accuracy"] = (table["chosen_reward"] > table["rejected_reward"]).astype(float)  # an RM tie is wrong
+        # Detail 16: Accuracy differs by batch / confidence / split
+        # Batches differ in policies, instructions and labelers; low-confidence pairs are near coin flips.
+        by_group = grouped_accuracy(table, ("split", "batch", "confidence"))
+        metrics.update(accuracy_metrics(by_group, f"eval/rm/{split}/accuracy"))
+        report = f"# RM accuracy on {split} ({len(table)} pairs)\n\n" + markdown_table(by_group)
+        if args.gold_judge is not None:
+            metrics[f"eval/rm/{split}/gold_accuracy"], gold_report = gold_agreement(table, eval_set, split,
+                                                                                    args.gold_judge, "RM")
+            report += gold_report
+        # Detail 18: RM calibration
+        # A calibrated RM is right with probability sigmoid(margin) (Bai et al., 2022): bins 0.5 wide.
+        calibration[split] = calibration_bins((table["chosen_reward"] - table["rejected_reward"]).to_numpy(), 0.5)
+        write_split_results(staging, split, table, report, calibration[split], f"eval_{split}.csv",
+                            f"eval/rm/{split}/samples" if args.track else None)
+    if accelerator.is_main_process:
+        # Detail 13: Non-EOS reward logits are not valid rewards
+        # Only the EOS logit is trained; elsewhere the head outputs whatever the hidden states give.
+        # The paper sees mostly negative values there; a plot of a few sequences shows it.
+        samples = token_reward_samples(accelerator.unwrap_model(model), preference["validation"], pad_id, accelerator.device)
+        write_plots(staging, calibration, samples)
+    if judged is not None:
+        metrics["eval/rm/judge_agreement"] = judge_agreement(accelerator, model, tokenizer, judged, args)
+
+    # ---- save ----
+    save_rm(accelerator, args, run_name, writer, model, tokenizer, staging, state_dict,
+            {"normalization.json": normalization, "eval_metrics.json": metrics})
+
+
+# ---- plumbing and fast paths: no Detail below ----
+# Fast paths, and the helpers of the maths above.
+
+
+def pair_rewards(model, queries: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor,
+                 pad_token_id: int) -> tuple:
+    """== (get_reward(model, query ++ chosen, right-padded)[1], get_reward(model, query ++ rejected, right-padded)[1]).
+
+    (B, T_q) left-padded queries, (B, T_r) right-padded chosen and rejected summaries -> (B,) rewards of each,
+    from ONE row per pair, query ++ chosen ++ rejected (tests/test_reward.py checks the equality)."""
+    # Speed only: the two rows of a pair repeat its query, most of their tokens (~130 of ~150 in the
+    # tiny world; TL;DR queries run to 512 tokens, summaries to 53). Here the query is read once.
+    # The rejected summary's tokens do not attend to the chosen summary.
+    # Both summaries take the positions right after the query.
+    # ~2/3 of the time of two rows on the tiny world (benchmark/reward_pair_rows.py).
+    query_width, response_width = queries.shape[1], chosen.shape[1]
+    input_ids = torch.cat((queries, chosen, rejected), dim=1)  # (B, T), T = T_q + 2 T_r
+    is_token = input_ids != pad_token_id  # (B, T)
+    query_length = is_token[:, :query_width].sum(1, keepdim=True)  # (B, 1)
+    response_positions = query_length + torch.arange(response_width, device=queries.device)  # (B, T_r)
+    position_ids = torch.cat(((is_token[:, :query_width].cumsum(1) - 1).clamp(min=0),
+                              response_positions, response_positions), dim=1)  # (B, T)
+    part = torch.cat([torch.full((width,), k, device=queries.device)  # (T,): 0 query, 1 chosen, 2 rejected
+                      for k, width in enumerate((query_width, response_width, response_width))])
+    column = torch.arange(input_ids.size(1), device=queries.device)  # (T,)
+    # (T, T): causal, and no rejected position reads a chosen one
+    reads = (column[None, :] <= column[:, None]) & ~((part[:, None] == 2) & (part[None, :] == 1))
+    # A position reads no pad; each reads at least itself (a pad's own output is never used).
+    attention_mask = (reads & is_token[:, None, :]) | torch.eye(len(column), dtype=torch.bool, device=queries.device)
+    reward_logits = model(input_ids=torch.masked_fill(input_ids, ~is_token, 0), attention_mask=attention_mask[:, None],
+                          position_ids=position_ids)  # (B, T)
+    rows = torch.arange(queries.size(0), device=queries.device)
+    chosen_eos = query_width + reward_indices(chosen, pad_token_id, context_length=0)  # (B,)
+    rejected_eos = query_width + response_width + reward_indices(rejected, pad_token_id, context_length=0)
+    return reward_logits[rows, chosen_eos], reward_logits[rows, rejected_eos]
+
+
+def trim_left_padding(queries: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """(B, T) left-padded ids -> (B, T') without the leading columns that are pad in every row (1 kept at least)."""
+    used = (queries != pad_token_id).any(0).nonzero()  # (n, 1): columns with a token
+    return queries[:, int(used.min()) if len(used) else -1:]
+
+
+def trim_right_padding(query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """(B, T) ids -> (B, T') with the trailing columns that are pad in every row dropped (at least 1 kept)."""
+    # Rows are padded to the longest sequence of the whole dataset: a batch rarely needs all of it,
+    # and an all-pad column costs compute and changes nothing (the EOS index stays where it was, or
+    # becomes the last index of a row that now ends exactly at its EOS).
+    used = (query_responses != pad_token_id).any(0).nonzero()  # (n, 1): columns with a token
+    return query_responses[:, :int(used.max()) + 1 if len(used) else 1]
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """(B, T) bool -> (B,): index of the first True of each row, T for a row without one."""
+    row_len = bools.size(-1)
+    # (B, T): a False costs T + its index, a True just its index; the minimum is the first True
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability of `model` to 0: nn.Dropout modules, float *dropout* attributes, config."""
+    # Pythia's dropout is 0 already; the tiny model's is 0.1.
+    # nn.Dropout modules are not all of it: GPT-NeoX attention copies the float
+    # `config.attention_dropout` into a module attribute and applies it functionally.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    for name, value in vars(model.config).items():  # saved with the model: later loads start at 0 too
+        if "dropout" in name and isinstance(value, float):
+            setattr(model.config, name, 0.0)
+
+
+def episode_order(num_rows: int, num_episodes: int, seed: int) -> torch.Tensor:
+    """(num_episodes,) row indices: a fresh seeded permutation of the rows per pass, passes concatenated."""
+    generator = torch.Generator().manual_seed(seed)
+    passes = -(-num_episodes // num_rows)  # ceil: the last pass may be used in part
+    perms = [torch.randperm(num_rows, generator=generator) for _ in range(passes)]
+    return torch.cat(perms)[:num_episodes] if perms else torch.zeros(0, dtype=torch.long)
+
+
+def local_episode_order(num_rows: int, num_updates: int, gradient_accumulation_steps: int, world_size: int,
+                        local_micro_batch_size: int, seed: int, rank: int) -> torch.Tensor:
+    """(U, GAS, local micro) row indices that rank `rank` reads: the slice [u, m, rank] of episode_order."""
+    # Update u, micro-step m, rank r reads the slice [u, m, r]: ranks read disjoint rows, each once per pass.
+    sizes = (num_updates, gradient_accumulation_steps, world_size, local_micro_batch_size)
+    return episode_order(num_rows, math.prod(sizes), seed).view(sizes)[:, :, rank]
+
+
+def shift_head_bias(accelerator, model, shift: float) -> dict:
+    """All ranks: head.bias += `shift` in the module and in its fp32 state dict (returned, for saving)."""
+    # The trained weights in fp32 (under DeepSpeed the masters: its bf16 module copy is not what we
+    # save); the shift goes onto the saved bias in fp32, and onto the module's for the evaluation.
+    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it
+    state_dict["head.bias"] = state_dict["head.bias"] + shift
+    with torch.no_grad():
+        accelerator.unwrap_model(model).head.bias += shift
+    return state_dict
+
+
+# Evaluation: sharded scoring, tables, plots.
+
+
+@torch.no_grad()
+def score_dataset(accelerator, model, dataset, layouts: dict, pad_token_id: int, local_eval_batch_size: int) -> dict:
+    """All ranks: {name: (N,) reward of each row} for layouts {name: token columns concatenated left to right}.
+
+    The context length of a layout is the width of all its columns but the last (0 for one column)."""
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()
+    rows = []
+    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
+    for indices, real in tqdm(batches, desc="score", disable=not accelerator.is_main_process):
+        batch = dataset[indices]
+        scores = {}
+        for name, columns in layouts.items():
+            parts = [batch[column].to(accelerator.device) for column in columns]
+            context_length = sum(part.shape[1] for part in parts[:-1])
+            query_responses = trim_right_padding(torch.cat(parts, dim=1), pad_token_id)
+            _, scores[name] = get_reward(unwrapped, query_responses, pad_token_id, context_length)
+        rows += [(i, {name: score[j].item() for name, score in scores.items()}) for j, i in enumerate(indices[:real])]
+    unwrapped.train()
+    rows = sorted(gather_object(rows), key=lambda row: row[0])  # every rank's rows, in dataset order
+    return {name: np.array([row[1][name] for row in rows]) for name in layouts}
+
+
+def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
+    """[(row indices, number of real rows)] of rank `rank`: rows rank, rank + W, ... in batches of `batch_size`;
+    every rank gets the same batches count and sizes, a rank one row short repeating its last row (not kept)."""
+    # Frozen models run as ZeRO-3 engines (--offload) gather their parameters in every forward,
+    # a collective: a rank with one batch fewer would leave the others waiting forever.
+    mine = list(range(rank, num_rows, world_size))
+    per_rank = -(-num_rows // world_size)  # ceil
+    padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
+    return [(padded[start:start + batch_size], max(0, min(batch_size, len(mine) - start)))
+            for start in range(0, per_rank, batch_size)]
+
+
+def first_rows(dataset, num_rows: Optional[int]):
+    """The first `num_rows` rows of `dataset` (all of them when None): --num_eval_samples caps every evaluation."""
+    return dataset if num_rows is None else dataset.select(range(min(num_rows, len(dataset))))
+
+
+def pair_table(eval_set, rewards: dict) -> pd.DataFrame:
+    """One row per preference pair: texts, labeling batch, split, confidence, policies, both rewards."""
+    table = pd.DataFrame({
+        "query": eval_set["query"], "chosen": eval_set["chosen"], "rejected": eval_set["rejected"],
+        "batch": eval_set["batch"], "split": eval_set["split"],
+        "confidence": [(extra or {}).get("confidence") for extra in eval_set["extra"]],
+        "chosen_policy": eval_set["chosen_policy"], "rejected_policy": eval_set["rejected_policy"],
+        "chosen_reward": rewards["chosen"], "rejected_reward": rewards["rejected"]})
+    return table
+
+
+def grouped_accuracy(table: pd.DataFrame, groups: tuple) -> pd.DataFrame:
+    """Rows (group, value, accuracy, pairs): 'all' first, then each value of each `groups` column of `table`."""
+    out = [("all", "all", table["accuracy"].mean(), len(table))]
+    for group in groups:
+        for value, part in table.groupby(group, dropna=False, sort=True):
+            # A column with missing values is float in pandas: show confidence 9.0 as "9"
+            value = int(value) if isinstance(value, float) and value.is_integer() else value
+            out.append((group, str(value), part["accuracy"].mean(), len(part)))
+    return pd.DataFrame(out, columns=["group", "value", "accuracy", "pairs"])
+
+
+def accuracy_metrics(by_group: pd.DataFrame, key: str) -> dict:
+    """{key: overall accuracy, key/group/value: accuracy of each group} from grouped_accuracy's rows."""
+    return {key + ("" if row.group == "all" else f"/{row.group}/{row.value}"): row.accuracy
+            for row in by_group.itertuples()}
+
+
+def calibration_bins(margins: np.ndarray, bin_width: float) -> pd.DataFrame:
+    """Rows (low, high, pairs, accuracy, ideal) per |margin| bin; margin = r_chosen - r_rejected, accurate if > 0."""
+    magnitude = np.abs(margins)
+    bins = np.floor(magnitude / bin_width).astype(int)  # bin k holds k * width <= |margin| < (k + 1) * width
+    out = []
+    for k in np.unique(bins):
+        inside = bins == k
+        # Ideal: a calibrated RM predicts P(chosen preferred) = sigmoid(margin); at the bin's centre
+        center = (k + 0.5) * bin_width
+        out.append((k * bin_width, (k + 1) * bin_width, int(inside.sum()), float((margins[inside] > 0).mean()),
+                    1 / (1 + math.exp(-center))))
+    return pd.DataFrame(out, columns=["low", "high", "pairs", "accuracy", "ideal"])
+
+
+def markdown_table(frame: pd.DataFrame) -> str:
+    """A pandas DataFrame as a markdown table (floats with 3 decimals)."""
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    for row in frame.itertuples(index=False):
+        lines.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def token_reward_samples(model, validation, pad_token_id: int, device) -> list:
+    """[(title, per-token reward logits up to a few pads past the EOS, query length, EOS index)] of both rows of
+    the first two pairs of `validation`."""
+    examples = validation.select(range(min(2, len(validation))))
+    ids = torch.tensor(list(examples["query_chosen_token"]) + list(examples["query_rejected_token"]))  # (2n, T)
+    with torch.no_grad():
+        logits, _ = get_reward(model, ids.to(device), pad_token_id, context_length=0)  # (2n, T)
+    eos = reward_indices(ids, pad_token_id, 0)  # (2n,)
+    samples = []
+    for i in range(len(ids)):
+        pair, kind = i % len(examples), ("chosen", "rejected")[i // len(examples)]
+        samples.append((f"validation pair {pair}, {kind}", logits[i, :int(eos[i]) + 6].tolist(),
+                        int(list(examples["query_token_len"])[pair]), int(eos[i])))  # + a few pads
+    return samples
+
+
+def gold_agreement(table: pd.DataFrame, eval_set, split: str, gold_judge: str, who: str) -> tuple:
+    """Rank 0: (agreement of `who`'s ordering with the tiny world's gold judge, a report line); adds
+    table["gold_prefers_chosen"]. Pairs the gold judge ties (e.g. two identical summaries) do not count;
+    a pair `who` ties (accuracy 1/2) counts 1/2."""
+    import tiny_world  # the tiny world's gold judge, beside this script; imported only when asked
+
+    with open(os.path.join(gold_judge, "world.json")) as file:
+        noise_ceiling = json.load(file)["noise_ceiling"]
+    # The labels are Bradley-Terry noise around the gold judge: agreement with the gold
+    # ordering is what a reward should learn; the noise ceiling bounds accuracy on the labels.
+    posts = [f"{info['title']}\n{info['article'] if split == 'validation_cnndm' else info['post']}"
+             for info in eval_set["info"]]
+    texts = [(s[c]["text"], s[1 - c]["text"]) for s, c in zip(eval_set["summaries"], eval_set["choice"])]
+    gold_margin = np.array([tiny_world.gold_score(p, c) - tiny_world.gold_score(p, r)
+                            for p, (c, r) in zip(posts, texts)])
+    table["gold_prefers_chosen"] = np.where(gold_margin == 0, np.nan, gold_margin > 0)
+    decided = gold_margin != 0
+    agree = np.where(table["accuracy"] == 0.5, 0.5, (table["accuracy"] > 0.5) == (gold_margin > 0))
+    gold_accuracy = float(agree[decided].mean())
+    return gold_accuracy, (f"\nGold judge: {who} agrees with the gold ordering on {gold_accuracy:.3f} of {decided.sum()} "
+                           f"pairs without a gold tie; accuracy on the labels {table['accuracy'].mean():.3f} vs "
+                           f"noise ceiling {noise_ceiling.get(split, float('nan')):.3f}\n")
+
+
+def judge_agreement(accelerator, model, tokenizer, judged: pd.DataFrame, args) -> float:
+    """All ranks: rm_agreement of the RM's scores of the judged (query, response) and (query, reference) texts (nan: none)."""
+    # The judge compared a model's summary with another (the human reference, by default); the RM
+    # agrees when it ranks the two the same way. Texts are rebuilt as preprocess_tldr.py builds
+    # them: query + " " + summary + EOS, right-padded.
+    ids = {name: tokenizer([f"{query.strip()} {str(text).strip()}{tokenizer.eos_token}" for query, text in
+                            zip(judged["query"], judged[name])], add_special_tokens=False)["input_ids"]
+           for name in ("response", "reference")}
+    width = max(len(row) for rows in ids.values() for row in rows)
+    pad_id = tokenizer.pad_token_id
+    judged_set = datasets.Dataset.from_dict({name: [row + [pad_id] * (width - len(row)) for row in rows]
+                                             for name, rows in ids.items()}).with_format("torch")
+    rewards = score_dataset(accelerator, model, judged_set, {name: (name,) for name in ids}, pad_id,
+                            args.local_eval_batch_size)
+    agreement, decided = rm_agreement(list(judged["preferred"]), list(rewards["response"]), list(rewards["reference"]))
+    agreement = float("nan") if agreement is None else agreement
+    accelerator.print(f"RM agrees with the judge on {agreement:.3f} of the {decided} decided judgments in {args.judged_file}")
+    return agreement
+
+
+def write_split_results(staging: str, split: str, table: pd.DataFrame, report: str, calibration: pd.DataFrame,
+                        csv_name: str, wandb_key: Optional[str]) -> None:
+    """Rank 0: `csv_name` and accuracy_{split}.md into `staging`, the table to W&B as `wandb_key` (--track: not None);
+    report and calibration printed."""
+    table.to_csv(os.path.join(staging, csv_name), index=False)
+    with open(os.path.join(staging, f"accuracy_{split}.md"), "w") as file:
+        file.write(report)
+    if wandb_key is not None:
+        import wandb
+
+        wandb.log({wandb_key: wandb.Table(dataframe=table)})
+    print(report)
+    print(f"calibration on {split}:\n" + markdown_table(calibration))
+
+
+def write_plots(staging: str, calibration: dict, token_samples: list) -> None:
+    """Rank 0: calibration.png ({split: calibration_bins}) and token_rewards.png (token_reward_samples) into `staging`."""
+    plot_calibration(calibration, os.path.join(staging, "calibration.png"))
+    plot_token_rewards(token_samples, os.path.join(staging, "token_rewards.png"))
+
+
+def plot_calibration(tables: dict, path: str) -> None:
+    """Save accuracy vs |margin| per split ({split: calibration_bins frame}) beside the ideal sigmoid."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    figure, ax = plt.subplots(figsize=(6, 4))
+    for split, bins in tables.items():
+        ax.plot((bins["low"] + bins["high"]) / 2, bins["accuracy"], "o-", label=split)
+    grid = np.linspace(0, max([1.0] + [bins["high"].max() for bins in tables.values()]), 100)
+    ax.plot(grid, 1 / (1 + np.exp(-grid)), "k--", label="ideal: sigmoid(margin)")
+    ax.set(xlabel="|r_chosen - r_rejected|", ylabel="accuracy", ylim=(0, 1.02), title="RM calibration (Detail 18)")
+    ax.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def plot_token_rewards(samples: list, path: str) -> None:
+    """Save per-token reward logits along sequences: samples = [(title, (T,) logits, query length, EOS index)]."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(samples), 1, figsize=(10, 2.2 * len(samples)), squeeze=False)
+    for ax, (title, logits, query_length, eos) in zip(axes[:, 0], samples):
+        ax.plot(range(len(logits)), logits, lw=1)
+        ax.axvline(query_length - 0.5, color="grey", ls=":", label="response starts")
+        ax.plot([eos], [logits[eos]], "r*", ms=12, label=f"EOS: {logits[eos]:.2f} (the reward)")
+        ax.axhline(0, color="black", lw=0.5)
+        ax.set(title=title, ylabel="reward logit")
+        ax.legend(loc="lower left", fontsize=7)
+    axes[-1, 0].set_xlabel("position")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+# Run setup: flags, inputs, tokenizer, models, logging.
+# Flags that may change between an interrupted run and its resumption (see output_dir_problem).
+RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
+# Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
+POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
+NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
+AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")
+AT_LEAST_0 = (lambda value: value >= 0, "an integer >= 0")
+NONE_OR_AT_LEAST_1 = (lambda value: value is None or value >= 1, "an integer >= 1, or no flag")
+
+
+class SetupError(ValueError):
+    """Flags, data, tokenizer or output folder the script cannot use; raised before any compute."""
+
+
+def refuse(problem: Optional[str]) -> None:
+    """Raise SetupError(problem) when there is a problem."""
+    if problem:
+        raise SetupError(problem)
 
 
 def reward_flag_problems(args: Args, world_size: int) -> list:
@@ -269,6 +811,147 @@ def reward_flag_problems(args: Args, world_size: int) -> list:
     return problems
 
 
+def flag_range_problems(args, rules: dict) -> list:
+    """['--flag value: want ...'] for each flag of `rules` ({flag: (ok(value) -> bool, what to pass)}) whose value fails."""
+    return [f"--{flag} {getattr(args, flag)}: want {want}" for flag, (ok, want) in rules.items()
+            if not ok(getattr(args, flag))]
+
+
+def gradient_accumulation(batch_size: int, local_micro_batch_size: int, world_size: int) -> int:
+    """Micro-batches per update per rank so that micro x accumulation x world = batch_size exactly."""
+    per_step = local_micro_batch_size * world_size
+    if batch_size <= 0 or local_micro_batch_size <= 0 or batch_size % per_step:
+        raise SetupError(f"--batch_size {batch_size} is not a positive multiple of --local_micro_batch_size "
+                         f"{local_micro_batch_size} x world size {world_size} = {per_step}")
+    return batch_size // per_step
+
+
+def scheduler_problem(name: str) -> Optional[str]:
+    """Why transformers.get_scheduler cannot build `name` as the stages use it (stepped once per update); None if it can."""
+    if name == "reduce_lr_on_plateau":  # steps on a metric, which the stages do not pass
+        return f"--scheduler {name}: it needs a metric at every step; want e.g. cosine, linear or constant"
+    try:
+        get_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), num_warmup_steps=0,
+                      num_training_steps=1)
+    except (ValueError, TypeError) as error:
+        return f"--scheduler {name}: {str(error).splitlines()[0]}; want e.g. cosine, linear or constant"
+    return None
+
+
+def gpu_problem(environ, cuda_available: bool) -> Optional[str]:
+    """Why this launch cannot run: it asks for a GPU (DeepSpeed, bf16 / fp16) and sees none; None if it can."""
+    # A SLURM job on a node whose torch is a CPU build would otherwise train on the CPU, silently,
+    # for days. A CPU rehearsal is fine when it says so: DS_ACCELERATOR=cpu, or accelerate's --cpu.
+    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if cuda_available or not (deepspeed or precision != "no"):
+        return None
+    if deepspeed and environ.get("DS_ACCELERATOR") == "cpu":
+        return None
+    if not deepspeed and environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return None
+    asked = "DeepSpeed" if deepspeed else f"mixed precision {precision}"
+    rehearsal = "DS_ACCELERATOR=cpu" if deepspeed else "accelerate launch --cpu"
+    return (f"this launch asks for a GPU ({asked}), but torch {torch.__version__} sees no CUDA device "
+            f"(CUDA build: {torch.version.cuda or 'none, a CPU-only torch'}). Run it on a GPU node with a CUDA "
+            f"build of torch, or, for a CPU rehearsal on purpose, use {rehearsal}")
+
+
+def start_accelerator(args, flag_problems, script: str) -> Accelerator:
+    """The Accelerator of this launch, once the launch and every flag are checked; sets the derived sizes of `args`."""
+    problem = gpu_problem(os.environ, torch.cuda.is_available())
+    if problem:
+        raise SetupError(problem)
+    # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
+    deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
+    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
+    problems = flag_problems(args, accelerator.num_processes)
+    if problems:
+        raise SetupError(f"{script} cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
+    args.world_size = accelerator.num_processes
+    args.gradient_accumulation_steps = gradient_accumulation(args.batch_size, args.local_micro_batch_size,
+                                                             args.world_size)
+    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    args.micro_batch_size = args.local_micro_batch_size * args.world_size
+    return accelerator
+
+
+def rm_inputs(args, accelerator) -> tuple:
+    """(preference, sft, judged or None, tokenizer, what args.json records of them), every one checked;
+    fills in the default paths and num_updates of `args`."""
+    name = resolve_paths(args, accelerator, "reward")
+    preference, sft = load_datasets(args, {"label_dataset": (("train",) + EVAL_SPLITS, TRAIN_PAIR_COLUMNS + PAIR_COLUMNS),
+                                           "query_dataset": (("train",), REFERENCE_COLUMNS)})
+    judged = load_judged(args.judged_file) if args.judged_file is not None else None
+    tokenizer, identity = rm_tokenizer(args, accelerator)
+    train_pairs = len(preference["train"])
+    total_episodes = train_pairs * args.num_train_epochs if args.total_episodes is None else args.total_episodes
+    args.num_updates = total_episodes // args.batch_size
+    if args.total_episodes is None and args.num_updates == 0:
+        raise SetupError(f"--label_dataset {args.label_dataset}: its train split ({train_pairs} pairs) x --num_train_epochs "
+                         f"{args.num_train_epochs} is less than one batch of {args.batch_size}: pass --total_episodes")
+    recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+                "tokenizer_identity": identity}
+    return preference, sft, judged, tokenizer, recorded
+
+
+def resolve_paths(args, accelerator, stage: str) -> str:
+    """Fill in the default paths of `args`, tidy its output folder and check every input; the base model's name."""
+    # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, sft.py ->
+    # models/{base_model}/sft_{seed}, this script -> models/{base_model}/{stage}_{seed}.
+    name = model_name(args.base_model) if args.base_model else None
+    make_sft = f"python sft.py --base_model {args.base_model or 'EleutherAI/pythia-1b-deduped'} --seed {args.seed}"
+    if args.sft_model_path is None:
+        args.sft_model_path = os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"sft_{args.seed}")
+    else:
+        make_sft += f" --output_dir {args.sft_model_path}"
+    recorded = recorded_base_model(args.sft_model_path)
+    if name and recorded and name != recorded:
+        raise SetupError(f"--sft_model_path {args.sft_model_path} was fine-tuned from {recorded}, not from --base_model "
+                         f"{args.base_model}: pass --base_model {recorded} or another --sft_model_path")
+    name = name or recorded or "EleutherAI/pythia-1b-deduped"
+    args.base_model = args.base_model or name
+    make_data = f"python preprocess_tldr.py --base_model {args.base_model}"
+    args.label_dataset = args.label_dataset or os.path.join("data", name, "tldr", "preference")
+    args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
+    args.output_dir = args.output_dir or os.path.join("models", name, f"{stage}_{args.seed}")
+    if accelerator.is_main_process:
+        tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
+    accelerator.wait_for_everyone()
+    problem = (input_problem(args.sft_model_path, "--sft_model_path", make_sft)
+               or input_problem(args.label_dataset, "--label_dataset", make_data)
+               or input_problem(args.query_dataset, "--query_dataset", make_data)
+               or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
+                   "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates")))
+    refuse(problem)
+    return name
+
+
+def model_name(base_model: str) -> str:
+    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
+    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
+    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
+    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
+
+
+def recorded_base_model(folder: str) -> Optional[str]:
+    """The base model name (`model_name`) recorded in the args.json of the stage output `folder`; None if none."""
+    path = os.path.join(folder, "args.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        return json.load(file).get("base_model_name")
+
+
+def input_problem(path: str, flag: str, make: str) -> Optional[str]:
+    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
+    # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
+    if os.path.exists(path) or hub_id:
+        return None
+    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
+
+
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
     """Why `output_dir` cannot hold this run (another run's args.json, or foreign files), None if it can."""
     path = os.path.join(output_dir, "args.json")
@@ -292,6 +975,18 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
     return None
 
 
+def load_datasets(args, wanted: dict) -> list:
+    """[the DatasetDict of each flag of `wanted`] ({flag: (splits, columns)}), refused if a split or column is missing."""
+    loaded = []
+    for flag, (splits, columns) in wanted.items():
+        path = getattr(args, flag)
+        loaded.append(datasets.load_from_disk(path) if os.path.isdir(path) else datasets.load_dataset(path))
+        missing = missing_columns(loaded[-1], splits, columns)
+        if missing:
+            raise SetupError(f"--{flag} {path} lacks {missing}: build it with preprocess_tldr.py")
+    return loaded
+
+
 def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
     """['split' or 'split.column' for each missing split or column]; empty when all are there."""
     missing = [split for split in splits if split not in dataset_dict]
@@ -299,41 +994,39 @@ def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
                       for column in columns if column not in dataset_dict[split].column_names]
 
 
-def model_name(base_model: str) -> str:
-    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
-    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
-    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
-    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
+def load_judged(judged_file: str) -> pd.DataFrame:
+    """judge.py's judged/<run>.csv with its texts renamed as in a sample table: query, response, reference."""
+    # judge.py's judged/<run>.csv names the texts post / ours / other; a sample table query / response / reference.
+    judged = pd.read_csv(judged_file, keep_default_na=False).rename(
+        columns={"post": "query", "ours": "response", "other": "reference"})
+    lacking = sorted({"query", "response", "reference", "preferred"} - set(judged.columns))
+    if lacking:
+        raise SetupError(f"--judged_file {judged_file} lacks columns {lacking}: want judge.py's "
+                         "judged/<run>.csv (post, ours, other, preferred)")
+    return judged
 
 
-def input_problem(path: str, flag: str, make: str) -> Optional[str]:
-    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
-    # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
-    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
-    if os.path.exists(path) or hub_id:
-        return None
-    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
-
-
-def recorded_base_model(folder: str) -> Optional[str]:
-    """The base model name (`model_name`) recorded in the args.json of the stage output `folder`; None if none."""
-    path = os.path.join(folder, "args.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as file:
-        return json.load(file).get("base_model_name")
-
-
-def load_fp32(model_class, path: str, flag: str):
-    """`model_class.from_pretrained(path)` in fp32 whatever dtype it was saved in (Pythia's Hub weights are fp16)."""
-    # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
-    # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
-    # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
-    try:
-        return model_class.from_pretrained(path, dtype=torch.float32)
-    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
-        raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
-                         f"(or the Hub cannot be reached): {error}") from error
+def rm_tokenizer(args, accelerator) -> tuple:
+    """(the SFT model's tokenizer, checked by check_tokenizer against each dataset's ids, its tokenizer_identity)."""
+    tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")
+    for path in (args.label_dataset, args.query_dataset):  # the token columns must be this tokenizer's ids
+        built_with = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json")
+        data_ids = None  # a Hub dataset or a folder without preprocess_tldr.py's args.json: nothing to compare
+        if os.path.isdir(path) and os.path.isfile(built_with):
+            with open(built_with) as file:
+                built = json.load(file)
+            data_ids = {key: built.get(key) for key in ("pad_token_id", "eos_token_id")}
+        if check_tokenizer(tokenizer, data_ids, f"{path} ({built_with})"):
+            accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
+    identity = tokenizer_identity(tokenizer)
+    problem = identity_problem({
+        f"--sft_model_path {args.sft_model_path} (its tokenizer)": identity,
+        f"--sft_model_path {args.sft_model_path} (its args.json)": recorded_tokenizer_identity(args.sft_model_path),
+        **{f"--{flag} {path} ({os.path.dirname(os.path.abspath(path))}/args.json)":
+           recorded_tokenizer_identity(os.path.dirname(os.path.abspath(path))) if os.path.isdir(path) else None
+           for flag, path in (("label_dataset", args.label_dataset), ("query_dataset", args.query_dataset))}})
+    refuse(problem)
+    return tokenizer, identity
 
 
 def load_tokenizer(path: str, flag: str):
@@ -345,25 +1038,12 @@ def load_tokenizer(path: str, flag: str):
                          f"(or the Hub cannot be reached): {error}") from error
 
 
-def model_path_problem(path: str, flag: str) -> Optional[str]:
-    """Why `path` (given to `flag`) is neither a local model folder nor a Hub id; None if it may be either."""
-    # from_pretrained would read a missing folder as a Hub id and fail with "Repo id must be in the
-    # form ...", which never says that the folder is missing.
-    if os.path.isdir(path):
-        return None
-    if os.path.exists(path):
-        return f"{flag} {path} is a file: pass a model folder or a Hub id (org/name)"
-    try:
-        validate_repo_id(path)
-    except HFValidationError:
-        return f"{flag} {path}: no model folder at {path}, and it is not a Hub id either (org/name): pass a folder that exists"
-    return None  # a Hub id: from_pretrained fetches it, or says that it cannot
-
-
-def flag_range_problems(args, rules: dict) -> list:
-    """['--flag value: want ...'] for each flag of `rules` ({flag: (ok(value) -> bool, what to pass)}) whose value fails."""
-    return [f"--{flag} {getattr(args, flag)}: want {want}" for flag, (ok, want) in rules.items()
-            if not ok(getattr(args, flag))]
+def add_pad_token(tokenizer) -> bool:
+    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return False
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return True
 
 
 def tokenizer_identity(tokenizer) -> str:
@@ -405,84 +1085,16 @@ def vocabulary_problem(tokenizer, rows: int, what: str) -> Optional[str]:
             "with this tokenizer; use models and data made from one base model")
 
 
-def scheduler_problem(name: str) -> Optional[str]:
-    """Why transformers.get_scheduler cannot build `name` as the stages use it (stepped once per update); None if it can."""
-    if name == "reduce_lr_on_plateau":  # steps on a metric, which the stages do not pass
-        return f"--scheduler {name}: it needs a metric at every step; want e.g. cosine, linear or constant"
+def load_fp32(model_class, path: str, flag: str):
+    """`model_class.from_pretrained(path)` in fp32 whatever dtype it was saved in (Pythia's Hub weights are fp16)."""
+    # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
+    # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
+    # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
     try:
-        get_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), num_warmup_steps=0,
-                      num_training_steps=1)
-    except (ValueError, TypeError) as error:
-        return f"--scheduler {name}: {str(error).splitlines()[0]}; want e.g. cosine, linear or constant"
-    return None
-
-
-def gpu_problem(environ, cuda_available: bool) -> Optional[str]:
-    """Why this launch cannot run: it asks for a GPU (DeepSpeed, bf16 / fp16) and sees none; None if it can."""
-    # A SLURM job on a node whose torch is a CPU build would otherwise train on the CPU, silently,
-    # for days. A CPU rehearsal is fine when it says so: DS_ACCELERATOR=cpu, or accelerate's --cpu.
-    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
-    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if cuda_available or not (deepspeed or precision != "no"):
-        return None
-    if deepspeed and environ.get("DS_ACCELERATOR") == "cpu":
-        return None
-    if not deepspeed and environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
-        return None
-    asked = "DeepSpeed" if deepspeed else f"mixed precision {precision}"
-    rehearsal = "DS_ACCELERATOR=cpu" if deepspeed else "accelerate launch --cpu"
-    return (f"this launch asks for a GPU ({asked}), but torch {torch.__version__} sees no CUDA device "
-            f"(CUDA build: {torch.version.cuda or 'none, a CPU-only torch'}). Run it on a GPU node with a CUDA "
-            f"build of torch, or, for a CPU rehearsal on purpose, use {rehearsal}")
-
-
-def token_ids_problem(dataset_path: str, pad_token_id: int, eos_token_id: int) -> Optional[str]:
-    """Why the token columns of a local dataset folder do not match these pad / eos ids, None if they do."""
-    built_with = os.path.join(os.path.dirname(os.path.abspath(dataset_path)), "args.json")
-    if not os.path.isfile(built_with):
-        return None  # a Hub dataset or a folder without preprocess_tldr.py's args.json: nothing to compare
-    with open(built_with) as file:
-        saved = json.load(file)
-    data_ids = {key: saved.get(key) for key in ("pad_token_id", "eos_token_id")}
-    ours = {"pad_token_id": pad_token_id, "eos_token_id": eos_token_id}
-    if data_ids != ours:
-        return f"{dataset_path} was tokenized with {data_ids} ({built_with}), the RM's tokenizer has {ours}"
-    return None
-
-
-def git_commit(folder: str) -> Optional[str]:
-    """The git commit checked out in `folder`, None outside a git checkout."""
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True)
-    except OSError:
-        return None
-    return result.stdout.strip() if result.returncode == 0 else None
-
-
-def add_pad_token(tokenizer) -> bool:
-    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
-    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
-        return False
-    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    return True
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Set every dropout probability of `model` to 0: nn.Dropout modules, float *dropout* attributes, config."""
-    # Detail 7: Disable dropout
-    # With dropout on, two forwards of the same ids give different log-probs: the first PPO ratio
-    # would not be 1 and reward scores would be noisy. Pythia's dropout is 0 already; the tiny
-    # model's is 0.1. nn.Dropout modules are not all of it: GPT-NeoX attention copies the float
-    # `config.attention_dropout` into a module attribute and applies it functionally.
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name, value in vars(module).items():
-            if "dropout" in name and isinstance(value, float):
-                setattr(module, name, 0.0)
-    for name, value in vars(model.config).items():  # saved with the model: later loads start at 0 too
-        if "dropout" in name and isinstance(value, float):
-            setattr(model.config, name, 0.0)
+        return model_class.from_pretrained(path, dtype=torch.float32)
+    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
+        raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
 
 
 def rotary_problem(models: dict) -> Optional[str]:
@@ -497,102 +1109,85 @@ def rotary_problem(models: dict) -> Optional[str]:
     return "; ".join(low) or None
 
 
-def reward_model_from_sft(sft_model_path: str) -> ScalarModel:
-    """A new RM: the SFT model's backbone (no LM head), dropout off, and a fresh head (init_reward_head)."""
-    # The backbone's config is stored as a dict, minus the local path it was loaded from, so the
-    # saved RM never refers back to the SFT folder.
-    sft_backbone = load_fp32(AutoModelForCausalLM, sft_model_path, "--sft_model_path").base_model
-    disable_dropout(sft_backbone)
-    base_config = {key: value for key, value in sft_backbone.config.to_dict().items() if key != "_name_or_path"}
-    model = ScalarModel(ScalarModelConfig(base_config=base_config))
-    model.backbone.load_state_dict(sft_backbone.state_dict())
-    disable_dropout(model)
-    return model
+def start_logging(args, accelerator, resume_from: Optional[tuple], recorded: dict, unit: str) -> tuple:
+    """(run name, rank 0's SummaryWriter or None); rank 0 writes args.json (flags, `recorded`, git commit) and starts W&B;
+    the batch sizes printed, counted in `unit`."""
+    if resume_from is not None:  # a resumed run logs on into its own TensorBoard folder
+        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
+            run_name = args.run_name or json.load(file)["run_name"]
+    else:
+        start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
+        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
+    writer = None
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
+            **asdict(args), "run_name": run_name, **recorded,
+            "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, indent=2))
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{key}|{value}|" for key, value in asdict(args).items()))
+        if args.track:
+            import wandb  # imported here: without --track nothing touches the network
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, save_code=True)
+    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} {unit} = "
+                      f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
+                      f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size} "
+                      f"({args.gradient_accumulation_steps} accumulation steps)")
+    return run_name, writer
 
 
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """(B, T) bool -> (B,): index of the first True of each row, T for a row without one."""
-    row_len = bools.size(-1)
-    # (B, T): a False costs T + its index, a True just its index; the minimum is the first True
-    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
-    return torch.min(zero_or_index, dim=-1).values
+def git_commit(folder: str) -> Optional[str]:
+    """The git commit checked out in `folder`, None outside a git checkout."""
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True)
+    except OSError:
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
 
 
-def reward_indices(query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
-    """(B, T) ids -> (B,): the EOS position = first pad at or after `context_length`, minus 1 (T - 1 if none)."""
-    # Detail 12: Extract the reward at the EOS token
-    # Only the EOS position has read the whole summary, so only its output is trained (and used as
-    # the reward). Right-padded query+response rows: context 0, the first pad ends the sequence.
-    # Left-padded query ++ right-padded response (PPO's layout): the query's own pads come first,
-    # so the search starts at the response (context = query width). No pad: the last position.
-    return first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+# Fault handling and checkpoints.
 
 
-def trim_right_padding(query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """(B, T) ids -> (B, T') with the trailing columns that are pad in every row dropped (at least 1 kept)."""
-    # Rows are padded to the longest sequence of the whole dataset: a batch rarely needs all of it,
-    # and an all-pad column costs compute and changes nothing (the EOS index stays where it was, or
-    # becomes the last index of a row that now ends exactly at its EOS).
-    used = (query_responses != pad_token_id).any(0).nonzero()  # (n, 1): columns with a token
-    return query_responses[:, :int(used.max()) + 1 if len(used) else 1]
+def check_and_checkpoint(accelerator, args, updates_done: int, losses: torch.Tensor, run_name: str, model, optimizer,
+                         scheduler) -> None:
+    """All ranks: stop all on a non-finite loss or weight; save a checkpoint every --save_every and at --stop_after_updates."""
+    checkpoints = os.path.join(args.output_dir, "checkpoints")
+    if not all_finite(accelerator, model, losses):
+        raise FloatingPointError(nonfinite_message(updates_done, args.num_updates, checkpoints))
+    if (args.save_every and updates_done % args.save_every == 0) or updates_done == args.stop_after_updates:
+        save_checkpoint(accelerator, checkpoints, updates_done, run_name, model, optimizer, scheduler)
 
 
-def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> tuple:
-    """(B, T) ids with pads -> ((B, T) per-token reward logits, (B,) reward at each row's EOS)."""
-    attention_mask = query_responses != pad_token_id  # (B, T)
-    # Pads are masked out of attention and replaced by a valid id; no position_ids are passed (the
-    # reference's convention): with left padding, positions shift by the pad count, which rotary
-    # embeddings (relative positions) do not see. Detail 14 measures what is left of it.
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    reward_logits = model(input_ids=input_ids, attention_mask=attention_mask)  # (B, T)
-    eos = reward_indices(query_responses, pad_token_id, context_length)  # (B,)
-    return reward_logits, reward_logits[torch.arange(reward_logits.size(0), device=eos.device), eos]
+def all_finite(accelerator, model, losses: torch.Tensor) -> bool:
+    """All ranks: whether `losses` and every parameter of `model` are finite on every rank (one all-reduce)."""
+    # Summed over ranks, so that every rank stops at the same update (a rank stopping alone would
+    # leave the others waiting in the next collective).
+    local = torch.stack([torch.isfinite(losses).all()] + [torch.isfinite(p).all() for p in model.parameters()]).all()
+    return accelerator.reduce((~local).float().reshape(1), reduction="sum").item() == 0
 
 
-def trim_left_padding(queries: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """(B, T) left-padded ids -> (B, T') without the leading columns that are pad in every row (1 kept at least)."""
-    used = (queries != pad_token_id).any(0).nonzero()  # (n, 1): columns with a token
-    return queries[:, int(used.min()) if len(used) else -1:]
+def nonfinite_message(update: int, num_updates: int, checkpoints: str) -> str:
+    """Why the run stops at `update` (counted from 1) with a nan / inf, and which checkpoint it keeps."""
+    last = latest_checkpoint(checkpoints)
+    kept = (f"the last checkpoint, {last[1]} (update {last[0]}), is kept as it was" if last else
+            "no checkpoint was written before it (--save_every N keeps one every N updates)")
+    return (f"update {update} of {num_updates}: the loss or the weights are not finite (nan or inf) on at least one "
+            f"rank, so the run stops before saving anything of it; {kept}. Try a lower --lr (or look at the data of "
+            f"update {update}) in a new --output_dir; --resume with these flags continues from the kept checkpoint")
 
 
-def pair_rewards(model, queries: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor,
-                 pad_token_id: int) -> tuple:
-    """(B, T_q) left-padded queries, (B, T_r) right-padded chosen and rejected summaries -> (B,) rewards of
-    query ++ chosen and (B,) of query ++ rejected, from ONE row per pair: query ++ chosen ++ rejected."""
-    # Speed only: the two rows of a pair repeat its query, most of their tokens (~130 of ~150 in the
-    # tiny world; TL;DR queries run to 512 tokens, summaries to 53). Here the query is read once: the
-    # rejected summary's tokens do not attend to the chosen summary, and both summaries take the
-    # positions right after the query. Each reward is the one get_reward gives the pair's own
-    # right-padded row, up to float rounding (tests/test_reward.py), in ~2/3 of the time on the tiny
-    # world (benchmark/reward_pair_rows.py).
-    query_width, response_width = queries.shape[1], chosen.shape[1]
-    input_ids = torch.cat((queries, chosen, rejected), dim=1)  # (B, T), T = T_q + 2 T_r
-    is_token = input_ids != pad_token_id  # (B, T)
-    query_length = is_token[:, :query_width].sum(1, keepdim=True)  # (B, 1)
-    response_positions = query_length + torch.arange(response_width, device=queries.device)  # (B, T_r)
-    position_ids = torch.cat(((is_token[:, :query_width].cumsum(1) - 1).clamp(min=0),
-                              response_positions, response_positions), dim=1)  # (B, T)
-    part = torch.cat([torch.full((width,), k, device=queries.device)  # (T,): 0 query, 1 chosen, 2 rejected
-                      for k, width in enumerate((query_width, response_width, response_width))])
-    column = torch.arange(input_ids.size(1), device=queries.device)  # (T,)
-    # (T, T): causal, and no rejected position reads a chosen one
-    reads = (column[None, :] <= column[:, None]) & ~((part[:, None] == 2) & (part[None, :] == 1))
-    # A position reads no pad; each reads at least itself (a pad's own output is never used).
-    attention_mask = (reads & is_token[:, None, :]) | torch.eye(len(column), dtype=torch.bool, device=queries.device)
-    reward_logits = model(input_ids=torch.masked_fill(input_ids, ~is_token, 0), attention_mask=attention_mask[:, None],
-                          position_ids=position_ids)  # (B, T)
-    rows = torch.arange(queries.size(0), device=queries.device)
-    chosen_eos = query_width + reward_indices(chosen, pad_token_id, context_length=0)  # (B,)
-    rejected_eos = query_width + response_width + reward_indices(rejected, pad_token_id, context_length=0)
-    return reward_logits[rows, chosen_eos], reward_logits[rows, rejected_eos]
-
-
-def episode_order(num_rows: int, num_episodes: int, seed: int) -> torch.Tensor:
-    """(num_episodes,) row indices: a fresh seeded permutation of the rows per pass, passes concatenated."""
-    generator = torch.Generator().manual_seed(seed)
-    passes = -(-num_episodes // num_rows)  # ceil: the last pass may be used in part
-    perms = [torch.randperm(num_rows, generator=generator) for _ in range(passes)]
-    return torch.cat(perms)[:num_episodes] if perms else torch.zeros(0, dtype=torch.long)
+def resume(accelerator, args, resume_from: Optional[tuple], model, optimizer, scheduler) -> int:
+    """All ranks: the update to start at, after loading `resume_from` ((update, path) or None) when there is one."""
+    if resume_from is not None:
+        load_checkpoint(accelerator, resume_from[1], model, optimizer, scheduler)  # also the RNG states of that update
+        accelerator.print(f"resumed from {resume_from[1]} at update {resume_from[0]}")
+        return resume_from[0]
+    if args.resume:
+        accelerator.print(f"--resume: no checkpoint in {os.path.join(args.output_dir, 'checkpoints')}, starting at update 0")
+    return 0
 
 
 def latest_checkpoint(folder: str) -> Optional[tuple]:
@@ -728,22 +1323,69 @@ def load_weights_only(path: str, map_location=None):
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def all_finite(accelerator, model, losses: torch.Tensor) -> bool:
-    """All ranks: whether `losses` and every parameter of `model` are finite on every rank (one all-reduce)."""
-    # Summed over ranks, so that every rank stops at the same update (a rank stopping alone would
-    # leave the others waiting in the next collective).
-    local = torch.stack([torch.isfinite(losses).all()] + [torch.isfinite(p).all() for p in model.parameters()]).all()
-    return accelerator.reduce((~local).float().reshape(1), reduction="sum").item() == 0
+# Outputs: written beside output_dir, swapped in whole; the Hub.
 
 
-def nonfinite_message(update: int, num_updates: int, checkpoints: str) -> str:
-    """Why the run stops at `update` (counted from 1) with a nan / inf, and which checkpoint it keeps."""
-    last = latest_checkpoint(checkpoints)
-    kept = (f"the last checkpoint, {last[1]} (update {last[0]}), is kept as it was" if last else
-            "no checkpoint was written before it (--save_every N keeps one every N updates)")
-    return (f"update {update} of {num_updates}: the loss or the weights are not finite (nan or inf) on at least one "
-            f"rank, so the run stops before saving anything of it; {kept}. Try a lower --lr (or look at the data of "
-            f"update {update}) in a new --output_dir; --resume with these flags continues from the kept checkpoint")
+def save_rm(accelerator, args, run_name: str, writer, model, tokenizer, staging: str, state_dict: dict,
+            results: dict) -> None:
+    """All ranks wait; rank 0 logs the eval metrics, writes the RM, tokenizer and `results` ({file name: dict} as
+    JSON) to `staging`, swaps it in as output_dir and pushes it (--push_to_hub)."""
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return
+    metrics = results["eval_metrics.json"]
+    for key, value in metrics.items():
+        writer.add_scalar(key, value, args.num_updates * args.batch_size)
+    save_fp32(accelerator.unwrap_model(model), staging, state_dict)  # safetensors, fp32, bias normalised
+    tokenizer.save_pretrained(staging)
+    for file_name, content in results.items():
+        with open(os.path.join(staging, file_name), "w") as file:
+            json.dump(content, file, indent=2)
+    publish_output(staging, args.output_dir)  # the checkpoints go with the old folder: only an unfinished run needs them
+    writer.close()
+    print("\n".join(f"{key}: {metrics[key]:.4f}" for key in metrics if key.count("/") == 3 or "normalized" in key))
+    print(f"saved {args.output_dir}")
+    if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
+        print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
+    if args.push_to_hub:
+        repo_name = args.sft_model_path.rstrip("/").replace("/", "_")
+        push_to_hub(args.output_dir, repo_name, args.exp_name, args.hf_entity, run_name)
+    if args.track:
+        import wandb
+
+        wandb.finish()
+
+
+def fp32_state_dict(accelerator, model) -> dict:
+    """All ranks: the model's state dict in fp32, under DeepSpeed its fp32 master weights (not the bf16 copies)."""
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    if accelerator.state.deepspeed_plugin is not None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, param in accelerator.unwrap_model(model).named_parameters():
+            master = safe_get_full_fp32_param(param)  # collective (all-gathers the master's shards); None if frozen
+            if master is not None:
+                state_dict[name] = master
+    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
+
+
+def save_fp32(model, output_dir: str, state_dict: dict) -> None:
+    """`model.save_pretrained` with an fp32 `state_dict`, its config saying float32 (the dtype of the weights saved)."""
+    model.save_pretrained(output_dir, state_dict=state_dict)
+    model.config.dtype = "float32"  # save_pretrained wrote the dtype of the module's bf16 compute copy under DeepSpeed
+    model.config.save_pretrained(output_dir)
+
+
+def push_to_hub(output_dir: str, repo_name: str, exp_name: str, hf_entity: Optional[str], run_name: str) -> None:
+    """Upload `output_dir` to {hf_entity}/{repo_name}__{exp_name}__tldr, on a branch named `run_name`."""
+    from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
+
+    api = HfApi()
+    repo_id = f"{hf_entity or api.whoami()['name']}/{repo_name}__{exp_name}__tldr"
+    api.create_repo(repo_id, exist_ok=True)
+    api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
+    api.upload_folder(folder_path=output_dir, repo_id=repo_id, revision=run_name)
+    print(f"pushed https://huggingface.co/{repo_id}/tree/{run_name}")
 
 
 def write_atomic(path: str, write) -> None:
@@ -814,522 +1456,5 @@ def tidy_output_dir(output_dir: str) -> None:
                     os.remove(path)
 
 
-def fp32_state_dict(accelerator, model) -> dict:
-    """All ranks: the model's state dict in fp32, under DeepSpeed its fp32 master weights (not the bf16 copies)."""
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
-    if accelerator.state.deepspeed_plugin is not None:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        for name, param in accelerator.unwrap_model(model).named_parameters():
-            master = safe_get_full_fp32_param(param)  # collective (all-gathers the master's shards); None if frozen
-            if master is not None:
-                state_dict[name] = master
-    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
-
-
-def save_fp32(model, output_dir: str, state_dict: dict) -> None:
-    """`model.save_pretrained` with an fp32 `state_dict`, its config saying float32 (the dtype of the weights saved)."""
-    model.save_pretrained(output_dir, state_dict=state_dict)
-    model.config.dtype = "float32"  # save_pretrained wrote the dtype of the module's bf16 compute copy under DeepSpeed
-    model.config.save_pretrained(output_dir)
-
-
-def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
-    """[(row indices, number of real rows)] of rank `rank`: rows rank, rank + W, ... in batches of `batch_size`;
-    every rank gets the same batches count and sizes, a rank one row short repeating its last row (not kept)."""
-    # Frozen models run as ZeRO-3 engines (--offload) gather their parameters in every forward,
-    # a collective: a rank with one batch fewer would leave the others waiting forever.
-    mine = list(range(rank, num_rows, world_size))
-    per_rank = -(-num_rows // world_size)  # ceil
-    padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
-    return [(padded[start:start + batch_size], max(0, min(batch_size, len(mine) - start)))
-            for start in range(0, per_rank, batch_size)]
-
-
-@torch.no_grad()
-def score_dataset(accelerator, model, dataset, layouts: dict, pad_token_id: int, local_eval_batch_size: int) -> dict:
-    """All ranks: {name: (N,) reward of each row} for layouts {name: token columns concatenated left to right}.
-
-    The context length of a layout is the width of all its columns but the last (0 for one column)."""
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.eval()
-    rows = []
-    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
-    for indices, real in tqdm(batches, desc="score", disable=not accelerator.is_main_process):
-        batch = dataset[indices]
-        scores = {}
-        for name, columns in layouts.items():
-            parts = [batch[column].to(accelerator.device) for column in columns]
-            context_length = sum(part.shape[1] for part in parts[:-1])
-            query_responses = trim_right_padding(torch.cat(parts, dim=1), pad_token_id)
-            _, scores[name] = get_reward(unwrapped, query_responses, pad_token_id, context_length)
-        rows += [(i, {name: score[j].item() for name, score in scores.items()}) for j, i in enumerate(indices[:real])]
-    unwrapped.train()
-    rows = sorted(gather_object(rows), key=lambda row: row[0])  # every rank's rows, in dataset order
-    return {name: np.array([row[1][name] for row in rows]) for name in layouts}
-
-
-def rm_agreement(preferred: list[str], ours_scores: list, other_scores: list) -> tuple[Optional[float], int]:
-    """Fraction of decided judgments ("ours" or the other side) where score ordering agrees; and their count."""
-    # Detail 17: Agreement with an LLM judge
-    # The RM "prefers ours" iff score > other score (strict, as the reference's eval/analyze_rm.py:
-    # an RM tie agrees with nobody). Malformed verdicts, gold ties and rows without scores do not count.
-    pairs = [(p == "ours", s > o) for p, s, o in zip(preferred, ours_scores, other_scores)
-             if p not in ("malformed", "tie", "unjudged") and s is not None and o is not None]
-    return (sum(judge == rm for judge, rm in pairs) / len(pairs) if pairs else None), len(pairs)
-
-
-def grouped_accuracy(table: pd.DataFrame, groups: tuple) -> pd.DataFrame:
-    """Rows (group, value, accuracy, pairs): 'all' first, then each value of each `groups` column of `table`."""
-    out = [("all", "all", table["accuracy"].mean(), len(table))]
-    for group in groups:
-        for value, part in table.groupby(group, dropna=False, sort=True):
-            # A column with missing values is float in pandas: show confidence 9.0 as "9"
-            value = int(value) if isinstance(value, float) and value.is_integer() else value
-            out.append((group, str(value), part["accuracy"].mean(), len(part)))
-    return pd.DataFrame(out, columns=["group", "value", "accuracy", "pairs"])
-
-
-def calibration_bins(margins: np.ndarray, bin_width: float) -> pd.DataFrame:
-    """Rows (low, high, pairs, accuracy, ideal) per |margin| bin; margin = r_chosen - r_rejected, accurate if > 0."""
-    magnitude = np.abs(margins)
-    bins = np.floor(magnitude / bin_width).astype(int)  # bin k holds k * width <= |margin| < (k + 1) * width
-    out = []
-    for k in np.unique(bins):
-        inside = bins == k
-        # Ideal: a calibrated RM predicts P(chosen preferred) = sigmoid(margin); at the bin's centre
-        center = (k + 0.5) * bin_width
-        out.append((k * bin_width, (k + 1) * bin_width, int(inside.sum()), float((margins[inside] > 0).mean()),
-                    1 / (1 + math.exp(-center))))
-    return pd.DataFrame(out, columns=["low", "high", "pairs", "accuracy", "ideal"])
-
-
-def markdown_table(frame: pd.DataFrame) -> str:
-    """A pandas DataFrame as a markdown table (floats with 3 decimals)."""
-    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
-    for row in frame.itertuples(index=False):
-        lines.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_calibration(tables: dict, path: str) -> None:
-    """Save accuracy vs |margin| per split ({split: calibration_bins frame}) beside the ideal sigmoid."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
-    figure, ax = plt.subplots(figsize=(6, 4))
-    for split, bins in tables.items():
-        ax.plot((bins["low"] + bins["high"]) / 2, bins["accuracy"], "o-", label=split)
-    grid = np.linspace(0, max([1.0] + [bins["high"].max() for bins in tables.values()]), 100)
-    ax.plot(grid, 1 / (1 + np.exp(-grid)), "k--", label="ideal: sigmoid(margin)")
-    ax.set(xlabel="|r_chosen - r_rejected|", ylabel="accuracy", ylim=(0, 1.02), title="RM calibration (Detail 18)")
-    ax.legend()
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-
-
-def plot_token_rewards(samples: list, path: str) -> None:
-    """Save per-token reward logits along sequences: samples = [(title, (T,) logits, query length, EOS index)]."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(len(samples), 1, figsize=(10, 2.2 * len(samples)), squeeze=False)
-    for ax, (title, logits, query_length, eos) in zip(axes[:, 0], samples):
-        ax.plot(range(len(logits)), logits, lw=1)
-        ax.axvline(query_length - 0.5, color="grey", ls=":", label="response starts")
-        ax.plot([eos], [logits[eos]], "r*", ms=12, label=f"EOS: {logits[eos]:.2f} (the reward)")
-        ax.axhline(0, color="black", lw=0.5)
-        ax.set(title=title, ylabel="reward logit")
-        ax.legend(loc="lower left", fontsize=7)
-    axes[-1, 0].set_xlabel("position")
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-
-
 if __name__ == "__main__":
-    # ---- args & sizes ----
-    args = tyro.cli(Args)
-    problem = gpu_problem(os.environ, torch.cuda.is_available())
-    if problem:
-        raise SetupError(problem)
-    # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
-    deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
-    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
-    problems = reward_flag_problems(args, accelerator.num_processes)
-    if problems:
-        raise SetupError("reward.py cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
-    args.world_size = accelerator.num_processes
-    args.gradient_accumulation_steps = gradient_accumulation(args.batch_size, args.local_micro_batch_size,
-                                                             args.world_size)
-    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
-    args.micro_batch_size = args.local_micro_batch_size * args.world_size
-    # Detail 8: Tech stack
-    # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
-    # The script names the accumulation and the micro-batch (DeepSpeed cannot read them from a
-    # DataLoader here) and turns off gradient clipping (accelerate fills in 1.0; the paper does not clip).
-    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
-    if accelerator.state.deepspeed_plugin is not None:
-        accelerator.state.deepspeed_plugin.deepspeed_config.update(
-            train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
-
-    # ---- checks: every bad input fails here, before a model is loaded or anything is written ----
-    # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, sft.py ->
-    # models/{base_model}/sft_{seed}, this script -> models/{base_model}/reward_{seed}.
-    name = model_name(args.base_model) if args.base_model else None
-    make_sft = f"python sft.py --base_model {args.base_model or 'EleutherAI/pythia-1b-deduped'} --seed {args.seed}"
-    if args.sft_model_path is None:
-        args.sft_model_path = os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"sft_{args.seed}")
-    else:
-        make_sft += f" --output_dir {args.sft_model_path}"
-    recorded = recorded_base_model(args.sft_model_path)
-    if name and recorded and name != recorded:
-        raise SetupError(f"--sft_model_path {args.sft_model_path} was fine-tuned from {recorded}, not from --base_model "
-                         f"{args.base_model}: pass --base_model {recorded} or another --sft_model_path")
-    name = name or recorded or "EleutherAI/pythia-1b-deduped"
-    args.base_model = args.base_model or name
-    make_data = f"python preprocess_tldr.py --base_model {args.base_model}"
-    args.label_dataset = args.label_dataset or os.path.join("data", name, "tldr", "preference")
-    args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
-    args.output_dir = args.output_dir or os.path.join("models", name, f"reward_{args.seed}")
-    if accelerator.is_main_process:
-        tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
-    accelerator.wait_for_everyone()
-    problem = (input_problem(args.sft_model_path, "--sft_model_path", make_sft)
-               or input_problem(args.label_dataset, "--label_dataset", make_data)
-               or input_problem(args.query_dataset, "--query_dataset", make_data)
-               or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
-                   "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates")))
-    if problem:
-        raise SetupError(problem)
-    datasets_by_flag = {}
-    for flag, splits, columns in (("label_dataset", ("train",) + EVAL_SPLITS, TRAIN_PAIR_COLUMNS + PAIR_COLUMNS),
-                                  ("query_dataset", ("train",), REFERENCE_COLUMNS)):
-        path = getattr(args, flag)
-        datasets_by_flag[flag] = datasets.load_from_disk(path) if os.path.isdir(path) else datasets.load_dataset(path)
-        missing = missing_columns(datasets_by_flag[flag], splits, columns)
-        if missing:
-            raise SetupError(f"--{flag} {path} lacks {missing}: build it with preprocess_tldr.py")
-    preference, sft = datasets_by_flag["label_dataset"], datasets_by_flag["query_dataset"]
-    if args.judged_file is not None:
-        # judge.py's judged/<run>.csv names the texts post / ours / other; a sample table query / response / reference.
-        judged = pd.read_csv(args.judged_file, keep_default_na=False).rename(
-            columns={"post": "query", "ours": "response", "other": "reference"})
-        lacking = sorted({"query", "response", "reference", "preferred"} - set(judged.columns))
-        if lacking:
-            raise SetupError(f"--judged_file {args.judged_file} lacks columns {lacking}: want judge.py's "
-                             "judged/<run>.csv (post, ours, other, preferred)")
-    tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")
-    # Detail 3: Leading space, EOS at the end, a distinct [PAD]
-    # The reward is read at the EOS before the first pad (Detail 12): a pad that IS the EOS would
-    # move it, so it is refused; no pad at all (Pythia) gets preprocess_tldr.py's [PAD], and the
-    # datasets must have been tokenized with exactly these pad / eos ids.
-    if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise SetupError(f"{args.sft_model_path}: the pad token {tokenizer.pad_token!r} is the EOS token; "
-                         "give the tokenizer a distinct pad token or none (then [PAD] is added)")
-    if add_pad_token(tokenizer):
-        accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    for path in (args.label_dataset, args.query_dataset):  # the token columns must be this tokenizer's ids
-        problem = token_ids_problem(path, pad_id, eos_id) if os.path.isdir(path) else None
-        if problem:
-            raise SetupError(problem + ": preprocess with the SFT model's tokenizer")
-    identity = tokenizer_identity(tokenizer)
-    problem = identity_problem({
-        f"--sft_model_path {args.sft_model_path} (its tokenizer)": identity,
-        f"--sft_model_path {args.sft_model_path} (its args.json)": recorded_tokenizer_identity(args.sft_model_path),
-        **{f"--{flag} {path} ({os.path.dirname(os.path.abspath(path))}/args.json)":
-           recorded_tokenizer_identity(os.path.dirname(os.path.abspath(path))) if os.path.isdir(path) else None
-           for flag, path in (("label_dataset", args.label_dataset), ("query_dataset", args.query_dataset))}})
-    if problem:
-        raise SetupError(problem)
-    train = preference["train"].with_format("torch", columns=list(TRAIN_PAIR_COLUMNS))
-    total_episodes = len(train) * args.num_train_epochs if args.total_episodes is None else args.total_episodes
-    args.num_updates = total_episodes // args.batch_size
-    if args.total_episodes is None and args.num_updates == 0:
-        raise SetupError(f"--label_dataset {args.label_dataset}: its train split ({len(train)} pairs) x --num_train_epochs "
-                         f"{args.num_train_epochs} is less than one batch of {args.batch_size}: pass --total_episodes")
-    checkpoints = os.path.join(args.output_dir, "checkpoints")
-    resume_from = latest_checkpoint(checkpoints) if args.resume else None
-
-    # ---- seeding & data order ----
-    local_seed = args.seed + accelerator.process_index * 100003
-    random.seed(local_seed)
-    np.random.seed(local_seed)
-    torch.manual_seed(args.seed)  # the head's initialisation: the same on every rank
-    torch.backends.cudnn.deterministic = True
-    # One permutation per pass, seeded alike on every rank (the reference shuffles with a per-rank
-    # seed, so its ranks read overlapping subsets): update u, micro-step m, rank r reads the slice
-    # [u, m, r] of the episode order, so ranks read disjoint pairs and each pair once per pass.
-    order = episode_order(len(train), args.num_updates * args.batch_size, args.seed)
-    local_order = order.view(args.num_updates, args.gradient_accumulation_steps, args.world_size,
-                             args.local_micro_batch_size)[:, :, accelerator.process_index]  # (U, GAS, micro)
-
-    # ---- model ----
-    model = reward_model_from_sft(args.sft_model_path)
-    problem = vocabulary_problem(tokenizer, model.backbone.get_input_embeddings().weight.size(0),
-                                 f"--sft_model_path {args.sft_model_path}")
-    if problem:
-        raise SetupError(problem)
-    model.train()
-
-    # ---- run name & logging ----
-    if resume_from is not None:  # a resumed run logs on into its own TensorBoard folder
-        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
-            run_name = args.run_name or json.load(file)["run_name"]
-    else:
-        start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
-        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
-            **asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id, "pad_token_id": pad_id,
-            "tokenizer_identity": identity, "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))},
-            indent=2))
-        writer = SummaryWriter(f"runs/{run_name}")
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{key}|{value}|" for key, value in asdict(args).items()))
-        if args.track:
-            import wandb  # imported here: without --track nothing touches the network
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
-    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} pairs = "
-                      f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
-                      f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size} "
-                      f"({args.gradient_accumulation_steps} accumulation steps)")
-
-    # ---- optimizer & schedule ----
-    # Detail 10: RM setup
-    # The paper's recipe: initialised from the SFT model, AdamW (eps 1e-5, weight decay 0.01),
-    # lr 3e-6 with a cosine decay to 0 over one epoch in updates of 64 pairs (1450 updates).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
-    scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
-    # The scheduler stays unprepared (stepped once per update by us); save_checkpoint stores its state.
-    model, optimizer = accelerator.prepare(model, optimizer)
-    problem = rotary_problem({"model": model})
-    if problem:
-        raise SetupError(f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
-    start_update = 0
-    if resume_from is not None:
-        load_checkpoint(accelerator, resume_from[1], model, optimizer, scheduler)  # also the RNG states of that update
-        start_update = resume_from[0]
-        accelerator.print(f"resumed from {resume_from[1]} at update {start_update}")
-    elif args.resume:
-        accelerator.print(f"--resume: no checkpoint in {checkpoints}, starting at update 0")
-
-    # ---- training loop ----
-    seen_path = os.path.join(args.output_dir, f"seen_rows_rank{accelerator.process_index}.json")
-    seen = json.load(open(seen_path)) if args.log_seen_rows and resume_from and os.path.isfile(seen_path) else {}
-    stop_at = args.num_updates if args.stop_after_updates is None else min(args.stop_after_updates, args.num_updates)
-    progress = tqdm(range(start_update, stop_at), desc="reward", disable=not accelerator.is_main_process)
-    for update in progress:
-        # (GAS, 4) per micro-step: loss, accuracy, mean chosen reward, mean rejected reward
-        stats = torch.zeros(args.gradient_accumulation_steps, 4, device=accelerator.device)
-        for micro_step in range(args.gradient_accumulation_steps):
-            indices = local_order[update, micro_step].tolist()
-            batch = train[indices]
-            queries = trim_left_padding(batch["query_token"], pad_id).to(accelerator.device)  # (micro, T_q)
-            # (micro, T_r) each: chosen and rejected summaries, right-padded to one width
-            chosen, rejected = trim_right_padding(torch.cat((batch["chosen_token"], batch["rejected_token"])),
-                                                  pad_id).to(accelerator.device).split(len(indices))
-            with accelerator.accumulate(model):
-                # (micro,) each: one row per pair, query ++ chosen ++ rejected
-                chosen_rewards, rejected_rewards = pair_rewards(model, queries, chosen, rejected, pad_id)
-                # Bradley-Terry: P(chosen preferred) = sigmoid(r_c - r_r); maximise its log-likelihood.
-                loss = -F.logsigmoid(chosen_rewards - rejected_rewards).mean()
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            stats[micro_step] = torch.stack([loss.detach(), (chosen_rewards > rejected_rewards).float().mean(),
-                                             chosen_rewards.detach().mean(), rejected_rewards.detach().mean()])
-            if args.log_seen_rows:
-                seen.setdefault(str(update), []).extend(indices)
-        lr = scheduler.get_last_lr()[0]  # the rate this update used
-        scheduler.step()
-        loss, accuracy, chosen, rejected = accelerator.reduce(stats.mean(0), reduction="mean").tolist()
-        pairs_seen = (update + 1) * args.batch_size
-        if accelerator.is_main_process:
-            for key, value in (("loss", loss), ("accuracy", accuracy), ("chosen_rewards", chosen),
-                               ("rejected_rewards", rejected), ("lr", lr)):
-                writer.add_scalar(f"train/rm/{key}", value, pairs_seen)
-            progress.set_postfix(loss=f"{loss:.4f}", accuracy=f"{accuracy:.3f}", lr=f"{lr:.2e}")
-        # A nan / inf stops every rank here, before anything of this update is saved (no checkpoint
-        # holding it ever replaces a good one).
-        if not all_finite(accelerator, model, stats[:, 0]):
-            raise FloatingPointError(nonfinite_message(update + 1, args.num_updates, checkpoints))
-        if args.log_seen_rows:
-            write_text_atomic(seen_path, json.dumps(seen))
-        if (args.save_every and (update + 1) % args.save_every == 0) or update + 1 == args.stop_after_updates:
-            save_checkpoint(accelerator, checkpoints, update + 1, run_name, model, optimizer, scheduler)
-    if stop_at < args.num_updates:
-        accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
-        raise SystemExit(0)
-    step = args.num_updates * args.batch_size
-    unwrapped = accelerator.unwrap_model(model)
-    # Results and model go to a new folder beside output_dir, swapped in whole once complete.
-    staging = staging_folder(args.output_dir) if accelerator.is_main_process else None
-
-    def first(dataset):
-        """The first --num_eval_samples rows of `dataset` (all of them when the flag is None)."""
-        return dataset if args.num_eval_samples is None else dataset.select(range(min(args.num_eval_samples,
-                                                                                     len(dataset))))
-
-    # ---- normalisation ----
-    references = first(sft["train"]).with_format("torch", columns=list(REFERENCE_COLUMNS))
-    scores = score_dataset(accelerator, model, references, {
-        "right": ("query_reference_response_token",),  # right-padded query+reference, as in training
-        "left": ("query_token", "reference_response_token"),  # left-padded query ++ reference, as in PPO
-    }, pad_id, args.local_eval_batch_size)
-    # Detail 14: Left- vs right-padded reward extraction
-    # PPO scores left-padded queries followed by its samples; the RM was trained on right-padded
-    # rows. Same tokens, other positions and pads: the two rewards should agree to ~1e-6 in fp32
-    # (the paper reports a mean difference of -5e-4 for its bf16 6.9B RM; the reference flags 1e-2).
-    left_right_diff = scores["left"] - scores["right"]
-    # Detail 15: Reward normalisation from SFT reference summaries
-    # Stiennon et al.: "normalize the reward model outputs such that the reference summaries from
-    # our dataset achieve a mean score of 0". Only the mean, folded into the head's bias: the saved
-    # weights (and the PPO critic initialised from them, Detail 22) output normalised rewards.
-    reference_mean = float(scores["right"].mean())
-    # The trained weights in fp32 (under DeepSpeed the masters: its bf16 module copy is not what we
-    # save); the mean is taken off the saved bias in fp32, and off the module's for the evaluation.
-    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it
-    state_dict["head.bias"] = state_dict["head.bias"] - reference_mean
-    with torch.no_grad():
-        unwrapped.head.bias -= reference_mean
-    normalization = {"mean": reference_mean, "std": float(scores["right"].std()), "min": float(scores["right"].min()),
-                     "max": float(scores["right"].max()), "references": len(references),
-                     "left_right_diff_mean": float(left_right_diff.mean()),
-                     "left_right_diff_gt_1e-2": float((np.abs(left_right_diff) > 1e-2).mean())}
-    metrics = {f"eval/rm/normalized_{key}": value for key, value in normalization.items() if key != "references"}
-    accelerator.print(f"normalisation over {len(references)} SFT references: " + ", ".join(
-        f"{key} {value:.4g}" for key, value in normalization.items()) + f"; head bias -= {reference_mean:.4f}")
-
-    # ---- evaluation ----
-    # Detail 6: The preference validation split is out of distribution
-    # Validation pairs come from many policies train never shows (preprocess_tldr.py counts them),
-    # and validation_cnndm is news: report each split apart and never pool them into one number.
-    gold = None
-    if args.gold_judge is not None:
-        import tiny_world  # the tiny world's gold judge, beside this script; imported only when asked
-
-        with open(os.path.join(args.gold_judge, "world.json")) as file:
-            noise_ceiling = json.load(file)["noise_ceiling"]
-    calibration, token_samples = {}, []
-    for split in EVAL_SPLITS:
-        eval_set = first(preference[split])
-        rewards = score_dataset(accelerator, model, eval_set.with_format("torch", columns=list(PAIR_COLUMNS)),
-                                {"chosen": ("query_chosen_token",), "rejected": ("query_rejected_token",)},
-                                pad_id, args.local_eval_batch_size)
-        if not accelerator.is_main_process:
-            continue
-        table = pd.DataFrame({
-            "query": eval_set["query"], "chosen": eval_set["chosen"], "rejected": eval_set["rejected"],
-            "batch": eval_set["batch"], "split": eval_set["split"],
-            "confidence": [(extra or {}).get("confidence") for extra in eval_set["extra"]],
-            "chosen_policy": eval_set["chosen_policy"], "rejected_policy": eval_set["rejected_policy"],
-            "chosen_reward": rewards["chosen"], "rejected_reward": rewards["rejected"]})
-        table["accuracy"] = (table["chosen_reward"] > table["rejected_reward"]).astype(float)
-        # Detail 16: Accuracy differs by batch / confidence / split
-        # Labeling batches differ in policies, instructions and labelers, and low-confidence pairs
-        # are near coin flips: one overall accuracy hides all of that (paper Table 5).
-        by_group = grouped_accuracy(table, GROUPS)
-        for row in by_group.itertuples():
-            key = f"eval/rm/{split}/accuracy" + ("" if row.group == "all" else f"/{row.group}/{row.value}")
-            metrics[key] = row.accuracy
-        report = f"# RM accuracy on {split} ({len(table)} pairs)\n\n" + markdown_table(by_group)
-        if args.gold_judge is not None:
-            # The labels are Bradley-Terry noise around the gold judge: agreement with the gold
-            # ordering is what the RM should learn; the noise ceiling bounds accuracy on the labels.
-            posts = [f"{info['title']}\n{info['article'] if split == 'validation_cnndm' else info['post']}"
-                     for info in eval_set["info"]]
-            texts = [(s[c]["text"], s[1 - c]["text"]) for s, c in zip(eval_set["summaries"], eval_set["choice"])]
-            gold_margin = np.array([tiny_world.gold_score(p, c) - tiny_world.gold_score(p, r)
-                                    for p, (c, r) in zip(posts, texts)])
-            table["gold_prefers_chosen"] = np.where(gold_margin == 0, np.nan, gold_margin > 0)
-            decided = gold_margin != 0  # gold ties (e.g. two identical summaries) prefer neither
-            gold_accuracy = float(((table["accuracy"] > 0) == (gold_margin > 0))[decided].mean())
-            metrics[f"eval/rm/{split}/gold_accuracy"] = gold_accuracy
-            report += (f"\nGold judge: RM agrees with the gold ordering on {gold_accuracy:.3f} of {decided.sum()} "
-                       f"pairs without a gold tie; accuracy on the labels {table['accuracy'].mean():.3f} vs "
-                       f"noise ceiling {noise_ceiling.get(split, float('nan')):.3f}\n")
-        table.to_csv(os.path.join(staging, f"eval_{split}.csv"), index=False)
-        with open(os.path.join(staging, f"accuracy_{split}.md"), "w") as file:
-            file.write(report)
-        if args.track:
-            wandb.log({f"eval/rm/{split}/samples": wandb.Table(dataframe=table)})
-        print(report)
-        # Detail 18: RM calibration
-        # A calibrated RM is right with probability sigmoid(margin) (Bai et al., 2022): compare
-        # the accuracy in bins of |r_c - r_r| 0.5 wide with that curve.
-        calibration[split] = calibration_bins((table["chosen_reward"] - table["rejected_reward"]).to_numpy(), 0.5)
-        print(f"calibration on {split}:\n" + markdown_table(calibration[split]))
-    if accelerator.is_main_process:
-        plot_calibration(calibration, os.path.join(staging, "calibration.png"))
-        # Detail 13: Non-EOS reward logits are not valid rewards
-        # Only the EOS logit is trained; the head's output elsewhere is whatever the hidden states
-        # give (the paper sees mostly negative values). Plot a few sequences to show it.
-        examples = preference["validation"].select(range(min(2, len(preference["validation"]))))
-        ids = torch.tensor(list(examples["query_chosen_token"]) + list(examples["query_rejected_token"]))  # (2n, T)
-        with torch.no_grad():
-            logits, _ = get_reward(unwrapped, ids.to(accelerator.device), pad_id, context_length=0)  # (2n, T)
-        eos = reward_indices(ids, pad_id, 0)  # (2n,)
-        for i in range(len(ids)):
-            pair, kind = i % len(examples), ("chosen", "rejected")[i // len(examples)]
-            token_samples.append((f"validation pair {pair}, {kind}", logits[i, :int(eos[i]) + 6].tolist(),
-                                  int(list(examples["query_token_len"])[pair]), int(eos[i])))  # + a few pads
-        plot_token_rewards(token_samples, os.path.join(staging, "token_rewards.png"))
-
-    # ---- agreement with a judge ----
-    if args.judged_file is not None:
-        # The judge compared a model's summary with another (the human reference, by default); the RM
-        # agrees when it ranks the two the same way. Texts are rebuilt as preprocess_tldr.py builds
-        # them: query + " " + summary + EOS, right-padded.
-        ids = {name: tokenizer([f"{query.strip()} {str(text).strip()}{tokenizer.eos_token}" for query, text in
-                                zip(judged["query"], judged[name])], add_special_tokens=False)["input_ids"]
-               for name in ("response", "reference")}
-        width = max(len(row) for rows in ids.values() for row in rows)
-        judged_set = datasets.Dataset.from_dict({name: [row + [pad_id] * (width - len(row)) for row in rows]
-                                                 for name, rows in ids.items()}).with_format("torch")
-        judged_rewards = score_dataset(accelerator, model, judged_set, {name: (name,) for name in ids}, pad_id,
-                                       args.local_eval_batch_size)
-        agreement, decided = rm_agreement(list(judged["preferred"]), list(judged_rewards["response"]),
-                                          list(judged_rewards["reference"]))
-        metrics["eval/rm/judge_agreement"] = float("nan") if agreement is None else agreement
-        accelerator.print(f"RM agrees with the judge on {metrics['eval/rm/judge_agreement']:.3f} of the {decided} "
-                          f"decided judgments in {args.judged_file}")
-
-    # ---- save ----
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        for key, value in metrics.items():
-            writer.add_scalar(key, value, step)
-        save_fp32(unwrapped, staging, state_dict)  # safetensors, fp32, bias normalised
-        tokenizer.save_pretrained(staging)
-        with open(os.path.join(staging, "normalization.json"), "w") as file:
-            json.dump(normalization, file, indent=2)
-        with open(os.path.join(staging, "eval_metrics.json"), "w") as file:
-            json.dump(metrics, file, indent=2)
-        publish_output(staging, args.output_dir)  # the checkpoints go with the old folder: only an unfinished run needs them
-        writer.close()
-        print("\n".join(f"{key}: {metrics[key]:.4f}" for key in metrics if key.count("/") == 3 or "normalized" in key))
-        print(f"saved {args.output_dir}")
-        if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
-            print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
-        if args.push_to_hub:
-            from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
-
-            api = HfApi()
-            repo_name = args.sft_model_path.rstrip("/").replace("/", "_")
-            repo_id = f"{args.hf_entity or api.whoami()['name']}/{repo_name}__{args.exp_name}__tldr"
-            api.create_repo(repo_id, exist_ok=True)
-            api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
-            api.upload_folder(folder_path=args.output_dir, repo_id=repo_id, revision=run_name)
-            print(f"pushed https://huggingface.co/{repo_id}/tree/{run_name}")
-        if args.track:
-            wandb.finish()
+    main()  # here, at the end, so that every helper below the fence is defined when it runs

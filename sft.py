@@ -143,10 +143,311 @@ class Args:
     """Optimizer updates = total_episodes // batch_size (paper: 116,722 // 128 = 911)"""
 
 
-# Flags that may change between an interrupted run and its resumption (see output_dir_problem).
-RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
 # Every split needs these columns (preprocess_tldr.py's SFT_DESCRIPTIONS says what they hold).
 REQUIRED_COLUMNS = ("query_token", "reference_response_token", "query_reference_response_token")
+
+
+def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bool:
+    """Refuse pad == EOS, add [PAD] where there is no pad, refuse ids other than `data_ids`; True if added."""
+    # Detail 3: Leading space, EOS at the end, a distinct [PAD]
+    # "A tokenizer without a pad token" is read as: no pad at all (Pythia) gets the [PAD] that
+    # preprocess_tldr.py added, so the ids agree; a pad that IS the EOS is refused, because every
+    # mask `ids != pad` would then hide the EOS too and the model would never learn to stop.
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise SetupError(f"the tokenizer's pad token {tokenizer.pad_token!r} is its EOS token: "
+                         "give it a distinct pad token, or none (then [PAD] is added)")
+    added = add_pad_token(tokenizer)
+    ours = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    if data_ids is not None and data_ids != ours:
+        raise SetupError(f"{data_source} was tokenized with {data_ids}, this tokenizer has {ours}: "
+                         "preprocess the data with the same base model")
+    return added
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability of `model` to 0: nn.Dropout modules, float *dropout* attributes, config."""
+    # Detail 7: Disable dropout
+    # With dropout on, two forwards of the same ids give different log-probs: the first PPO ratio
+    # would not be 1 and reward scores would be noisy. Pythia's dropout is 0 already; the tiny
+    # model's is 0.1. nn.Dropout modules are not all of it: GPT-NeoX attention copies the float
+    # `config.attention_dropout` into a module attribute and applies it functionally.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    for name, value in vars(model.config).items():  # saved with the model: later loads start at 0 too
+        if "dropout" in name and isinstance(value, float):
+            setattr(model.config, name, 0.0)
+
+
+def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+    """(B, T) ids with pads -> the model's output (logits (B, T, V)); pads masked out of attention."""
+    attention_mask = query_responses != pad_token_id  # (B, T)
+    # [PAD] may lie past the embedding table (Pythia: id 50277 of 50304 rows is fine, others not):
+    # masked positions are never attended to, so any valid id will do there.
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
+
+
+def next_token_nll(logits: torch.Tensor, query_responses: torch.Tensor, pad_token_id: int) -> tuple:
+    """(B, T, V) logits of (B, T) ids -> (sum of -log p(id_t+1) over non-pad targets, number of them)."""
+    labels = query_responses[:, 1:]  # (B, T-1): logits at t predict the id at t+1
+    mask = labels != pad_token_id  # pads are no target; EOS is one (the model must learn to stop)
+    nll = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), reduction="none")
+    return (nll * mask.flatten()).sum(), mask.sum()
+
+
+def sft_update(accelerator, model, optimizer, micro_batches: list, pad_token_id: int) -> torch.Tensor:
+    """All ranks: one update of next-token cross-entropy over `micro_batches` ((micro, T) right-padded
+    query+reference ids each) -> (GAS,) loss of each micro-batch."""
+    losses = []
+    for query_responses in micro_batches:
+        query_responses = query_responses.to(accelerator.device)  # (micro, T)
+        # accumulate(): no gradient all-reduce and no optimizer step until the last micro-step;
+        # accelerate divides the loss by the accumulation steps, DDP averages across ranks.
+        with accelerator.accumulate(model):
+            nll, num_tokens = next_token_nll(forward(model, query_responses, pad_token_id).logits,
+                                             query_responses, pad_token_id)
+            # The mean over this micro-batch's non-pad tokens, query included (reference behaviour).
+            # Micro-batches then weigh alike whatever their token counts, so splitting the same
+            # batch into other micro-batches changes the gradient slightly; splitting the same
+            # micro-batches over ranks instead of accumulation steps does not.
+            loss = nll / num_tokens
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.detach().float())
+    return torch.stack(losses)
+
+
+@torch.no_grad()
+def sft_evaluate(accelerator, model, dataset, tokenizer, generation_config, local_eval_batch_size: int) -> tuple:
+    """All ranks: eval loss and sampled summaries of `dataset` -> ({loss, rouge1, rouge2, rougeL}, rows)."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()
+    nll_sum, num_tokens, rows = torch.zeros((), device=accelerator.device), 0, []
+    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
+    for indices, real in tqdm(batches, desc="eval", disable=not accelerator.is_main_process):
+        batch = dataset[indices]
+        # Same loss as training, on the right-padded query+reference ids (of the real rows only).
+        query_references = batch["query_reference_response_token"].to(accelerator.device)  # (B, T), right-padded
+        logits = forward(unwrapped, query_references, pad_id).logits
+        nll, count = next_token_nll(logits[:real], query_references[:real], pad_id)
+        nll_sum, num_tokens = nll_sum + nll, num_tokens + count
+        queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
+        query_responses, _ = generate(unwrapped, queries, pad_id, generation_config)
+        responses = truncate_response(query_responses[:, queries.shape[1]:], eos_id, pad_id)  # (B, T_resp)
+        for i, query, response, reference in list(zip(
+                indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
+                tokenizer.batch_decode(responses, skip_special_tokens=True),
+                tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True)))[:real]:
+            rows.append({"index": i, "query": query.strip(), "response": response.strip(), "reference": reference.strip()})
+    unwrapped.train()
+    totals = accelerator.reduce(torch.stack([nll_sum, torch.as_tensor(num_tokens, device=nll_sum.device).float()]))
+    rows = sorted(gather_object(rows), key=lambda row: row["index"])  # every rank's rows, in split order
+    metrics = {"loss": (totals[0] / totals[1]).item(),
+               **mean_rouge([row["response"] for row in rows], [row["reference"] for row in rows])}
+    return metrics, [{key: row[key] for key in ("query", "response", "reference")} for row in rows]
+
+
+def main() -> None:
+    """The stage, top to bottom (run at the end of the file, once the plumbing below the fence is defined)."""
+    # ---- args & sizes ----
+    args = tyro.cli(Args)
+    accelerator = start_accelerator(args, sft_flag_problems, "sft.py")  # every flag is checked first
+    # Detail 8: Tech stack
+    # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
+    # The script names the accumulation and the micro-batch (DeepSpeed cannot read them from a
+    # DataLoader here) and turns off gradient clipping (accelerate fills in 1.0; the paper does not clip).
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
+    if accelerator.state.deepspeed_plugin is not None:
+        accelerator.state.deepspeed_plugin.deepspeed_config.update(
+            train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
+
+    # ---- data and tokenizer: every bad input fails here, before a model is loaded or anything is written ----
+    dataset, eval_splits, tokenizer, recorded = sft_inputs(args, accelerator)  # also sets args.num_updates
+    train = dataset["train"].with_format("torch", columns=["query_reference_response_token"])
+    resume_from = latest_checkpoint(os.path.join(args.output_dir, "checkpoints")) if args.resume else None
+
+    # ---- seeding & data order ----
+    local_seed = args.seed + accelerator.process_index * 100003  # eval sampling differs per rank
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    torch.backends.cudnn.deterministic = True
+    # One permutation per pass, seeded alike on every rank: ranks read disjoint rows, each once per pass.
+    # Indexed by the update counter: a resumed run reads what an uninterrupted one would.
+    local_order = local_episode_order(len(train), args.num_updates, args.gradient_accumulation_steps, args.world_size,
+                                      args.local_micro_batch_size, args.seed, accelerator.process_index)
+
+    # ---- model, run name & logging ----
+    model = load_fp32(AutoModelForCausalLM, args.base_model, "--base_model")
+    refuse(vocabulary_problem(tokenizer, model.get_input_embeddings().weight.size(0), f"--base_model {args.base_model}"))
+    disable_dropout(model)
+    model.train()
+    unsampled = unsampled_token_ids(tokenizer, model.get_output_embeddings().weight.size(0))
+    run_name, writer = start_sft_logging(args, accelerator, resume_from, recorded)
+
+    # ---- optimizer & schedule ----
+    # Detail 9: SFT setup
+    # The paper's recipe: AdamW (eps 1e-5, torch's weight decay 0.01), lr 3e-6 with a cosine decay
+    # to 0 over one epoch in updates of 128 samples (911 updates of the 116,722 posts), no clipping.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
+    # The scheduler stays unprepared: accelerate's wrapper would step it once per process, and we
+    # step it once per update ourselves (save_checkpoint stores its state).
+    model, optimizer = accelerator.prepare(model, optimizer)
+    problem = rotary_problem({"model": model})
+    refuse(problem and f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
+    start_update = resume(accelerator, args, resume_from, model, optimizer, scheduler)
+
+    # ---- training loop ----
+    stop_at = args.num_updates if args.stop_after_updates is None else min(args.stop_after_updates, args.num_updates)
+    progress = tqdm(range(start_update, stop_at), desc="sft", disable=not accelerator.is_main_process)
+    for update in progress:
+        micro_batches = [train[indices]["query_reference_response_token"] for indices in local_order[update].tolist()]
+        losses = sft_update(accelerator, model, optimizer, micro_batches, tokenizer.pad_token_id)  # (GAS,)
+        lr = scheduler.get_last_lr()[0]  # the rate this update used
+        scheduler.step()
+        logged = {"loss": accelerator.reduce(losses.mean(), reduction="mean").item(), "lr": lr}
+        if accelerator.is_main_process:
+            for key, value in logged.items():
+                writer.add_scalar(f"train/sft/{key}", value, (update + 1) * args.batch_size)  # x: samples seen
+            progress.set_postfix(loss=f"{logged['loss']:.4f}", lr=f"{lr:.2e}")
+        # A nan / inf stops every rank here, before this update is saved; then the --save_every checkpoint.
+        check_and_checkpoint(accelerator, args, update + 1, losses, run_name, model, optimizer, scheduler)
+    if stop_at < args.num_updates:
+        accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
+        if accelerator.is_main_process:
+            writer.close()
+        raise SystemExit(0)
+
+    # ---- evaluation ----
+    staging = staging_folder(args.output_dir) if accelerator.is_main_process else None  # swapped in once complete
+    generation_config = GenerationConfig(
+        max_new_tokens=args.response_length, min_new_tokens=args.response_length,  # always the full length
+        temperature=args.temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,  # pure temperature sampling
+        return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled)  # never [PAD] / unowned rows
+    all_metrics = {}
+    for split in eval_splits if args.num_eval_samples != 0 else ():
+        eval_set = first_rows(dataset[split].with_format("torch", columns=list(REQUIRED_COLUMNS)), args.num_eval_samples)
+        metrics, rows = sft_evaluate(accelerator, model, eval_set, tokenizer, generation_config,
+                                     args.local_eval_batch_size)
+        all_metrics[split] = metrics
+        if accelerator.is_main_process:
+            for key, value in metrics.items():
+                writer.add_scalar(f"eval/sft/{split}/{key}", value, args.num_updates * args.batch_size)
+            print(f"eval/{split}: " + ", ".join(f"{key} {value:.4f}" for key, value in metrics.items()))
+            write_summaries(staging, rows, f"eval_{split}.csv", f"eval/sft/{split}/samples" if args.track else None)
+
+    # ---- save ----
+    save_sft(accelerator, args, run_name, writer, model, tokenizer, staging, all_metrics)
+
+
+# ---- plumbing and fast paths: no Detail below ----
+# Sampling: the helpers of sft_evaluate.
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """(B, T) bool -> (B,): index of the first True of each row, T for a row without one."""
+    row_len = bools.size(-1)
+    # (B, T): a False costs T + its index, a True just its index; the minimum is the first True
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def truncate_response(responses: torch.Tensor, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
+    """(B, T_resp) ids -> (B, T_resp): ids after each row's first EOS set to pad (the EOS is kept)."""
+    eos_index = first_true_indices(responses == eos_token_id)  # (B,): T_resp where no EOS
+    positions = torch.arange(responses.size(1), device=responses.device).view(1, -1)  # (1, T_resp)
+    return torch.masked_fill(responses, positions > eos_index.unsqueeze(1), pad_token_id)
+
+
+def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config) -> tuple:
+    """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores)."""
+    context_length = queries.shape[1]
+    attention_mask = queries != pad_token_id  # (B, T_q)
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    # generate() fills unset fields from the model's own generation_config: its eos id would stop
+    # early or, with min_new_tokens, forbid EOS altogether. Without eos / pad ids every row gets
+    # exactly max_new_tokens tokens and EOS is handled afterwards by truncate_response.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    # (B, T_q + T_resp): the original queries (with their pads) ++ the new tokens
+    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), torch.stack(output.scores, 1)
+
+
+def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:
+    """Ids that sampling never emits: [PAD] and the embedding rows past the tokenizer (no token owns them)."""
+    # Pythia's embedding has 50304 rows for 50277 tokens, and the [PAD] we add is 50277: a sampled
+    # [PAD] in mid-summary would move the EOS the reward is read at, and an unowned row decodes to
+    # nothing. Their logits are masked wherever the policy samples (a departure from the reference).
+    return sorted({tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)})
+
+
+def mean_rouge(predictions: list, references: list) -> dict:
+    """{rouge1, rouge2, rougeL}: mean F1 over the pairs (rouge-score defaults, as `evaluate`'s rouge)."""
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"])
+    scores = [scorer.score(reference, prediction) for prediction, reference in zip(predictions, references)]
+    return {key: float(np.mean([score[key].fmeasure for score in scores])) for key in ("rouge1", "rouge2", "rougeL")}
+
+
+def episode_order(num_rows: int, num_episodes: int, seed: int) -> torch.Tensor:
+    """(num_episodes,) row indices: a fresh seeded permutation of the rows per pass, passes concatenated."""
+    generator = torch.Generator().manual_seed(seed)
+    passes = -(-num_episodes // num_rows)  # ceil: the last pass may be used in part
+    perms = [torch.randperm(num_rows, generator=generator) for _ in range(passes)]
+    return torch.cat(perms)[:num_episodes] if perms else torch.zeros(0, dtype=torch.long)
+
+
+def local_episode_order(num_rows: int, num_updates: int, gradient_accumulation_steps: int, world_size: int,
+                        local_micro_batch_size: int, seed: int, rank: int) -> torch.Tensor:
+    """(U, GAS, local micro) row indices that rank `rank` reads: the slice [u, m, rank] of episode_order."""
+    # Update u, micro-step m, rank r reads the slice [u, m, r]: ranks read disjoint rows, each once per pass.
+    sizes = (num_updates, gradient_accumulation_steps, world_size, local_micro_batch_size)
+    return episode_order(num_rows, math.prod(sizes), seed).view(sizes)[:, :, rank]
+
+
+# Evaluation: sharding and outputs.
+
+
+def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
+    """[(row indices, number of real rows)] of rank `rank`: rows rank, rank + W, ... in batches of `batch_size`;
+    every rank gets the same batches count and sizes, a rank one row short repeating its last row (not kept)."""
+    # Frozen models run as ZeRO-3 engines (--offload) gather their parameters in every forward,
+    # a collective: a rank with one batch fewer would leave the others waiting forever.
+    mine = list(range(rank, num_rows, world_size))
+    per_rank = -(-num_rows // world_size)  # ceil
+    padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
+    return [(padded[start:start + batch_size], max(0, min(batch_size, len(mine) - start)))
+            for start in range(0, per_rank, batch_size)]
+
+
+def first_rows(dataset, num_rows: Optional[int]):
+    """The first `num_rows` rows of `dataset` (all of them when None): --num_eval_samples caps every evaluation."""
+    return dataset if num_rows is None else dataset.select(range(min(num_rows, len(dataset))))
+
+
+def write_summaries(staging: str, rows: list, csv_name: str, wandb_key: Optional[str]) -> None:
+    """Rank 0: the sampled summaries (query, response, reference) as `csv_name` into `staging` (judge.py reads it), to
+    W&B as `wandb_key` (--track: not None); the first three printed."""
+    table = pd.DataFrame(rows, columns=["query", "response", "reference"])
+    table.to_csv(os.path.join(staging, csv_name), index=False)
+    if wandb_key is not None:
+        import wandb
+
+        wandb.log({wandb_key: wandb.Table(dataframe=table)})
+    for row in rows[:3]:
+        print(f"  query ...{row['query'][-80:]!r}\n  response  {row['response']!r}\n  reference {row['reference']!r}")
+
+
+# Run setup: flags, inputs, tokenizer, models, logging.
+# Flags that may change between an interrupted run and its resumption (see output_dir_problem).
+RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
 # Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
 POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
 NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
@@ -160,13 +461,10 @@ class SetupError(ValueError):
     """Flags, data, tokenizer or output folder the script cannot use; raised before any compute."""
 
 
-def gradient_accumulation(batch_size: int, local_micro_batch_size: int, world_size: int) -> int:
-    """Micro-batches per update per rank so that micro x accumulation x world = batch_size exactly."""
-    per_step = local_micro_batch_size * world_size
-    if batch_size <= 0 or local_micro_batch_size <= 0 or batch_size % per_step:
-        raise SetupError(f"--batch_size {batch_size} is not a positive multiple of --local_micro_batch_size "
-                         f"{local_micro_batch_size} x world size {world_size} = {per_step}")
-    return batch_size // per_step
+def refuse(problem: Optional[str]) -> None:
+    """Raise SetupError(problem) when there is a problem."""
+    if problem:
+        raise SetupError(problem)
 
 
 def sft_flag_problems(args: Args, world_size: int) -> list:
@@ -189,6 +487,159 @@ def sft_flag_problems(args: Args, world_size: int) -> list:
     if args.output_dir is not None and os.path.isfile(args.output_dir):
         problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
     return problems
+
+
+def flag_range_problems(args, rules: dict) -> list:
+    """['--flag value: want ...'] for each flag of `rules` ({flag: (ok(value) -> bool, what to pass)}) whose value fails."""
+    return [f"--{flag} {getattr(args, flag)}: want {want}" for flag, (ok, want) in rules.items()
+            if not ok(getattr(args, flag))]
+
+
+def gradient_accumulation(batch_size: int, local_micro_batch_size: int, world_size: int) -> int:
+    """Micro-batches per update per rank so that micro x accumulation x world = batch_size exactly."""
+    per_step = local_micro_batch_size * world_size
+    if batch_size <= 0 or local_micro_batch_size <= 0 or batch_size % per_step:
+        raise SetupError(f"--batch_size {batch_size} is not a positive multiple of --local_micro_batch_size "
+                         f"{local_micro_batch_size} x world size {world_size} = {per_step}")
+    return batch_size // per_step
+
+
+def scheduler_problem(name: str) -> Optional[str]:
+    """Why transformers.get_scheduler cannot build `name` as the stages use it (stepped once per update); None if it can."""
+    if name == "reduce_lr_on_plateau":  # steps on a metric, which the stages do not pass
+        return f"--scheduler {name}: it needs a metric at every step; want e.g. cosine, linear or constant"
+    try:
+        get_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), num_warmup_steps=0,
+                      num_training_steps=1)
+    except (ValueError, TypeError) as error:
+        return f"--scheduler {name}: {str(error).splitlines()[0]}; want e.g. cosine, linear or constant"
+    return None
+
+
+def gpu_problem(environ, cuda_available: bool) -> Optional[str]:
+    """Why this launch cannot run: it asks for a GPU (DeepSpeed, bf16 / fp16) and sees none; None if it can."""
+    # A SLURM job on a node whose torch is a CPU build would otherwise train on the CPU, silently,
+    # for days. A CPU rehearsal is fine when it says so: DS_ACCELERATOR=cpu, or accelerate's --cpu.
+    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if cuda_available or not (deepspeed or precision != "no"):
+        return None
+    if deepspeed and environ.get("DS_ACCELERATOR") == "cpu":
+        return None
+    if not deepspeed and environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return None
+    asked = "DeepSpeed" if deepspeed else f"mixed precision {precision}"
+    rehearsal = "DS_ACCELERATOR=cpu" if deepspeed else "accelerate launch --cpu"
+    return (f"this launch asks for a GPU ({asked}), but torch {torch.__version__} sees no CUDA device "
+            f"(CUDA build: {torch.version.cuda or 'none, a CPU-only torch'}). Run it on a GPU node with a CUDA "
+            f"build of torch, or, for a CPU rehearsal on purpose, use {rehearsal}")
+
+
+def model_path_problem(path: str, flag: str) -> Optional[str]:
+    """Why `path` (given to `flag`) is neither a local model folder nor a Hub id; None if it may be either."""
+    # from_pretrained would read a missing folder as a Hub id and fail with "Repo id must be in the
+    # form ...", which never says that the folder is missing.
+    if os.path.isdir(path):
+        return None
+    if os.path.exists(path):
+        return f"{flag} {path} is a file: pass a model folder or a Hub id (org/name)"
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return f"{flag} {path}: no model folder at {path}, and it is not a Hub id either (org/name): pass a folder that exists"
+    return None  # a Hub id: from_pretrained fetches it, or says that it cannot
+
+
+def start_accelerator(args, flag_problems, script: str) -> Accelerator:
+    """The Accelerator of this launch, once the launch and every flag are checked; sets the derived sizes of `args`."""
+    problem = gpu_problem(os.environ, torch.cuda.is_available())
+    if problem:
+        raise SetupError(problem)
+    # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
+    deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
+    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
+    problems = flag_problems(args, accelerator.num_processes)
+    if problems:
+        raise SetupError(f"{script} cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
+    args.world_size = accelerator.num_processes
+    args.gradient_accumulation_steps = gradient_accumulation(args.batch_size, args.local_micro_batch_size,
+                                                             args.world_size)
+    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    args.micro_batch_size = args.local_micro_batch_size * args.world_size
+    return accelerator
+
+
+def sft_inputs(args, accelerator) -> tuple:
+    """(the SFT dataset, its eval splits, the base model's tokenizer, what args.json records of them), every one
+    checked; fills in the default paths and num_updates of `args`."""
+    # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, then
+    # models/{base_model}/{sft,reward,dpo,ppo}_{seed}, so each default input is the last stage's default output.
+    name = model_name(args.base_model)
+    make_data = f"python preprocess_tldr.py --base_model {args.base_model}"
+    if args.query_dataset is not None:
+        make_data += f" --output_dir {os.path.dirname(os.path.normpath(args.query_dataset))}"
+    args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
+    args.output_dir = args.output_dir or os.path.join("models", name, f"sft_{args.seed}")
+    if accelerator.is_main_process:
+        tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
+    accelerator.wait_for_everyone()
+    refuse(input_problem(args.query_dataset, "--query_dataset", make_data) or output_dir_problem(
+        args.output_dir, asdict(args), RESUME_FLAGS + (
+            "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates")))
+    local_dataset = os.path.isdir(args.query_dataset)
+    dataset = datasets.load_from_disk(args.query_dataset) if local_dataset else datasets.load_dataset(args.query_dataset)
+    eval_splits = ("validation", "test") if args.eval_test else ("validation",)
+    missing = missing_columns(dataset, ("train",) + eval_splits, REQUIRED_COLUMNS)
+    if missing:
+        raise SetupError(f"{args.query_dataset} lacks {missing}: build it with preprocess_tldr.py")
+    tokenizer, identity = sft_tokenizer(args, accelerator, local_dataset)
+    total_episodes = len(dataset["train"]) * args.num_train_epochs if args.total_episodes is None else args.total_episodes
+    args.num_updates = total_episodes // args.batch_size
+    if args.total_episodes is None and args.num_updates == 0:
+        raise SetupError(f"--query_dataset {args.query_dataset}: its train split ({len(dataset['train'])} rows) x "
+                         f"--num_train_epochs {args.num_train_epochs} is less than one batch of {args.batch_size}: "
+                         "pass --total_episodes")
+    recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+                "tokenizer_identity": identity}
+    return dataset, eval_splits, tokenizer, recorded
+
+
+def sft_tokenizer(args, accelerator, local_dataset: bool) -> tuple:
+    """(the base model's tokenizer, checked by check_tokenizer against the dataset's ids, its tokenizer_identity)."""
+    tokenizer = load_tokenizer(args.base_model, "--base_model")
+    # The token columns hold the ids of the tokenizer preprocess_tldr.py used (its args.json).
+    built_with = os.path.join(os.path.dirname(os.path.abspath(args.query_dataset)), "args.json")
+    data_ids = None
+    if local_dataset and os.path.isfile(built_with):
+        with open(built_with) as file:
+            built = json.load(file)
+        data_ids = {key: built.get(key) for key in ("eos_token_id", "pad_token_id")}
+    else:
+        accelerator.print(f"note: no args.json beside {args.query_dataset}; its eos / pad ids are not checked")
+    if check_tokenizer(tokenizer, data_ids, f"{args.query_dataset} ({built_with})"):
+        accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.base_model}")
+    identity = tokenizer_identity(tokenizer)
+    refuse(identity_problem({
+        f"--base_model {args.base_model} (its tokenizer)": identity,
+        f"--query_dataset {args.query_dataset} ({built_with})":
+            recorded_tokenizer_identity(os.path.dirname(built_with)) if local_dataset else None}))
+    return tokenizer, identity
+
+
+def model_name(base_model: str) -> str:
+    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
+    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
+    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
+    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
+
+
+def input_problem(path: str, flag: str, make: str) -> Optional[str]:
+    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
+    # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
+    if os.path.exists(path) or hub_id:
+        return None
+    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
 
 
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
@@ -221,34 +672,6 @@ def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
                       for column in columns if column not in dataset_dict[split].column_names]
 
 
-def model_name(base_model: str) -> str:
-    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
-    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
-    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
-    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
-
-
-def input_problem(path: str, flag: str, make: str) -> Optional[str]:
-    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
-    # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
-    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
-    if os.path.exists(path) or hub_id:
-        return None
-    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
-
-
-def load_fp32(model_class, path: str, flag: str):
-    """`model_class.from_pretrained(path)` in fp32 whatever dtype it was saved in (Pythia's Hub weights are fp16)."""
-    # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
-    # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
-    # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
-    try:
-        return model_class.from_pretrained(path, dtype=torch.float32)
-    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
-        raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
-                         f"(or the Hub cannot be reached): {error}") from error
-
-
 def load_tokenizer(path: str, flag: str):
     """AutoTokenizer of `path` with right padding; a SetupError naming `flag` when there is none."""
     try:
@@ -258,25 +681,12 @@ def load_tokenizer(path: str, flag: str):
                          f"(or the Hub cannot be reached): {error}") from error
 
 
-def model_path_problem(path: str, flag: str) -> Optional[str]:
-    """Why `path` (given to `flag`) is neither a local model folder nor a Hub id; None if it may be either."""
-    # from_pretrained would read a missing folder as a Hub id and fail with "Repo id must be in the
-    # form ...", which never says that the folder is missing.
-    if os.path.isdir(path):
-        return None
-    if os.path.exists(path):
-        return f"{flag} {path} is a file: pass a model folder or a Hub id (org/name)"
-    try:
-        validate_repo_id(path)
-    except HFValidationError:
-        return f"{flag} {path}: no model folder at {path}, and it is not a Hub id either (org/name): pass a folder that exists"
-    return None  # a Hub id: from_pretrained fetches it, or says that it cannot
-
-
-def flag_range_problems(args, rules: dict) -> list:
-    """['--flag value: want ...'] for each flag of `rules` ({flag: (ok(value) -> bool, what to pass)}) whose value fails."""
-    return [f"--{flag} {getattr(args, flag)}: want {want}" for flag, (ok, want) in rules.items()
-            if not ok(getattr(args, flag))]
+def add_pad_token(tokenizer) -> bool:
+    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return False
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return True
 
 
 def tokenizer_identity(tokenizer) -> str:
@@ -318,87 +728,16 @@ def vocabulary_problem(tokenizer, rows: int, what: str) -> Optional[str]:
             "with this tokenizer; use models and data made from one base model")
 
 
-def scheduler_problem(name: str) -> Optional[str]:
-    """Why transformers.get_scheduler cannot build `name` as the stages use it (stepped once per update); None if it can."""
-    if name == "reduce_lr_on_plateau":  # steps on a metric, which the stages do not pass
-        return f"--scheduler {name}: it needs a metric at every step; want e.g. cosine, linear or constant"
+def load_fp32(model_class, path: str, flag: str):
+    """`model_class.from_pretrained(path)` in fp32 whatever dtype it was saved in (Pythia's Hub weights are fp16)."""
+    # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
+    # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
+    # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
     try:
-        get_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), num_warmup_steps=0,
-                      num_training_steps=1)
-    except (ValueError, TypeError) as error:
-        return f"--scheduler {name}: {str(error).splitlines()[0]}; want e.g. cosine, linear or constant"
-    return None
-
-
-def gpu_problem(environ, cuda_available: bool) -> Optional[str]:
-    """Why this launch cannot run: it asks for a GPU (DeepSpeed, bf16 / fp16) and sees none; None if it can."""
-    # A SLURM job on a node whose torch is a CPU build would otherwise train on the CPU, silently,
-    # for days. A CPU rehearsal is fine when it says so: DS_ACCELERATOR=cpu, or accelerate's --cpu.
-    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
-    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if cuda_available or not (deepspeed or precision != "no"):
-        return None
-    if deepspeed and environ.get("DS_ACCELERATOR") == "cpu":
-        return None
-    if not deepspeed and environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
-        return None
-    asked = "DeepSpeed" if deepspeed else f"mixed precision {precision}"
-    rehearsal = "DS_ACCELERATOR=cpu" if deepspeed else "accelerate launch --cpu"
-    return (f"this launch asks for a GPU ({asked}), but torch {torch.__version__} sees no CUDA device "
-            f"(CUDA build: {torch.version.cuda or 'none, a CPU-only torch'}). Run it on a GPU node with a CUDA "
-            f"build of torch, or, for a CPU rehearsal on purpose, use {rehearsal}")
-
-
-def git_commit(folder: str) -> Optional[str]:
-    """The git commit checked out in `folder`, None outside a git checkout."""
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True)
-    except OSError:
-        return None
-    return result.stdout.strip() if result.returncode == 0 else None
-
-
-def add_pad_token(tokenizer) -> bool:
-    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
-    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
-        return False
-    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    return True
-
-
-def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bool:
-    """Refuse pad == EOS, add [PAD] where there is no pad, refuse ids other than `data_ids`; True if added."""
-    # Detail 3: Leading space, EOS at the end, a distinct [PAD]
-    # "A tokenizer without a pad token" is read as: no pad at all (Pythia) gets the [PAD] that
-    # preprocess_tldr.py added, so the ids agree; a pad that IS the EOS is refused, because every
-    # mask `ids != pad` would then hide the EOS too and the model would never learn to stop.
-    if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise SetupError(f"the tokenizer's pad token {tokenizer.pad_token!r} is its EOS token: "
-                         "give it a distinct pad token, or none (then [PAD] is added)")
-    added = add_pad_token(tokenizer)
-    ours = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    if data_ids is not None and data_ids != ours:
-        raise SetupError(f"{data_source} was tokenized with {data_ids}, this tokenizer has {ours}: "
-                         "preprocess the data with the same base model")
-    return added
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Set every dropout probability of `model` to 0: nn.Dropout modules, float *dropout* attributes, config."""
-    # Detail 7: Disable dropout
-    # With dropout on, two forwards of the same ids give different log-probs: the first PPO ratio
-    # would not be 1 and reward scores would be noisy. Pythia's dropout is 0 already; the tiny
-    # model's is 0.1. nn.Dropout modules are not all of it: GPT-NeoX attention copies the float
-    # `config.attention_dropout` into a module attribute and applies it functionally.
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name, value in vars(module).items():
-            if "dropout" in name and isinstance(value, float):
-                setattr(module, name, 0.0)
-    for name, value in vars(model.config).items():  # saved with the model: later loads start at 0 too
-        if "dropout" in name and isinstance(value, float):
-            setattr(model.config, name, 0.0)
+        return model_class.from_pretrained(path, dtype=torch.float32)
+    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
+        raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
 
 
 def rotary_problem(models: dict) -> Optional[str]:
@@ -413,74 +752,83 @@ def rotary_problem(models: dict) -> Optional[str]:
     return "; ".join(low) or None
 
 
-def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:
-    """Ids that sampling never emits: [PAD] and the embedding rows past the tokenizer (no token owns them)."""
-    # Pythia's embedding has 50304 rows for 50277 tokens, and the [PAD] we add is 50277: a sampled
-    # [PAD] in mid-summary would move the EOS the reward is read at, and an unowned row decodes to
-    # nothing. Their logits are masked wherever the policy samples (a departure from the reference).
-    return sorted({tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)})
+def start_sft_logging(args, accelerator, resume_from: Optional[tuple], recorded: dict) -> tuple:
+    """(run name, rank 0's SummaryWriter or None); rank 0 writes args.json (flags, `recorded`, git commit) and starts W&B."""
+    # Rank 0's clock gives every rank the same name (and the broadcast waits until all passed the checks).
+    start_time = broadcast_object_list([int(time.time())])[0]
+    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
+    if resume_from is not None and args.run_name is None:  # a resumed run logs on into its own folder
+        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
+            run_name = json.load(file)["run_name"]
+    writer = None
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
+            **asdict(args), "run_name": run_name, **recorded,
+            "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, indent=2))
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{key}|{value}|" for key, value in asdict(args).items()))
+        if args.track:
+            import wandb  # imported here: without --track nothing touches the network
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, save_code=True)
+    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} samples = "
+                      f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
+                      f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size}")
+    return run_name, writer
 
 
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """(B, T) bool -> (B,): index of the first True of each row, T for a row without one."""
-    row_len = bools.size(-1)
-    # (B, T): a False costs T + its index, a True just its index; the minimum is the first True
-    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
-    return torch.min(zero_or_index, dim=-1).values
+def git_commit(folder: str) -> Optional[str]:
+    """The git commit checked out in `folder`, None outside a git checkout."""
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True)
+    except OSError:
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
 
 
-def truncate_response(responses: torch.Tensor, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
-    """(B, T_resp) ids -> (B, T_resp): ids after each row's first EOS set to pad (the EOS is kept)."""
-    eos_index = first_true_indices(responses == eos_token_id)  # (B,): T_resp where no EOS
-    positions = torch.arange(responses.size(1), device=responses.device).view(1, -1)  # (1, T_resp)
-    return torch.masked_fill(responses, positions > eos_index.unsqueeze(1), pad_token_id)
+# Fault handling and checkpoints.
 
 
-def forward(model, query_responses: torch.Tensor, pad_token_id: int):
-    """(B, T) ids with pads -> the model's output (logits (B, T, V)); pads masked out of attention."""
-    attention_mask = query_responses != pad_token_id  # (B, T)
-    # [PAD] may lie past the embedding table (Pythia: id 50277 of 50304 rows is fine, others not):
-    # masked positions are never attended to, so any valid id will do there.
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
+def check_and_checkpoint(accelerator, args, updates_done: int, losses: torch.Tensor, run_name: str, model, optimizer,
+                         scheduler) -> None:
+    """All ranks: stop all on a non-finite loss or weight; save a checkpoint every --save_every and at --stop_after_updates."""
+    checkpoints = os.path.join(args.output_dir, "checkpoints")
+    if not all_finite(accelerator, model, losses):
+        raise FloatingPointError(nonfinite_message(updates_done, args.num_updates, checkpoints))
+    if (args.save_every and updates_done % args.save_every == 0) or updates_done == args.stop_after_updates:
+        save_checkpoint(accelerator, checkpoints, updates_done, run_name, model, optimizer, scheduler)
 
 
-def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config) -> tuple:
-    """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores)."""
-    context_length = queries.shape[1]
-    attention_mask = queries != pad_token_id  # (B, T_q)
-    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    # generate() fills unset fields from the model's own generation_config: its eos id would stop
-    # early or, with min_new_tokens, forbid EOS altogether. Without eos / pad ids every row gets
-    # exactly max_new_tokens tokens and EOS is handled afterwards by truncate_response.
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = None
-    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
-    # (B, T_q + T_resp): the original queries (with their pads) ++ the new tokens
-    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), torch.stack(output.scores, 1)
+def all_finite(accelerator, model, losses: torch.Tensor) -> bool:
+    """All ranks: whether `losses` and every parameter of `model` are finite on every rank (one all-reduce)."""
+    # Summed over ranks, so that every rank stops at the same update (a rank stopping alone would
+    # leave the others waiting in the next collective).
+    local = torch.stack([torch.isfinite(losses).all()] + [torch.isfinite(p).all() for p in model.parameters()]).all()
+    return accelerator.reduce((~local).float().reshape(1), reduction="sum").item() == 0
 
 
-def next_token_nll(logits: torch.Tensor, query_responses: torch.Tensor, pad_token_id: int) -> tuple:
-    """(B, T, V) logits of (B, T) ids -> (sum of -log p(id_t+1) over non-pad targets, number of them)."""
-    labels = query_responses[:, 1:]  # (B, T-1): logits at t predict the id at t+1
-    mask = labels != pad_token_id  # pads are no target; EOS is one (the model must learn to stop)
-    nll = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), reduction="none")
-    return (nll * mask.flatten()).sum(), mask.sum()
+def nonfinite_message(update: int, num_updates: int, checkpoints: str) -> str:
+    """Why the run stops at `update` (counted from 1) with a nan / inf, and which checkpoint it keeps."""
+    last = latest_checkpoint(checkpoints)
+    kept = (f"the last checkpoint, {last[1]} (update {last[0]}), is kept as it was" if last else
+            "no checkpoint was written before it (--save_every N keeps one every N updates)")
+    return (f"update {update} of {num_updates}: the loss or the weights are not finite (nan or inf) on at least one "
+            f"rank, so the run stops before saving anything of it; {kept}. Try a lower --lr (or look at the data of "
+            f"update {update}) in a new --output_dir; --resume with these flags continues from the kept checkpoint")
 
 
-def episode_order(num_rows: int, num_episodes: int, seed: int) -> torch.Tensor:
-    """(num_episodes,) row indices: a fresh seeded permutation of the rows per pass, passes concatenated."""
-    generator = torch.Generator().manual_seed(seed)
-    passes = -(-num_episodes // num_rows)  # ceil: the last pass may be used in part
-    perms = [torch.randperm(num_rows, generator=generator) for _ in range(passes)]
-    return torch.cat(perms)[:num_episodes] if perms else torch.zeros(0, dtype=torch.long)
-
-
-def mean_rouge(predictions: list, references: list) -> dict:
-    """{rouge1, rouge2, rougeL}: mean F1 over the pairs (rouge-score defaults, as `evaluate`'s rouge)."""
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"])
-    scores = [scorer.score(reference, prediction) for prediction, reference in zip(predictions, references)]
-    return {key: float(np.mean([score[key].fmeasure for score in scores])) for key in ("rouge1", "rouge2", "rougeL")}
+def resume(accelerator, args, resume_from: Optional[tuple], model, optimizer, scheduler) -> int:
+    """All ranks: the update to start at, after loading `resume_from` ((update, path) or None) when there is one."""
+    if resume_from is not None:
+        load_checkpoint(accelerator, resume_from[1], model, optimizer, scheduler)  # also the RNG states of that update
+        accelerator.print(f"resumed from {resume_from[1]} at update {resume_from[0]}")
+        return resume_from[0]
+    if args.resume:
+        accelerator.print(f"--resume: no checkpoint in {os.path.join(args.output_dir, 'checkpoints')}, starting at update 0")
+    return 0
 
 
 def latest_checkpoint(folder: str) -> Optional[tuple]:
@@ -616,22 +964,67 @@ def load_weights_only(path: str, map_location=None):
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def all_finite(accelerator, model, losses: torch.Tensor) -> bool:
-    """All ranks: whether `losses` and every parameter of `model` are finite on every rank (one all-reduce)."""
-    # Summed over ranks, so that every rank stops at the same update (a rank stopping alone would
-    # leave the others waiting in the next collective).
-    local = torch.stack([torch.isfinite(losses).all()] + [torch.isfinite(p).all() for p in model.parameters()]).all()
-    return accelerator.reduce((~local).float().reshape(1), reduction="sum").item() == 0
+# Outputs: written beside output_dir, swapped in whole; the Hub.
 
 
-def nonfinite_message(update: int, num_updates: int, checkpoints: str) -> str:
-    """Why the run stops at `update` (counted from 1) with a nan / inf, and which checkpoint it keeps."""
-    last = latest_checkpoint(checkpoints)
-    kept = (f"the last checkpoint, {last[1]} (update {last[0]}), is kept as it was" if last else
-            "no checkpoint was written before it (--save_every N keeps one every N updates)")
-    return (f"update {update} of {num_updates}: the loss or the weights are not finite (nan or inf) on at least one "
-            f"rank, so the run stops before saving anything of it; {kept}. Try a lower --lr (or look at the data of "
-            f"update {update}) in a new --output_dir; --resume with these flags continues from the kept checkpoint")
+def save_sft(accelerator, args, run_name: str, writer, model, tokenizer, staging: str, all_metrics: dict) -> None:
+    """All ranks wait; rank 0 writes the model (fp32), tokenizer and eval_metrics.json to `staging`, swaps it in
+    as output_dir and pushes it (--push_to_hub)."""
+    accelerator.wait_for_everyone()
+    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it
+    if not accelerator.is_main_process:
+        return
+    unwrapped = accelerator.unwrap_model(model)
+    # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
+    unwrapped.generation_config.eos_token_id = tokenizer.eos_token_id
+    unwrapped.generation_config.pad_token_id = tokenizer.pad_token_id
+    save_fp32(unwrapped, staging, state_dict)
+    tokenizer.save_pretrained(staging)
+    with open(os.path.join(staging, "eval_metrics.json"), "w") as file:
+        json.dump(all_metrics, file, indent=2)
+    publish_output(staging, args.output_dir)  # the checkpoints go with the old folder: only an unfinished run needs them
+    writer.close()
+    print(f"saved {args.output_dir}")
+    if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
+        print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
+    if args.push_to_hub:
+        push_to_hub(args.output_dir, args.base_model.replace("/", "_"), args.exp_name, args.hf_entity, run_name)
+    if args.track:
+        import wandb
+
+        wandb.finish()
+
+
+def fp32_state_dict(accelerator, model) -> dict:
+    """All ranks: the model's state dict in fp32, under DeepSpeed its fp32 master weights (not the bf16 copies)."""
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    if accelerator.state.deepspeed_plugin is not None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, param in accelerator.unwrap_model(model).named_parameters():
+            master = safe_get_full_fp32_param(param)  # collective (all-gathers the master's shards); None if frozen
+            if master is not None:
+                state_dict[name] = master
+    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
+
+
+def save_fp32(model, output_dir: str, state_dict: dict) -> None:
+    """`model.save_pretrained` with an fp32 `state_dict`, its config saying float32 (the dtype of the weights saved)."""
+    model.save_pretrained(output_dir, state_dict=state_dict)
+    model.config.dtype = "float32"  # save_pretrained wrote the dtype of the module's bf16 compute copy under DeepSpeed
+    model.config.save_pretrained(output_dir)
+
+
+def push_to_hub(output_dir: str, repo_name: str, exp_name: str, hf_entity: Optional[str], run_name: str) -> None:
+    """Upload `output_dir` to {hf_entity}/{repo_name}__{exp_name}__tldr, on a branch named `run_name`."""
+    from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
+
+    api = HfApi()
+    repo_id = f"{hf_entity or api.whoami()['name']}/{repo_name}__{exp_name}__tldr"
+    api.create_repo(repo_id, exist_ok=True)
+    api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
+    api.upload_folder(folder_path=output_dir, repo_id=repo_id, revision=run_name)
+    print(f"pushed https://huggingface.co/{repo_id}/tree/{run_name}")
 
 
 def write_atomic(path: str, write) -> None:
@@ -702,308 +1095,5 @@ def tidy_output_dir(output_dir: str) -> None:
                     os.remove(path)
 
 
-def fp32_state_dict(accelerator, model) -> dict:
-    """All ranks: the model's state dict in fp32, under DeepSpeed its fp32 master weights (not the bf16 copies)."""
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
-    if accelerator.state.deepspeed_plugin is not None:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        for name, param in accelerator.unwrap_model(model).named_parameters():
-            master = safe_get_full_fp32_param(param)  # collective (all-gathers the master's shards); None if frozen
-            if master is not None:
-                state_dict[name] = master
-    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
-
-
-def save_fp32(model, output_dir: str, state_dict: dict) -> None:
-    """`model.save_pretrained` with an fp32 `state_dict`, its config saying float32 (the dtype of the weights saved)."""
-    model.save_pretrained(output_dir, state_dict=state_dict)
-    model.config.dtype = "float32"  # save_pretrained wrote the dtype of the module's bf16 compute copy under DeepSpeed
-    model.config.save_pretrained(output_dir)
-
-
-def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
-    """[(row indices, number of real rows)] of rank `rank`: rows rank, rank + W, ... in batches of `batch_size`;
-    every rank gets the same batches count and sizes, a rank one row short repeating its last row (not kept)."""
-    # Frozen models run as ZeRO-3 engines (--offload) gather their parameters in every forward,
-    # a collective: a rank with one batch fewer would leave the others waiting forever.
-    mine = list(range(rank, num_rows, world_size))
-    per_rank = -(-num_rows // world_size)  # ceil
-    padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
-    return [(padded[start:start + batch_size], max(0, min(batch_size, len(mine) - start)))
-            for start in range(0, per_rank, batch_size)]
-
-
-@torch.no_grad()
-def sft_evaluate(accelerator, model, dataset, tokenizer, generation_config, local_eval_batch_size: int) -> tuple:
-    """All ranks: eval loss and sampled summaries of `dataset` -> ({loss, rouge1, rouge2, rougeL}, rows)."""
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.eval()
-    nll_sum, num_tokens, rows = torch.zeros((), device=accelerator.device), 0, []
-    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
-    for indices, real in tqdm(batches, desc="eval", disable=not accelerator.is_main_process):
-        batch = dataset[indices]
-        # Same loss as training, on the right-padded query+reference ids (of the real rows only).
-        query_references = batch["query_reference_response_token"].to(accelerator.device)  # (B, T), right-padded
-        logits = forward(unwrapped, query_references, pad_id).logits
-        nll, count = next_token_nll(logits[:real], query_references[:real], pad_id)
-        nll_sum, num_tokens = nll_sum + nll, num_tokens + count
-        queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
-        query_responses, _ = generate(unwrapped, queries, pad_id, generation_config)
-        responses = truncate_response(query_responses[:, queries.shape[1]:], eos_id, pad_id)  # (B, T_resp)
-        for i, query, response, reference in list(zip(
-                indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
-                tokenizer.batch_decode(responses, skip_special_tokens=True),
-                tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True)))[:real]:
-            rows.append({"index": i, "query": query.strip(), "response": response.strip(), "reference": reference.strip()})
-    unwrapped.train()
-    totals = accelerator.reduce(torch.stack([nll_sum, torch.as_tensor(num_tokens, device=nll_sum.device).float()]))
-    rows = sorted(gather_object(rows), key=lambda row: row["index"])  # every rank's rows, in split order
-    metrics = {"loss": (totals[0] / totals[1]).item(),
-               **mean_rouge([row["response"] for row in rows], [row["reference"] for row in rows])}
-    return metrics, [{key: row[key] for key in ("query", "response", "reference")} for row in rows]
-
-
 if __name__ == "__main__":
-    # ---- args & sizes ----
-    args = tyro.cli(Args)
-    problem = gpu_problem(os.environ, torch.cuda.is_available())
-    if problem:
-        raise SetupError(problem)
-    # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
-    deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
-    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
-    problems = sft_flag_problems(args, accelerator.num_processes)
-    if problems:
-        raise SetupError("sft.py cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
-    args.world_size = accelerator.num_processes
-    args.gradient_accumulation_steps = gradient_accumulation(args.batch_size, args.local_micro_batch_size,
-                                                             args.world_size)
-    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
-    args.micro_batch_size = args.local_micro_batch_size * args.world_size
-    # Detail 8: Tech stack
-    # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16
-    # (benchmark/accelerate/deepspeed_zero2.yaml). The script sets what DeepSpeed would otherwise
-    # guess: the accumulation, the micro-batch (read from a DataLoader, which we do not prepare)
-    # and no gradient clipping (accelerate fills in 1.0; the paper's runs and DDP do not clip).
-    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
-    if accelerator.state.deepspeed_plugin is not None:
-        accelerator.state.deepspeed_plugin.deepspeed_config.update(
-            train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
-
-    # ---- checks: every bad input fails here, before a model is loaded or anything is written ----
-    # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, then
-    # models/{base_model}/{sft,reward,dpo,ppo}_{seed}, so each default input is the last stage's default output.
-    name = model_name(args.base_model)
-    make_data = f"python preprocess_tldr.py --base_model {args.base_model}"
-    if args.query_dataset is not None:
-        make_data += f" --output_dir {os.path.dirname(os.path.normpath(args.query_dataset))}"
-    args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
-    args.output_dir = args.output_dir or os.path.join("models", name, f"sft_{args.seed}")
-    if accelerator.is_main_process:
-        tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
-    accelerator.wait_for_everyone()
-    problem = input_problem(args.query_dataset, "--query_dataset", make_data) or output_dir_problem(
-        args.output_dir, asdict(args), RESUME_FLAGS + (
-            "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates"))
-    if problem:
-        raise SetupError(problem)
-    local_dataset = os.path.isdir(args.query_dataset)
-    dataset = datasets.load_from_disk(args.query_dataset) if local_dataset else datasets.load_dataset(args.query_dataset)
-    eval_splits = ("validation", "test") if args.eval_test else ("validation",)
-    missing = missing_columns(dataset, ("train",) + eval_splits, REQUIRED_COLUMNS)
-    if missing:
-        raise SetupError(f"{args.query_dataset} lacks {missing}: build it with preprocess_tldr.py")
-    tokenizer = load_tokenizer(args.base_model, "--base_model")
-    # The token columns hold the ids of the tokenizer preprocess_tldr.py used (its args.json).
-    built_with = os.path.join(os.path.dirname(os.path.abspath(args.query_dataset)), "args.json")
-    data_ids = None
-    if local_dataset and os.path.isfile(built_with):
-        with open(built_with) as file:
-            built = json.load(file)
-        data_ids = {key: built.get(key) for key in ("eos_token_id", "pad_token_id")}
-    else:
-        accelerator.print(f"note: no args.json beside {args.query_dataset}; its eos / pad ids are not checked")
-    if check_tokenizer(tokenizer, data_ids, f"{args.query_dataset} ({built_with})"):
-        accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.base_model}")
-    identity = tokenizer_identity(tokenizer)
-    problem = identity_problem({
-        f"--base_model {args.base_model} (its tokenizer)": identity,
-        f"--query_dataset {args.query_dataset} ({built_with})":
-            recorded_tokenizer_identity(os.path.dirname(built_with)) if local_dataset else None})
-    if problem:
-        raise SetupError(problem)
-    train = dataset["train"].with_format("torch", columns=["query_reference_response_token"])
-    total_episodes = len(train) * args.num_train_epochs if args.total_episodes is None else args.total_episodes
-    args.num_updates = total_episodes // args.batch_size
-    if args.total_episodes is None and args.num_updates == 0:
-        raise SetupError(f"--query_dataset {args.query_dataset}: its train split ({len(train)} rows) x --num_train_epochs "
-                         f"{args.num_train_epochs} is less than one batch of {args.batch_size}: pass --total_episodes")
-    checkpoints = os.path.join(args.output_dir, "checkpoints")
-    resume_from = latest_checkpoint(checkpoints) if args.resume else None
-
-    # ---- seeding & data order ----
-    local_seed = args.seed + accelerator.process_index * 100003  # eval sampling differs per rank
-    random.seed(local_seed)
-    np.random.seed(local_seed)
-    torch.manual_seed(local_seed)
-    torch.backends.cudnn.deterministic = True
-    # One permutation per pass, seeded alike on every rank: update u, micro-step m, rank r reads the
-    # slice [u, m, r] of the episode order, so ranks read disjoint rows and each row once per pass.
-    # The position in the data is the update counter, so a resumed run reads what an uninterrupted
-    # one would, and 1 process x 2 accumulation steps reads the micro-batches 2 processes read.
-    order = episode_order(len(train), args.num_updates * args.batch_size, args.seed)
-    local_order = order.view(args.num_updates, args.gradient_accumulation_steps, args.world_size,
-                             args.local_micro_batch_size)[:, :, accelerator.process_index]  # (U, GAS, micro)
-
-    # ---- model ----
-    model = load_fp32(AutoModelForCausalLM, args.base_model, "--base_model")
-    problem = vocabulary_problem(tokenizer, model.get_input_embeddings().weight.size(0), f"--base_model {args.base_model}")
-    if problem:
-        raise SetupError(problem)
-    disable_dropout(model)
-    model.train()
-    unsampled = unsampled_token_ids(tokenizer, model.get_output_embeddings().weight.size(0))
-
-    # ---- run name & logging ----
-    # Rank 0's clock gives every rank the same name (and the broadcast waits until all passed the checks).
-    start_time = broadcast_object_list([int(time.time())])[0]
-    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
-    if resume_from is not None and args.run_name is None:  # a resumed run logs on into its own folder
-        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
-            run_name = json.load(file)["run_name"]
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
-            **asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id, "tokenizer_identity": identity,
-            "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, indent=2))
-        writer = SummaryWriter(f"runs/{run_name}")
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{key}|{value}|" for key, value in asdict(args).items()))
-        if args.track:
-            import wandb  # imported here: without --track nothing touches the network
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
-    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} samples = "
-                      f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
-                      f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size}")
-
-    # ---- optimizer & schedule ----
-    # Detail 9: SFT setup
-    # The paper's recipe: AdamW (eps 1e-5, torch's weight decay 0.01), lr 3e-6 with a cosine decay
-    # to 0 over one epoch in updates of 128 samples (911 updates of the 116,722 posts), no clipping.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
-    scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
-    # The scheduler stays unprepared: accelerate's wrapper would step it once per process, and we
-    # step it once per update ourselves (save_checkpoint stores its state).
-    model, optimizer = accelerator.prepare(model, optimizer)
-    problem = rotary_problem({"model": model})
-    if problem:
-        raise SetupError(f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
-    start_update = 0
-    if resume_from is not None:
-        load_checkpoint(accelerator, resume_from[1], model, optimizer, scheduler)  # also the RNG states of that update
-        start_update = resume_from[0]
-        accelerator.print(f"resumed from {resume_from[1]} at update {start_update}")
-    elif args.resume:
-        accelerator.print(f"--resume: no checkpoint in {checkpoints}, starting at update 0")
-
-    # ---- training loop ----
-    stop_at = args.num_updates if args.stop_after_updates is None else min(args.stop_after_updates, args.num_updates)
-    progress = tqdm(range(start_update, stop_at), desc="sft", disable=not accelerator.is_main_process)
-    for update in progress:
-        losses = torch.zeros(args.gradient_accumulation_steps, device=accelerator.device)
-        for micro_step in range(args.gradient_accumulation_steps):
-            indices = local_order[update, micro_step].tolist()
-            query_responses = train[indices]["query_reference_response_token"].to(accelerator.device)  # (micro, T)
-            # accumulate(): no gradient all-reduce and no optimizer step until the last micro-step;
-            # accelerate divides the loss by the accumulation steps, DDP averages across ranks.
-            with accelerator.accumulate(model):
-                nll, num_tokens = next_token_nll(forward(model, query_responses, tokenizer.pad_token_id).logits,
-                                                 query_responses, tokenizer.pad_token_id)
-                # The mean over this micro-batch's non-pad tokens, query included (reference behaviour).
-                # Micro-batches then weigh alike whatever their token counts, so splitting the same
-                # batch into other micro-batches changes the gradient slightly; splitting the same
-                # micro-batches over ranks instead of accumulation steps does not.
-                loss = nll / num_tokens
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            losses[micro_step] = loss.detach()
-        lr = scheduler.get_last_lr()[0]  # the rate this update used
-        scheduler.step()
-        mean_loss = accelerator.reduce(losses.mean(), reduction="mean").item()
-        samples_seen = (update + 1) * args.batch_size
-        if accelerator.is_main_process:
-            writer.add_scalar("train/sft/loss", mean_loss, samples_seen)
-            writer.add_scalar("train/sft/lr", lr, samples_seen)
-            progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}")
-        # A nan / inf stops every rank here, before anything of this update is saved (no checkpoint
-        # holding it ever replaces a good one).
-        if not all_finite(accelerator, model, losses):
-            raise FloatingPointError(nonfinite_message(update + 1, args.num_updates, checkpoints))
-        if (args.save_every and (update + 1) % args.save_every == 0) or update + 1 == args.stop_after_updates:
-            save_checkpoint(accelerator, checkpoints, update + 1, run_name, model, optimizer, scheduler)
-    if stop_at < args.num_updates:
-        accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
-        if accelerator.is_main_process:
-            writer.close()
-        raise SystemExit(0)
-
-    # ---- evaluation ----
-    # Results and model go to a new folder beside output_dir, swapped in whole once complete.
-    staging = staging_folder(args.output_dir) if accelerator.is_main_process else None
-    generation_config = GenerationConfig(
-        max_new_tokens=args.response_length, min_new_tokens=args.response_length,  # always the full length
-        temperature=args.temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,  # pure temperature sampling
-        return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled)  # never [PAD] / unowned rows
-    all_metrics = {}
-    for split in eval_splits if args.num_eval_samples != 0 else ():
-        eval_set = dataset[split].with_format("torch", columns=list(REQUIRED_COLUMNS))
-        if args.num_eval_samples is not None:
-            eval_set = eval_set.select(range(min(args.num_eval_samples, len(eval_set))))
-        metrics, rows = sft_evaluate(accelerator, model, eval_set, tokenizer, generation_config,
-                                     args.local_eval_batch_size)
-        all_metrics[split] = metrics
-        if accelerator.is_main_process:
-            for key, value in metrics.items():
-                writer.add_scalar(f"eval/sft/{split}/{key}", value, args.num_updates * args.batch_size)
-            table = pd.DataFrame(rows, columns=["query", "response", "reference"])
-            table.to_csv(os.path.join(staging, f"eval_{split}.csv"), index=False)
-            if args.track:
-                wandb.log({f"eval/sft/{split}/samples": wandb.Table(dataframe=table)})
-            print(f"eval/{split}: " + ", ".join(f"{key} {value:.4f}" for key, value in metrics.items()))
-            for row in rows[:3]:
-                print(f"  query ...{row['query'][-80:]!r}\n  response  {row['response']!r}\n  reference {row['reference']!r}")
-
-    # ---- save ----
-    accelerator.wait_for_everyone()
-    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it
-    if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
-        unwrapped.generation_config.eos_token_id = tokenizer.eos_token_id
-        unwrapped.generation_config.pad_token_id = tokenizer.pad_token_id
-        save_fp32(unwrapped, staging, state_dict)
-        tokenizer.save_pretrained(staging)
-        with open(os.path.join(staging, "eval_metrics.json"), "w") as file:
-            json.dump(all_metrics, file, indent=2)
-        publish_output(staging, args.output_dir)  # the checkpoints go with the old folder: only an unfinished run needs them
-        writer.close()
-        print(f"saved {args.output_dir}")
-        if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
-            print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
-        if args.push_to_hub:
-            from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
-
-            api = HfApi()
-            repo_id = f"{args.hf_entity or api.whoami()['name']}/{args.base_model.replace('/', '_')}__{args.exp_name}__tldr"
-            api.create_repo(repo_id, exist_ok=True)
-            api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
-            api.upload_folder(folder_path=args.output_dir, repo_id=repo_id, revision=run_name)
-            print(f"pushed https://huggingface.co/{repo_id}/tree/{run_name}")
-        if args.track:
-            wandb.finish()
+    main()  # here, at the end, so that every helper below the fence is defined when it runs

@@ -8,7 +8,8 @@ a checker that silently stopped checking would be noticed.
   a. `# Detail N: <title>` tags vs the registry docs/details.md (and the 25 titles)
   b. tests named in the registry exist
   c. every field of an `...Args` dataclass has a docstring and is read
-  d. same-named top-level helpers are identical across stage scripts (single-file design)
+  d. same-named top-level helpers agree across stage scripts (single-file design): the same code, docstrings
+     and comments aside, or copies cut to what each stage uses, with a test that they agree
   e. importing a stage script runs nothing (subprocess)
   f. `python <script> --help` exits 0 and lists every flag (subprocess)
   g. every repository path that README.md names exists
@@ -433,43 +434,78 @@ def test_args_checker_catches_undocumented_and_unread():
 
 
 # ---------------------------------------------------------------------------------------------
-# d. Same-named top-level helpers are identical across stage scripts
+# d. Same-named top-level helpers agree across stage scripts
 # ---------------------------------------------------------------------------------------------
 
+# Copies compare as code: docstrings and comments may differ (a copy carries its Detail tag and its
+# why-comments where its own stage acts, e.g. above or below its fence), statements may not.
+# A copy may also be cut to what its stage uses (no branch for another stage's case); such a name is
+# listed here with the test that runs its copies on the inputs they share and checks they agree.
+AGREEING_COPIES: dict[str, str] = {}  # name -> "tests/<file>.py::<test>"; none while every copy is whole
 
-def top_level_definitions(source: str) -> dict[str, str]:
-    """Top-level functions and classes (not the `...Args` dataclasses) -> source text incl. decorators."""
+
+def _without_docstrings(node: ast.AST) -> ast.AST:
+    """`node` with the docstring of every function and class in it dropped (comments never reach the AST)."""
+    for sub in ast.walk(node):
+        body = getattr(sub, "body", None)
+        if (isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            sub.body = body[1:] or [ast.Pass()]
+    return node
+
+
+def top_level_definitions(source: str) -> dict[str, tuple[str, str]]:
+    """Top-level functions and classes (not `main` nor the `...Args` dataclasses) -> (source text incl. decorators, code).
+
+    The code is the syntax tree without docstrings, as ast.dump writes it (no line numbers)."""
     lines = source.splitlines()
     tree = ast.parse(source)
-    exempt = set(args_classes(tree))  # each script has its own flags by design
+    exempt = set(args_classes(tree)) | {"main"}  # each script has its own flags and its own steps by design
     out = {}
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name not in exempt:
             start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            out[node.name] = "\n".join(lines[start - 1 : node.end_lineno])
+            text = "\n".join(lines[start - 1 : node.end_lineno])
+            out[node.name] = (text, ast.dump(_without_docstrings(node)))
     return out
 
 
-def check_shared_definitions(sources: dict[str, str]) -> list[str]:
-    """A name defined at top level in several scripts must have the same source text in all of them."""
-    by_name: dict[str, dict[str, list[str]]] = {}  # name -> {source text: [files]}
+def _code_lines(text: str) -> list[str]:
+    """The stripped lines of `text` that are neither blank nor comments (for a readable first difference)."""
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def check_shared_definitions(sources: dict[str, str], agreeing: dict[str, str] = AGREEING_COPIES,
+                             repo: Path = REPO) -> list[str]:
+    """A name defined at top level in several scripts must have the same code in all of them (docstrings and
+    comments aside), unless `agreeing` names a test of that name's copies that exists."""
+    by_name: dict[str, dict[str, list[tuple[str, str]]]] = {}  # name -> {code: [(file, source text)]}
     for path, source in sources.items():
-        for name, text in top_level_definitions(source).items():
-            by_name.setdefault(name, {}).setdefault(text, []).append(path)
+        for name, (text, code) in top_level_definitions(source).items():
+            by_name.setdefault(name, {}).setdefault(code, []).append((path, text))
     problems = []
     for name, versions in sorted(by_name.items()):
-        if len(versions) > 1:
-            groups = " vs ".join("+".join(files) for files in versions.values())
-            first, second = list(versions)[:2]
-            pairs = zip(first.splitlines(), second.splitlines())
-            diff = next((f"{a.strip()!r} / {b.strip()!r}" for a, b in pairs if a != b), "one is longer")
-            problems.append(
-                f"`{name}` differs between {groups} (first difference: {diff}); make them identical or rename one"
-            )
+        if len(versions) < 2:
+            continue
+        if name in agreeing:
+            test_path, _, test_name = agreeing[name].partition("::")
+            test_file = repo / test_path
+            if not (test_file.is_file() and re.search(rf"\bdef {test_name}\(", test_file.read_text())):
+                problems.append(f"`{name}`: its copies differ and AGREEING_COPIES names {agreeing[name]}, "
+                                "which does not exist: write the test that checks they agree")
+            continue
+        groups = " vs ".join("+".join(path for path, _ in copies) for copies in versions.values())
+        first, second = (_code_lines(copies[0][1]) for copies in list(versions.values())[:2])
+        diff = next((f"{a!r} / {b!r}" for a, b in zip(first, second) if a != b), "one is longer")
+        problems.append(
+            f"`{name}` differs between {groups} (first difference: {diff}); make the code the same, rename one, "
+            "or cut copies to their stage's use and name a test of their agreement in AGREEING_COPIES"
+        )
     return problems
 
 
-def test_shared_helpers_identical():
+def test_shared_helpers_agree():
     problems = check_shared_definitions(stage_sources(REPO))
     assert not problems, "\n".join(problems)
 
@@ -486,6 +522,26 @@ def test_shared_helper_checker_catches_drift():
     assert len(problems) == 2, problems  # Args differ by design and are not compared
     assert problems[0].startswith("`Box` differs between a.py vs b.py")  # a decorator counts
     assert problems[1].startswith("`whiten` differs between a.py+b.py vs c.py")
+    assert "'return x - x.mean()' / 'return x - x.mean(0)'" in problems[1]
+    # Docstrings and comments may differ (a Detail tag sits where its stage acts); a statement may not.
+    commented = 'def whiten(x, shift_mean=True):\n    """Centre x."""\n    # Detail 25: ...\n    return x - x.mean()\n'
+    assert check_shared_definitions({"a.py": helper, "d.py": commented}) == []
+    assert len(check_shared_definitions({"a.py": helper, "e.py": commented.replace("x.mean()", "x.sum()")})) == 1
+    assert len(check_shared_definitions({"a.py": helper, "f.py": commented.replace("return", "y = 1\n    return")})) == 1
+    # Each script's `main` is its own steps, as its Args are its own flags: not compared.
+    assert check_shared_definitions({"a.py": "def main():\n    return 1\n", "b.py": "def main():\n    return 2\n"}) == []
+
+
+def test_shared_helper_checker_accepts_cut_copies_only_with_a_test(tmp_path):
+    full = "def score(x, four_d=False):\n    if four_d:\n        x = x[:, None]\n    return x.sum()\n"
+    cut = "def score(x):\n    return x.sum()\n"
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("def test_score_copies_agree():\n    pass\n")
+    sources = {"a.py": full, "b.py": cut}
+    assert len(check_shared_definitions(sources, {}, tmp_path)) == 1
+    assert check_shared_definitions(sources, {"score": "tests/test_a.py::test_score_copies_agree"}, tmp_path) == []
+    problems = check_shared_definitions(sources, {"score": "tests/test_a.py::test_score_agrees"}, tmp_path)
+    assert len(problems) == 1 and "which does not exist" in problems[0]
 
 
 # ---------------------------------------------------------------------------------------------

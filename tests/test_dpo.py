@@ -61,7 +61,8 @@ def tiny_model(seed=None):
 
 
 def test_sequence_logprobs_sum_only_the_summary_tokens():
-    """Detail 19: the sum over the response of log p(id), EOS included, query and pads excluded, any padding."""
+    """Detail 19: the sum over the response of log p(id), EOS included, query and pads excluded, any padding;
+    the fast path equals the plain masked sum over all positions."""
     model = tiny_model(seed=0).eval()
     rows = [([5, 6, 7, 8], [20, 21, EOS]), ([9, 10], [22, 23, 24, 25, EOS])]  # (query, response) pairs
     width = 10
@@ -73,6 +74,11 @@ def test_sequence_logprobs_sum_only_the_summary_tokens():
             logits = model(torch.tensor([query + response])).logits[0].log_softmax(-1)  # (T, V)
             expected = sum(logits[len(query) - 1 + k, token] for k, token in enumerate(response))
             assert abs(got[i].item() - expected.item()) < 1e-4, (i, got[i], expected)
+        # The plain expression its docstring opens with: every position's log-softmax, masked, summed.
+        mask = labels[:, 1:] != PAD  # (B, T-1)
+        logprobs = model(input_ids=ids.masked_fill(ids == PAD, 0), attention_mask=ids != PAD).logits[:, :-1].log_softmax(-1)
+        plain = (logprobs.gather(2, labels[:, 1:].masked_fill(~mask, 0).unsqueeze(2)).squeeze(2) * mask).sum(1)
+        assert torch.allclose(got, plain, atol=1e-5), (got, plain)
 
 
 def pairs(tiny_tldr, n):

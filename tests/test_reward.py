@@ -210,8 +210,7 @@ def run_reward(small_world, output_dir, *extra, processes=1, deepspeed=False):
     """Run reward.py on the small world (1 process, or CPU processes with accelerate launch: DDP or DeepSpeed)."""
     flags = ["--sft_model_path", str(WORLD / "pythia-tiny"), "--label_dataset", str(small_world / "preference"),
              "--query_dataset", str(small_world / "sft"), "--output_dir", str(output_dir), "--lr", "1e-3",
-             "--batch_size", str(BATCH), "--num_train_epochs", str(EPOCHS), "--local_eval_batch_size", "8",
-             "--log_seen_rows", *extra]
+             "--batch_size", str(BATCH), "--num_train_epochs", str(EPOCHS), "--local_eval_batch_size", "8", *extra]
     if processes == 1:
         cmd = [sys.executable, str(REPO / "reward.py"), *flags]
     else:  # ENV_NOTES: CPU DDP needs --multi_gpu with ACCELERATE_USE_CPU; CPU DeepSpeed must not set it
@@ -231,8 +230,16 @@ def run_reward(small_world, output_dir, *extra, processes=1, deepspeed=False):
 
 
 def assert_each_pair_once_per_epoch(output_dir, processes):
-    """The seen_rows files of all ranks: every epoch's updates read every train pair exactly once."""
-    seen = [json.loads((output_dir / f"seen_rows_rank{r}.json").read_text()) for r in range(processes)]
+    """The rows each rank read, per update: every epoch's updates read every train pair exactly once.
+
+    The rows come from the run's own args.json (seed, sizes, world size) through local_episode_order,
+    the function the training loop reads its micro-batches with."""
+    run = json.loads((output_dir / "args.json").read_text())
+    assert run["world_size"] == processes
+    orders = [reward.local_episode_order(TRAIN_PAIRS, run["num_updates"], run["gradient_accumulation_steps"],
+                                         run["world_size"], run["local_micro_batch_size"], run["seed"], r)
+              for r in range(processes)]  # (U, GAS, micro) per rank
+    seen = [{str(u): order[u].flatten().tolist() for u in range(run["num_updates"])} for order in orders]
     updates_per_epoch = TRAIN_PAIRS // BATCH
     for epoch in range(EPOCHS):
         rows = [row for ranks in seen for u in range(epoch * updates_per_epoch, (epoch + 1) * updates_per_epoch)
