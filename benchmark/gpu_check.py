@@ -1,6 +1,6 @@
 """The real path on a GPU, in one command: a Pythia-1B-shaped model through SFT, RM and PPO updates.
 
-One SFT, one RM and one PPO update at the paper's per-GPU batch (SFT 16 samples in micro-batches of
+One SFT, one RM and two PPO updates at the paper's per-GPU batch (SFT 16 samples in micro-batches of
 1, RM 8 pairs in micro-batches of 1, PPO 64 episodes in micro-batches of 16 with rollouts of 64:
 benchmark/knobs.sh at 1B), each through `accelerate launch` with the paper's DeepSpeed ZeRO-2 bf16
 config on one process, each stage loading the previous one's output. No Hub needed: the model is
@@ -10,10 +10,11 @@ after the last token, as for Pythia), the data the tiny world's posts joined int
 the paper's 512 tokens. With --hub, the real EleutherAI/pythia-1b-deduped checkpoint instead.
 
 Printed and written to benchmark/results/gpu_check.md: the device and versions; per stage its wall
-time and peak GPU memory; the PPO update's time split (generation / scoring / training) and its
-first-epoch ratio (mean, and max |ratio - 1| over tokens); the windowed training forward against
-the plain full forward (max |difference| of the logits, bf16); decode tokens/s of the rollout
-sampler at the paper's rollout batch.
+time and peak GPU memory; the second PPO update's time split (generation / scoring / training; the
+first one's includes compiling the fast sampler's step) and the first-epoch ratio (mean, and max
+|ratio - 1| over tokens); the windowed training forward against the plain full forward (max
+|difference| of the logits, bf16); decode tokens/s at the paper's rollout batch of the fast path
+(StaticSampler) and of the plain loop (sample_rollout), and how many of their tokens agree.
 
     bash benchmark/gpu_check.sh                       # any CUDA machine, ~5 min on one H100
     python benchmark/gpu_check.py --size tiny --launcher plain --allow_cpu --out /tmp/check.md   # CPU smoke
@@ -46,7 +47,7 @@ STAGE_FLAGS = {
     "reward.py": ["--batch_size", "8", "--local_micro_batch_size", "1", "--total_episodes", "8",
                   "--num_eval_samples", "8", "--local_eval_batch_size", "8"],
     "ppo.py": ["--batch_size", "64", "--local_micro_batch_size", "16", "--local_rollout_forward_batch_size", "64",
-               "--total_episodes", "64", "--num_eval_samples", "8", "--local_eval_batch_size", "8"],
+               "--total_episodes", "128", "--num_eval_samples", "8", "--local_eval_batch_size", "8"],
 }
 LENGTHS = ["--query_length", "512", "--max_sft_response_length", "53", "--max_sft_query_response_length", "562",
            "--max_rm_response_length", "169", "--max_rm_query_response_length", "638", "--cnndm_query_length", "1919",
@@ -137,8 +138,8 @@ def forward_checks(sft_folder: str, pad_id: int, device: str) -> dict:
     """The windowed training forward vs the plain full forward (bf16), and the rollout sampler's decode speed."""
     from transformers import AutoModelForCausalLM
 
-    from ppo import (PolicyAndValueWrapper, ScalarModel, ScalarModelConfig, cast_parameters, response_window,
-                     sample_rollout)
+    from ppo import (PolicyAndValueWrapper, ScalarModel, ScalarModelConfig, StaticSampler, cast_parameters,
+                     response_window, sample_rollout)
 
     dtype = torch.bfloat16
     policy = cast_parameters(AutoModelForCausalLM.from_pretrained(sft_folder, dtype=torch.float32), dtype).to(device)
@@ -163,17 +164,24 @@ def forward_checks(sft_folder: str, pad_id: int, device: str) -> dict:
     # Decode: the paper's rollout batch (64 prompts of 512 tokens), 53 new tokens, no early stop.
     batch = torch.randint(2, 1000, (64, context), generator=generator).to(device)
     unsampled = torch.tensor([pad_id], device=device)
+    fast = StaticSampler(64)
+    fast(policy, batch, pad_id, -1, response_length, 0.7, unsampled)  # its first call compiles the decode step
     sample_rollout(policy, batch[:4], pad_id, -1, 4, 0.7, unsampled)  # warm-up
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.time()
-    sample_rollout(policy, batch, pad_id, -1, response_length, 0.7, unsampled)  # EOS -1: never stops early
-    if device == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.time() - start
+    seconds, samples = {}, {}
+    for name, sampler in (("plain", sample_rollout), ("fast", fast), ("plain", sample_rollout), ("fast", fast)):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        torch.manual_seed(0)
+        start = time.time()
+        samples[name] = sampler(policy, batch, pad_id, -1, response_length, 0.7, unsampled)[0]  # EOS -1: no early stop
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds[name] = min(seconds.get(name, float("inf")), time.time() - start)  # the faster of two, alternating
+    same = (samples["plain"] == samples["fast"])[:, context:].float().mean().item()
     return {"window_max_abs_diff": difference.max().item(), "window_mean_abs_diff": difference.mean().item(),
-            "logit_scale": full.float().abs().mean().item(), "decode_tokens_per_second": 64 * response_length / seconds,
-            "decode_seconds": seconds}
+            "logit_scale": full.float().abs().mean().item(), "same_tokens": same,
+            **{f"{name}_tokens_per_second": 64 * response_length / value for name, value in seconds.items()},
+            **{f"{name}_seconds": value for name, value in seconds.items()}}
 
 
 def main() -> None:
@@ -232,8 +240,12 @@ def main() -> None:
     pad_id = json.load(open(os.path.join(args.work, "models", model_name, "sft_1", "args.json")))["pad_token_id"]
     checks = forward_checks(os.path.join(args.work, "models", model_name, "sft_1"), pad_id, device)
 
-    split = {phase: stats[f"time/{phase}"][0] for phase in ("generation", "scoring", "training")}
+    # the second update's split: the first one's generation includes compiling the fast path's decode step
+    split = {phase: stats[f"time/{phase}"][-1] for phase in ("generation", "scoring", "training")}
     precision = "bf16" if args.launcher == "deepspeed" else "fp32"
+    from ppo import Args
+
+    defaults_fast = Args.fast_sampling
     total = sum(split.values())
     lines = [
         "# benchmark/gpu_check.sh", "",
@@ -244,8 +256,8 @@ def main() -> None:
         "| stage | per-GPU batch | wall time (s, loading and eval included) | peak GPU memory |", "|---|---|---|---|",
         f"| SFT, 1 update | 16 x 1 | {timings['sft']:.0f} | {memory['sft']} |",
         f"| RM, 1 update | 8 pairs x 1 | {timings['reward']:.0f} | {memory['reward']} |",
-        f"| PPO, 1 update | 64 episodes, micro 16, rollout 64 | {timings['ppo']:.0f} | {memory['ppo']} |", "",
-        f"PPO update: {total:.2f} s = generation {split['generation']:.2f} s ({split['generation'] / total:.0%}) + "
+        f"| PPO, 2 updates | 64 episodes, micro 16, rollout 64 | {timings['ppo']:.0f} | {memory['ppo']} |", "",
+        f"PPO update (the second; ppo.py's default sampler, --fast_sampling {defaults_fast}): {total:.2f} s = generation {split['generation']:.2f} s ({split['generation'] / total:.0%}) + "
         f"scoring {split['scoring']:.2f} s ({split['scoring'] / total:.0%}) + training {split['training']:.2f} s "
         f"({split['training'] / total:.0%}).", "",
         f"First-epoch ratio ({precision} sampling loop vs {precision} training forward): mean "
@@ -254,8 +266,12 @@ def main() -> None:
         f"Windowed training forward vs the plain full forward (bf16, 16 rows of 512 + 53): max |logit difference| "
         f"{checks['window_max_abs_diff']:.4f}, mean {checks['window_mean_abs_diff']:.5f} (mean |logit| "
         f"{checks['logit_scale']:.2f}).", "",
-        f"Decode (the rollout sampler, bf16, 64 prompts of 512 tokens, 53 new tokens): "
-        f"{checks['decode_tokens_per_second']:.0f} tokens/s ({checks['decode_seconds']:.2f} s).", ""]
+        f"Decode (bf16, 64 prompts of 512 tokens, 53 new tokens, the faster of two alternating calls each): "
+        f"fast path (StaticSampler, --fast_sampling) {checks['fast_tokens_per_second']:.0f} tokens/s "
+        f"({checks['fast_seconds']:.2f} s), plain loop (sample_rollout) {checks['plain_tokens_per_second']:.0f} "
+        f"tokens/s ({checks['plain_seconds']:.2f} s): {checks['plain_seconds'] / checks['fast_seconds']:.2f}x; "
+        f"the same tokens at {checks['same_tokens']:.1%} of positions (same seed; bf16 rounding may move a "
+        f"draw).", ""]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as file:
         file.write("\n".join(lines))

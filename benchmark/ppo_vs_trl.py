@@ -1,22 +1,38 @@
-"""Side-by-side PPO throughput: ppo.py against TRL 1.12.0's PPOTrainer on the same tiny run.
+"""Side-by-side PPO throughput: ppo.py against TRL 1.12.0's PPOTrainer on the same run.
 
-Started by benchmark/ppo_vs_trl.sh (which builds the TRL venv). Runs ppo.py (project venv) and
-benchmark/ppo_vs_trl_trl.py (TRL venv) alternately, `--rounds` times each, with the same models,
-prompts, batch, micro batch, rollout chunk, response length, PPO epochs, minibatches and thread
-count. Every run does `--updates` updates; the first (warm-up: lazy inits, allocator growth) is
-left out of the timing. Episodes per second = timed episodes / timed wall time of the updates
-(process start, model loading and saving are not counted). Prints and writes a markdown table.
+Started by benchmark/ppo_vs_trl.sh (which builds the TRL venv). Runs ppo.py with its fast sampling
+path, ppo.py with its plain sampling loop (both in the project venv) and benchmark/ppo_vs_trl_trl.py
+(TRL venv) in turn, `--rounds` times each, with the same models, prompts, batch, micro batch,
+rollout chunk, response length, PPO epochs, minibatches and thread count. Every run does
+`--updates` updates; the first (warm-up: lazy inits, allocator growth, ppo.py's compile of its
+decode step) is left out of the timing. Episodes per second = timed episodes / timed wall time of
+the updates (process start, model loading and saving are not counted). Peak memory = the maximum
+resident set size of each run's process, and of ppo.py's timed updates alone (see execute). Roofline: each phase's FLOPs (the same count
+for every side: the work of the algorithm, pads included, see phase_flops) per second, against the
+best fp32 matmul timed by this process at the same thread count, before and after the runs.
+Prints and writes a markdown table.
+
+Configurations (--config): tiny, the tiny world's SFT policy and reward model (264k parameters,
+192-token queries, 44 response tokens); 5m, a random-init GPT-NeoX of 5.3M parameters on 128-token
+queries with 53 response tokens (benchmark/random_world.py builds both on first use).
 """
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
+import torch
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+SIDES = {"ours": "ppo.py, fast sampling (StaticSampler)", "ours_plain": "ppo.py, plain sampling loop",
+         "trl": "TRL 1.12.0 PPOTrainer"}
 
 
 def load_average() -> str:
@@ -24,19 +40,93 @@ def load_average() -> str:
     return f"{os.getloadavg()[0]:.2f}"
 
 
-def execute(command: list, workdir: str) -> str:
-    """Run `command` in `workdir`; its stdout, or exit with the tail of its output if it failed."""
-    result = subprocess.run(command, cwd=workdir, capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed ({result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}")
-    return result.stdout
+def execute(command: list, workdir: str, updates: int = 0) -> tuple:
+    """Run `command` in `workdir` -> (its output, its peak resident memory in GiB, the peak during updates 2 ...
+    `updates` in GiB and the resident memory when they began, or None, None); exits with the tail of its output if
+    it failed. Memory is the kernel's high-water mark of the process (VmHWM, read every 10 ms); the window is read
+    off ppo.py's progress bar ("ppo: ... | k/N"): after the first update the mark is reset (/proc/PID/clear_refs),
+    and read again once the last update is done."""
+    process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    chunks = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: process.stdout.read1(1 << 16), b"")))
+    reader.start()
+    status_file, window, done, peak = f"/proc/{process.pid}/status", [None, None], 0, 0
+    while True:
+        pid, status, _ = os.wait4(process.pid, os.WNOHANG)
+        if pid:
+            break
+        found = re.findall(rb"ppo: +\d+%\|[^|]*\| (\d+)/\d+", b"".join(chunks[-8:]))
+        done = max([done] + [int(count) for count in found])
+        try:
+            peak = max(peak, memory_kib(status_file, "VmHWM") / 2 ** 20)
+            if updates and done >= 1 and window[0] is None:
+                with open(f"/proc/{process.pid}/clear_refs", "w") as file:
+                    file.write("5")  # resets VmHWM to the current VmRSS
+                window[0] = memory_kib(status_file, "VmRSS") / 2 ** 20
+            if updates and done >= updates and window[1] is None:
+                window[1] = memory_kib(status_file, "VmHWM") / 2 ** 20
+        except (OSError, StopIteration):  # it has just exited (a zombie has no memory lines)
+            pass
+        time.sleep(0.01)
+    reader.join()
+    text = b"".join(chunks).decode(errors="replace")
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"{' '.join(command)} failed ({os.waitstatus_to_exitcode(status)}):\n{text[-3000:]}")
+    return text, peak, window[1], window[0]
 
 
-def run_ours(args, workdir: str, index: int) -> list:
-    """Run ppo.py for args.updates updates; [{total, generation, scoring, training}] per update."""
+def memory_kib(status_file: str, field: str) -> int:
+    """A `field:   N kB` line of /proc/PID/status -> N."""
+    with open(status_file) as file:
+        return int(next(line for line in file if line.startswith(field + ":")).split()[1])
+
+
+def update_memory(runs: list) -> str:
+    """[(process peak, timed-updates peak, memory at their start)] per run -> "peak (+rise)" GiB, or n/a (TRL)."""
+    if runs[0][1] is None:
+        return "n/a"
+    return f"{max(m[1] for m in runs):.3f} (+{max(m[1] - m[2] for m in runs):.3f})"
+
+
+def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of the fastest of `repeats` (size x size) @ (size x size) fp32 matmuls at this process's thread count."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
+def phase_flops(config: dict, batch: int, query_length: int, response_length: int, epochs: int) -> dict:
+    """FLOPs of one update per phase, policy, reference, critic and reward model all of `config`'s shape:
+    generation = a prefill of the queries and response_length - 1 one-token steps (logits of one position each);
+    scoring = reference, critic and reward forwards over query + response (logits for the response only);
+    training = `epochs` x forward and backward (3x a forward) of policy and critic over query + response.
+    Pads count (every side computes them); all response tokens count (rows stopping early make it an upper bound)."""
+    hidden, layers, inner, vocab = (config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"],
+                                    config["vocab_size"])
+    per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * inner)  # QKV + output projections, MLP
+    unembed = 2 * hidden * vocab
+    causal = lambda length: 2 * 2 * layers * hidden * length * (length + 1) / 2  # QK^T and AV over a causal row
+    total = query_length + response_length
+    generation = batch * (query_length * per_token + causal(query_length) + response_length * unembed
+                          + sum(per_token + 2 * 2 * layers * hidden * (query_length + t + 1)
+                                for t in range(response_length - 1)))
+    backbone = batch * (total * per_token + causal(total))
+    scoring = 3 * backbone + batch * response_length * unembed
+    training = epochs * 3 * (2 * backbone + batch * response_length * unembed)
+    return {"generation": generation, "scoring": scoring, "training": training}
+
+
+def run_ours(args, workdir: str, index: int, fast: bool = True) -> tuple:
+    """Run ppo.py for args.updates updates, its fast or plain sampling path -> ([{total, generation, scoring,
+    training}] per update, peak memory GiB)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run_name = f"ours_{index}"
+    run_name = f"ours_{'fast' if fast else 'plain'}_{index}"
     command = [args.ours_python, os.path.join(ROOT, "ppo.py"), "--base_model", args.base_model,
                "--query_dataset", args.query_dataset, "--sft_model_path", args.sft_model_path,
                "--reward_model_path", args.reward_model_path, "--output_dir", os.path.join(workdir, run_name),
@@ -45,8 +135,9 @@ def run_ours(args, workdir: str, index: int) -> list:
                "--local_rollout_forward_batch_size", str(args.local_rollout_forward_batch_size),
                "--num_minibatches", str(args.num_minibatches), "--num_ppo_epochs", str(args.num_ppo_epochs),
                "--response_length", str(args.response_length), "--temperature", str(args.temperature),
-               "--kl_coef", str(args.kl_coef), "--lr", str(args.lr), "--num_eval_samples", "0"]
-    execute(command, workdir)
+               "--kl_coef", str(args.kl_coef), "--lr", str(args.lr), "--num_eval_samples", "0",
+               "--fast_sampling" if fast else "--no-fast_sampling"]
+    _, memory, update_peak, update_start = execute(command, workdir, args.updates)
     events = EventAccumulator(os.path.join(workdir, "runs", run_name))
     events.Reload()
     scalars = {tag: [event.value for event in events.Scalars(f"time/{tag}")]
@@ -55,11 +146,12 @@ def run_ours(args, workdir: str, index: int) -> list:
     # the end of update k is k * batch / eps_k, and an update's wall time is the difference.
     clock = [0.0] + [(k + 1) * args.batch_size / eps for k, eps in enumerate(scalars["episodes_per_second"])]
     return [{"total": clock[k + 1] - clock[k], "generation": scalars["generation"][k],
-             "scoring": scalars["scoring"][k], "training": scalars["training"][k]} for k in range(args.updates)]
+             "scoring": scalars["scoring"][k], "training": scalars["training"][k]} for k in range(args.updates)], \
+        (memory, update_peak, update_start)
 
 
-def run_trl(args, workdir: str, index: int) -> list:
-    """Run TRL's PPOTrainer (in the TRL venv) for args.updates updates; the same dicts as run_ours."""
+def run_trl(args, workdir: str, index: int) -> tuple:
+    """Run TRL's PPOTrainer (in the TRL venv) for args.updates updates; the same as run_ours."""
     command = [args.trl_python, os.path.join(ROOT, "benchmark", "ppo_vs_trl_trl.py"), "--base_model", args.base_model,
                "--query_dataset", args.query_dataset, "--sft_model_path", args.sft_model_path,
                "--reward_model_path", args.reward_model_path, "--output_dir", os.path.join(workdir, f"trl_{index}"),
@@ -69,8 +161,9 @@ def run_trl(args, workdir: str, index: int) -> list:
                "--num_minibatches", str(args.num_minibatches), "--num_ppo_epochs", str(args.num_ppo_epochs),
                "--response_length", str(args.response_length), "--temperature", str(args.temperature),
                "--kl_coef", str(args.kl_coef), "--lr", str(args.lr)]
-    line = [line for line in execute(command, workdir).splitlines() if line.startswith("TIMINGS ")][-1]
-    return json.loads(line[len("TIMINGS "):])["updates"]
+    text, memory, _, _ = execute(command, workdir)
+    line = [line for line in text.splitlines() if line.startswith("TIMINGS ")][-1]
+    return json.loads(line[len("TIMINGS "):])["updates"], (memory, None, None)
 
 
 def summarize(runs: list, batch_size: int) -> dict:
@@ -85,76 +178,139 @@ def summarize(runs: list, batch_size: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", choices=("tiny", "5m"), default="tiny", help="the models and queries (docstring)")
     parser.add_argument("--ours_python", default=os.path.join(ROOT, ".venv", "bin", "python"))
     parser.add_argument("--trl_python", default=os.path.join(ROOT, ".venv-trl", "bin", "python"))
-    parser.add_argument("--base_model", default=os.path.join(ROOT, "assets/tiny_world/pythia-tiny"))
-    parser.add_argument("--query_dataset", default=os.path.join(ROOT, "data/tiny_tldr/sft"))
-    parser.add_argument("--sft_model_path", default=os.path.join(ROOT, "models/tiny/sft_1"))
-    parser.add_argument("--reward_model_path", default=os.path.join(ROOT, "models/tiny/reward_1"))
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each, alternating ours, TRL, ours, TRL, ...")
+    parser.add_argument("--sides", nargs="+", choices=sorted(SIDES), default=["ours", "ours_plain", "trl"],
+                        help="what runs, in this order each round")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, in turn: ours, plain, TRL, ours, ...")
     parser.add_argument("--updates", type=int, default=4, help="updates per run; the first is warm-up, not timed")
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--local_micro_batch_size", type=int, default=16)
     parser.add_argument("--local_rollout_forward_batch_size", type=int, default=64)
     parser.add_argument("--num_minibatches", type=int, default=1)
     parser.add_argument("--num_ppo_epochs", type=int, default=4)
-    parser.add_argument("--response_length", type=int, default=44)
+    parser.add_argument("--response_length", type=int, default=None, help="default: tiny 44, 5m 53")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--kl_coef", type=float, default=0.05)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmark", "results", "ppo_vs_trl.md"))
+    parser.add_argument("--out", default=None, help="default: benchmark/results/ppo_vs_trl[_5m].md")
     args = parser.parse_args()
     args.ours_python, args.trl_python = os.path.abspath(args.ours_python), os.path.abspath(args.trl_python)
     flags = sys.argv[1:]  # for the report: the flags given, less the interpreters the .sh passes
     for name in ("--ours_python", "--trl_python"):
         if name in flags:
             del flags[flags.index(name):flags.index(name) + 2]
-    for path in (args.query_dataset, args.sft_model_path, args.reward_model_path):
-        if not os.path.exists(path):
-            sys.exit(f"{path} is missing: build the tiny world with benchmark/tiny.sh first")
+    import random_world
+
+    if args.config == "tiny":
+        args.base_model = os.path.join(ROOT, "assets/tiny_world/pythia-tiny")
+        args.query_dataset = os.path.join(ROOT, "data/tiny_tldr/sft")
+        args.sft_model_path = os.path.join(ROOT, "models/tiny/sft_1")
+        for path in (args.query_dataset, args.sft_model_path):
+            if not os.path.exists(path):
+                sys.exit(f"{path} is missing: build the tiny world with benchmark/tiny.sh first")
+        args.reward_model_path = os.path.join(ROOT, "models/tiny/reward_1")
+        reward_note = "the tiny world's reward model (models/tiny/reward_1)"
+        if not os.path.exists(os.path.join(args.reward_model_path, "config.json")):
+            args.reward_model_path = random_world.tiny_reward_model()
+            reward_note = "models/tiny/reward_1 missing: the SFT backbone with a random scalar head as reward model"
+        args.response_length = args.response_length or 44
+        label = (f"Tiny world (pythia-tiny SFT policy, 264k parameters, 192-token queries; {reward_note}; "
+                 f"ScalarModel RM/critic)")
+    else:
+        args.sft_model_path, args.reward_model_path = random_world.random_models()
+        args.base_model, args.query_dataset = args.sft_model_path, random_world.query128_data(args.ours_python)
+        args.response_length = args.response_length or 53
+        label = ("Random-init GPT-NeoX, hidden 256, 4 layers, 4096 embedding rows (5.3M parameters; "
+                 "benchmark/random_world.py), ScalarModel RM/critic of the same shape, 128-token queries")
+    args.out = args.out or os.path.join(ROOT, "benchmark", "results",
+                                        "ppo_vs_trl.md" if args.config == "tiny" else "ppo_vs_trl_5m.md")
+    config = json.load(open(os.path.join(args.sft_model_path, "config.json")))
+    query_length = len(__import__("datasets").load_from_disk(args.query_dataset)["train"][0]["query_token"])
+    flops = phase_flops(config, args.batch_size, query_length, args.response_length, args.num_ppo_epochs)
 
     threads = os.environ.get("OMP_NUM_THREADS", "unset")
     started, loads = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), [load_average()]
-    results = {"ours": [], "trl": []}
+    peaks = [matmul_peak()]
+    runners = {"ours": lambda i: run_ours(args, workdir, i, fast=True),
+               "ours_plain": lambda i: run_ours(args, workdir, i, fast=False), "trl": lambda i: run_trl(args, workdir, i)}
+    results, memory = {name: [] for name in args.sides}, {name: [] for name in args.sides}
     with tempfile.TemporaryDirectory() as workdir:
         for index in range(args.rounds):
-            for name, run in (("ours", run_ours), ("trl", run_trl)):
+            for name in args.sides:
                 clock = time.time()
-                results[name].append(run(args, workdir, index))
+                updates, peak_memory = runners[name](index)
+                results[name].append(updates)
+                memory[name].append(peak_memory)
                 loads.append(load_average())
-                seconds = [round(update["total"], 2) for update in results[name][-1]]
+                seconds = [round(update["total"], 2) for update in updates]
                 print(f"round {index + 1}, {name}: {time.time() - clock:.0f} s in all; seconds per update "
-                      f"{seconds} (first not timed); load {loads[-1]}", flush=True)
-    ours, trl = summarize(results["ours"], args.batch_size), summarize(results["trl"], args.batch_size)
-    rows = []
-    for label, stats in (("ppo.py (ours)", ours), ("TRL 1.12.0 PPOTrainer", trl)):
-        rows.append(f"| {label} | {stats['episodes_per_second']:.2f} | {stats['total']:.2f} | "
-                    f"{stats['generation']:.2f} | {stats['scoring']:.2f} | {stats['training']:.2f} |")
-    per_round = [summarize([o], args.batch_size)["episodes_per_second"]
-                 / summarize([t], args.batch_size)["episodes_per_second"]
-                 for o, t in zip(results["ours"], results["trl"])]
-    ratio = ours["episodes_per_second"] / trl["episodes_per_second"]
+                      f"{seconds} (first not timed); peak memory (process, timed updates, at their start) "
+                      f"{peak_memory}; load {loads[-1]}", flush=True)
+    peaks.append(matmul_peak())
+    peak = max(peaks)
+    stats = {name: summarize(runs, args.batch_size) for name, runs in results.items()}
+    rows, roofline = [], []
+    for name in args.sides:
+        s = stats[name]
+        rows.append(f"| {SIDES[name]} | {s['episodes_per_second']:.2f} | {s['total']:.2f} | {s['generation']:.2f} | "
+                    f"{s['scoring']:.2f} | {s['training']:.2f} | {max(m[0] for m in memory[name]):.3f} | "
+                    f"{update_memory(memory[name])} |")
+        roofline.append(f"| {SIDES[name]} | " + " | ".join(
+            f"{flops[phase] / s[phase] / 1e9:.1f} ({flops[phase] / s[phase] / peak:.0%})"
+            for phase in ("generation", "scoring", "training")) + " |")
+    ratios = []
+    if "trl" in args.sides:
+        for name in [n for n in args.sides if n != "trl"]:
+            per_round = [summarize([o], args.batch_size)["episodes_per_second"]
+                         / summarize([t], args.batch_size)["episodes_per_second"]
+                         for o, t in zip(results[name], results["trl"])]
+            ratio = stats[name]["episodes_per_second"] / stats["trl"]["episodes_per_second"]
+            ratios.append(f"**{SIDES[name]} / TRL: {ratio:.2f}x** (per round: "
+                          f"{', '.join(f'{r:.2f}x' for r in per_round)})")
+    if "ours" in args.sides and "ours_plain" in args.sides:
+        fast, plain = (max(m[1] for m in memory[name]) for name in ("ours", "ours_plain"))
+        fast_rise, plain_rise = (max(m[1] - m[2] for m in memory[name]) for name in ("ours", "ours_plain"))
+        ratios.append(f"fast / plain sampling, generation phase: "
+                      f"{stats['ours_plain']['generation'] / stats['ours']['generation']:.2f}x; peak memory of the "
+                      f"timed updates {fast:.3f} vs {plain:.3f} GiB ({fast / plain - 1:+.1%}); their rise above the "
+                      f"memory held when they began {fast_rise:.3f} vs {plain_rise:.3f} GiB")
     report = "\n".join([
-        f"# PPO throughput: ppo.py vs TRL 1.12.0 PPOTrainer ({started})",
+        f"# PPO throughput: ppo.py vs TRL 1.12.0 PPOTrainer, {args.config} ({started})",
         "",
-        f"Tiny world (pythia-tiny SFT policy, ScalarModel RM/critic), fp32 on CPU, OMP_NUM_THREADS={threads}; "
+        f"{label}, fp32 on CPU, OMP_NUM_THREADS={threads} on both sides; "
         f"batch {args.batch_size}, micro batch {args.local_micro_batch_size}, rollout chunk "
         f"{args.local_rollout_forward_batch_size}, {args.num_minibatches} minibatch(es), {args.num_ppo_epochs} PPO "
         f"epochs, {args.response_length} response tokens, T {args.temperature}, kl coef {args.kl_coef}. "
-        f"{args.rounds} alternating runs of each, {args.updates} updates per run, the first not timed. "
-        f"Load average (1 min) before and after each run: {', '.join(loads)}.",
+        f"{args.rounds} rounds of {', '.join(args.sides)} in turn, {args.updates} updates per run, the first not "
+        f"timed. Load average (1 min; 2 cores shared with other jobs) before and after each run: {', '.join(loads)}.",
         "",
-        "| implementation | episodes/s | s/update | generation s | scoring s | training s |",
-        "|---|---|---|---|---|---|",
+        "| implementation | episodes/s | s/update | generation s | scoring s | training s | peak memory GiB, "
+        "whole process | peak memory GiB, timed updates (rise over their start) |",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
         "",
-        f"**ratio (ours / TRL): {ratio:.2f}x** (per round: {', '.join(f'{r:.2f}x' for r in per_round)})",
+        *[line for ratio in ratios for line in (ratio, "")],
+        f"Roofline, GFLOP/s per phase (share of the fp32 matmul peak, {peak / 1e9:.1f} GFLOP/s: the best 2048^3 "
+        f"matmul of this process at the same thread count; {', '.join(f'{p / 1e9:.1f}' for p in peaks)} before / "
+        f"after the runs). FLOPs per update: generation {flops['generation'] / 1e9:.1f} G, scoring "
+        f"{flops['scoring'] / 1e9:.1f} G, training {flops['training'] / 1e9:.1f} G (phase_flops: pads and every "
+        f"response step counted, the same count for every side).",
         "",
-        "generation = sampling (both stop once every row has an EOS: TRL through HF generate's stop token, ppo.py "
-        "in its own KV-cache loop, token-identical to HF generate); scoring = no-grad reference / value / reward "
-        "forwards (ppo.py: the rest of the rollout); training = the PPO epochs (TRL: the rest of the update, GAE "
-        "included). Seconds are means per timed update.",
+        "| implementation | generation | scoring | training |",
+        "|---|---|---|---|",
+        *roofline,
+        "",
+        "generation = sampling (every side stops once every row has an EOS: TRL through HF generate's stop token, "
+        "ppo.py in its own loop, token-identical to HF generate; ppo.py's generation also computes the behaviour "
+        "log-probs and entropy); scoring = no-grad reference / value / reward forwards (ppo.py: the rest of the "
+        "rollout); training = the PPO epochs (TRL: the rest of the update, GAE included). Seconds are means per "
+        "timed update, from ppo.py's time/* scalars and TRL's wrapped functions. Peak memory: resident set "
+        "size (CPU, the kernel's VmHWM read every 10 ms); whole process = its maximum over the run (model loading "
+        "and, for the fast path, the compiler included); timed updates = the kernel's high-water mark reset after the first update and read "
+        "after the last (ppo.py only; the largest over the rounds).",
         "",
         f"Command: `OMP_NUM_THREADS={threads} bash benchmark/ppo_vs_trl.sh {' '.join(flags)}`",
     ])

@@ -15,7 +15,7 @@ from conftest import REPO, WORLD
 from ppo import (PolicyAndValueWrapper, ScalarModel, ScalarModelConfig, compute_gae, compute_rewards, disable_dropout,
                  eos_trick, first_true_indices, gather_logprobs, generate, get_reward, masked_mean, ppo_batch_sizes,
                  mask_logits, ppo_losses, response_masks, response_window, sample_rollout, truncate_response,
-                 unsampled_token_ids, whiten, SetupError)
+                 unsampled_token_ids, whiten, SetupError, StaticSampler, draw_tokens)
 
 EOS, PAD = 0, 1  # the tiny world's ids (data/tiny_tldr/args.json)
 
@@ -231,6 +231,65 @@ def test_sample_rollout_draws_what_generate_draws(tiny_tldr):
     assert (fast_scores[used][:, ~allowed] == torch.finfo(torch.float32).min).all()
     assert torch.equal(truncate_response(fast_responses, EOS, PAD), truncate_response(responses, EOS, PAD))
     assert torch.equal(after_fast, after_reference)  # later samples are what the full-length loop gives
+
+
+def test_draw_tokens_is_multinomial():
+    """The fast path's draw = torch.multinomial's one-sample draw: the same ids, the random stream left at the same place
+    (zero-probability ids never drawn, a one-hot row always gives its id)."""
+    torch.manual_seed(3)
+    probs = torch.softmax(torch.randn(16, 500) * 3, -1).index_fill(-1, torch.tensor([1, 7, 499]), 0.0)
+    probs[5] = torch.nn.functional.one_hot(torch.tensor(42), 500).float()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        expected, expected_after = torch.multinomial(probs, num_samples=1).squeeze(1), torch.rand(3)
+        torch.manual_seed(seed)
+        drawn, drawn_after = draw_tokens(probs), torch.rand(3)
+        assert torch.equal(drawn, expected) and torch.equal(drawn_after, expected_after)
+        assert drawn[5] == 42 and not torch.isin(drawn, torch.tensor([1, 7, 499])).any()
+
+
+def assert_same_samples(sampler, policy, queries, length, temperature, unsampled, seed):
+    """sampler(...) = sample_rollout(...) with the same seed: ids, scores (masked ids at the lowest float), the random
+    stream afterwards."""
+    with torch.no_grad():
+        torch.manual_seed(seed)
+        expected, expected_scores = sample_rollout(policy, queries, PAD, EOS, length, temperature, unsampled)
+        expected_after = torch.rand(4)
+        torch.manual_seed(seed)
+        sampled, scores = sampler(policy, queries, PAD, EOS, length, temperature, unsampled)
+        after = torch.rand(4)
+    assert torch.equal(sampled, expected) and torch.equal(after, expected_after)
+    torch.testing.assert_close(scores, expected_scores, rtol=1e-5, atol=1e-5)
+    sampled_steps = scores.ne(0).any(-1)  # (B, T_resp): False at the zero scores of the steps skipped after every EOS
+    assert (scores[sampled_steps][:, unsampled] == torch.finfo(torch.float32).min).all()
+    assert not torch.isin(sampled[:, queries.shape[1]:], unsampled).any()
+    return sampled
+
+
+def test_static_sampler_draws_what_the_plain_loop_draws(tiny_tldr):
+    """StaticSampler (the --fast_sampling path, its step run eagerly here) = sample_rollout token for token: batches
+    smaller than the sampler (padding rows), rows ending early (the loop stops, EOS fillers), a run of every step,
+    [PAD] and the unowned rows masked, a second call on the same sampler (another model of the same shape)."""
+    policy, _ = tiny_models(early_eos=True)
+    policy.eval()
+    unsampled = unsampled_ids(policy)
+    sampler = StaticSampler(8, backend=None)
+    queries = padded_queries(tiny_tldr, 8)
+    sampled = assert_same_samples(sampler, policy, queries[:5], 20, 0.7 + 1e-7, unsampled, seed=1)
+    assert (sampled[:, -1] == EOS).all()  # every row ended early: the EOS fillers of the skipped steps
+    plain, _ = tiny_models()
+    sampled = assert_same_samples(sampler, plain.eval(), queries, 20, 1.0, unsampled, seed=2)  # the same sampler
+    assert not (sampled[:, queries.shape[1]:] == EOS).any(1).all()  # a row without EOS: all 20 steps sampled
+
+
+def test_static_sampler_compiled_step_draws_what_the_plain_loop_draws(tiny_tldr):
+    """The same through torch.compile (backend aot_eager: dynamo's graph of the step, the static cache updated in
+    place inside it; inductor's code generation of that graph takes 20-40 s and is checked by benchmark/sampling.py)."""
+    policy, _ = tiny_models(early_eos=True)
+    policy.eval()
+    queries = padded_queries(tiny_tldr, 4)
+    assert_same_samples(StaticSampler(4, backend="aot_eager"), policy, queries[:3], 12, 0.7 + 1e-7,
+                        unsampled_ids(policy), seed=4)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])  # the last-layer shortcut, and the plain fallback
