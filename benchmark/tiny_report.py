@@ -27,6 +27,7 @@ import csv
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -102,7 +103,8 @@ def grouped_accuracy(rows: list, key: str) -> list:
         if value in ("", None) or (isinstance(value, float) and math.isnan(value)):
             continue
         groups.setdefault(str(value).removesuffix(".0"), []).append(float(row["accuracy"]))
-    order = sorted(groups, key=lambda v: (0, float(v), v) if v.replace(".", "", 1).isdigit() else (1, 0.0, v))
+    natural = lambda v: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", v)]  # noqa: E731
+    order = sorted(groups, key=natural)  # batch3 before batch10, confidence 9 before 10
     return [(value, sum(groups[value]) / len(groups[value]), len(groups[value])) for value in order]
 
 
