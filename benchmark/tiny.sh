@@ -19,6 +19,15 @@ MODELS=${MODELS:-models/tiny}     # trained models, judge results, timings.tsv, 
 TIMINGS=$MODELS/timings.tsv       # one `stage<TAB>seconds` row per stage, for the report
 mkdir -p "$MODELS" && printf 'stage\tseconds\n' > "$TIMINGS"
 
+# The thread count changes the numbers, not only the time (floating-point sums in another order):
+# record it with the versions, for the report.
+python -c "
+import json, os, platform, torch, transformers, accelerate, datasets
+print(json.dumps({'torch_threads': torch.get_num_threads(), 'omp_num_threads': os.environ.get('OMP_NUM_THREADS'),
+                  'cpu_count': os.cpu_count(), 'python': platform.python_version(),
+                  'versions': {m.__name__: m.__version__ for m in (torch, transformers, accelerate, datasets)}}))
+" > "$MODELS/environment.json"
+
 # The tiny world's token lengths, computed by preprocess_tldr.py and checked against these
 # values (the paper's Pythia values are the script defaults: 512 / 53 / 562 / 169 / 638 and
 # 1919 / 155 / 2021 for CNN/DM).
@@ -32,6 +41,16 @@ TINY_LENGTHS=(
   --cnndm_max_rm_response_length 44
   --cnndm_max_rm_query_response_length 193
 )
+# Another world (WORLD=/tmp/w SEED=2) has other exact maxima: there the flags are upper bounds
+# that hold for any seed (preprocess_tldr.py still fails if one would cut data) and are not
+# checked for equality.
+if [[ "$(realpath "$WORLD")" == "$(realpath assets/tiny_world)" ]]; then
+  LENGTHS=("${TINY_LENGTHS[@]}")
+else
+  LENGTHS=(--query_length 192 --max_sft_response_length 64 --max_sft_query_response_length 256
+    --max_rm_response_length 72 --max_rm_query_response_length 264 --cnndm_query_length 192
+    --cnndm_max_rm_response_length 64 --cnndm_max_rm_query_response_length 256 --no-check-length-correctness)
+fi
 
 stage() {  # stage NAME COMMAND...: run one stage, time it (appended to $TIMINGS)
   local name=$1; shift
@@ -46,7 +65,7 @@ if [[ ! -f "$WORLD/world.json" ]]; then
 fi
 stage "preprocess" python preprocess_tldr.py --base_model "$WORLD/pythia-tiny" \
   --sft_dataset "$WORLD/tldr_3_filtered" --preference_dataset "$WORLD/summarize_from_feedback" \
-  --output_dir "$DATA" "${TINY_LENGTHS[@]}"
+  --output_dir "$DATA" "${LENGTHS[@]}"
 
 # SFT (sft.py): first the untuned base model's summaries (0 updates: evaluation only), then SFT.
 # Scale knobs only: a 264k-parameter model learns at lr 2e-3 where Pythia needs 3e-6, and 600
@@ -74,12 +93,16 @@ stage "dpo" python dpo.py --sft_model_path "$MODELS/sft_$SEED" --label_dataset "
   --query_dataset "$DATA/sft" --output_dir "$MODELS/dpo_$SEED" --seed "$SEED" --lr 4e-4 --batch_size 32 \
   --local_micro_batch_size 32 --total_episodes 640 --response_length 44 --local_eval_batch_size 64 --gold_judge "$WORLD"
 
-# PPO (ppo.py): policy and reference from the SFT model, critic and reward from the RM; 10 updates
-# of 64 episodes. Scale knobs only; every algorithm setting is the paper's default.
+# PPO (ppo.py): policy and reference from the SFT model, critic and reward from the RM. Scale knobs
+# only; every algorithm setting is the paper's default. An evaluation every PPO_EVAL_EVERY updates
+# (runs/$PPO_RUN/samples_validation_<episode>.csv) gives the report its over-optimisation curve.
+PPO_RUN=tiny_ppo_$SEED
+rm -rf "runs/$PPO_RUN"  # a previous run's evaluations would mix into the curve
 stage "ppo" python ppo.py --base_model "$WORLD/pythia-tiny" --query_dataset "$DATA/sft" \
   --sft_model_path "$MODELS/sft_$SEED" --reward_model_path "$MODELS/reward_$SEED" \
-  --output_dir "$MODELS/ppo_$SEED" --seed "$SEED" --total_episodes 640 --batch_size 64 \
-  --local_micro_batch_size 16 --lr 1e-4 --response_length 44 --local_eval_batch_size 128
+  --output_dir "$MODELS/ppo_$SEED" --seed "$SEED" --run_name "$PPO_RUN" --total_episodes ${PPO_EPISODES:-640} \
+  --batch_size 64 --local_micro_batch_size 16 --lr ${PPO_LR:-1e-4} --response_length 44 --local_eval_batch_size 128 \
+  --eval_every ${PPO_EVAL_EVERY:-5}
 
 # The tiny world's gold judge (judge.py): win rates against the human reference summaries, and PPO's
 # and DPO's head to head against SFT (against the references every tiny policy nearly always loses).
