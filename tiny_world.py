@@ -233,26 +233,28 @@ class Policy:
     invent: float  # adds a fact that is not in the post
     filler: float  # copies irrelevant detail
     ramble: float  # rambles on
-    repeat: float  # repeats itself
+    repeat: float  # repeats a clause (1-3 times: a loop)
     question: float  # ends with the question
     terse: float  # writes facts telegraphically ("landlord cancelled lease")
     misremember: float = 0.0  # gets one word of a kept fact wrong (another actor or object)
 
 
 # The names follow the policies of openai/summarize_from_feedback; the qualities are this world's.
+# Like the real dataset's model-written summaries, the policies make model-like mistakes: a kept
+# fact with one wrong name or thing (misremember), a fact out of nowhere, loops of repeated clauses.
 POLICIES = {
     # The human reference writer: states the main point, keeps half of the rest, sometimes gets a
     # name or thing wrong, copies a detail that does not matter or rambles (see WORLD.md for rates).
     "ref": Policy(0.90, 0.50, 0.35, 0.02, 0.15, 0.15, 0.02, 0.3, 0.5, misremember=0.15),
-    "sup1": Policy(0.70, 0.40, 0.3, 0.35, 0.40, 0.30, 0.20, 0.5, 0.3),
-    "sup2": Policy(0.80, 0.50, 0.3, 0.25, 0.30, 0.25, 0.15, 0.5, 0.3),
-    "sup2_t0.7": Policy(0.75, 0.45, 0.3, 0.30, 0.35, 0.30, 0.20, 0.5, 0.3),
-    "sup4": Policy(0.90, 0.65, 0.4, 0.15, 0.20, 0.20, 0.08, 0.4, 0.4),
-    "sup4_t0.7": Policy(0.85, 0.60, 0.4, 0.20, 0.25, 0.25, 0.10, 0.4, 0.4),
-    "sup4_6b": Policy(0.93, 0.70, 0.4, 0.10, 0.15, 0.15, 0.05, 0.4, 0.4),
-    "sup4_ppo_rm3": Policy(0.97, 0.85, 0.6, 0.05, 0.10, 0.45, 0.05, 0.6, 0.2),
-    "sup4_bo8_rm3": Policy(0.95, 0.80, 0.5, 0.05, 0.10, 0.20, 0.03, 0.4, 0.4),
-    "pretrain_1b_t.7": Policy(0.45, 0.25, 0.2, 0.55, 0.60, 0.50, 0.35, 0.3, 0.2),
+    "sup1": Policy(0.70, 0.40, 0.3, 0.35, 0.40, 0.30, 0.20, 0.5, 0.3, misremember=0.30),
+    "sup2": Policy(0.80, 0.50, 0.3, 0.25, 0.30, 0.25, 0.15, 0.5, 0.3, misremember=0.25),
+    "sup2_t0.7": Policy(0.75, 0.45, 0.3, 0.30, 0.35, 0.30, 0.20, 0.5, 0.3, misremember=0.30),
+    "sup4": Policy(0.90, 0.65, 0.4, 0.15, 0.20, 0.20, 0.08, 0.4, 0.4, misremember=0.15),
+    "sup4_t0.7": Policy(0.85, 0.60, 0.4, 0.20, 0.25, 0.25, 0.10, 0.4, 0.4, misremember=0.20),
+    "sup4_6b": Policy(0.93, 0.70, 0.4, 0.10, 0.15, 0.15, 0.05, 0.4, 0.4, misremember=0.10),
+    "sup4_ppo_rm3": Policy(0.97, 0.85, 0.6, 0.05, 0.10, 0.45, 0.05, 0.6, 0.2, misremember=0.05),
+    "sup4_bo8_rm3": Policy(0.95, 0.80, 0.5, 0.05, 0.10, 0.20, 0.03, 0.4, 0.4, misremember=0.08),
+    "pretrain_1b_t.7": Policy(0.45, 0.25, 0.2, 0.55, 0.60, 0.50, 0.35, 0.3, 0.2, misremember=0.40),
 }
 # Detail 6 in this world: train compares a few supervised policies; validation adds many unseen ones.
 TRAIN_POLICIES = ["sup1", "sup2", "sup4", "sup4_t0.7", "pretrain_1b_t.7"]
@@ -284,8 +286,8 @@ def make_summary(rng, facts, feeling, policy, filler_pool, news=False):
         clauses.append(f"i feel {feeling}")
     if rng.random() < policy.filler and filler_pool:
         clauses.insert(rng.randint(0, len(clauses)), rng.choice(filler_pool))
-    if clauses and rng.random() < policy.repeat:
-        clauses.append(rng.choice(clauses))
+    if clauses and rng.random() < policy.repeat:  # a loop: one clause again, up to three times
+        clauses += [rng.choice(clauses)] * rng.choice([1, 1, 2, 3])
     if rng.random() < policy.ramble:
         clauses.append(rng.choice(RAMBLES))
     text = rng.choice([", ", "; ", " and "]).join(clauses) if clauses else "not sure"
@@ -518,8 +520,9 @@ class Args:
     """Seed of everything: same seed, same bytes"""
     sft_sizes: tuple[int, int, int] = (4096, 256, 256)
     """Rows of the SFT dataset: train, validation, test"""
-    preference_sizes: tuple[int, int, int] = (4096, 512, 256)
-    """Rows of the preference dataset: train, validation (TL;DR), validation (CNN/DM-like news)"""
+    preference_sizes: tuple[int, int, int] = (16384, 512, 256)
+    """Rows of the preference dataset: train, validation (TL;DR), validation (CNN/DM-like news); enough
+    train pairs for the RM to see most of them once or twice, as the paper trains one epoch over 92,858"""
     long_tail_fraction: float = 0.08
     """Share of posts with a long tail of irrelevant paragraphs that overflows the query budget"""
     label_temperature: float = 0.7
@@ -536,7 +539,7 @@ class Args:
     """Steps of next-token pretraining (0: random weights; the committed world used the default)"""
     pretrain_documents: int = 8192
     """Documents (posts and articles) in the pretraining corpus"""
-    pretrain_news_fraction: float = 0.25
+    pretrain_news_fraction: float = 0.5
     """Share of news-like articles in the pretraining corpus (the rest are Reddit-like posts)"""
     pretrain_batch_size: int = 16
     """Documents per pretraining step"""
