@@ -11,7 +11,7 @@ then it samples a summary for each SFT validation query, which judge.py compares
 references.
 
     {output_dir}/                     the policy: a causal-LM folder + tokenizer (loads with from_pretrained)
-    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, git commit
+    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, git commit
     {output_dir}/eval_validation.csv  columns query, response, reference: summaries of the SFT
                                       validation queries (what judge.py reads, as sft.py writes it)
     {output_dir}/eval_pairs_{split}.csv  one row per preference pair: texts, batch, split, confidence,
@@ -19,7 +19,7 @@ references.
     {output_dir}/accuracy_{split}.md  accuracy overall and by split / batch / confidence (as reward.py's)
     {output_dir}/calibration.png      accuracy vs |implicit reward margin| beside the ideal sigmoid
     {output_dir}/eval_metrics.json    every eval/dpo/* scalar below
-    {output_dir}/checkpoints/         the latest --save_every checkpoint, removed when the run ends
+    {output_dir}/checkpoints/         the latest --save_every checkpoint (no pickle), removed when the run ends
     runs/{run_name}/                  TensorBoard
 
     # tiny world, offline, 2 CPU cores, ~45 s (benchmark/tiny.sh runs this after sft.py; 20 updates of 32:
@@ -28,13 +28,13 @@ references.
         --query_dataset data/tiny_tldr/sft --output_dir models/tiny/dpo_1 --lr 4e-4 --batch_size 32 \
         --local_micro_batch_size 32 --total_episodes 640 --response_length 44 --local_eval_batch_size 64 \
         --gold_judge assets/tiny_world
-    # one GPU, Pythia 1B, bf16 (global batch 64 = 8 x 8 accumulation steps)
-    accelerate launch --num_processes 1 --mixed_precision bf16 dpo.py --sft_model_path models/sft_1b \
-        --label_dataset data/tldr/preference --query_dataset data/tldr/sft --local_micro_batch_size 8
+    # one GPU, Pythia 1B, bf16 autocast (global batch 64 = 8 x 8 accumulation steps): reads
+    # models/EleutherAI/pythia-1b-deduped/sft_1 and data/EleutherAI/pythia-1b-deduped/tldr, writes .../dpo_1
+    accelerate launch --num_processes 1 --mixed_precision bf16 dpo.py \
+        --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 8
     # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (global batch 64 = 8 x 1 x 8 processes)
     accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml dpo.py \
-        --sft_model_path models/EleutherAI/pythia-1b-deduped/sft_44413 --seed 44413 \
-        --local_micro_batch_size 8 --output_dir models/EleutherAI/pythia-1b-deduped/dpo_44413 --track
+        --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_micro_batch_size 8 --track
 
 Details: 3 distinct [PAD], ids checked against both datasets; 6 accuracy per split (validation is
 out of distribution); 7 dropout off in policy and reference; 8 accelerate / DeepSpeed ZeRO-2 /
@@ -53,10 +53,12 @@ Logged (TensorBoard, and W&B with --track; x-axis = training pairs seen):
   eval/dpo/{split}/gold_accuracy     agreement with the tiny world's gold judge (--gold_judge)
 """
 
+import hashlib
 import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import time
@@ -71,6 +73,8 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
@@ -93,8 +97,8 @@ class Args:
     """W&B project (with --track)"""
     wandb_entity: Optional[str] = None
     """W&B entity (with --track; None: the default of the logged-in user)"""
-    output_dir: str = "models/dpo_model"
-    """Folder for the trained policy, tokenizer, args.json, eval tables, plots and checkpoints"""
+    output_dir: Optional[str] = None
+    """Folder for the trained policy, tokenizer, args.json, eval tables, plots and checkpoints (None: models/{base_model}/dpo_{seed})"""
     push_to_hub: bool = False
     """Push the output folder to {hf_entity}/{sft model name}__{exp_name}__tldr at revision run_name"""
     hf_entity: Optional[str] = None
@@ -102,15 +106,15 @@ class Args:
     save_every: int = 0
     """Save a checkpoint (model, optimizer, scheduler, RNG states, update) every N updates (0: never)"""
     resume: bool = False
-    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0)"""
+    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0); required when there is one"""
     stop_after_updates: Optional[int] = None
     """Checkpoint and exit after this many updates, as a time-limited SLURM job would; rerun with --resume"""
 
     # data
-    label_dataset: str = "vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144"
-    """Preference dataset: a folder written by preprocess_tldr.py (e.g. data/tldr/preference) or a Hub id"""
-    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
-    """SFT dataset whose validation queries the policy summarises at the end, e.g. data/tldr/sft"""
+    label_dataset: Optional[str] = None
+    """Preference dataset: a preprocess_tldr.py folder or a Hub id, e.g. the reference's vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144 (None: data/{base_model}/tldr/preference)"""
+    query_dataset: Optional[str] = None
+    """SFT dataset whose validation queries the policy summarises at the end (None: data/{base_model}/tldr/sft)"""
     total_episodes: Optional[int] = None
     """Training pairs to draw (None: the train split x num_train_epochs; 0: evaluate the SFT model)"""
     num_train_epochs: int = 1
@@ -121,8 +125,10 @@ class Args:
     """Tiny world folder (e.g. assets/tiny_world): also score pairs with tiny_world.gold_score beside its noise ceiling"""
 
     # model
-    sft_model_path: str = "models/sft_model"
-    """SFT model (sft.py's output folder or a Hub id): the policy, the reference and the tokenizer"""
+    base_model: Optional[str] = None
+    """Base model the SFT model was fine-tuned from, as given to sft.py: names the default paths (None: the one the SFT model's args.json records, else EleutherAI/pythia-1b-deduped)"""
+    sft_model_path: Optional[str] = None
+    """SFT model (sft.py's output folder or a Hub id): the policy, the reference and the tokenizer (None: models/{base_model}/sft_{seed})"""
     response_length: int = 53
     """Tokens sampled per eval query (paper: 53, the longest SFT reference; the reference code's 128 is a bug)"""
     temperature: float = 0.01
@@ -173,6 +179,13 @@ PAIR_COLUMNS = ("query_chosen_token", "query_chosen_token_response_label",
 QUERY_COLUMNS = ("query_token", "reference_response_token")
 EVAL_SPLITS = ("validation", "validation_cnndm")
 GROUPS = ("split", "batch", "confidence")
+# Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
+POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
+NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
+AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")
+AT_LEAST_0 = (lambda value: value >= 0, "an integer >= 0")
+NONE_OR_AT_LEAST_1 = (lambda value: value is None or value >= 1, "an integer >= 1, or no flag")
+NONE_OR_AT_LEAST_0 = (lambda value: value is None or value >= 0, "an integer >= 0, or no flag")
 
 
 class SetupError(ValueError):
@@ -188,12 +201,41 @@ def gradient_accumulation(batch_size: int, local_micro_batch_size: int, world_si
     return batch_size // per_step
 
 
+def dpo_flag_problems(args: Args, world_size: int) -> list:
+    """One line per flag that cannot work, naming it and what to pass instead; empty if all can. Loads and writes nothing."""
+    # Every flag is checked before anything is loaded or written, and all problems are listed at once:
+    # a bad value would otherwise surface inside AdamW, after training, or never (a model saved untrained).
+    problems = flag_range_problems(args, {
+        "seed": (lambda seed: 0 <= seed < 2 ** 32 - 100003 * world_size, f"an integer in [0, 2^32 - {100003 * world_size})"),
+        "save_every": AT_LEAST_0, "stop_after_updates": NONE_OR_AT_LEAST_1, "num_train_epochs": AT_LEAST_1,
+        "total_episodes": (lambda n: n is None or n == 0 or n >= args.batch_size,
+                           f"0 (evaluate the SFT model only) or at least one batch, --batch_size {args.batch_size}"),
+        "num_eval_samples": NONE_OR_AT_LEAST_0, "response_length": AT_LEAST_1, "temperature": POSITIVE,
+        "beta": POSITIVE, "label_smoothing": (lambda value: 0 <= value < 0.5, "a number in [0, 0.5)"),
+        "lr": POSITIVE, "eps": POSITIVE, "weight_decay": NON_NEGATIVE, "local_eval_batch_size": AT_LEAST_1})
+    if args.ipo and args.label_smoothing:
+        problems.append(f"--label_smoothing {args.label_smoothing} with --ipo: want 0 (IPO has no label smoothing)")
+    try:
+        gradient_accumulation(args.batch_size, args.local_micro_batch_size, world_size)
+    except SetupError as error:
+        problems.append(str(error))
+    problem = scheduler_problem(args.scheduler)
+    problems += [problem] if problem else []
+    if args.gold_judge is not None and not os.path.isfile(os.path.join(args.gold_judge, "world.json")):
+        problems.append(f"--gold_judge {args.gold_judge}: no world.json there (want a tiny world folder)")
+    if args.output_dir is not None and os.path.isfile(args.output_dir):
+        problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
+    return problems
+
+
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
     """Why `output_dir` cannot hold this run (another run's args.json, or foreign files), None if it can."""
     path = os.path.join(output_dir, "args.json")
     if not os.path.isfile(path):
         if os.path.isdir(output_dir) and os.listdir(output_dir):
             return f"--output_dir {output_dir} is not empty and has no args.json: choose an empty or new folder"
+        return None
+    if os.listdir(output_dir) == ["args.json"]:  # a start that failed before any work: nothing to lose
         return None
     with open(path) as file:
         saved = json.load(file)
@@ -202,6 +244,10 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
     if changed:
         return (f"--output_dir {output_dir} holds a different run ({'; '.join(changed)}): "
                 "choose another folder, delete it, or pass the same flags to overwrite or --resume it")
+    checkpoint = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
+    if checkpoint is not None and not flags.get("resume"):  # starting again at update 0 would discard them
+        return (f"--output_dir {output_dir} holds an unfinished run, checkpointed at update {checkpoint[0]}: "
+                "pass --resume to continue it, or choose another folder (or delete this one) to start again")
     return None
 
 
@@ -210,6 +256,143 @@ def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
     missing = [split for split in splits if split not in dataset_dict]
     return missing + [f"{split}.{column}" for split in splits if split in dataset_dict
                       for column in columns if column not in dataset_dict[split].column_names]
+
+
+def model_name(base_model: str) -> str:
+    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
+    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
+    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
+    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
+
+
+def input_problem(path: str, flag: str, make: str) -> Optional[str]:
+    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
+    # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
+    if os.path.exists(path) or hub_id:
+        return None
+    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
+
+
+def recorded_base_model(folder: str) -> Optional[str]:
+    """The base model name (`model_name`) recorded in the args.json of the stage output `folder`; None if none."""
+    path = os.path.join(folder, "args.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        return json.load(file).get("base_model_name")
+
+
+def load_fp32(model_class, path: str, flag: str):
+    """`model_class.from_pretrained(path)` in fp32 whatever dtype it was saved in (Pythia's Hub weights are fp16)."""
+    # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
+    # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
+    # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
+    try:
+        return model_class.from_pretrained(path, dtype=torch.float32)
+    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
+        raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def load_tokenizer(path: str, flag: str):
+    """AutoTokenizer of `path` with right padding; a SetupError naming `flag` when there is none."""
+    try:
+        return AutoTokenizer.from_pretrained(path, padding_side="right")
+    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
+        raise SetupError(f"{flag} {path}: no tokenizer at {path}, and none of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def model_path_problem(path: str, flag: str) -> Optional[str]:
+    """Why `path` (given to `flag`) is neither a local model folder nor a Hub id; None if it may be either."""
+    # from_pretrained would read a missing folder as a Hub id and fail with "Repo id must be in the
+    # form ...", which never says that the folder is missing.
+    if os.path.isdir(path):
+        return None
+    if os.path.exists(path):
+        return f"{flag} {path} is a file: pass a model folder or a Hub id (org/name)"
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return f"{flag} {path}: no model folder at {path}, and it is not a Hub id either (org/name): pass a folder that exists"
+    return None  # a Hub id: from_pretrained fetches it, or says that it cannot
+
+
+def flag_range_problems(args, rules: dict) -> list:
+    """['--flag value: want ...'] for each flag of `rules` ({flag: (ok(value) -> bool, what to pass)}) whose value fails."""
+    return [f"--{flag} {getattr(args, flag)}: want {want}" for flag, (ok, want) in rules.items()
+            if not ok(getattr(args, flag))]
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """sha256 (hex) of the tokenizer's vocabulary, as sorted (token, id) pairs, and of its special tokens map."""
+    # Two tokenizers with the same EOS and [PAD] ids may still map every other id to another token: a
+    # model would then train on, or score, text it cannot read, silently. Every stage records this in
+    # its args.json (taken after add_pad_token) and compares it across everything it loads.
+    payload = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "special_tokens": tokenizer.special_tokens_map},
+                         sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def recorded_tokenizer_identity(folder: str) -> Optional[str]:
+    """The "tokenizer_identity" of `folder`/args.json (a stage's output or preprocess_tldr.py's data folder); None if none."""
+    path = os.path.join(folder, "args.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        return json.load(file).get("tokenizer_identity")
+
+
+def identity_problem(sides: dict) -> Optional[str]:
+    """{what: tokenizer identity, or None when unknown} -> why the known ones differ, each side named; None if they agree."""
+    known = {what: identity for what, identity in sides.items() if identity is not None}
+    if len(set(known.values())) <= 1:
+        return None
+    return ("these inputs come from different tokenizers (tokenizer_identity = sha256 of vocabulary and special tokens): "
+            + "; ".join(f"{what} has {identity[:16]}" for what, identity in known.items())
+            + ". Preprocess the data and train every model from one base model's tokenizer")
+
+
+def vocabulary_problem(tokenizer, rows: int, what: str) -> Optional[str]:
+    """Why `what`, a model with `rows` embedding rows, cannot read every id of `tokenizer` but [PAD]; None if it can."""
+    # [PAD] may lie past the table: it is replaced by a valid id before every forward.
+    largest = max(i for i in tokenizer.get_vocab().values() if i != tokenizer.pad_token_id)
+    if largest < rows:
+        return None
+    return (f"{what} has {rows} embedding rows, but the tokenizer has ids up to {largest}: it was not trained "
+            "with this tokenizer; use models and data made from one base model")
+
+
+def scheduler_problem(name: str) -> Optional[str]:
+    """Why transformers.get_scheduler cannot build `name` as the stages use it (stepped once per update); None if it can."""
+    if name == "reduce_lr_on_plateau":  # steps on a metric, which the stages do not pass
+        return f"--scheduler {name}: it needs a metric at every step; want e.g. cosine, linear or constant"
+    try:
+        get_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), num_warmup_steps=0,
+                      num_training_steps=1)
+    except (ValueError, TypeError) as error:
+        return f"--scheduler {name}: {str(error).splitlines()[0]}; want e.g. cosine, linear or constant"
+    return None
+
+
+def gpu_problem(environ, cuda_available: bool) -> Optional[str]:
+    """Why this launch cannot run: it asks for a GPU (DeepSpeed, bf16 / fp16) and sees none; None if it can."""
+    # A SLURM job on a node whose torch is a CPU build would otherwise train on the CPU, silently,
+    # for days. A CPU rehearsal is fine when it says so: DS_ACCELERATOR=cpu, or accelerate's --cpu.
+    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if cuda_available or not (deepspeed or precision != "no"):
+        return None
+    if deepspeed and environ.get("DS_ACCELERATOR") == "cpu":
+        return None
+    if not deepspeed and environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return None
+    asked = "DeepSpeed" if deepspeed else f"mixed precision {precision}"
+    rehearsal = "DS_ACCELERATOR=cpu" if deepspeed else "accelerate launch --cpu"
+    return (f"this launch asks for a GPU ({asked}), but torch {torch.__version__} sees no CUDA device "
+            f"(CUDA build: {torch.version.cuda or 'none, a CPU-only torch'}). Run it on a GPU node with a CUDA "
+            f"build of torch, or, for a CPU rehearsal on purpose, use {rehearsal}")
 
 
 def git_commit(folder: str) -> Optional[str]:
@@ -264,6 +447,34 @@ def disable_dropout(model: torch.nn.Module) -> None:
             setattr(model.config, name, 0.0)
 
 
+def rotary_problem(models: dict) -> Optional[str]:
+    """{name: model} -> the rotary `inv_freq` buffers stored below fp32 (None if there are none)."""
+    # Rotary angles are position x inv_freq: rounded to bf16 (8 bits of mantissa) the angle at
+    # distance 565 of Pythia-1B is off by ~0.25 rad, and two copies of one model that disagree on
+    # it disagree on every log-prob. DeepSpeed casts parameters only; a blanket .to(bf16) does not.
+    low = [f"{name}: {module_name}.inv_freq is {buffer.dtype}" for name, model in models.items()
+           for module_name, module in model.named_modules()
+           for buffer_name, buffer in module.named_buffers(recurse=False)
+           if buffer_name == "inv_freq" and buffer.dtype != torch.float32]
+    return "; ".join(low) or None
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast `model`'s parameters (not its buffers) to `dtype`, in place, as DeepSpeed casts the trained model."""
+    # A plain .to(bf16) would also round the fp32 rotary frequencies (see rotary_problem).
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
+
+
+def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:
+    """Ids that sampling never emits: [PAD] and the embedding rows past the tokenizer (no token owns them)."""
+    # Pythia's embedding has 50304 rows for 50277 tokens, and the [PAD] we add is 50277: a sampled
+    # [PAD] in mid-summary would move the EOS the reward is read at, and an unowned row decodes to
+    # nothing. Their logits are masked wherever the policy samples (a departure from the reference).
+    return sorted({tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)})
+
+
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     """(B, T) bool -> (B,): index of the first True of each row, T for a row without one."""
     row_len = bools.size(-1)
@@ -315,23 +526,251 @@ def latest_checkpoint(folder: str) -> Optional[tuple]:
     """(update, path) of the newest complete `update_{k}` checkpoint in `folder`, None if there is none."""
     complete = [(int(name.split("_")[1]), os.path.join(folder, name))
                 for name in (os.listdir(folder) if os.path.isdir(folder) else [])
-                if name.startswith("update_") and os.path.isfile(os.path.join(folder, name, "trainer_state.json"))]
+                if re.fullmatch(r"update_\d+", name) and os.path.isfile(os.path.join(folder, name, "trainer_state.json"))]
     return max(complete) if complete else None
 
 
-def save_checkpoint(accelerator, folder: str, update: int, run_name: str) -> None:
-    """All ranks: save the accelerate state as {folder}/update_{update}, mark it complete, drop older ones."""
+def save_checkpoint(accelerator, folder: str, update: int, run_name: str, model, optimizer, scheduler) -> None:
+    """All ranks: write {folder}/update_{update} whole (as update_{update}.partial, then renamed), then drop older ones."""
+    # A kill at any moment leaves the previous checkpoint or this one complete on disk: the older ones
+    # go only after the rename has made this one complete (and the loop saves only finite weights).
     path = os.path.join(folder, f"update_{update}")
-    accelerator.save_state(path)  # model, optimizer, registered scheduler, RNG states of every rank
+    partial = path + ".partial"
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)  # what a killed save left
+        os.makedirs(partial)
+    accelerator.wait_for_everyone()
+    save_training_state(accelerator, partial, model, optimizer)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        # Written last: a job killed mid-save leaves no marker, and --resume takes the previous one.
-        with open(os.path.join(path, "trainer_state.json"), "w") as file:
-            json.dump({"update": update, "run_name": run_name}, file)
+        # JSON, not pickle: the scheduler's state_dict and the counters are plain numbers.
+        state = {"update": update, "run_name": run_name, "accelerator_step": accelerator.step,
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                 "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None}
+        with open(os.path.join(partial, "trainer_state.json"), "w") as file:
+            json.dump(state, file)
+        if os.path.isdir(path):  # this update was saved before (a rerun of it): keep that copy
+            shutil.rmtree(partial)
+        else:
+            os.rename(partial, path)
         for name in os.listdir(folder):
-            if name != f"update_{update}":
+            if name != os.path.basename(path):
                 shutil.rmtree(os.path.join(folder, name))
     accelerator.wait_for_everyone()
+
+
+def save_training_state(accelerator, folder: str, model, optimizer) -> None:
+    """All ranks: the model and optimizer state, and this rank's RNG states, into `folder`, in formats that run no code."""
+    if accelerator.state.deepspeed_plugin is not None:
+        # ZeRO shards the optimizer over the ranks: DeepSpeed writes its own files (torch.save),
+        # which load_checkpoint reads back with load_weights_only.
+        model.save_checkpoint(folder, tag="deepspeed")
+    elif accelerator.is_main_process:  # DDP: every rank holds the same weights and optimizer state
+        save_model(accelerator.unwrap_model(model), os.path.join(folder, "model.safetensors"))
+        state = optimizer.state_dict()  # AdamW: {"state": {index: {name: tensor}}, "param_groups": [plain values]}
+        save_file({f"{index}.{name}": value.contiguous() for index, values in state["state"].items()
+                   for name, value in values.items()}, os.path.join(folder, "optimizer.safetensors"))
+        with open(os.path.join(folder, "optimizer.json"), "w") as file:
+            json.dump({"param_groups": state["param_groups"]}, file)
+    save_rng_state(os.path.join(folder, f"rng_state_{accelerator.process_index}"))
+
+
+def load_checkpoint(accelerator, path: str, model, optimizer, scheduler) -> dict:
+    """All ranks: restore what save_checkpoint wrote in `path`, unpickling nothing; its trainer_state.json."""
+    with open(os.path.join(path, "trainer_state.json")) as file:
+        state = json.load(file)
+    deepspeed = accelerator.state.deepspeed_plugin is not None
+    needed = ["deepspeed"] if deepspeed else ["model.safetensors", "optimizer.safetensors", "optimizer.json"]
+    missing = [name for name in needed if not os.path.exists(os.path.join(path, name))]
+    if missing:
+        raise SetupError(f"--resume: {path} lacks {missing} (it holds {sorted(os.listdir(path))}): it was written by "
+                         "an older version or another launch (DeepSpeed or not). Older checkpoints are pickles, which "
+                         "can run code when loaded and are never opened: resume with the launch that wrote it, or "
+                         f"delete {os.path.dirname(path)} and start again without --resume")
+    if deepspeed:
+        model.checkpoint_engine.load = load_weights_only  # DeepSpeed's own loader would run any pickled code
+        loaded, _ = model.load_checkpoint(path, tag="deepspeed", load_lr_scheduler_states=False)
+        if loaded is None:
+            raise SetupError(f"--resume: DeepSpeed found no checkpoint in {path}/deepspeed (its log above says why): "
+                             f"delete {path} to resume from an earlier one, or start again without --resume")
+    else:
+        load_model(accelerator.unwrap_model(model), os.path.join(path, "model.safetensors"))  # copied onto its device
+        with open(os.path.join(path, "optimizer.json")) as file:
+            param_groups = json.load(file)["param_groups"]
+        for group in param_groups:
+            group["betas"] = tuple(group["betas"])  # JSON has no tuples
+        optimizer_state = {}
+        for name, tensor in load_file(os.path.join(path, "optimizer.safetensors")).items():
+            index, key = name.split(".", 1)
+            optimizer_state.setdefault(int(index), {})[key] = tensor
+        optimizer.load_state_dict({"state": optimizer_state, "param_groups": param_groups})
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if accelerator.scaler is not None and state["scaler"] is not None:
+        accelerator.scaler.load_state_dict(state["scaler"])
+    accelerator.step = state["accelerator_step"]  # where accumulate() is within an update: 0 mod the accumulation
+    if not load_rng_state(os.path.join(path, f"rng_state_{accelerator.process_index}")):
+        print(f"note: {path} has no RNG state of rank {accelerator.process_index} (saved by fewer processes); "
+              "this rank keeps its seeded one")
+    return state
+
+
+def save_rng_state(path: str) -> None:
+    """This process's python and numpy RNG states as `path`.json, torch's (CPU, CUDA) as `path`.safetensors."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with open(path + ".json", "w") as file:
+        json.dump({"python": [python_state[0], list(python_state[1]), python_state[2]],
+                   "numpy": [numpy_state[0], numpy_state[1].tolist(), int(numpy_state[2]), int(numpy_state[3]),
+                             float(numpy_state[4])]}, file)
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda_{i}": state for i, state in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(tensors, path + ".safetensors")
+
+
+def load_rng_state(path: str) -> bool:
+    """Restore the RNG states save_rng_state wrote at `path`; False if there are none."""
+    if not os.path.isfile(path + ".json"):
+        return False
+    with open(path + ".json") as file:
+        state = json.load(file)
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    np.random.set_state((state["numpy"][0], np.array(state["numpy"][1], dtype=np.uint32), *state["numpy"][2:]))
+    tensors = load_file(path + ".safetensors")
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[f"cuda_{i}"] for i in range(torch.cuda.device_count())])
+    return True
+
+
+def load_weights_only(path: str, map_location=None):
+    """torch.load(`path`) building only tensors, plain containers and the 4 data-only DeepSpeed classes its files hold."""
+    # DeepSpeed's own loader calls torch.load(weights_only=False): a pickle planted in a checkpoint would
+    # run its code on --resume. Its ZeRO-1/2 files hold, besides tensors and containers, these classes.
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def all_finite(accelerator, model, losses: torch.Tensor) -> bool:
+    """All ranks: whether `losses` and every parameter of `model` are finite on every rank (one all-reduce)."""
+    # Summed over ranks, so that every rank stops at the same update (a rank stopping alone would
+    # leave the others waiting in the next collective).
+    local = torch.stack([torch.isfinite(losses).all()] + [torch.isfinite(p).all() for p in model.parameters()]).all()
+    return accelerator.reduce((~local).float().reshape(1), reduction="sum").item() == 0
+
+
+def nonfinite_message(update: int, num_updates: int, checkpoints: str) -> str:
+    """Why the run stops at `update` (counted from 1) with a nan / inf, and which checkpoint it keeps."""
+    last = latest_checkpoint(checkpoints)
+    kept = (f"the last checkpoint, {last[1]} (update {last[0]}), is kept as it was" if last else
+            "no checkpoint was written before it (--save_every N keeps one every N updates)")
+    return (f"update {update} of {num_updates}: the loss or the weights are not finite (nan or inf) on at least one "
+            f"rank, so the run stops before saving anything of it; {kept}. Try a lower --lr (or look at the data of "
+            f"update {update}) in a new --output_dir; --resume with these flags continues from the kept checkpoint")
+
+
+def write_atomic(path: str, write) -> None:
+    """Create `path` whole or not at all: `write(tmp_path)` writes beside it, then a rename replaces it."""
+    # A kill mid-write leaves the old file (or none) and a `.partial` that the next run overwrites;
+    # a reader never sees half a results.json. os.replace is atomic within one file system.
+    partial = path + ".partial"
+    write(partial)
+    os.replace(partial, path)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """write_atomic for a text file (UTF-8)."""
+    def write(partial: str) -> None:
+        with open(partial, "w", encoding="utf-8", newline="") as file:
+            file.write(text)
+    write_atomic(path, write)
+
+
+def scratch_path(output_dir: str, kind: str) -> str:
+    """The sibling of `output_dir` where its final contents are written ("partial"), complete ("new") or retired ("old")."""
+    parent, name = os.path.split(os.path.abspath(output_dir))
+    return os.path.join(parent, f".{name}.{kind}")
+
+
+def staging_folder(output_dir: str) -> str:
+    """Rank 0: a new, empty sibling folder where the run writes its final model and results (publish_output)."""
+    staging = scratch_path(output_dir, "partial")
+    shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
+    os.makedirs(staging)
+    return staging
+
+
+def publish_output(staging: str, output_dir: str) -> None:
+    """Rank 0: the complete `staging` becomes `output_dir` (args.json and the like carried over, checkpoints dropped)."""
+    # Written beside and swapped in whole: a kill at any moment leaves the old folder (args.json and the
+    # checkpoints, or a finished run's model) or the new one, never a mix; the next start finishes a swap.
+    for name in os.listdir(output_dir):
+        source, target = os.path.join(output_dir, name), os.path.join(staging, name)
+        if name != "checkpoints" and not name.endswith(".partial") and not os.path.exists(target):
+            (shutil.copytree if os.path.isdir(source) else shutil.copy2)(source, target)
+    os.rename(staging, scratch_path(output_dir, "new"))  # complete: from here on, the new folder wins
+    finish_publish(output_dir)
+
+
+def finish_publish(output_dir: str) -> None:
+    """Swap a complete `.new` sibling in for `output_dir` (the old one renamed `.old`, then deleted); drop other scratch."""
+    new, old = scratch_path(output_dir, "new"), scratch_path(output_dir, "old")
+    if os.path.isdir(new):
+        if os.path.isdir(output_dir):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(output_dir, old)
+        os.rename(new, output_dir)  # between the two renames there is no output_dir, but .old and .new are whole
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(scratch_path(output_dir, "partial"), ignore_errors=True)
+
+
+def tidy_output_dir(output_dir: str) -> None:
+    """Rank 0, at start: finish a swap a kill interrupted, and remove the `.partial` files and folders kills left."""
+    finish_publish(output_dir)
+    for folder in (output_dir, os.path.join(output_dir, "checkpoints")):
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            if name.endswith(".partial"):
+                path = os.path.join(folder, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+
+
+def fp32_state_dict(accelerator, model) -> dict:
+    """All ranks: the model's state dict in fp32, under DeepSpeed its fp32 master weights (not the bf16 copies)."""
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    if accelerator.state.deepspeed_plugin is not None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, param in accelerator.unwrap_model(model).named_parameters():
+            master = safe_get_full_fp32_param(param)  # collective (all-gathers the master's shards); None if frozen
+            if master is not None:
+                state_dict[name] = master
+    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
+
+
+def save_fp32(model, output_dir: str, state_dict: dict) -> None:
+    """`model.save_pretrained` with an fp32 `state_dict`, its config saying float32 (the dtype of the weights saved)."""
+    model.save_pretrained(output_dir, state_dict=state_dict)
+    model.config.dtype = "float32"  # save_pretrained wrote the dtype of the module's bf16 compute copy under DeepSpeed
+    model.config.save_pretrained(output_dir)
+
+
+def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
+    """[(row indices, number of real rows)] of rank `rank`: rows rank, rank + W, ... in batches of `batch_size`;
+    every rank gets the same batches count and sizes, a rank one row short repeating its last row (not kept)."""
+    # Frozen models run as ZeRO-3 engines (--offload) gather their parameters in every forward,
+    # a collective: a rank with one batch fewer would leave the others waiting forever.
+    mine = list(range(rank, num_rows, world_size))
+    per_rank = -(-num_rows // world_size)  # ceil
+    padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
+    return [(padded[start:start + batch_size], max(0, min(batch_size, len(mine) - start)))
+            for start in range(0, per_rank, batch_size)]
 
 
 def grouped_accuracy(table: pd.DataFrame, groups: tuple) -> pd.DataFrame:
@@ -437,16 +876,15 @@ def implicit_rewards(accelerator, model, ref_policy, dataset, pad_token_id: int,
     """All ranks: {"chosen": (N,), "rejected": (N,)} implicit rewards of the pairs of `dataset`, in its order."""
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()
-    mine = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))  # rank r: r, r+W, ...
     rows = []
-    for start in tqdm(range(0, len(mine), local_eval_batch_size), desc="score", disable=not accelerator.is_main_process):
-        indices = mine[start:start + local_eval_batch_size]
+    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
+    for indices, real in tqdm(batches, desc="score", disable=not accelerator.is_main_process):
         batch = {key: value.to(accelerator.device) for key, value in dataset[indices].items()}
         chosen, rejected = pair_logprobs(unwrapped, batch, pad_token_id)
         with accelerator.autocast():
             ref_chosen, ref_rejected = pair_logprobs(ref_policy, batch, pad_token_id)
         _, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta)
-        rows += [(i, c, r) for i, c, r in zip(indices, chosen_rewards.tolist(), rejected_rewards.tolist())]
+        rows += list(zip(indices, chosen_rewards.tolist(), rejected_rewards.tolist()))[:real]
     unwrapped.train()
     rows = sorted(gather_object(rows), key=lambda row: row[0])  # every rank's rows, in dataset order
     return {"chosen": np.array([row[1] for row in rows]), "rejected": np.array([row[2] for row in rows])}
@@ -458,18 +896,17 @@ def sample_summaries(accelerator, model, dataset, tokenizer, generation_config, 
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()
-    mine = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))  # rank r: r, r+W, ...
     rows = []
-    for start in tqdm(range(0, len(mine), local_eval_batch_size), desc="sample", disable=not accelerator.is_main_process):
-        indices = mine[start:start + local_eval_batch_size]
+    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
+    for indices, real in tqdm(batches, desc="sample", disable=not accelerator.is_main_process):
         batch = dataset[indices]
         queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
         query_responses, _ = generate(unwrapped, queries, pad_id, generation_config)
         responses = truncate_response(query_responses[:, queries.shape[1]:], eos_id, pad_id)  # (B, T_resp)
-        for i, query, response, reference in zip(
+        for i, query, response, reference in list(zip(
                 indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
                 tokenizer.batch_decode(responses, skip_special_tokens=True),
-                tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True)):
+                tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True)))[:real]:
             rows.append({"index": i, "query": query.strip(), "response": response.strip(), "reference": reference.strip()})
     unwrapped.train()
     rows = sorted(gather_object(rows), key=lambda row: row["index"])  # every rank's rows, in split order
@@ -479,9 +916,15 @@ def sample_summaries(accelerator, model, dataset, tokenizer, generation_config, 
 if __name__ == "__main__":
     # ---- args & sizes ----
     args = tyro.cli(Args)
+    problem = gpu_problem(os.environ, torch.cuda.is_available())
+    if problem:
+        raise SetupError(problem)
     # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
     deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
+    problems = dpo_flag_problems(args, accelerator.num_processes)
+    if problems:
+        raise SetupError("dpo.py cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
     args.world_size = accelerator.num_processes
     args.gradient_accumulation_steps = gradient_accumulation(args.batch_size, args.local_micro_batch_size,
                                                              args.world_size)
@@ -496,14 +939,35 @@ if __name__ == "__main__":
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
 
-    # ---- checks: every bad input fails here, before a model is loaded ----
-    problem = output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
-        "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates"))
+    # ---- checks: every bad input fails here, before a model is loaded or anything is written ----
+    # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, sft.py ->
+    # models/{base_model}/sft_{seed}, this script -> models/{base_model}/dpo_{seed}.
+    name = model_name(args.base_model) if args.base_model else None
+    make_sft = f"python sft.py --base_model {args.base_model or 'EleutherAI/pythia-1b-deduped'} --seed {args.seed}"
+    if args.sft_model_path is None:
+        args.sft_model_path = os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"sft_{args.seed}")
+    else:
+        make_sft += f" --output_dir {args.sft_model_path}"
+    recorded = recorded_base_model(args.sft_model_path)
+    if name and recorded and name != recorded:
+        raise SetupError(f"--sft_model_path {args.sft_model_path} was fine-tuned from {recorded}, not from --base_model "
+                         f"{args.base_model}: pass --base_model {recorded} or another --sft_model_path")
+    name = name or recorded or "EleutherAI/pythia-1b-deduped"
+    args.base_model = args.base_model or name
+    make_data = f"python preprocess_tldr.py --base_model {args.base_model}"
+    args.label_dataset = args.label_dataset or os.path.join("data", name, "tldr", "preference")
+    args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
+    args.output_dir = args.output_dir or os.path.join("models", name, f"dpo_{args.seed}")
+    if accelerator.is_main_process:
+        tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
+    accelerator.wait_for_everyone()
+    problem = (input_problem(args.sft_model_path, "--sft_model_path", make_sft)
+               or input_problem(args.label_dataset, "--label_dataset", make_data)
+               or input_problem(args.query_dataset, "--query_dataset", make_data)
+               or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
+                   "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates")))
     if problem:
         raise SetupError(problem)
-    if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5 or (args.ipo and args.label_smoothing):
-        raise SetupError(f"--beta {args.beta} must be > 0 and --label_smoothing {args.label_smoothing} in [0, 0.5), "
-                         "and 0 with --ipo")
     datasets_by_flag = {}
     for flag, splits, columns in (("label_dataset", ("train",) + EVAL_SPLITS, PAIR_COLUMNS),
                                   ("query_dataset", ("validation",), QUERY_COLUMNS)):
@@ -513,9 +977,7 @@ if __name__ == "__main__":
         if missing:
             raise SetupError(f"--{flag} {path} lacks {missing}: build it with preprocess_tldr.py")
     preference, sft = datasets_by_flag["label_dataset"], datasets_by_flag["query_dataset"]
-    if args.gold_judge is not None and not os.path.isfile(os.path.join(args.gold_judge, "world.json")):
-        raise SetupError(f"--gold_judge {args.gold_judge}: no world.json there (want a tiny world folder)")
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="right")
+    tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")
     for path in (args.label_dataset, args.query_dataset):  # the token columns must be this tokenizer's ids
         built_with = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json")
         data_ids = None  # a Hub dataset or a folder without preprocess_tldr.py's args.json: nothing to compare
@@ -526,36 +988,23 @@ if __name__ == "__main__":
         if check_tokenizer(tokenizer, data_ids, f"{path} ({built_with})"):
             accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    identity = tokenizer_identity(tokenizer)
+    problem = identity_problem({
+        f"--sft_model_path {args.sft_model_path} (its tokenizer)": identity,
+        f"--sft_model_path {args.sft_model_path} (its args.json)": recorded_tokenizer_identity(args.sft_model_path),
+        **{f"--{flag} {path} ({os.path.dirname(os.path.abspath(path))}/args.json)":
+           recorded_tokenizer_identity(os.path.dirname(os.path.abspath(path))) if os.path.isdir(path) else None
+           for flag, path in (("label_dataset", args.label_dataset), ("query_dataset", args.query_dataset))}})
+    if problem:
+        raise SetupError(problem)
     train = preference["train"].with_format("torch", columns=list(PAIR_COLUMNS))
     total_episodes = len(train) * args.num_train_epochs if args.total_episodes is None else args.total_episodes
     args.num_updates = total_episodes // args.batch_size
+    if args.total_episodes is None and args.num_updates == 0:
+        raise SetupError(f"--label_dataset {args.label_dataset}: its train split ({len(train)} pairs) x --num_train_epochs "
+                         f"{args.num_train_epochs} is less than one batch of {args.batch_size}: pass --total_episodes")
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     resume_from = latest_checkpoint(checkpoints) if args.resume else None
-
-    # ---- run name & logging ----
-    if resume_from is not None:  # a resumed run logs on into its own TensorBoard folder
-        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
-            run_name = args.run_name or json.load(file)["run_name"]
-    else:
-        start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
-        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "args.json"), "w") as file:
-            json.dump({**asdict(args), "run_name": run_name, "eos_token_id": eos_id, "pad_token_id": pad_id,
-                       "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
-        writer = SummaryWriter(f"runs/{run_name}")
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{key}|{value}|" for key, value in asdict(args).items()))
-        if args.track:
-            import wandb  # imported here: without --track nothing touches the network
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
-    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} pairs = "
-                      f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
-                      f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size} "
-                      f"({args.gradient_accumulation_steps} accumulation steps)")
 
     # ---- seeding & data order ----
     local_seed = args.seed + accelerator.process_index * 100003  # eval sampling differs per rank
@@ -571,28 +1020,62 @@ if __name__ == "__main__":
                              args.local_micro_batch_size)[:, :, accelerator.process_index]  # (U, GAS, micro)
 
     # ---- models ----
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
+    policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
+    ref_policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
     for model in (policy, ref_policy):
         disable_dropout(model)  # with dropout, h would not even be 0 before the first update
+    problem = vocabulary_problem(tokenizer, policy.get_input_embeddings().weight.size(0),
+                                 f"--sft_model_path {args.sft_model_path}")
+    if problem:
+        raise SetupError(problem)
     policy.train()
     ref_policy.eval().requires_grad_(False)
+    unsampled = unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0))
+
+    # ---- run name & logging ----
+    if resume_from is not None:  # a resumed run logs on into its own TensorBoard folder
+        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
+            run_name = args.run_name or json.load(file)["run_name"]
+    else:
+        start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
+        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
+            **asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id, "pad_token_id": pad_id,
+            "tokenizer_identity": identity, "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))},
+            indent=2))
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{key}|{value}|" for key, value in asdict(args).items()))
+        if args.track:
+            import wandb  # imported here: without --track nothing touches the network
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, save_code=True)
+    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} pairs = "
+                      f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
+                      f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size} "
+                      f"({args.gradient_accumulation_steps} accumulation steps)")
 
     # ---- optimizer & schedule ----
     # The RM's recipe (Detail 10): AdamW (eps 1e-5, weight decay 0.01), lr 3e-6 with a cosine decay
     # to 0 over one epoch in updates of 64 pairs (1450 updates); the paper's Figure 6 compares the two.
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
-    # The scheduler stays unprepared (stepped once per update by us) but is saved in checkpoints.
+    # The scheduler stays unprepared (stepped once per update by us); save_checkpoint stores its state.
     model, optimizer = accelerator.prepare(policy, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    # The reference runs in the policy's dtype (bf16 weights under DeepSpeed, fp32 weights under
-    # accelerate's bf16 autocast, which its forwards enter too): were it more precise than the
-    # policy, h would start away from 0 by the rounding difference. The reference code keeps it in fp32.
-    ref_policy = ref_policy.to(accelerator.device, dtype=next(model.parameters()).dtype)
+    # The reference takes the policy's precision path: DeepSpeed's bf16 parameters and fp32 buffers
+    # (the rotary frequencies), or fp32 weights under accelerate's bf16 autocast, which its forwards
+    # enter too. Were it more precise than the policy, h would start away from 0 by the rounding
+    # difference (the reference code keeps it in fp32).
+    ref_policy = cast_parameters(ref_policy.to(accelerator.device), next(model.parameters()).dtype)
+    problem = rotary_problem({"policy": model, "reference": ref_policy})
+    if problem:
+        raise SetupError(f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
     start_update = 0
     if resume_from is not None:
-        accelerator.load_state(resume_from[1])  # also the RNG states saved at that update
+        load_checkpoint(accelerator, resume_from[1], model, optimizer, scheduler)  # also the RNG states of that update
         start_update = resume_from[0]
         accelerator.print(f"resumed from {resume_from[1]} at update {start_update}")
     elif args.resume:
@@ -630,14 +1113,20 @@ if __name__ == "__main__":
                 writer.add_scalar(f"train/dpo/{key}", value, pairs_seen)
             progress.set_postfix(loss=f"{loss:.4f}", accuracy=f"{accuracy:.3f}", margin=f"{chosen - rejected:.3f}",
                                  lr=f"{lr:.2e}")
+        # A nan / inf stops every rank here, before anything of this update is saved (no checkpoint
+        # holding it ever replaces a good one).
+        if not all_finite(accelerator, model, stats[:, 0]):
+            raise FloatingPointError(nonfinite_message(update + 1, args.num_updates, checkpoints))
         if (args.save_every and (update + 1) % args.save_every == 0) or update + 1 == args.stop_after_updates:
-            save_checkpoint(accelerator, checkpoints, update + 1, run_name)
+            save_checkpoint(accelerator, checkpoints, update + 1, run_name, model, optimizer, scheduler)
     if stop_at < args.num_updates:
         accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
         if accelerator.is_main_process:
             writer.close()
         raise SystemExit(0)
     step = args.num_updates * args.batch_size
+    # Results and model go to a new folder beside output_dir, swapped in whole once complete.
+    staging = staging_folder(args.output_dir) if accelerator.is_main_process else None
 
     def first(dataset):
         """The first --num_eval_samples rows of `dataset` (all of them when the flag is None)."""
@@ -693,8 +1182,8 @@ if __name__ == "__main__":
             report += (f"\nGold judge: DPO agrees with the gold ordering on {gold_accuracy:.3f} of {decided.sum()} "
                        f"pairs without a gold tie; accuracy on the labels {table['accuracy'].mean():.3f} vs "
                        f"noise ceiling {noise_ceiling.get(split, float('nan')):.3f}\n")
-        table.to_csv(os.path.join(args.output_dir, f"eval_pairs_{split}.csv"), index=False)
-        with open(os.path.join(args.output_dir, f"accuracy_{split}.md"), "w") as file:
+        table.to_csv(os.path.join(staging, f"eval_pairs_{split}.csv"), index=False)
+        with open(os.path.join(staging, f"accuracy_{split}.md"), "w") as file:
             file.write(report)
         if args.track:
             wandb.log({f"eval/dpo/{split}/samples": wandb.Table(dataframe=table)})
@@ -703,19 +1192,19 @@ if __name__ == "__main__":
         calibration[split] = calibration_bins((table["chosen_reward"] - table["rejected_reward"]).to_numpy(), 0.5)
         print(f"calibration on {split}:\n" + markdown_table(calibration[split]))
     if accelerator.is_main_process and calibration:
-        plot_calibration(calibration, os.path.join(args.output_dir, "calibration.png"))
+        plot_calibration(calibration, os.path.join(staging, "calibration.png"))
 
     # ---- evaluation: summaries of the SFT validation queries, for judge.py ----
     generation_config = GenerationConfig(
         max_new_tokens=args.response_length, min_new_tokens=args.response_length,  # always the full length
         temperature=args.temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,  # pure temperature sampling
-        return_dict_in_generate=True, output_scores=True)
+        return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled)  # never [PAD] / unowned rows
     if args.num_eval_samples != 0:
         rows = sample_summaries(accelerator, model, first(sft["validation"]).with_format("torch", columns=list(QUERY_COLUMNS)),
                                 tokenizer, generation_config, args.local_eval_batch_size)
         if accelerator.is_main_process:
             table = pd.DataFrame(rows, columns=["query", "response", "reference"])
-            table.to_csv(os.path.join(args.output_dir, "eval_validation.csv"), index=False)
+            table.to_csv(os.path.join(staging, "eval_validation.csv"), index=False)
             if args.track:
                 wandb.log({"eval/dpo/validation/query_responses": wandb.Table(dataframe=table)})
             for row in rows[:3]:
@@ -723,7 +1212,7 @@ if __name__ == "__main__":
 
     # ---- save ----
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it
     if accelerator.is_main_process:
         for key, value in metrics.items():
             writer.add_scalar(key, value, step)
@@ -731,20 +1220,22 @@ if __name__ == "__main__":
         # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
         unwrapped.generation_config.eos_token_id = eos_id
         unwrapped.generation_config.pad_token_id = pad_id
-        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(args.output_dir)
-        with open(os.path.join(args.output_dir, "eval_metrics.json"), "w") as file:
+        save_fp32(unwrapped, staging, state_dict)
+        tokenizer.save_pretrained(staging)
+        with open(os.path.join(staging, "eval_metrics.json"), "w") as file:
             json.dump(metrics, file, indent=2)
-        shutil.rmtree(checkpoints, ignore_errors=True)  # only an unfinished run needs them
+        publish_output(staging, args.output_dir)  # the checkpoints go with the old folder: only an unfinished run needs them
         writer.close()
         print("\n".join(f"{key}: {metrics[key]:.4f}" for key in metrics if key.count("/") == 3))
         print(f"saved {args.output_dir}")
+        if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
+            print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
         if args.push_to_hub:
             from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
 
             api = HfApi()
-            name = args.sft_model_path.rstrip("/").replace("/", "_")
-            repo_id = f"{args.hf_entity or api.whoami()['name']}/{name}__{args.exp_name}__tldr"
+            repo_name = args.sft_model_path.rstrip("/").replace("/", "_")
+            repo_id = f"{args.hf_entity or api.whoami()['name']}/{repo_name}__{args.exp_name}__tldr"
             api.create_repo(repo_id, exist_ok=True)
             api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
             api.upload_folder(folder_path=args.output_dir, repo_id=repo_id, revision=run_name)

@@ -5,12 +5,13 @@ reference`; PPO tables may add the reward model's `score, reference_score`), ask
 two summaries of a post is better, and reports for every table the win rate against the reference
 (or against another table's summaries of the same posts) with a 95% Wilson interval:
 
-    {output_dir}/judgments.jsonl       one line per judgment, appended the moment it is made (the cache)
-    {output_dir}/results.json          per run: n, win rate, CI, malformed, ties, mean lengths, RM agreement
+    {output_dir}/judgments.jsonl       the cache: one line per judged or failed row, appended the moment it is made
+    {output_dir}/results.json          per run: n, win rate, CI, judged, malformed, ties, failed, unjudged, calls,
+                                       possibly billed twice, mean lengths, RM agreement; totals and this run's counts
     {output_dir}/results.md            the same as markdown tables: per run, and per method over seeds
     {output_dir}/length_vs_winrate.png win rate against log(summary length / reference length) (Figure 8)
-    {output_dir}/judged/<run>.csv      every comparison: A/B order, raw reply, verdict, lengths, scores
-    {output_dir}/args.json             these flags, the prompt version and the git commit (never a key)
+    {output_dir}/judged/<run>.csv      every comparison: A/B order, raw reply, verdict, status, error, lengths, scores
+    {output_dir}/args.json             these flags (URL redacted), the prompt version and the git commit (never a key)
 
     # the tiny world's gold judge: offline, instant, no key
     python judge.py --judge gold --tables sft=runs/sft/samples.csv ppo__seed1=runs/ppo/samples.csv \
@@ -28,12 +29,24 @@ fixed and recorded, a malformed verdict counts for neither side, and no paid cal
 cache is keyed by (model, prompt version, temperature, post, summary A, summary B), so a rerun after
 a crash or Ctrl-C asks only what is missing.
 
+Faults. A row that fails for good (a 400, retries spent on 429/5xx/timeouts, an HTTP 200 whose body
+is not JSON or has no choices) is recorded as failed and the run goes on; the next
+--failed_row_retries runs ask it again. A call abandoned at the timeout (or a 200 without a usable
+reply) may have been billed: every later call for that row is counted as `possibly_billed_twice`.
+A fault no row can get past (401, 403, 404, server unreachable) stops the run. Results are written
+in every case: the cache is append-only (a line torn by a kill is skipped and that row asked again),
+every other file is written beside and renamed into place. Keys come from OPENAI_API_KEY only;
+credentials inside --base_url (user:password@, query values) are redacted wherever text is written.
+Exit status: 0 every row answered; 1 bad flags or a stopped run; 3 finished with failed rows.
+
 Details: 17 (agreement of the reward model's ordering with the judge, when scores are present).
-Printed: a progress bar, then the results tables (results.md).
+Printed: a progress bar, then the results tables (results.md) and the call counts.
 """
 
 import asyncio
+import base64
 import csv
+import io
 import hashlib
 import json
 import math
@@ -44,6 +57,8 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
+import urllib.parse
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
 
@@ -76,7 +91,8 @@ class Args:
     model: str = "gpt-3.5-turbo-0125"
     """Judge model name sent to the server (paper: gpt-3.5-turbo-0125)"""
     base_url: Optional[str] = None
-    """OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (None: $OPENAI_BASE_URL, else api.openai.com)"""
+    """OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (None: $OPENAI_BASE_URL, else api.openai.com);
+    credentials in it (user:password@, ?key=) are sent but written nowhere"""
     temperature: float = 0.0
     """Judge sampling temperature, fixed and recorded (the reference set none: the API default 1.0)"""
     seed: int = 1
@@ -88,13 +104,16 @@ class Args:
     timeout: float = 60.0
     """Seconds one call may take before it is abandoned and retried"""
     max_retries: int = 6
-    """Retries of one call on 408/409/429, 5xx, timeouts and connection errors before the run stops"""
+    """Retries of one call on 408/409/429, 5xx, timeouts and connection errors; then the row is recorded as failed
+    (an unreachable server stops the run)"""
     retry_base_delay: float = 1.0
     """First backoff delay in seconds; doubles each retry, with jitter in [1/2, 1] of it"""
     retry_max_delay: float = 60.0
     """Cap of one backoff delay in seconds (also caps a server's Retry-After)"""
     max_new_judgments: int = -1
     """Stop after this many new (uncached) judgments, e.g. to bound the cost of one run (-1: no limit)"""
+    failed_row_retries: int = 2
+    """Later runs that ask a failed row again (400, retries spent, unusable reply); then it stays failed (0: never)"""
 
     # report
     length_bins: int = 10
@@ -143,14 +162,25 @@ def parse_run_label(label: str) -> tuple[str, Optional[str]]:
     return (method, seed) if sep and seed else (label, None)
 
 
-def read_table(path: str, n: int) -> list[dict]:
-    """The first n rows (-1: all) of a sample CSV as dicts; empty cells stay empty strings."""
+def read_table(path: str, n: int, columns: tuple) -> list[dict]:
+    """The first n rows (-1: all) of a sample CSV as dicts; empty cells stay empty strings.
+
+    Raises ValueError naming the file, the row and the column of anything make_items cannot read."""
     with open(path, newline="", encoding="utf-8") as file:
         rows = list(csv.DictReader(file))
-    missing = {"query", "response"} - set(rows[0] if rows else {})
+    if not rows:
+        raise ValueError(f"{path}: no data rows")
+    missing = set(columns) - set(rows[0])
     if missing:
-        raise ValueError(f"{path}: missing columns {sorted(missing)} (want query, response, reference)")
-    return rows if n < 0 else rows[:n]
+        raise ValueError(f"{path}: missing columns {sorted(missing)} (want {', '.join(columns)})")
+    rows = rows if n < 0 else rows[:n]
+    for i, row in enumerate(rows):
+        for column in ("score", "reference_score"):
+            try:
+                optional_float(row, column)
+            except ValueError:
+                raise ValueError(f"{path}: data row {i}, column {column}: {row[column]!r} is not a number") from None
+    return rows
 
 
 def optional_float(row: dict, column: str) -> Optional[float]:
@@ -241,8 +271,11 @@ def rm_agreement(preferred: list[str], ours_scores: list, other_scores: list) ->
 
 
 def summarize(rows: list[dict], other_name: str) -> dict:
-    """Per-run statistics from judged rows (keys preferred, ours_words, other_words, ours_score, other_score)."""
-    preferred = [r["preferred"] for r in rows]
+    """Per-run statistics from rows (keys status, preferred, ours_words, other_words, ours_score, other_score).
+
+    status: "judged" (the judge replied), "failed" (no reply: counted, asked again by a rerun) or
+    "unjudged" (not asked yet); preferred: "ours", `other_name`, "tie", "malformed", or "unjudged" without a reply."""
+    preferred, status = [r["preferred"] for r in rows], [r["status"] for r in rows]
     wins, losses = preferred.count("ours"), preferred.count(other_name)
     # Ties and malformed verdicts are reported, never counted for either side: the reference counted
     # a malformed verdict as a loss, which pulls every win rate down by the malformed fraction.
@@ -251,8 +284,8 @@ def summarize(rows: list[dict], other_name: str) -> dict:
     agreement, n_agreement = rm_agreement(preferred, [r["ours_score"] for r in rows], [r["other_score"] for r in rows])
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     return dict(n=n, wins=wins, win_rate=wins / n if n else None, ci_low=low, ci_high=high,
-                malformed=preferred.count("malformed"), ties=preferred.count("tie"),
-                unjudged=preferred.count("unjudged"), rows=len(rows),
+                judged=status.count("judged"), malformed=preferred.count("malformed"), ties=preferred.count("tie"),
+                failed=status.count("failed"), unjudged=status.count("unjudged"), rows=len(rows),
                 mean_words=mean([r["ours_words"] for r in rows]), mean_other_words=mean([r["other_words"] for r in rows]),
                 rm_agreement=agreement, n_rm_agreement=n_agreement)
 
@@ -280,18 +313,63 @@ def retry_after(error: BaseException) -> float:
         return 0.0
 
 
-async def call_with_retries(call, timeout: float, max_retries: int, base: float, cap: float,
-                            rng: random.Random) -> tuple[str, int]:
-    """Await `call()` with a wall-clock timeout, retrying retryable errors with backoff; (reply, attempts)."""
+class BadReply(Exception):
+    """An HTTP 200 without a usable reply (body not JSON, no choices): maybe billed, so not re-asked at once."""
+
+
+class RunStopped(Exception):
+    """A fault that every other row would meet too (bad key, no access, wrong model or URL, server unreachable)."""
+
+
+def may_be_billed(error: BaseException) -> bool:
+    """Whether a failed call may still have been billed: abandoned at the timeout, or a 200 without a usable reply."""
+    # The server does not learn that the client gave up: it may finish the call and bill it.
+    return isinstance(error, (TimeoutError, openai.APITimeoutError, BadReply))
+
+
+def stops_run(error: BaseException) -> bool:
+    """Whether `error` (retries spent) would fail every other row as well: 401, 403, 404 or an unreachable server."""
+    if isinstance(error, openai.APIStatusError):
+        return error.status_code in (401, 403, 404)
+    return isinstance(error, openai.APIConnectionError) and not isinstance(error, openai.APITimeoutError)
+
+
+def describe(error: BaseException) -> str:
+    """`ErrorType: message`, cut to 300 characters (a server's error body can be long)."""
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+async def call_with_retries(call, tally: dict, timeout: float, max_retries: int, base: float, cap: float,
+                            rng: random.Random) -> str:
+    """Await `call()` with a wall-clock timeout, retrying retryable errors with backoff; the reply.
+
+    Raises the last error when it is not retryable or the retries are spent. Counts in `tally`, in
+    place: `calls` made, calls that may have been billed without a usable reply (`abandoned`), and
+    calls made after one of those (`billed_twice`)."""
     for attempt in range(max_retries + 1):
+        tally["billed_twice"] += int(tally["abandoned"] > 0)  # a re-ask may pay a second time for one verdict
+        tally["calls"] += 1
         try:
-            return await asyncio.wait_for(call(), timeout), attempt + 1
+            return await asyncio.wait_for(call(), timeout)
+        except asyncio.CancelledError:  # Ctrl-C, or another row stopped the run: the server may still bill it
+            tally["abandoned"] += 1
+            raise
         except Exception as error:
+            tally["abandoned"] += int(may_be_billed(error))
             if not is_retryable(error) or attempt == max_retries:
                 raise
             # asyncio.sleep yields to the other calls; the reference's time.sleep(30) froze them all.
             await asyncio.sleep(max(backoff_delay(attempt, base, cap, rng), min(cap, retry_after(error))))
     raise AssertionError("unreachable")
+
+
+def row_totals(record: Optional[dict]) -> dict:
+    """A cached row's counts over every run that asked it: calls, abandoned, billed_twice, failed_runs."""
+    totals = dict(calls=0, abandoned=0, billed_twice=0, failed_runs=0)
+    if record is not None:  # records written before these counts existed hold `attempts` only
+        totals.update(record.get("totals", {"calls": record.get("attempts", 0)}))
+    return totals
 
 
 def load_cache(path: str) -> tuple[dict, int]:
@@ -322,32 +400,61 @@ def open_cache_for_append(path: str):
 
 
 async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, max_concurrency: int,
-                    retry: dict) -> None:
+                    retry: dict, run_id: float, secrets: list[str]) -> None:
     """Judge every item of `todo` (distinct keys) with `ask(post, a, b) -> reply`; append each record at once.
 
-    `retry`: call_with_retries' timeout, max_retries, base, cap. The first call that fails for good
-    (not retryable, or retries spent) cancels the rest and raises; all finished ones are on disk."""
+    `retry`: call_with_retries' timeout, max_retries, base, cap. A row that fails for good is recorded
+    as failed and the others go on. A fault that stops the run (stops_run) cancels the rest and
+    raises RunStopped. Every finished row, judged or failed, is on disk; `secrets` never are."""
     semaphore = asyncio.Semaphore(max_concurrency)
     rng = random.Random()  # jitter only: deliberately unseeded, it changes no result
     bar = tqdm(total=len(todo), desc=f"judging ({meta['model']})", unit="call")
+    # Non-empty once a row stopped the run: the rows that get the semaphore it releases before the
+    # TaskGroup cancels them must not start a call (it would be abandoned at once, maybe billed).
+    stopping = []
 
     async def one(item: dict) -> None:
         a, b = (item["ours"], item["other"]) if item["ours_is_a"] else (item["other"], item["ours"])
+        totals = row_totals(cache.get(item["key"]))  # a failed or abandoned row's counts from earlier runs
+        before, start = dict(totals), time.monotonic()
+
+        def save(status: str, reply: Optional[str] = None, error: Optional[BaseException] = None) -> None:
+            """Append the row's record: status "judged", "failed" (no reply) or "abandoned" (run stopped mid-call)."""
+            verdict = parse_verdict(reply, allow_tie=meta["allow_tie"]) if status == "judged" else None
+            record = dict(key=item["key"], model=meta["model"], prompt_version=meta["prompt_version"],
+                          temperature=meta["temperature"], label=item["label"], row=item["row"],
+                          ours_is_a=item["ours_is_a"], status=status, reply=scrub(reply, secrets), verdict=verdict,
+                          preferred=preferred_side(verdict, item["ours_is_a"], item["other_name"])
+                          if status == "judged" else "unjudged",
+                          error=scrub(describe(error), secrets) if error else None,
+                          # this run's calls, then the counts over every run that asked this row
+                          attempts=totals["calls"] - before["calls"],
+                          abandoned=totals["abandoned"] - before["abandoned"],
+                          billed_twice=totals["billed_twice"] - before["billed_twice"], totals=totals,
+                          run=run_id, seconds=round(time.monotonic() - start, 3), time=time.time())
+            # One write, no await in between: whole lines in completion order; flushed, a kill loses none.
+            # ASCII JSON: a line torn by a kill can never break the decoding of the whole file.
+            cache_file.write(json.dumps(record) + "\n")
+            cache_file.flush()
+            cache[item["key"]] = record
+            bar.update(1)
+
         async with semaphore:
-            start = time.monotonic()
-            reply, attempts = await call_with_retries(lambda: ask(item["post"], a, b), rng=rng, **retry)
-        verdict = parse_verdict(reply, allow_tie=meta["allow_tie"])
-        record = dict(key=item["key"], model=meta["model"], prompt_version=meta["prompt_version"],
-                      temperature=meta["temperature"], label=item["label"], row=item["row"],
-                      ours_is_a=item["ours_is_a"], reply=reply, verdict=verdict,
-                      preferred=preferred_side(verdict, item["ours_is_a"], item["other_name"]),
-                      attempts=attempts, seconds=round(time.monotonic() - start, 3), time=time.time())
-        # One write, no await in between: whole lines in completion order; flushed, a kill loses none.
-        # ASCII JSON: a line torn by a kill can never break the decoding of the whole file.
-        cache_file.write(json.dumps(record) + "\n")
-        cache_file.flush()
-        cache[item["key"]] = record
-        bar.update(1)
+            if stopping:
+                return
+            try:
+                reply = await call_with_retries(lambda: ask(item["post"], a, b), totals, rng=rng, **retry)
+            except (openai.OpenAIError, TimeoutError, BadReply) as error:
+                if stops_run(error):
+                    stopping.append(item["key"])
+                    raise RunStopped(scrub(describe(error), secrets)) from error
+                totals["failed_runs"] += 1
+                return save("failed", error=error)
+            except asyncio.CancelledError:
+                if totals["calls"] > before["calls"]:  # calls were made: keep their count for the re-ask
+                    save("abandoned")
+                raise
+        save("judged", reply)
 
     try:
         async with asyncio.TaskGroup() as group:
@@ -355,6 +462,31 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
                 group.create_task(one(item))
     finally:
         bar.close()
+
+
+def should_ask(record: Optional[dict], failed_row_retries: int) -> bool:
+    """Whether a row is asked in this run: never answered, and failed in at most `failed_row_retries` runs so far."""
+    # A row that failed in run 1 is asked again by runs 2 .. 1 + failed_row_retries, then left failed.
+    # Records older than `status` are all judged ones.
+    return record is None or (record.get("status", "judged") != "judged" and
+                              row_totals(record)["failed_runs"] <= failed_row_retries)
+
+
+def call_counts(records: list[Optional[dict]], this_run_only: bool) -> dict:
+    """Rows judged / malformed / failed / unjudged (None or abandoned) and their calls / possibly billed twice.
+
+    Calls of this run only (`attempts`, `billed_twice`), or of every run that asked the rows (`totals`)."""
+    asked = [r for r in records if r is not None]
+    judged = [r for r in asked if r.get("status", "judged") == "judged"]
+    failed = [r for r in asked if r.get("status") == "failed"]
+    if this_run_only:
+        calls, twice = sum(r["attempts"] for r in asked), sum(r["billed_twice"] for r in asked)
+    else:
+        calls = sum(row_totals(r)["calls"] for r in asked)
+        twice = sum(row_totals(r)["billed_twice"] for r in asked)
+    return dict(rows=len(records), judged=len(judged), malformed=sum(r["verdict"] is None for r in judged),
+                failed=len(failed), unjudged=len(records) - len(judged) - len(failed), calls=calls,
+                possibly_billed_twice=twice)
 
 
 def gold_reply(post: str, summary_a: str, summary_b: str) -> str:
@@ -393,7 +525,7 @@ def plot_length_curves(curves: dict, path: str) -> None:
            ylim=(-0.05, 1.05), title="Win rate by summary length (paper Figure 8)")
     ax.legend()
     figure.tight_layout()
-    figure.savefig(path)
+    write_atomic(path, lambda partial: figure.savefig(partial, format="png"))
     plt.close(figure)
 
 
@@ -405,12 +537,13 @@ def fmt(x: Optional[float], digits: int = 3) -> str:
 def markdown_tables(runs: dict, header: str) -> str:
     """results.md: one row per run, then one row per method averaged over its seeds (vs reference only)."""
     lines = [header, "", "| run | method | seed | vs | n | win rate | 95% CI (Wilson) | malformed | ties | unjudged "
-             "| words (ours / other) | RM agreement (n) |", "|" + "---|" * 12]
+             "| failed | words (ours / other) | RM agreement (n) | calls (possibly billed twice) |", "|" + "---|" * 14]
     for label, r in runs.items():
         lines.append(f"| {label} | {r['method']} | {r['seed'] or '-'} | {r['vs']} | {r['n']} | {fmt(r['win_rate'])} "
                      f"| [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}] | {r['malformed']} | {r['ties']} | {r['unjudged']} "
-                     f"| {fmt(r['mean_words'], 1)} / {fmt(r['mean_other_words'], 1)} "
-                     f"| {fmt(r['rm_agreement'])} ({r['n_rm_agreement']}) |")
+                     f"| {r['failed']} | {fmt(r['mean_words'], 1)} / {fmt(r['mean_other_words'], 1)} "
+                     f"| {fmt(r['rm_agreement'])} ({r['n_rm_agreement']}) "
+                     f"| {r['calls']} ({r['possibly_billed_twice']}) |")
     methods: dict = {}
     for r in runs.values():
         if r["vs"] == "reference" and r["n"]:
@@ -425,6 +558,126 @@ def markdown_tables(runs: dict, header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------------------------------------
+# Plumbing: flags checked before any write, credentials kept out of every written text, files
+# replaced whole. No Detail below.
+# ------------------------------------------------------------------------------------------------
+
+
+def flag_problems(args: Args) -> list[str]:
+    """One line per flag that cannot work (named, with what to pass instead); empty when all can."""
+    # Checked before anything is written, so a typo leaves no folder or file behind.
+    problems, labels = [], []
+    for spec in args.tables:
+        try:
+            label, path = parse_table_spec(spec)
+        except ValueError as error:
+            problems.append(str(error))
+            continue
+        labels.append(label)
+        if not os.path.isfile(path):
+            problems.append(f"--tables {spec}: no file {path}")
+    if not args.tables or len(set(labels)) != len(labels):
+        problems.append("--tables: pass LABEL=PATH.csv ... with distinct labels")
+    for pair in args.pairs:
+        ours, sep, other = pair.partition(":")
+        if not sep or ours not in labels or other not in labels:
+            problems.append(f"--pairs {pair}: want OURS:OTHER, both labels of --tables {labels}")
+    if not args.reference and not args.pairs:
+        problems.append("--no-reference without --pairs: nothing to compare; keep --reference or pass --pairs")
+    checks = [("n", args.n == -1 or args.n >= 1, "-1 (all rows) or >= 1"),
+              ("temperature", 0 <= args.temperature <= 2, "a number in [0, 2]"),
+              ("max_concurrency", args.max_concurrency >= 1, ">= 1"),
+              ("timeout", 0 < args.timeout < math.inf, "seconds > 0"),
+              ("max_retries", args.max_retries >= 0, ">= 0"),
+              ("retry_base_delay", 0 <= args.retry_base_delay < math.inf, "seconds >= 0"),
+              ("retry_max_delay", args.retry_base_delay <= args.retry_max_delay < math.inf,
+               "seconds >= --retry_base_delay"),
+              ("max_new_judgments", args.max_new_judgments >= -1, "-1 (no limit) or >= 0"),
+              ("failed_row_retries", args.failed_row_retries >= 0, ">= 0"),
+              ("length_bins", args.length_bins >= 1, ">= 1"),
+              ("model", bool(args.model.strip()), "a model name")]
+    problems += [f"--{flag} {getattr(args, flag)}: want {want}" for flag, ok, want in checks if not ok]
+    if args.base_url is not None and not endpoint_is_valid(args.base_url):
+        # Not echoed: a URL that does not parse may still hold a key.
+        problems.append("--base_url (not shown: it may hold a key): want http(s)://host[:port][/path]")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
+    return problems
+
+
+def endpoint_is_valid(url: str) -> bool:
+    """Whether `url` is an http(s) URL with a host (and a numeric port if any)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError on a port that is not a number)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
+def redact_url(url: Optional[str]) -> Optional[str]:
+    """`url` safe to write: user:password@ becomes ***@, every query value ***, the fragment goes."""
+    # Every query value, not a list of secret names (key, api_key, token ...): a list always misses
+    # one (sig=, code=, x-goog-api-key=). A bare `?TOKEN` becomes `?***`.
+    if url is None:
+        return None
+    parts = urllib.parse.urlsplit(url)
+    netloc = ("***@" if "@" in parts.netloc else "") + parts.netloc.rpartition("@")[2]
+    query = "&".join(f"{p.partition('=')[0]}=***" if "=" in p else "***" for p in parts.query.split("&") if p)
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def url_secrets(url: Optional[str]) -> list[str]:
+    """The credentials inside `url` (user, password, query values, fragment), raw, decoded and as Basic auth."""
+    if url is None:
+        return []
+    parts = urllib.parse.urlsplit(url)
+    userinfo = parts.netloc.rpartition("@")[0]
+    found = userinfo.split(":", 1) if userinfo else []
+    found += [p.partition("=")[2] if "=" in p else p for p in parts.query.split("&") if p] + [parts.fragment]
+    found += [urllib.parse.unquote(s) for s in found]
+    if userinfo:  # httpx sends user:password as `Authorization: Basic base64(...)`: a server may echo it
+        found.append(base64.b64encode(urllib.parse.unquote(userinfo).encode()).decode())
+    return found
+
+
+def scrub(text: Optional[str], secrets: list[str]) -> Optional[str]:
+    """`text` with every secret of 6 or more characters replaced by ***."""
+    # Shorter strings are not keys, and replacing them would mangle the text (a user `A` would eat
+    # the verdict of `Preferred: A`). Longest first: a secret containing another goes whole.
+    for secret in sorted(set(secrets), key=len, reverse=True):
+        if text is not None and len(secret) >= 6:
+            text = text.replace(secret, "***")
+    return text
+
+
+def split_endpoint(url: Optional[str]) -> tuple[Optional[str], dict]:
+    """(`url` without its query and fragment, the query as a dict) for the client's base_url and default_query."""
+    if url is None:
+        return None, {}
+    parts = urllib.parse.urlsplit(url)
+    query = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")), query
+
+
+def write_atomic(path: str, write) -> None:
+    """Create `path` whole or not at all: `write(tmp_path)` writes beside it, then a rename replaces it."""
+    # A kill mid-write leaves the old file (or none) and a `.partial` that the next run overwrites;
+    # a reader never sees half a results.json. os.replace is atomic within one file system.
+    partial = path + ".partial"
+    write(partial)
+    os.replace(partial, path)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """write_atomic for a text file (UTF-8)."""
+    def write(partial: str) -> None:
+        with open(partial, "w", encoding="utf-8", newline="") as file:
+            file.write(text)
+    write_atomic(path, write)
+
+
 def git_commit(folder: str) -> Optional[str]:
     """The git commit checked out in `folder`, None outside a git checkout."""
     try:
@@ -437,40 +690,57 @@ def git_commit(folder: str) -> Optional[str]:
 if __name__ == "__main__":
     args = tyro.cli(Args)
 
-    # ---- runs: tables and the comparisons to judge ----
-    tables = dict(parse_table_spec(spec) for spec in args.tables)
-    if not tables or len(tables) != len(args.tables):
-        sys.exit("judge.py: pass --tables LABEL=PATH.csv ... with distinct labels")
-    rows = {label: read_table(path, args.n) for label, path in tables.items()}
+    # ---- flags, tables and the endpoint: all checked before anything is written ----
+    problems = flag_problems(args)
+    endpoint = None  # the judge's URL as given (it may hold credentials): sent, never written
+    if args.judge == "openai":
+        endpoint = args.base_url or os.environ.get("OPENAI_BASE_URL") or None
+        if args.base_url is None and endpoint is not None and not endpoint_is_valid(endpoint):
+            problems.append("$OPENAI_BASE_URL (not shown: it may hold a key): want http(s)://host[:port][/path]")
+        if not os.environ.get("OPENAI_API_KEY"):  # read here and by the client only, never written anywhere
+            problems.append("OPENAI_API_KEY is not set: set it (any non-empty value for a local server without keys)")
+    # Scrubbed from every text written or printed: replies, errors, tracebacks.
+    secrets = url_secrets(endpoint) + url_secrets(os.environ.get("OPENAI_BASE_URL")) + \
+        [os.environ.get("OPENAI_API_KEY", "")]
+    tables = dict(parse_table_spec(spec) for spec in args.tables) if not problems else {}
+    rows = {}
+    columns = ("query", "response", "reference") if args.reference else ("query", "response")
+    for label, path in tables.items():
+        try:
+            rows[label] = read_table(path, args.n, columns)
+        except (OSError, ValueError, csv.Error) as error:  # UnicodeDecodeError is a ValueError
+            problems.append(f"--tables {label}={path}: {error}")
+    if problems:
+        sys.exit("judge.py: cannot start (nothing was written):\n  " +
+                 "\n  ".join(scrub(p, secrets) for p in problems))
+
+    # ---- runs: the comparisons to judge ----
     comparisons = {}  # run name -> its items (one per row), the other side's name, our label, what we face
     if args.reference:
         for label in tables:
             comparisons[label] = dict(items=make_items(label, rows[label], None, args.seed),
                                       other_name="reference", ours_label=label, vs="reference")
     for pair in args.pairs:
-        ours, sep, other = pair.partition(":")
-        if not sep or ours not in tables or other not in tables:
-            sys.exit(f"judge.py: --pairs {pair!r}: want OURS:OTHER, both labels of --tables {list(tables)}")
+        ours, _, other = pair.partition(":")
         name = f"{ours}_vs_{other}"
         items = make_items(name, rows[ours], rows[other], args.seed)
         print(f"{name}: {len(items)} of {len(rows[ours])} posts of {ours} also sampled by {other}")
         comparisons[name] = dict(items=items, other_name="other", ours_label=ours, vs=other)
-    if not comparisons:
-        sys.exit("judge.py: nothing to compare: keep --reference or pass --pairs")
 
     # ---- the judge: an LLM behind an OpenAI-compatible API, or the tiny world's gold score ----
     if args.judge == "gold":
         meta = dict(model=GOLD_MODEL, prompt_version=GOLD_PROMPT_VERSION, temperature=None, allow_tie=True)
     else:
         meta = dict(model=args.model, prompt_version=PROMPT_VERSION, temperature=args.temperature, allow_tie=False)
-        if not os.environ.get("OPENAI_API_KEY"):  # read here and by the client only, never written anywhere
-            sys.exit("judge.py: set OPENAI_API_KEY (any non-empty value for a local server without keys)")
 
     # ---- outputs and the cache: what is already judged is never asked again ----
-    os.makedirs(os.path.join(args.output_dir, "judged"), exist_ok=True)
-    with open(os.path.join(args.output_dir, "args.json"), "w") as file:
-        json.dump({**asdict(args), "prompt_version": meta["prompt_version"],
-                   "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
+    try:
+        os.makedirs(os.path.join(args.output_dir, "judged"), exist_ok=True)
+    except OSError as error:
+        sys.exit(f"judge.py: --output_dir {args.output_dir}: cannot create it ({error}); choose a writable folder")
+    write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps(
+        {**asdict(args), "base_url": redact_url(args.base_url), "prompt_version": meta["prompt_version"],
+         "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, indent=2))
     cache_path = os.path.join(args.output_dir, "judgments.jsonl")
     cache, unreadable = load_cache(cache_path)
     if unreadable:
@@ -481,83 +751,119 @@ if __name__ == "__main__":
             a, b = (item["ours"], item["other"]) if item["ours_is_a"] else (item["other"], item["ours"])
             item["key"] = judgment_key(meta["model"], meta["prompt_version"], meta["temperature"], item["post"], a, b)
             item["other_name"] = run["other_name"]
-            if item["key"] not in cache and item["key"] not in queued:  # the same pair twice is asked once
+            record = cache.get(item["key"])
+            if should_ask(record, args.failed_row_retries) and item["key"] not in queued:  # a pair twice: once
                 queued.add(item["key"])
                 todo.append(item)
     total = sum(len(run["items"]) for run in comparisons.values())
+    retried = sum(item["key"] in cache for item in todo)
     if 0 <= args.max_new_judgments < len(todo):
         print(f"--max_new_judgments {args.max_new_judgments}: {len(todo) - args.max_new_judgments} left for a rerun")
         todo = todo[: args.max_new_judgments]
-    print(f"{total} comparisons in {len(comparisons)} runs; {len(todo)} to ask {meta['model']}, the rest cached")
+    where = f" at {redact_url(endpoint) or 'api.openai.com'}" if args.judge == "openai" else ""
+    print(f"{total} comparisons in {len(comparisons)} runs; {len(todo)} to ask {meta['model']}{where} "
+          f"({retried} of them failed before), the rest cached")
 
     retry = dict(timeout=args.timeout, max_retries=args.max_retries, base=args.retry_base_delay,
                  cap=args.retry_max_delay)
+    run_id = time.time()  # marks this run's records in the cache
 
     async def judge_todo(cache_file) -> None:
         """Judge `todo` with the chosen backend; the client lives and closes inside the event loop."""
         # max_retries=0: the retries are ours (backoff with jitter, counted, bounded), not the client's.
-        client = openai.AsyncOpenAI(base_url=args.base_url, max_retries=0, timeout=args.timeout) \
-            if args.judge == "openai" else None
+        # The query goes apart: the client pastes request paths after base_url, query and all.
+        base_url, query = split_endpoint(endpoint)
+        client = openai.AsyncOpenAI(base_url=base_url, default_query=query or None, max_retries=0,
+                                    timeout=args.timeout) if args.judge == "openai" else None
 
         async def ask(post: str, summary_a: str, summary_b: str) -> Optional[str]:
             if client is None:
                 return gold_reply(post, summary_a, summary_b)
-            response = await client.chat.completions.create(
-                model=args.model, temperature=args.temperature,
-                messages=[{"role": "system", "content": SYSTEM_PROMPT},
-                          {"role": "user", "content": build_prompt(post, summary_a, summary_b)}])
-            return response.choices[0].message.content
+            try:
+                response = await client.chat.completions.create(
+                    model=args.model, temperature=args.temperature,
+                    messages=[{"role": "system", "content": SYSTEM_PROMPT},
+                              {"role": "user", "content": build_prompt(post, summary_a, summary_b)}])
+            except (json.JSONDecodeError, openai.APIResponseValidationError) as error:
+                raise BadReply(f"HTTP 200 with a body that is not a chat completion ({error})") from error
+            # A body served as text/html comes back as a str; a broken server may send no choices.
+            choices = getattr(response, "choices", None)
+            if not choices or getattr(choices[0], "message", None) is None:
+                raise BadReply(f"HTTP 200 without choices: {str(response)[:200]!r}")
+            return choices[0].message.content  # None (no text) is a malformed verdict: the judge did answer
 
         try:
-            await judge_all(todo, ask, cache, cache_file, meta, args.max_concurrency, retry)
+            await judge_all(todo, ask, cache, cache_file, meta, args.max_concurrency, retry, run_id, secrets)
         finally:
             if client is not None:
                 await client.close()
 
+    stopped = None  # why the run stopped before asking all of `todo`
     with open_cache_for_append(cache_path) as cache_file:
         try:
             asyncio.run(judge_todo(cache_file))
-        except ExceptionGroup as group:  # the first call that failed for good; the others were cancelled
-            sys.exit(f"judge.py: stopped: {group.exceptions[0]!r}. Judgments made so far are in {cache_path}; "
-                     "rerun the same command to continue")
         except KeyboardInterrupt:
-            sys.exit(f"judge.py: interrupted. Judgments made so far are in {cache_path}; rerun to continue")
+            stopped = "interrupted"
+        except Exception as error:  # the TaskGroup wraps the first error and cancels the calls in flight
+            first = error.exceptions[0] if isinstance(error, ExceptionGroup) else error
+            stopped = scrub(describe(first), secrets)
+            if not isinstance(first, RunStopped):  # not a server's answer but a bug: show where it happened
+                print(scrub("".join(traceback.format_exception(first)), secrets), file=sys.stderr)
 
-    # ---- results: per run, then across runs ----
+    # ---- results: per run, then across runs; written even when the run stopped ----
     # Recomputed from the cache every time, so a run resumed after a crash reports exactly what one
     # uninterrupted run would have; a cached verdict is in A/B terms and `ours_is_a` maps it back.
-    runs, log_ratios = {}, {}
+    runs, log_ratios, failures = {}, {}, []
     for name, run in comparisons.items():
         judged = []
         for item in run["items"]:
             record = cache.get(item["key"])
-            verdict = record["verdict"] if record else None
+            status = record.get("status", "judged") if record else "unjudged"
+            status = status if status in ("judged", "failed") else "unjudged"  # never asked, or abandoned
+            verdict = record["verdict"] if status == "judged" else None
+            counts = row_totals(record)
             judged.append(dict(
                 row=item["row"], ours_is_a=item["ours_is_a"], verdict=verdict,
-                preferred=preferred_side(verdict, item["ours_is_a"], run["other_name"]) if record else "unjudged",
-                ours_words=len(item["ours"].split()), other_words=len(item["other"].split()),
+                preferred=preferred_side(verdict, item["ours_is_a"], run["other_name"])
+                if status == "judged" else "unjudged",
+                status=status, ours_words=len(item["ours"].split()), other_words=len(item["other"].split()),
                 ours_score=item["ours_score"], other_score=item["other_score"],
-                post=item["post"], ours=item["ours"], other=item["other"], reply=record["reply"] if record else ""))
-        with open(os.path.join(args.output_dir, "judged", f"{name}.csv"), "w", newline="", encoding="utf-8") as file:
-            writer = csv.DictWriter(file, fieldnames=list(judged[0]) if judged else ["row"])
-            writer.writeheader()
-            writer.writerows(judged)
+                post=item["post"], ours=item["ours"], other=item["other"], reply=(record or {}).get("reply") or "",
+                error=(record or {}).get("error") or "", calls=counts["calls"],
+                possibly_billed_twice=counts["billed_twice"]))
+            if status == "failed":
+                failures.append(dict(run=name, row=item["row"], error=record["error"],
+                                     failed_runs=counts["failed_runs"],
+                                     asked_by_rerun=should_ask(record, args.failed_row_retries)))
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=list(judged[0]) if judged else ["row"])
+        writer.writeheader()
+        writer.writerows(judged)
+        write_text_atomic(os.path.join(args.output_dir, "judged", f"{name}.csv"), buffer.getvalue())
         method, seed = parse_run_label(run["ours_label"])
         runs[name] = dict(method=method, seed=seed, vs=run["vs"], table=tables[run["ours_label"]],
-                          **summarize(judged, run["other_name"]))
+                          **summarize(judged, run["other_name"]), calls=sum(j["calls"] for j in judged),
+                          possibly_billed_twice=sum(j["possibly_billed_twice"] for j in judged))
         if run["vs"] == "reference":
             # Words, not tokens: the tables hold text only. max(1, .) keeps empty summaries on the plot.
             log_ratios[name] = ([math.log(max(1, j["ours_words"]) / max(1, j["other_words"])) for j in judged],
                                 [j["preferred"] for j in judged])
 
+    # Counts over distinct comparisons (a pair judged for two runs is one call), and of this run alone.
+    records = [cache.get(key) for key in {item["key"] for run in comparisons.values() for item in run["items"]}]
+    totals = call_counts(records, this_run_only=False)
+    this_run = dict(to_ask=len(todo), **call_counts([r for r in records if r and r.get("run") == run_id], True),
+                    stopped=stopped)
+    del this_run["rows"]  # the rows of this run are `to_ask`; those not reached or abandoned are unjudged:
+    this_run["unjudged"] = len(todo) - this_run["judged"] - this_run["failed"]
+
     header = (f"Judge `{meta['model']}`, prompt `{meta['prompt_version']}`, temperature {fmt(meta['temperature'], 2)}, "
-              f"A/B order seed {args.seed}. Win rate = wins / (wins + losses); malformed verdicts, ties and "
-              "unjudged rows count for neither side. 95% CI: Wilson score interval.")
-    with open(os.path.join(args.output_dir, "results.json"), "w") as file:
-        json.dump(dict(judge=args.judge, **{k: meta[k] for k in ("model", "prompt_version", "temperature")},
-                       seed=args.seed, ci="wilson 95%", runs=runs), file, indent=2)
-    with open(os.path.join(args.output_dir, "results.md"), "w") as file:
-        file.write(markdown_tables(runs, header))
+              f"A/B order seed {args.seed}. Win rate = wins / (wins + losses); malformed verdicts, ties, "
+              "unjudged and failed rows count for neither side. 95% CI: Wilson score interval.")
+    write_text_atomic(os.path.join(args.output_dir, "results.json"), json.dumps(dict(
+        judge=args.judge, **{k: meta[k] for k in ("model", "prompt_version", "temperature")}, seed=args.seed,
+        ci="wilson 95%", runs=runs, totals=totals, this_run=this_run, failures=failures), indent=2))
+    write_text_atomic(os.path.join(args.output_dir, "results.md"), markdown_tables(runs, header))
     if log_ratios:
         pooled = [x for xs, _ in log_ratios.values() for x in xs]
         low, high = (min(pooled), max(pooled)) if pooled else (0.0, 0.0)
@@ -566,4 +872,21 @@ if __name__ == "__main__":
         plot_length_curves({name: length_curve(xs, ps, edges, "reference") for name, (xs, ps) in log_ratios.items()},
                            os.path.join(args.output_dir, "length_vs_winrate.png"))
     print(markdown_tables(runs, header))
+    print("this run: " + ", ".join(f"{k} {v}" for k, v in this_run.items() if k != "stopped") +
+          "; all runs: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
     print(f"saved {args.output_dir}/results.json, results.md, length_vs_winrate.png, judged/, judgments.jsonl")
+
+    if stopped:
+        sys.exit(f"judge.py: stopped: {stopped}. Judgments made so far are in {cache_path} and counted in "
+                 "results.json; fix the cause and rerun the same command to continue")
+    if failures:
+        for failure in failures[:10]:
+            print(f"failed: {failure['run']} row {failure['row']} in {failure['failed_runs']} run(s): "
+                  f"{failure['error']}", file=sys.stderr)
+        again = sum(f["asked_by_rerun"] for f in failures)
+        given_up = "" if again == len(failures) else (
+            f"; the other {len(failures) - again} failed in more than --failed_row_retries {args.failed_row_retries} "
+            "reruns (raise it to ask them again)")
+        print(f"judge.py: {len(failures)} row(s) failed (listed in results.json `failures` and judged/<run>.csv); "
+              f"a rerun asks {again} of them again{given_up}", file=sys.stderr)
+        sys.exit(3)  # finished, but the results lack these rows

@@ -9,10 +9,10 @@ At the end (and every --eval_every updates) the policy samples summaries of vali
 temperature 0.01, scored by the RM beside the human references.
 
     {output_dir}/                   the policy: a causal-LM folder + tokenizer (loads with from_pretrained)
-    {output_dir}/args.json          these flags, derived sizes, run name, eos / pad ids, git commit
+    {output_dir}/args.json          these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, git commit
     {output_dir}/eval_{split}.csv   columns query, response, reference, score, reference_score (judge.py)
     {output_dir}/eval_metrics.json  {split: {score, reference_score, eos_fraction, response_length}}
-    {output_dir}/checkpoints/       the latest --save_every checkpoint, removed when the run ends
+    {output_dir}/checkpoints/       the latest --save_every checkpoint (no pickle), removed when the run ends
     runs/{run_name}/                TensorBoard; samples_{episode}.csv of every --eval_every evaluation
 
     # tiny world, offline, 2 CPU cores, ~2 min with OMP_NUM_THREADS=1 (10 updates; RM score of the
@@ -21,14 +21,13 @@ temperature 0.01, scored by the RM beside the human references.
         --sft_model_path models/tiny/sft_1 --reward_model_path models/tiny/reward_1 \
         --output_dir models/tiny/ppo_1 --total_episodes 640 --batch_size 64 --local_micro_batch_size 16 \
         --lr 1e-4 --response_length 44 --local_eval_batch_size 128 --num_eval_samples 256
-    # one GPU, Pythia 1B, bf16 (global batch 512 = 4 x 128 accumulation steps, 1 minibatch)
-    accelerate launch --num_processes 1 --mixed_precision bf16 ppo.py --query_dataset data/tldr/sft \
-        --sft_model_path models/sft_1b --reward_model_path models/reward_1b --local_micro_batch_size 4
+    # one GPU, Pythia 1B, bf16 autocast (global batch 512 = 4 x 128 accumulation steps, 1 minibatch):
+    # reads models/EleutherAI/pythia-1b-deduped/{sft_1,reward_1} and data/..., writes .../ppo_1
+    accelerate launch --num_processes 1 --mixed_precision bf16 ppo.py \
+        --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 4
     # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (512 = 1 x 64 x 8 processes); 6.9B adds --offload
-    accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml ppo.py --seed 44413 \
-        --sft_model_path models/EleutherAI/pythia-1b-deduped/sft_44413 \
-        --reward_model_path models/EleutherAI/pythia-1b-deduped/reward_44413 \
-        --output_dir models/EleutherAI/pythia-1b-deduped/ppo_44413 --local_rollout_forward_batch_size 16 --track
+    accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml ppo.py \
+        --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_rollout_forward_batch_size 16 --track
 
 Details: 3 distinct [PAD], ids checked against the dataset; 7 dropout off in all four models; 8
 accelerate / DeepSpeed / bf16, ZeRO-3 CPU offload of the frozen models (--offload); 12 and 14 the
@@ -50,6 +49,7 @@ Logged (TensorBoard, and W&B with --track; x-axis = episodes seen):
   policy/ratio                mean ratio exp(logp_new - logp_old) over valid tokens, all epochs
   policy/ratio_first_epoch    the same before the first optimizer step (the first epoch with 1 minibatch):
                               1 up to numerical noise, or the behaviour log-probs are wrong
+  policy/ratio_first_epoch_max_deviation  max over its valid tokens of |ratio - 1| (bf16 noise shows here)
   policy/loss                 clipped policy loss
   policy/lr                   learning rate of the update
   value/loss                  0.5 * clipped squared error of the values
@@ -59,10 +59,12 @@ Logged (TensorBoard, and W&B with --track; x-axis = episodes seen):
   eval/ppo/{split}/score|reference_score|eos_fraction|response_length  final (and periodic) evaluation
 """
 
+import hashlib
 import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import time
@@ -77,6 +79,8 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig,
@@ -103,8 +107,8 @@ class Args:
     """W&B project (with --track)"""
     wandb_entity: Optional[str] = None
     """W&B entity (with --track; None: the default of the logged-in user)"""
-    output_dir: str = "models/ppo_model"
-    """Folder for the trained policy, tokenizer, args.json, eval tables and checkpoints"""
+    output_dir: Optional[str] = None
+    """Folder for the trained policy, tokenizer, args.json, eval tables and checkpoints (None: models/{base_model}/ppo_{seed})"""
     push_to_hub: bool = False
     """Push the output folder to {hf_entity}/{base_model}__{exp_name}__tldr at revision run_name"""
     hf_entity: Optional[str] = None
@@ -112,13 +116,13 @@ class Args:
     save_every: int = 0
     """Save a checkpoint (policy, critic, optimizer, RNG states, update) every N updates (0: never)"""
     resume: bool = False
-    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0)"""
+    """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0); required when there is one"""
     stop_after_updates: Optional[int] = None
     """Checkpoint and exit after this many updates, as a time-limited SLURM job would; rerun with --resume"""
 
     # data
-    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
-    """SFT dataset whose train queries are the prompts: a folder of preprocess_tldr.py (e.g. data/tldr/sft) or a Hub id"""
+    query_dataset: Optional[str] = None
+    """SFT dataset whose train queries are the prompts: a folder of preprocess_tldr.py (e.g. data/tldr/sft) or a Hub id (None: data/{base_model}/tldr/sft)"""
     total_episodes: int = 1_000_000
     """Prompts (episodes) to sample in all (Detail 20; paper: 1,000,000, about 8.6 passes over 116,722)"""
     eval_every: int = 0
@@ -129,12 +133,12 @@ class Args:
     """Evaluate on the first N rows of each eval split (None: all; 0: skip evaluation)"""
 
     # model
-    base_model: str = "EleutherAI/pythia-1b-deduped"
-    """Tokenizer source and Hub repo name (the paper's smallest scale by default)"""
-    sft_model_path: str = "models/sft_model"
-    """SFT model (sft.py's output folder or a Hub id): the policy's and the reference's start"""
-    reward_model_path: str = "models/reward_model"
-    """Reward model (reward.py's output folder): the scorer and the critic's start (Detail 22)"""
+    base_model: Optional[str] = None
+    """Base model the SFT model was fine-tuned from, as given to sft.py: names the default paths and the Hub repo (None: the one the SFT model's args.json records, else EleutherAI/pythia-1b-deduped)"""
+    sft_model_path: Optional[str] = None
+    """SFT model (sft.py's output folder or a Hub id): the policy's and the reference's start (None: models/{base_model}/sft_{seed})"""
+    reward_model_path: Optional[str] = None
+    """Reward model (reward.py's output folder): the scorer and the critic's start (Detail 22) (None: models/{base_model}/reward_{seed})"""
     response_length: int = 53
     """Tokens sampled per prompt, past the EOS (Detail 23; paper: 53): sampling stops early only once every row has an EOS"""
     temperature: float = 0.7
@@ -208,6 +212,13 @@ class Args:
 # Flags that may change between an interrupted run and its resumption (see output_dir_problem).
 RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
 REQUIRED_COLUMNS = ("query_token", "reference_response_token")
+# Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
+POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
+NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
+AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")
+AT_LEAST_0 = (lambda value: value >= 0, "an integer >= 0")
+NONE_OR_AT_LEAST_1 = (lambda value: value is None or value >= 1, "an integer >= 1, or no flag")
+NONE_OR_AT_LEAST_0 = (lambda value: value is None or value >= 0, "an integer >= 0, or no flag")
 
 
 class SetupError(ValueError):
@@ -332,12 +343,38 @@ def ppo_batch_sizes(batch_size: int, world_size: int, num_minibatches: int, loca
             "micro_batch_size": local_micro_batch_size * world_size}
 
 
+def ppo_flag_problems(args: Args, world_size: int) -> list:
+    """One line per flag that cannot work, naming it and what to pass instead; empty if all can. Loads and writes nothing."""
+    # Every flag is checked before anything is loaded or written, and all problems are listed at once:
+    # a bad value would otherwise surface inside AdamW or the rollout, or after training.
+    unit = (lambda value: 0 <= value <= 1, "a number in [0, 1]")
+    problems = flag_range_problems(args, {
+        "seed": (lambda seed: 0 <= seed < 2 ** 32 - 100003 * world_size, f"an integer in [0, 2^32 - {100003 * world_size})"),
+        "save_every": AT_LEAST_0, "stop_after_updates": NONE_OR_AT_LEAST_1,
+        "total_episodes": (lambda n: n >= args.batch_size, f"at least one batch, --batch_size {args.batch_size}"),
+        "eval_every": AT_LEAST_0, "num_eval_samples": NONE_OR_AT_LEAST_0, "response_length": AT_LEAST_1,
+        "temperature": POSITIVE, "eval_temperature": POSITIVE, "lr": POSITIVE, "eps": POSITIVE,
+        "weight_decay": NON_NEGATIVE, "local_rollout_forward_batch_size": AT_LEAST_1, "local_eval_batch_size": AT_LEAST_1,
+        "num_ppo_epochs": AT_LEAST_1, "kl_coef": NON_NEGATIVE, "gamma": unit, "lam": unit, "cliprange": POSITIVE,
+        "cliprange_value": POSITIVE, "vf_coef": NON_NEGATIVE,
+        "penalty_reward_value": (math.isfinite, "a finite number")})
+    try:
+        ppo_batch_sizes(args.batch_size, world_size, args.num_minibatches, args.local_micro_batch_size)
+    except SetupError as error:
+        problems.append(str(error))
+    if args.output_dir is not None and os.path.isfile(args.output_dir):
+        problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
+    return problems
+
+
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
     """Why `output_dir` cannot hold this run (another run's args.json, or foreign files), None if it can."""
     path = os.path.join(output_dir, "args.json")
     if not os.path.isfile(path):
         if os.path.isdir(output_dir) and os.listdir(output_dir):
             return f"--output_dir {output_dir} is not empty and has no args.json: choose an empty or new folder"
+        return None
+    if os.listdir(output_dir) == ["args.json"]:  # a start that failed before any work: nothing to lose
         return None
     with open(path) as file:
         saved = json.load(file)
@@ -346,6 +383,10 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
     if changed:
         return (f"--output_dir {output_dir} holds a different run ({'; '.join(changed)}): "
                 "choose another folder, delete it, or pass the same flags to overwrite or --resume it")
+    checkpoint = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
+    if checkpoint is not None and not flags.get("resume"):  # starting again at update 0 would discard them
+        return (f"--output_dir {output_dir} holds an unfinished run, checkpointed at update {checkpoint[0]}: "
+                "pass --resume to continue it, or choose another folder (or delete this one) to start again")
     return None
 
 
@@ -354,6 +395,131 @@ def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
     missing = [split for split in splits if split not in dataset_dict]
     return missing + [f"{split}.{column}" for split in splits if split in dataset_dict
                       for column in columns if column not in dataset_dict[split].column_names]
+
+
+def model_name(base_model: str) -> str:
+    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
+    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
+    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
+    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
+
+
+def input_problem(path: str, flag: str, make: str) -> Optional[str]:
+    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
+    # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
+    if os.path.exists(path) or hub_id:
+        return None
+    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
+
+
+def recorded_base_model(folder: str) -> Optional[str]:
+    """The base model name (`model_name`) recorded in the args.json of the stage output `folder`; None if none."""
+    path = os.path.join(folder, "args.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        return json.load(file).get("base_model_name")
+
+
+def load_fp32(model_class, path: str, flag: str):
+    """`model_class.from_pretrained(path)` in fp32 whatever dtype it was saved in (Pythia's Hub weights are fp16)."""
+    # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
+    # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
+    # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
+    try:
+        return model_class.from_pretrained(path, dtype=torch.float32)
+    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
+        raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def load_tokenizer(path: str, flag: str):
+    """AutoTokenizer of `path` with right padding; a SetupError naming `flag` when there is none."""
+    try:
+        return AutoTokenizer.from_pretrained(path, padding_side="right")
+    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
+        raise SetupError(f"{flag} {path}: no tokenizer at {path}, and none of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def model_path_problem(path: str, flag: str) -> Optional[str]:
+    """Why `path` (given to `flag`) is neither a local model folder nor a Hub id; None if it may be either."""
+    # from_pretrained would read a missing folder as a Hub id and fail with "Repo id must be in the
+    # form ...", which never says that the folder is missing.
+    if os.path.isdir(path):
+        return None
+    if os.path.exists(path):
+        return f"{flag} {path} is a file: pass a model folder or a Hub id (org/name)"
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return f"{flag} {path}: no model folder at {path}, and it is not a Hub id either (org/name): pass a folder that exists"
+    return None  # a Hub id: from_pretrained fetches it, or says that it cannot
+
+
+def flag_range_problems(args, rules: dict) -> list:
+    """['--flag value: want ...'] for each flag of `rules` ({flag: (ok(value) -> bool, what to pass)}) whose value fails."""
+    return [f"--{flag} {getattr(args, flag)}: want {want}" for flag, (ok, want) in rules.items()
+            if not ok(getattr(args, flag))]
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """sha256 (hex) of the tokenizer's vocabulary, as sorted (token, id) pairs, and of its special tokens map."""
+    # Two tokenizers with the same EOS and [PAD] ids may still map every other id to another token: a
+    # model would then train on, or score, text it cannot read, silently. Every stage records this in
+    # its args.json (taken after add_pad_token) and compares it across everything it loads.
+    payload = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "special_tokens": tokenizer.special_tokens_map},
+                         sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def recorded_tokenizer_identity(folder: str) -> Optional[str]:
+    """The "tokenizer_identity" of `folder`/args.json (a stage's output or preprocess_tldr.py's data folder); None if none."""
+    path = os.path.join(folder, "args.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        return json.load(file).get("tokenizer_identity")
+
+
+def identity_problem(sides: dict) -> Optional[str]:
+    """{what: tokenizer identity, or None when unknown} -> why the known ones differ, each side named; None if they agree."""
+    known = {what: identity for what, identity in sides.items() if identity is not None}
+    if len(set(known.values())) <= 1:
+        return None
+    return ("these inputs come from different tokenizers (tokenizer_identity = sha256 of vocabulary and special tokens): "
+            + "; ".join(f"{what} has {identity[:16]}" for what, identity in known.items())
+            + ". Preprocess the data and train every model from one base model's tokenizer")
+
+
+def vocabulary_problem(tokenizer, rows: int, what: str) -> Optional[str]:
+    """Why `what`, a model with `rows` embedding rows, cannot read every id of `tokenizer` but [PAD]; None if it can."""
+    # [PAD] may lie past the table: it is replaced by a valid id before every forward.
+    largest = max(i for i in tokenizer.get_vocab().values() if i != tokenizer.pad_token_id)
+    if largest < rows:
+        return None
+    return (f"{what} has {rows} embedding rows, but the tokenizer has ids up to {largest}: it was not trained "
+            "with this tokenizer; use models and data made from one base model")
+
+
+def gpu_problem(environ, cuda_available: bool) -> Optional[str]:
+    """Why this launch cannot run: it asks for a GPU (DeepSpeed, bf16 / fp16) and sees none; None if it can."""
+    # A SLURM job on a node whose torch is a CPU build would otherwise train on the CPU, silently,
+    # for days. A CPU rehearsal is fine when it says so: DS_ACCELERATOR=cpu, or accelerate's --cpu.
+    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if cuda_available or not (deepspeed or precision != "no"):
+        return None
+    if deepspeed and environ.get("DS_ACCELERATOR") == "cpu":
+        return None
+    if not deepspeed and environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return None
+    asked = "DeepSpeed" if deepspeed else f"mixed precision {precision}"
+    rehearsal = "DS_ACCELERATOR=cpu" if deepspeed else "accelerate launch --cpu"
+    return (f"this launch asks for a GPU ({asked}), but torch {torch.__version__} sees no CUDA device "
+            f"(CUDA build: {torch.version.cuda or 'none, a CPU-only torch'}). Run it on a GPU node with a CUDA "
+            f"build of torch, or, for a CPU rehearsal on purpose, use {rehearsal}")
 
 
 def git_commit(folder: str) -> Optional[str]:
@@ -408,6 +574,47 @@ def disable_dropout(model: torch.nn.Module) -> None:
             setattr(model.config, name, 0.0)
 
 
+def rotary_problem(models: dict) -> Optional[str]:
+    """{name: model} -> the rotary `inv_freq` buffers stored below fp32 (None if there are none)."""
+    # Rotary angles are position x inv_freq: rounded to bf16 (8 bits of mantissa) the angle at
+    # distance 565 of Pythia-1B is off by ~0.25 rad, and two copies of one model that disagree on
+    # it disagree on every log-prob. DeepSpeed casts parameters only; a blanket .to(bf16) does not.
+    low = [f"{name}: {module_name}.inv_freq is {buffer.dtype}" for name, model in models.items()
+           for module_name, module in model.named_modules()
+           for buffer_name, buffer in module.named_buffers(recurse=False)
+           if buffer_name == "inv_freq" and buffer.dtype != torch.float32]
+    return "; ".join(low) or None
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast `model`'s parameters (not its buffers) to `dtype`, in place, as DeepSpeed casts the trained model."""
+    # A plain .to(bf16) would also round the fp32 rotary frequencies (see rotary_problem).
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
+
+
+def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:
+    """Ids that sampling never emits: [PAD] and the embedding rows past the tokenizer (no token owns them)."""
+    # Pythia's embedding has 50304 rows for 50277 tokens, and the [PAD] we add is 50277: a sampled
+    # [PAD] in mid-summary would move the EOS the reward is read at, and an unowned row decodes to
+    # nothing. Their logits are masked wherever the policy samples (a departure from the reference).
+    return sorted({tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)})
+
+
+def mask_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits -> the same with the columns `token_ids` at the dtype's lowest value (probability 0)."""
+    # The lowest finite value, not -inf: softmax gives exactly 0 there and entropy's p * logit stays 0, not NaN.
+    return logits.index_fill(-1, token_ids, torch.finfo(logits.dtype).min)
+
+
+def trained_width(sequence_lengths: torch.Tensor, response_length: int, score_after_eos: bool) -> int:
+    """(micro,) EOS indices (-1: the response starts with [PAD]) -> response positions the micro-batch trains, 1 ... T."""
+    # Positions after a row's EOS (and after its value target) are masked in every loss: the
+    # forward only computes the first n. Never 0: x[:, -0:] would select every position.
+    return max(1, min(response_length, int(sequence_lengths.max()) + 1 + int(score_after_eos)))
+
+
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     """(B, T) bool -> (B,): index of the first True of each row, T for a row without one."""
     row_len = bools.size(-1)
@@ -439,8 +646,9 @@ def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config)
 
 
 def sample_rollout(model, queries: torch.Tensor, pad_token_id: int, eos_token_id: int, response_length: int,
-                   temperature: float) -> tuple:
-    """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores = logits / T)."""
+                   temperature: float, unsampled: torch.Tensor) -> tuple:
+    """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores = logits / T,
+    the `unsampled` ids masked)."""
     # The sampling of generate() above (pure temperature: softmax of logits / T, one multinomial
     # draw per row and step), as a plain KV-cache loop that stops once EVERY row holds an EOS: the
     # tokens after a row's EOS are never used (truncated, masked, causal attention), so the steps
@@ -454,8 +662,15 @@ def sample_rollout(model, queries: torch.Tensor, pad_token_id: int, eos_token_id
     tokens, scores = [], []
     has_eos = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
     while True:
-        score = logits[:, -1].float() / temperature  # (B, V)
-        token = torch.multinomial(F.softmax(score, dim=-1), num_samples=1).squeeze(1)  # (B,)
+        score = mask_logits(logits[:, -1].float() / temperature, unsampled)  # (B, V)
+        probs = F.softmax(score, dim=-1)  # (B, V)
+        # Weights blown up by a too large step give nan / inf logits: multinomial would raise on some
+        # rank (a device-side assert on a GPU). Such a row draws uniformly from the sampled ids instead;
+        # its log-probs stay non-finite, and the update's finite check stops every rank together.
+        # Finite rows are drawn from exactly as before.
+        uniform = torch.ones_like(probs).index_fill(-1, unsampled, 0.0)
+        probs = torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, uniform)
+        token = torch.multinomial(probs, num_samples=1).squeeze(1)  # (B,)
         tokens.append(token)
         scores.append(score)
         has_eos |= token == eos_token_id
@@ -523,23 +738,251 @@ def latest_checkpoint(folder: str) -> Optional[tuple]:
     """(update, path) of the newest complete `update_{k}` checkpoint in `folder`, None if there is none."""
     complete = [(int(name.split("_")[1]), os.path.join(folder, name))
                 for name in (os.listdir(folder) if os.path.isdir(folder) else [])
-                if name.startswith("update_") and os.path.isfile(os.path.join(folder, name, "trainer_state.json"))]
+                if re.fullmatch(r"update_\d+", name) and os.path.isfile(os.path.join(folder, name, "trainer_state.json"))]
     return max(complete) if complete else None
 
 
-def save_checkpoint(accelerator, folder: str, update: int, run_name: str) -> None:
-    """All ranks: save the accelerate state as {folder}/update_{update}, mark it complete, drop older ones."""
+def save_checkpoint(accelerator, folder: str, update: int, run_name: str, model, optimizer, scheduler) -> None:
+    """All ranks: write {folder}/update_{update} whole (as update_{update}.partial, then renamed), then drop older ones."""
+    # A kill at any moment leaves the previous checkpoint or this one complete on disk: the older ones
+    # go only after the rename has made this one complete (and the loop saves only finite weights).
     path = os.path.join(folder, f"update_{update}")
-    accelerator.save_state(path)  # model, optimizer, registered scheduler, RNG states of every rank
+    partial = path + ".partial"
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)  # what a killed save left
+        os.makedirs(partial)
+    accelerator.wait_for_everyone()
+    save_training_state(accelerator, partial, model, optimizer)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        # Written last: a job killed mid-save leaves no marker, and --resume takes the previous one.
-        with open(os.path.join(path, "trainer_state.json"), "w") as file:
-            json.dump({"update": update, "run_name": run_name}, file)
+        # JSON, not pickle: the scheduler's state_dict and the counters are plain numbers.
+        state = {"update": update, "run_name": run_name, "accelerator_step": accelerator.step,
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                 "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None}
+        with open(os.path.join(partial, "trainer_state.json"), "w") as file:
+            json.dump(state, file)
+        if os.path.isdir(path):  # this update was saved before (a rerun of it): keep that copy
+            shutil.rmtree(partial)
+        else:
+            os.rename(partial, path)
         for name in os.listdir(folder):
-            if name != f"update_{update}":
+            if name != os.path.basename(path):
                 shutil.rmtree(os.path.join(folder, name))
     accelerator.wait_for_everyone()
+
+
+def save_training_state(accelerator, folder: str, model, optimizer) -> None:
+    """All ranks: the model and optimizer state, and this rank's RNG states, into `folder`, in formats that run no code."""
+    if accelerator.state.deepspeed_plugin is not None:
+        # ZeRO shards the optimizer over the ranks: DeepSpeed writes its own files (torch.save),
+        # which load_checkpoint reads back with load_weights_only.
+        model.save_checkpoint(folder, tag="deepspeed")
+    elif accelerator.is_main_process:  # DDP: every rank holds the same weights and optimizer state
+        save_model(accelerator.unwrap_model(model), os.path.join(folder, "model.safetensors"))
+        state = optimizer.state_dict()  # AdamW: {"state": {index: {name: tensor}}, "param_groups": [plain values]}
+        save_file({f"{index}.{name}": value.contiguous() for index, values in state["state"].items()
+                   for name, value in values.items()}, os.path.join(folder, "optimizer.safetensors"))
+        with open(os.path.join(folder, "optimizer.json"), "w") as file:
+            json.dump({"param_groups": state["param_groups"]}, file)
+    save_rng_state(os.path.join(folder, f"rng_state_{accelerator.process_index}"))
+
+
+def load_checkpoint(accelerator, path: str, model, optimizer, scheduler) -> dict:
+    """All ranks: restore what save_checkpoint wrote in `path`, unpickling nothing; its trainer_state.json."""
+    with open(os.path.join(path, "trainer_state.json")) as file:
+        state = json.load(file)
+    deepspeed = accelerator.state.deepspeed_plugin is not None
+    needed = ["deepspeed"] if deepspeed else ["model.safetensors", "optimizer.safetensors", "optimizer.json"]
+    missing = [name for name in needed if not os.path.exists(os.path.join(path, name))]
+    if missing:
+        raise SetupError(f"--resume: {path} lacks {missing} (it holds {sorted(os.listdir(path))}): it was written by "
+                         "an older version or another launch (DeepSpeed or not). Older checkpoints are pickles, which "
+                         "can run code when loaded and are never opened: resume with the launch that wrote it, or "
+                         f"delete {os.path.dirname(path)} and start again without --resume")
+    if deepspeed:
+        model.checkpoint_engine.load = load_weights_only  # DeepSpeed's own loader would run any pickled code
+        loaded, _ = model.load_checkpoint(path, tag="deepspeed", load_lr_scheduler_states=False)
+        if loaded is None:
+            raise SetupError(f"--resume: DeepSpeed found no checkpoint in {path}/deepspeed (its log above says why): "
+                             f"delete {path} to resume from an earlier one, or start again without --resume")
+    else:
+        load_model(accelerator.unwrap_model(model), os.path.join(path, "model.safetensors"))  # copied onto its device
+        with open(os.path.join(path, "optimizer.json")) as file:
+            param_groups = json.load(file)["param_groups"]
+        for group in param_groups:
+            group["betas"] = tuple(group["betas"])  # JSON has no tuples
+        optimizer_state = {}
+        for name, tensor in load_file(os.path.join(path, "optimizer.safetensors")).items():
+            index, key = name.split(".", 1)
+            optimizer_state.setdefault(int(index), {})[key] = tensor
+        optimizer.load_state_dict({"state": optimizer_state, "param_groups": param_groups})
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if accelerator.scaler is not None and state["scaler"] is not None:
+        accelerator.scaler.load_state_dict(state["scaler"])
+    accelerator.step = state["accelerator_step"]  # where accumulate() is within an update: 0 mod the accumulation
+    if not load_rng_state(os.path.join(path, f"rng_state_{accelerator.process_index}")):
+        print(f"note: {path} has no RNG state of rank {accelerator.process_index} (saved by fewer processes); "
+              "this rank keeps its seeded one")
+    return state
+
+
+def save_rng_state(path: str) -> None:
+    """This process's python and numpy RNG states as `path`.json, torch's (CPU, CUDA) as `path`.safetensors."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with open(path + ".json", "w") as file:
+        json.dump({"python": [python_state[0], list(python_state[1]), python_state[2]],
+                   "numpy": [numpy_state[0], numpy_state[1].tolist(), int(numpy_state[2]), int(numpy_state[3]),
+                             float(numpy_state[4])]}, file)
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda_{i}": state for i, state in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(tensors, path + ".safetensors")
+
+
+def load_rng_state(path: str) -> bool:
+    """Restore the RNG states save_rng_state wrote at `path`; False if there are none."""
+    if not os.path.isfile(path + ".json"):
+        return False
+    with open(path + ".json") as file:
+        state = json.load(file)
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    np.random.set_state((state["numpy"][0], np.array(state["numpy"][1], dtype=np.uint32), *state["numpy"][2:]))
+    tensors = load_file(path + ".safetensors")
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[f"cuda_{i}"] for i in range(torch.cuda.device_count())])
+    return True
+
+
+def load_weights_only(path: str, map_location=None):
+    """torch.load(`path`) building only tensors, plain containers and the 4 data-only DeepSpeed classes its files hold."""
+    # DeepSpeed's own loader calls torch.load(weights_only=False): a pickle planted in a checkpoint would
+    # run its code on --resume. Its ZeRO-1/2 files hold, besides tensors and containers, these classes.
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def all_finite(accelerator, model, losses: torch.Tensor) -> bool:
+    """All ranks: whether `losses` and every parameter of `model` are finite on every rank (one all-reduce)."""
+    # Summed over ranks, so that every rank stops at the same update (a rank stopping alone would
+    # leave the others waiting in the next collective).
+    local = torch.stack([torch.isfinite(losses).all()] + [torch.isfinite(p).all() for p in model.parameters()]).all()
+    return accelerator.reduce((~local).float().reshape(1), reduction="sum").item() == 0
+
+
+def nonfinite_message(update: int, num_updates: int, checkpoints: str) -> str:
+    """Why the run stops at `update` (counted from 1) with a nan / inf, and which checkpoint it keeps."""
+    last = latest_checkpoint(checkpoints)
+    kept = (f"the last checkpoint, {last[1]} (update {last[0]}), is kept as it was" if last else
+            "no checkpoint was written before it (--save_every N keeps one every N updates)")
+    return (f"update {update} of {num_updates}: the loss or the weights are not finite (nan or inf) on at least one "
+            f"rank, so the run stops before saving anything of it; {kept}. Try a lower --lr (or look at the data of "
+            f"update {update}) in a new --output_dir; --resume with these flags continues from the kept checkpoint")
+
+
+def write_atomic(path: str, write) -> None:
+    """Create `path` whole or not at all: `write(tmp_path)` writes beside it, then a rename replaces it."""
+    # A kill mid-write leaves the old file (or none) and a `.partial` that the next run overwrites;
+    # a reader never sees half a results.json. os.replace is atomic within one file system.
+    partial = path + ".partial"
+    write(partial)
+    os.replace(partial, path)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """write_atomic for a text file (UTF-8)."""
+    def write(partial: str) -> None:
+        with open(partial, "w", encoding="utf-8", newline="") as file:
+            file.write(text)
+    write_atomic(path, write)
+
+
+def scratch_path(output_dir: str, kind: str) -> str:
+    """The sibling of `output_dir` where its final contents are written ("partial"), complete ("new") or retired ("old")."""
+    parent, name = os.path.split(os.path.abspath(output_dir))
+    return os.path.join(parent, f".{name}.{kind}")
+
+
+def staging_folder(output_dir: str) -> str:
+    """Rank 0: a new, empty sibling folder where the run writes its final model and results (publish_output)."""
+    staging = scratch_path(output_dir, "partial")
+    shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
+    os.makedirs(staging)
+    return staging
+
+
+def publish_output(staging: str, output_dir: str) -> None:
+    """Rank 0: the complete `staging` becomes `output_dir` (args.json and the like carried over, checkpoints dropped)."""
+    # Written beside and swapped in whole: a kill at any moment leaves the old folder (args.json and the
+    # checkpoints, or a finished run's model) or the new one, never a mix; the next start finishes a swap.
+    for name in os.listdir(output_dir):
+        source, target = os.path.join(output_dir, name), os.path.join(staging, name)
+        if name != "checkpoints" and not name.endswith(".partial") and not os.path.exists(target):
+            (shutil.copytree if os.path.isdir(source) else shutil.copy2)(source, target)
+    os.rename(staging, scratch_path(output_dir, "new"))  # complete: from here on, the new folder wins
+    finish_publish(output_dir)
+
+
+def finish_publish(output_dir: str) -> None:
+    """Swap a complete `.new` sibling in for `output_dir` (the old one renamed `.old`, then deleted); drop other scratch."""
+    new, old = scratch_path(output_dir, "new"), scratch_path(output_dir, "old")
+    if os.path.isdir(new):
+        if os.path.isdir(output_dir):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(output_dir, old)
+        os.rename(new, output_dir)  # between the two renames there is no output_dir, but .old and .new are whole
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(scratch_path(output_dir, "partial"), ignore_errors=True)
+
+
+def tidy_output_dir(output_dir: str) -> None:
+    """Rank 0, at start: finish a swap a kill interrupted, and remove the `.partial` files and folders kills left."""
+    finish_publish(output_dir)
+    for folder in (output_dir, os.path.join(output_dir, "checkpoints")):
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            if name.endswith(".partial"):
+                path = os.path.join(folder, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+
+
+def fp32_state_dict(accelerator, model) -> dict:
+    """All ranks: the model's state dict in fp32, under DeepSpeed its fp32 master weights (not the bf16 copies)."""
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    if accelerator.state.deepspeed_plugin is not None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, param in accelerator.unwrap_model(model).named_parameters():
+            master = safe_get_full_fp32_param(param)  # collective (all-gathers the master's shards); None if frozen
+            if master is not None:
+                state_dict[name] = master
+    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
+
+
+def save_fp32(model, output_dir: str, state_dict: dict) -> None:
+    """`model.save_pretrained` with an fp32 `state_dict`, its config saying float32 (the dtype of the weights saved)."""
+    model.save_pretrained(output_dir, state_dict=state_dict)
+    model.config.dtype = "float32"  # save_pretrained wrote the dtype of the module's bf16 compute copy under DeepSpeed
+    model.config.save_pretrained(output_dir)
+
+
+def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
+    """[(row indices, number of real rows)] of rank `rank`: rows rank, rank + W, ... in batches of `batch_size`;
+    every rank gets the same batches count and sizes, a rank one row short repeating its last row (not kept)."""
+    # Frozen models run as ZeRO-3 engines (--offload) gather their parameters in every forward,
+    # a collective: a rank with one batch fewer would leave the others waiting forever.
+    mine = list(range(rank, num_rows, world_size))
+    per_rank = -(-num_rows // world_size)  # ceil
+    padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
+    return [(padded[start:start + batch_size], max(0, min(batch_size, len(mine) - start)))
+            for start in range(0, per_rank, batch_size)]
 
 
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -642,7 +1085,8 @@ def ppo_losses(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
             "pg_clipfrac": masked_mean((pg_losses2 > pg_losses1).float(), token_mask),
             "vf_clipfrac": masked_mean((vf_losses2 > vf_losses1).float(), value_mask),
             "approxkl": 0.5 * masked_mean(log_ratio ** 2, token_mask),
-            "ratio": masked_mean(ratio, token_mask)}
+            "ratio": masked_mean(ratio, token_mask),
+            "ratio_max_deviation": ((ratio - 1).abs() * token_mask).max()}
 
 
 @torch.no_grad()
@@ -651,10 +1095,9 @@ def ppo_evaluate(accelerator, policy, reward_model, dataset, tokenizer, generati
     """All ranks: sample and score `dataset` -> ({score, reference_score, eos_fraction, response_length}, rows)."""
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     policy.eval()
-    mine = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))  # rank r: r, r+W, ...
     rows = []
-    for start in tqdm(range(0, len(mine), local_eval_batch_size), desc="eval", disable=not accelerator.is_main_process):
-        indices = mine[start:start + local_eval_batch_size]
+    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
+    for indices, real in tqdm(batches, desc="eval", disable=not accelerator.is_main_process):
         batch = dataset[indices]
         queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
         references = batch["reference_response_token"].to(accelerator.device)  # (B, T_ref), right-padded
@@ -664,10 +1107,10 @@ def ppo_evaluate(accelerator, policy, reward_model, dataset, tokenizer, generati
             responses = truncate_response(query_responses[:, context_length:], eos_id, pad_id)  # (B, T_resp)
             _, scores = get_reward(reward_model, torch.cat((queries, responses), 1), pad_id, context_length)
             _, reference_scores = get_reward(reward_model, torch.cat((queries, references), 1), pad_id, context_length)
-        for j, (i, query, response, reference) in enumerate(zip(
+        for j, (i, query, response, reference) in enumerate(list(zip(
                 indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
                 tokenizer.batch_decode(responses, skip_special_tokens=True),
-                tokenizer.batch_decode(references, skip_special_tokens=True))):
+                tokenizer.batch_decode(references, skip_special_tokens=True)))[:real]):
             rows.append({"index": i, "query": query.strip(), "response": response.strip(),
                          "reference": reference.strip(), "score": scores[j].item(),
                          "reference_score": reference_scores[j].item(),
@@ -685,9 +1128,15 @@ def ppo_evaluate(accelerator, policy, reward_model, dataset, tokenizer, generati
 if __name__ == "__main__":
     # ---- args & sizes ----
     args = tyro.cli(Args)
+    problem = gpu_problem(os.environ, torch.cuda.is_available())
+    if problem:
+        raise SetupError(problem)
     # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
     deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
+    problems = ppo_flag_problems(args, accelerator.num_processes)
+    if problems:
+        raise SetupError("ppo.py cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
     args.world_size = accelerator.num_processes
     sizes = ppo_batch_sizes(args.batch_size, args.world_size, args.num_minibatches, args.local_micro_batch_size)
     args.local_batch_size, args.mini_batch_size = sizes["local_batch_size"], sizes["mini_batch_size"]
@@ -703,21 +1152,44 @@ if __name__ == "__main__":
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
 
-    # ---- checks: every bad input fails here, before a model is loaded ----
-    problem = output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
-        "world_size", "local_batch_size", "mini_batch_size", "local_mini_batch_size", "gradient_accumulation_steps",
-        "micro_batch_size", "num_updates"))
+    # ---- checks: every bad input fails here, before a model is loaded or anything is written ----
+    # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, then
+    # models/{base_model}/{sft,reward}_{seed}, and this script -> models/{base_model}/ppo_{seed}.
+    name = model_name(args.base_model) if args.base_model else None
+    make = {}  # flag -> the command that creates its default
+    for flag, stage in (("sft_model_path", "sft"), ("reward_model_path", "reward")):
+        make[flag] = f"python {stage}.py --base_model {args.base_model or 'EleutherAI/pythia-1b-deduped'} --seed {args.seed}"
+        if getattr(args, flag) is None:
+            setattr(args, flag, os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"{stage}_{args.seed}"))
+        else:
+            make[flag] += f" --output_dir {getattr(args, flag)}"
+        recorded = recorded_base_model(getattr(args, flag))
+        if name and recorded and name != recorded:
+            raise SetupError(f"--{flag} {getattr(args, flag)} was trained from {recorded}, not from --base_model "
+                             f"{args.base_model}: pass --base_model {recorded} or another --{flag}")
+        name = name or recorded  # the SFT model's record names the reward model's default too
+    name = name or "EleutherAI/pythia-1b-deduped"
+    args.base_model = args.base_model or name
+    args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
+    args.output_dir = args.output_dir or os.path.join("models", name, f"ppo_{args.seed}")
+    if accelerator.is_main_process:
+        tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
+    accelerator.wait_for_everyone()
+    problem = (input_problem(args.sft_model_path, "--sft_model_path", make["sft_model_path"])
+               or input_problem(args.reward_model_path, "--reward_model_path", make["reward_model_path"])
+               or input_problem(args.query_dataset, "--query_dataset", f"python preprocess_tldr.py --base_model {args.base_model}")
+               or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
+                   "world_size", "local_batch_size", "mini_batch_size", "local_mini_batch_size",
+                   "gradient_accumulation_steps", "micro_batch_size", "num_updates")))
     if problem:
         raise SetupError(problem)
-    if args.num_updates < 1:
-        raise SetupError(f"--total_episodes {args.total_episodes} is less than one batch of {args.batch_size}")
     local_dataset = os.path.isdir(args.query_dataset)
     dataset = datasets.load_from_disk(args.query_dataset) if local_dataset else datasets.load_dataset(args.query_dataset)
     eval_splits = ("validation", "test") if args.eval_test else ("validation",)
     missing = missing_columns(dataset, ("train",) + eval_splits, REQUIRED_COLUMNS)
     if missing:
         raise SetupError(f"{args.query_dataset} lacks {missing}: build it with preprocess_tldr.py")
-    tokenizer = AutoTokenizer.from_pretrained(args.base_model, padding_side="right")
+    tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")  # sft.py saved it with its [PAD]
     built_with = os.path.join(os.path.dirname(os.path.abspath(args.query_dataset)), "args.json")
     data_ids = None
     if local_dataset and os.path.isfile(built_with):
@@ -727,35 +1199,25 @@ if __name__ == "__main__":
     else:
         accelerator.print(f"note: no args.json beside {args.query_dataset}; its eos / pad ids are not checked")
     if check_tokenizer(tokenizer, data_ids, f"{args.query_dataset} ({built_with})"):
-        accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.base_model}")
+        accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    # The RM scores the policy's token ids: it must read them as the same tokens (its own tokenizer,
+    # saved by reward.py, with [PAD] by the same rule), and its embedding must hold every id (below).
+    reward_tokenizer = load_tokenizer(args.reward_model_path, "--reward_model_path")
+    add_pad_token(reward_tokenizer)
+    identity = tokenizer_identity(tokenizer)
+    problem = identity_problem({
+        f"--sft_model_path {args.sft_model_path} (its tokenizer)": identity,
+        f"--sft_model_path {args.sft_model_path} (its args.json)": recorded_tokenizer_identity(args.sft_model_path),
+        f"--reward_model_path {args.reward_model_path} (its tokenizer)": tokenizer_identity(reward_tokenizer),
+        f"--reward_model_path {args.reward_model_path} (its args.json)": recorded_tokenizer_identity(args.reward_model_path),
+        f"--query_dataset {args.query_dataset} ({built_with})":
+            recorded_tokenizer_identity(os.path.dirname(built_with)) if local_dataset else None})
+    if problem:
+        raise SetupError(problem)
     train = dataset["train"].with_format("torch", columns=["query_token"])
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     resume_from = latest_checkpoint(checkpoints) if args.resume else None
-
-    # ---- run name & logging ----
-    start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
-    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
-    if resume_from is not None and args.run_name is None:  # a resumed run logs on into its own folder
-        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
-            run_name = json.load(file)["run_name"]
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "args.json"), "w") as file:
-            json.dump({**asdict(args), "run_name": run_name, "eos_token_id": eos_id, "pad_token_id": pad_id,
-                       "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, file, indent=2)
-        writer = SummaryWriter(f"runs/{run_name}")
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{key}|{value}|" for key, value in asdict(args).items()))
-        if args.track:
-            import wandb  # imported here: without --track nothing touches the network
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
-    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} episodes = "
-                      f"{args.local_batch_size} per rank x {args.world_size} ranks; {args.num_minibatches} "
-                      f"minibatch(es) of {args.mini_batch_size} = {args.local_micro_batch_size} x "
-                      f"{args.gradient_accumulation_steps} per rank x {args.world_size}; {args.micro_batch_size} per forward")
 
     # ---- seeding & data order ----
     local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
@@ -773,10 +1235,16 @@ if __name__ == "__main__":
     # Detail 22: Value model initialised from the RM
     # The critic is a second, trainable copy of the RM (backbone, head and the head's bias, which
     # carries the normalisation of Detail 15): its first values are the RM's per-token logits.
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
-    critic = ScalarModel.from_pretrained(args.reward_model_path)
-    reward_model = ScalarModel.from_pretrained(args.reward_model_path)
+    policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
+    ref_policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
+    critic = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
+    reward_model = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
+    for what, model in ((f"--sft_model_path {args.sft_model_path}", policy),
+                        (f"--reward_model_path {args.reward_model_path}", critic.backbone)):
+        problem = vocabulary_problem(tokenizer, model.get_input_embeddings().weight.size(0), what)
+        if problem:
+            raise SetupError(problem)
+    unsampled = torch.tensor(unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
     for model in (policy, ref_policy, critic, reward_model):
         disable_dropout(model)
     for model in (ref_policy, reward_model):
@@ -799,8 +1267,31 @@ if __name__ == "__main__":
         ref_policy = deepspeed.initialize(model=ref_policy, config=ds_config)[0]  # (an engine's .eval() returns None)
         reward_model = deepspeed.initialize(model=reward_model, config=ds_config)[0]
         ref_policy.eval(), reward_model.eval()
-    else:
-        ref_policy, reward_model = ref_policy.to(accelerator.device), reward_model.to(accelerator.device)
+
+    # ---- run name & logging ----
+    start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
+    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
+    if resume_from is not None and args.run_name is None:  # a resumed run logs on into its own folder
+        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
+            run_name = json.load(file)["run_name"]
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
+            **asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id, "pad_token_id": pad_id,
+            "tokenizer_identity": identity, "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))},
+            indent=2))
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{key}|{value}|" for key, value in asdict(args).items()))
+        if args.track:
+            import wandb  # imported here: without --track nothing touches the network
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, save_code=True)
+    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} episodes = "
+                      f"{args.local_batch_size} per rank x {args.world_size} ranks; {args.num_minibatches} "
+                      f"minibatch(es) of {args.mini_batch_size} = {args.local_micro_batch_size} x "
+                      f"{args.gradient_accumulation_steps} per rank x {args.world_size}; {args.micro_batch_size} per forward")
 
     # ---- optimizer ----
     # Detail 20: PPO setup
@@ -809,9 +1300,20 @@ if __name__ == "__main__":
     model = PolicyAndValueWrapper(policy, critic)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if not args.offload:
+        # The frozen models take the policy's precision path: DeepSpeed's bf16 parameters with fp32
+        # buffers, or fp32 under accelerate's autocast. A more precise reference would make the KL
+        # start away from 0 by the rounding difference alone.
+        dtype = next(model.parameters()).dtype
+        ref_policy = cast_parameters(ref_policy.to(accelerator.device), dtype)
+        reward_model = cast_parameters(reward_model.to(accelerator.device), dtype)
+    problem = rotary_problem({"policy and critic": model, "reference": ref_policy, "reward model": reward_model})
+    if problem:
+        raise SetupError(f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
+    unsampled = unsampled.to(accelerator.device)
     start_update = 0
     if resume_from is not None:
-        accelerator.load_state(resume_from[1])  # also the RNG states saved at that update
+        load_checkpoint(accelerator, resume_from[1], model, optimizer, None)  # also the RNG states of that update
         start_update = resume_from[0]
         accelerator.print(f"resumed from {resume_from[1]} at update {start_update}")
     elif args.resume:
@@ -820,7 +1322,7 @@ if __name__ == "__main__":
     eval_generation_config = GenerationConfig(
         max_new_tokens=args.response_length, min_new_tokens=args.response_length,
         temperature=args.eval_temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,
-        return_dict_in_generate=True, output_scores=True)
+        return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled.tolist())  # never [PAD] / unowned rows
 
     def evaluate(splits: tuple, episode: int) -> dict:
         """All ranks: evaluate the policy on `splits`, log eval/ppo/*, write the sample tables."""
@@ -838,7 +1340,8 @@ if __name__ == "__main__":
                 if split == "validation":
                     writer.add_scalar("objective/validation_score", metrics["score"], episode)
                 table = pd.DataFrame(rows, columns=["query", "response", "reference", "score", "reference_score"])
-                table.to_csv(os.path.join(f"runs/{run_name}", f"samples_{split}_{episode}.csv"), index=False)
+                write_atomic(os.path.join(f"runs/{run_name}", f"samples_{split}_{episode}.csv"),
+                             lambda partial: table.to_csv(partial, index=False))
                 if args.track:
                     wandb.log({f"eval/ppo/{split}/samples": wandb.Table(dataframe=table)})
                 print(f"eval/{split} after {episode} episodes: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
@@ -848,7 +1351,8 @@ if __name__ == "__main__":
     context_length = train[0]["query_token"].shape[0]  # T_q: every query is left-padded to this width
     stat_names = ("objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores",
                   "objective/rlhf_reward", "objective/eos_fraction", "objective/response_length",
-                  "policy/approxkl", "policy/clipfrac", "policy/ratio", "policy/ratio_first_epoch", "policy/loss",
+                  "policy/approxkl", "policy/clipfrac", "policy/ratio", "policy/ratio_first_epoch",
+                  "policy/ratio_first_epoch_max_deviation", "policy/loss",
                   "value/loss", "value/clipfrac")
     start_clock = time.time()
     stop_at = args.num_updates if args.stop_after_updates is None else min(args.stop_after_updates, args.num_updates)
@@ -871,7 +1375,7 @@ if __name__ == "__main__":
                 # 1a. Sample response_length tokens, no stop at a row's EOS (Detail 23 below; only once every
                 # row has one); the scores are logits / (T + 1e-7): behaviour log-probs without a second forward.
                 query_response, gen_logits = sample_rollout(unwrapped.policy, query, pad_id, eos_id,
-                                                            args.response_length, args.temperature + 1e-7)
+                                                            args.response_length, args.temperature + 1e-7, unsampled)
                 response = query_response[:, context_length:]  # (b, T_resp)
                 rollout["logprobs"].append(gather_logprobs(gen_logits, response))
                 rollout["entropy"].append(entropy_from_logits(gen_logits))
@@ -884,7 +1388,8 @@ if __name__ == "__main__":
                                                                          args.response_length)
                 ref_logits = ref_policy(input_ids=ref_input_ids, attention_mask=ref_mask, position_ids=ref_positions,
                                         logits_to_keep=args.response_length, return_dict=True).logits
-                rollout["ref_logprobs"].append(gather_logprobs(ref_logits / (args.temperature + 1e-7), response))
+                ref_logits = mask_logits(ref_logits / (args.temperature + 1e-7), unsampled)  # the policy's support
+                rollout["ref_logprobs"].append(gather_logprobs(ref_logits, response))
                 del ref_logits
                 # 1c. Values of the states before each response token (the critic sees the untruncated
                 # sequence, as in training): (b, T_resp).
@@ -934,7 +1439,8 @@ if __name__ == "__main__":
 
         # 6. PPO epochs: shuffle, split into minibatches (one optimizer step each) of micro-batches.
         clock = time.time()
-        ppo_stats = {key: [] for key in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio")}
+        ppo_stats = {key: [] for key in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio",
+                                          "ratio_max_deviation")}
         for epoch in range(args.num_ppo_epochs):
             permutation = torch.randperm(args.local_batch_size, device=accelerator.device)
             for mini_start in range(0, args.local_batch_size, args.local_mini_batch_size):
@@ -944,14 +1450,14 @@ if __name__ == "__main__":
                     # Only response positions 0 ... n - 1 are trained (later ones are masked in every row
                     # of the micro-batch: after its EOS, and after its value target), so the forward
                     # computes just the columns they read, and the policy's logits only there.
-                    n = min(responses.size(1), int(sequence_lengths[mb].max()) + 1 + int(args.score_after_eos))
+                    n = trained_width(sequence_lengths[mb], responses.size(1), args.score_after_eos)
                     window_ids, window_mask, window_positions = response_window(query_responses[mb], pad_id,
                                                                                 context_length, n)
                     with accelerator.accumulate(model):
                         logits, vpred = model(input_ids=window_ids, attention_mask=window_mask,
                                               position_ids=window_positions, num_outputs=n)
                         # (micro, n, V) and (micro, n): the positions that predict response tokens 0 ... n - 1
-                        logits = logits / (args.temperature + 1e-7)
+                        logits = mask_logits(logits / (args.temperature + 1e-7), unsampled)
                         # Back to (micro, T_resp): the masked positions take the rollout's values (ratio 1, no loss).
                         new_logprobs = torch.cat((gather_logprobs(logits, responses[mb, :n]), logprobs[mb, n:]), 1)
                         vpred = torch.cat((vpred.float(), values[mb, n:]), 1)
@@ -959,11 +1465,6 @@ if __name__ == "__main__":
                                            returns[mb], ~padding_mask[mb], ~value_padding_mask[mb],
                                            args.cliprange, args.cliprange_value)
                         loss = stats["pg_loss"] + args.vf_coef * stats["vf_loss"]  # no entropy bonus
-                        if not torch.isfinite(loss):
-                            raise FloatingPointError(
-                                f"update {update + 1}, epoch {epoch + 1}: loss is {loss.item()} (policy "
-                                f"{stats['pg_loss'].item()}, value {stats['vf_loss'].item()}); stopping. "
-                                f"The last good checkpoint, if any, is in {checkpoints}")
                         accelerator.backward(loss)
                         optimizer.step()
                         optimizer.zero_grad()
@@ -971,7 +1472,9 @@ if __name__ == "__main__":
                         ppo_stats[key].append(value.detach())
                 if epoch == 0 and mini_start == 0:  # before the first optimizer step: must be 1
                     ratio_first_epoch = torch.stack(ppo_stats["ratio"]).mean()
+                    ratio_first_epoch_max_deviation = torch.stack(ppo_stats["ratio_max_deviation"]).max()
         training_time = time.time() - clock
+        losses = torch.stack(ppo_stats["pg_loss"] + ppo_stats["vf_loss"])  # every micro-batch's, for the check below
         ppo_stats = {key: torch.stack(value).mean() for key, value in ppo_stats.items()}
 
         # 7. Log: per-rank means, averaged over ranks (every rank holds local_batch_size episodes).
@@ -981,6 +1484,7 @@ if __name__ == "__main__":
         local = torch.stack([mean_kl, (rollout["entropy"] * valid).sum(1).mean(), mean_non_score, scores.mean(),
                              scores.mean() + mean_non_score, contains_eos.float().mean(), valid.sum(1).mean(),
                              ppo_stats["approxkl"], ppo_stats["pg_clipfrac"], ppo_stats["ratio"], ratio_first_epoch,
+                             ratio_first_epoch_max_deviation,
                              ppo_stats["pg_loss"], ppo_stats["vf_loss"], ppo_stats["vf_clipfrac"]]).float()
         means = dict(zip(stat_names, accelerator.reduce(local, reduction="mean").tolist()))
         episode = (update + 1) * args.batch_size
@@ -993,8 +1497,12 @@ if __name__ == "__main__":
             progress.set_postfix(score=f"{means['objective/scores']:.3f}", kl=f"{means['objective/kl']:.3f}",
                                  ratio0=f"{means['policy/ratio_first_epoch']:.5f}", eos=f"{means['objective/eos_fraction']:.2f}")
         del rollout, query_responses, logprobs, values, rewards, advantages, returns
+        # A nan / inf stops every rank here, before anything of this update is saved (no checkpoint
+        # holding it ever replaces a good one), and before the next rollout samples from such weights.
+        if not all_finite(accelerator, model, losses):
+            raise FloatingPointError(nonfinite_message(update + 1, args.num_updates, checkpoints))
         if (args.save_every and (update + 1) % args.save_every == 0) or update + 1 == args.stop_after_updates:
-            save_checkpoint(accelerator, checkpoints, update + 1, run_name)
+            save_checkpoint(accelerator, checkpoints, update + 1, run_name, model, optimizer, None)
         if args.eval_every and (update + 1) % args.eval_every == 0 and update + 1 < args.num_updates:
             evaluate(("validation",), episode)
     if stop_at < args.num_updates:
@@ -1008,22 +1516,26 @@ if __name__ == "__main__":
 
     # ---- save ----
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it
     if accelerator.is_main_process:
         policy_state = {key[len("policy."):]: value for key, value in state_dict.items() if key.startswith("policy.")}
         # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
         unwrapped.policy.generation_config.eos_token_id = eos_id
         unwrapped.policy.generation_config.pad_token_id = pad_id
-        unwrapped.policy.save_pretrained(args.output_dir, state_dict=policy_state)
-        tokenizer.save_pretrained(args.output_dir)
+        # Model and results go to a new folder beside output_dir, swapped in whole once complete.
+        staging = staging_folder(args.output_dir)
+        save_fp32(unwrapped.policy, staging, policy_state)
+        tokenizer.save_pretrained(staging)
         for split in all_metrics:  # the final tables, where judge.py reads them
             shutil.copy(os.path.join(f"runs/{run_name}", f"samples_{split}_{args.num_updates * args.batch_size}.csv"),
-                        os.path.join(args.output_dir, f"eval_{split}.csv"))
-        with open(os.path.join(args.output_dir, "eval_metrics.json"), "w") as file:
+                        os.path.join(staging, f"eval_{split}.csv"))
+        with open(os.path.join(staging, "eval_metrics.json"), "w") as file:
             json.dump(all_metrics, file, indent=2)
-        shutil.rmtree(checkpoints, ignore_errors=True)  # only an unfinished run needs them
+        publish_output(staging, args.output_dir)  # the checkpoints go with the old folder: only an unfinished run needs them
         writer.close()
         print(f"saved {args.output_dir}")
+        if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
+            print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
         if args.push_to_hub:
             from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
 

@@ -11,7 +11,9 @@ base model's tokenizer into fixed-length columns, so that no later stage tokeniz
     {output_dir}/policy_pairs.json  comparisons per policy pair and split
     {output_dir}/visuals/           token_len.png, confidence.png, policies.png
 
-Each dataset folder holds a card (README.md) with a one-line description of every column.
+Each dataset folder holds a card (README.md) with a one-line description of every column. Every
+output is built in a scratch folder beside it and moved into place in one step, so a run that fails
+or is killed leaves the previous outputs whole (and a watcher process deletes the scratch).
 
     # tiny world, offline, seconds on a laptop
     python preprocess_tldr.py --base_model assets/tiny_world/pythia-tiny \
@@ -20,10 +22,11 @@ Each dataset folder holds a card (README.md) with a one-line description of ever
         --output_dir data/tiny_tldr --query_length 192 --max_sft_response_length 44 \
         --max_sft_query_response_length 226 --max_rm_response_length 53 \
         --max_rm_query_response_length 237 --cnndm_query_length 192 \
-        --cnndm_max_rm_response_length 44 --cnndm_max_rm_query_response_length 193
-    # the paper's datasets with the Pythia tokenizer (every length flag at its paper value)
-    python preprocess_tldr.py --output_dir data/tldr
-    # the same, then publish both datasets with their cards on the Hub
+        --cnndm_max_rm_response_length 44 --cnndm_max_rm_query_response_length 192
+    # the paper's datasets with the Pythia tokenizer (every length flag at its paper value), into
+    # data/EleutherAI/pythia-1b-deduped/tldr, where sft.py / reward.py / dpo.py / ppo.py look by default
+    python preprocess_tldr.py --base_model EleutherAI/pythia-1b-deduped
+    # the same into data/tldr, then publish both datasets with their cards on the Hub
     python preprocess_tldr.py --output_dir data/tldr --push_to_hub
 
 Details (paper, Appendix B): 1 the two datasets and the split `validation_cnndm`; 2 the query
@@ -31,16 +34,25 @@ format and paragraph truncation; 3 the leading space, the EOS and a [PAD] that i
 4 maximum lengths computed, checked against the flags and plotted; 5 left-padded queries and
 right-padded query+response columns; 6 comparisons per policy pair in train vs validation.
 Nothing is logged to a tracker; printed: whether [PAD] was added, the computed vs configured
-length table, the policy pairs per split, the output paths.
+length table, the policy pairs per split, the output paths. Bad flags fail before anything is
+loaded; bad source files and rows fail before any tokenization, naming the file and line or the
+split and row id.
 """
 
+import atexit
+import ctypes
+import errno
+import hashlib
 import json
 import os
+import signal
+import socket
 import subprocess
-import tempfile
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from itertools import accumulate
 from typing import Optional
 
 import datasets
@@ -53,8 +65,8 @@ class Args:
     """Tokenize TL;DR into SFT and preference datasets (see the module docstring of preprocess_tldr.py)."""
 
     # experiment & output
-    output_dir: str = "data/tldr"
-    """Folder for sft/, preference/, args.json, policy_pairs.json and visuals/"""
+    output_dir: Optional[str] = None
+    """Folder for sft/, preference/, args.json, policy_pairs.json and visuals/ (None: data/{base_model}/tldr, where the training stages look by default)"""
     push_to_hub: bool = False
     """Also push both datasets and their cards to the Hub (needs a login; off: nothing networked)"""
     hf_entity: Optional[str] = None
@@ -80,17 +92,17 @@ class Args:
     max_sft_response_length: int = 53
     """Longest SFT reference response, EOS included (Detail 4; paper: 53)"""
     max_sft_query_response_length: int = 562
-    """Longest SFT query + reference response, pads excluded (Detail 4; paper: 562)"""
+    """Longest SFT stripped query + reference response, re-tokenized, pads excluded (Detail 4; paper: 562)"""
     max_rm_response_length: int = 169
     """Longest TL;DR chosen / rejected response (Detail 4; paper: 169)"""
     max_rm_query_response_length: int = 638
-    """Longest TL;DR query + chosen / rejected response (Detail 4; paper: 638)"""
+    """Longest TL;DR stripped query + chosen / rejected response, re-tokenized (Detail 4; paper: 638)"""
     cnndm_query_length: int = 1919
     """CNN/DM query length in tokens; longer ones are truncated (Detail 2; paper: 2047 - 128 = 1919)"""
     cnndm_max_rm_response_length: int = 155
     """Longest CNN/DM chosen / rejected response (Detail 4; paper: 155)"""
     cnndm_max_rm_query_response_length: int = 2021
-    """Longest CNN/DM query + chosen / rejected response (Detail 4; paper: 2021)"""
+    """Longest CNN/DM stripped query + chosen / rejected response, re-tokenized (Detail 4; paper: 2021)"""
     check_length_correctness: bool = True
     """Fail unless every computed maximum equals its flag (a larger maximum always fails; reference: True)"""
 
@@ -109,12 +121,15 @@ def response_descriptions(name: str, what: str, flag: str) -> dict:
     """One-line card descriptions of the seven columns `response_columns` makes for `name`."""
     return {
         name: f"{what}: text with a leading space and the EOS text at the end",
-        f"{name}_token": f"`{name}` ids, RIGHT-padded with [PAD] to {flag}_response_length",
+        f"{name}_token": f"ids of the text (a special-token string typed in it stays text) + the EOS id, "
+                         f"RIGHT-padded with [PAD] to {flag}_response_length",
         f"{name}_token_len": f"number of ids of `{name}` (EOS included, pads excluded)",
-        f"query_{name}": f"`query` + `{name}`",
-        f"query_{name}_token": f"unpadded query ids ++ `{name}` ids, RIGHT-padded to {flag}_query_response_length",
+        f"query_{name}": f"`query` stripped of surrounding whitespace + `{name}`",
+        f"query_{name}_token": f"`query_{name}` re-tokenized as one text + the EOS id, RIGHT-padded to "
+                               f"{flag}_query_response_length",
         f"query_{name}_token_len": f"number of non-pad ids in `query_{name}_token`",
-        f"query_{name}_token_response_label": f"`query_{name}_token` with the query ids set to [PAD] (loss labels)",
+        f"query_{name}_token_response_label": f"`query_{name}_token` with the ids of the stripped query set to "
+                                              "[PAD] (loss labels)",
     }
 
 
@@ -148,10 +163,60 @@ PREFERENCE_DESCRIPTIONS = {
     **response_descriptions("chosen", "the preferred summary", "(cnndm_)max_rm"),
     **response_descriptions("rejected", "the other summary", "(cnndm_)max_rm"),
 }
+# (query budget, response width, query+response width) flags of each kind of row
+LENGTH_FLAG_GROUPS = (("query_length", "max_sft_response_length", "max_sft_query_response_length"),
+                      ("query_length", "max_rm_response_length", "max_rm_query_response_length"),
+                      ("cnndm_query_length", "cnndm_max_rm_response_length", "cnndm_max_rm_query_response_length"))
 
 
 class DataError(ValueError):
     """Input data or a length flag the script cannot use; the message says where and what to fix."""
+
+
+def model_name(base_model: str) -> str:
+    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
+    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
+    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
+    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
+
+
+class SetupError(ValueError):
+    """Flags, data, tokenizer or output folder the script cannot use; raised before any compute."""
+
+
+def preprocess_flag_problems(args: Args) -> list:
+    """What is wrong with the flags on their own (checked before anything is loaded or written); [] if nothing."""
+    problems = []
+    if args.num_proc is not None and args.num_proc < 1:
+        problems.append(f"--num_proc {args.num_proc}: pass a number of worker processes >= 1 "
+                        "(or leave the flag out: one per CPU)")
+    lengths = {flag: getattr(args, flag) for group in LENGTH_FLAG_GROUPS for flag in group}
+    problems += [f"--{flag} {value}: pass a positive number of tokens" for flag, value in lengths.items() if value < 1]
+    for query, response, query_response in LENGTH_FLAG_GROUPS:
+        # A row holds its stripped query (up to the budget) and a response (>= 1 id, the EOS), so a
+        # width below the query budget or not above the response width can never hold the data.
+        if lengths[query] > lengths[query_response]:
+            problems.append(f"--{query} {lengths[query]} is larger than --{query_response} "
+                            f"{lengths[query_response]}: a query of that length leaves no room for its response; "
+                            f"raise --{query_response} or lower --{query}")
+        if lengths[response] >= lengths[query_response]:
+            problems.append(f"--{response} {lengths[response]} is not smaller than --{query_response} "
+                            f"{lengths[query_response]}: every response comes after a query of at least one token; "
+                            f"raise --{query_response} or lower --{response}")
+    if args.output_dir is not None and (not args.output_dir or os.path.isfile(args.output_dir)):  # None: the default
+        problems.append(f"--output_dir {args.output_dir!r} is not a folder name: pass a new or existing folder")
+    return problems
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """sha256 (hex) of the tokenizer's vocabulary, as sorted (token, id) pairs, and of its special tokens map."""
+    # Two tokenizers with the same EOS and [PAD] ids may still map every other id to another token: a
+    # model would then train on, or score, text it cannot read, silently. Every stage records this in
+    # its args.json (taken after add_pad_token) and compares it across everything it loads.
+    payload = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "special_tokens": tokenizer.special_tokens_map},
+                         sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
 
 
 def add_pad_token(tokenizer) -> bool:
@@ -162,19 +227,79 @@ def add_pad_token(tokenizer) -> bool:
     return True
 
 
+def encode_text(tokenizer, text: str) -> list:
+    """Ids of `text` read as plain text: `[PAD]` or `<|endoftext|>` typed in it stay characters, never special ids."""
+    # A user who writes "<|endoftext|>" in a post must not end the sequence there (the reward is read
+    # at the first EOS), nor "[PAD]" hide a token from every loss. Special ids are placed by this file
+    # only (add_special_tokens=False: no template adds any); other added tokens (Pythia's runs of
+    # spaces) still match, so normal text gets exactly the ids a plain `encode` gives.
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+
+def data_file_problem(path: str) -> Optional[str]:
+    """Why the local data file `path` cannot be read (empty, not UTF-8, invalid JSON), naming the line; None if ok."""
+    if os.path.getsize(path) == 0:
+        return f"{path}: the file is empty"
+    if not path.endswith((".json", ".jsonl")):
+        return None  # parquet and other formats: their loader's error names the file (see load_source)
+    with open(path, "rb") as file:
+        data = file.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        return f"{path}, line {line}: byte {data[error.start]:#04x} is not UTF-8; re-encode the file as UTF-8"
+    lines = text.split("\n")
+    first = next((line for line in lines if line.strip()), None)
+    if first is None:
+        return f"{path}: the file holds only whitespace, no JSON"
+    try:  # `datasets` reads one JSON object per line, or else one JSON document
+        json.loads(first)
+    except json.JSONDecodeError:
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as error:
+            return f"{path}, line {error.lineno}: invalid JSON ({error.msg}); expected one JSON document"
+        return None
+    for number, line in enumerate(lines, 1):
+        try:
+            if line.strip():
+                json.loads(line)
+        except json.JSONDecodeError as error:
+            return f"{path}, line {number}: invalid JSON ({error.msg}); expected one JSON object per line"
+    return None
+
+
 def load_source(path: str, config: Optional[str], scratch_dir: str):
-    """`datasets.load_dataset(path, config)`; a local folder (laid out like a Hub repo) is cached in `scratch_dir`."""
-    # datasets caches a local folder under its name and config, not its content: a folder written
-    # again in place would be served stale from ~/.cache, features included. So a local folder
-    # gets a fresh cache of its own; a Hub id is cached by its commit and is safe.
-    return datasets.load_dataset(path, config, cache_dir=scratch_dir if os.path.isdir(path) else None)
+    """`datasets.load_dataset(path, config)`; a local folder (laid out like a Hub repo) is checked file by file
+    and cached in `scratch_dir`."""
+    local = os.path.isdir(path)
+    try:
+        if local:  # datasets' own errors name neither the file nor the line: check each data file first
+            builder = datasets.load_dataset_builder(path, config, cache_dir=scratch_dir)
+            for files in builder.config.data_files.values():
+                problems = [problem for file in files if (problem := data_file_problem(file))]
+                if problems:
+                    raise DataError("; ".join(problems))
+        # datasets caches a local folder under its name and config, not its content: a folder written
+        # again in place would be served stale from ~/.cache, features included. So a local folder
+        # gets a fresh cache of its own; a Hub id is cached by its commit and is safe.
+        return datasets.load_dataset(path, config, cache_dir=scratch_dir if local else None)
+    except DataError:
+        raise
+    except Exception as error:  # a Hub id offline, a corrupt parquet file, a folder with no data files
+        raise DataError(f"cannot load {path} (config {config}): {type(error).__name__}: {error}; check "
+                        "--sft_dataset / --preference_dataset / --preference_config") from error
 
 
 def require_splits(dataset_dict, splits: tuple, source: str) -> None:
-    """Raise DataError naming the missing splits and the splits that exist."""
+    """Raise DataError naming the missing or empty splits and the splits that exist."""
     missing = [split for split in splits if split not in dataset_dict]
     if missing:
         raise DataError(f"{source}: missing split(s) {missing}; it has splits {sorted(dataset_dict)}")
+    empty = [split for split in splits if len(dataset_dict[split]) == 0]
+    if empty:
+        raise DataError(f"{source}: split(s) {empty} have no rows; every split in {list(splits)} needs rows")
 
 
 def split_off_cnndm(validation, cnndm_batches: tuple) -> tuple:
@@ -203,6 +328,8 @@ def row_problem(row: dict, kind: str) -> Optional[str]:
             # Responses are built as text + EOS only, so each text must bring its own leading space.
             if not isinstance(text, str) or not text.startswith(" "):
                 return f"expected summaries[{i}].text to be a string starting with a space, got {text!r:.80}"
+            if not text.strip():  # the response would be a lone space and the EOS
+                return f"expected summaries[{i}].text to hold a summary after its leading space, got {text!r:.80}"
             if not isinstance(policy, str):
                 return f"expected summaries[{i}].policy to be a string, got {policy!r:.80}"
         if row.get("choice") not in (0, 1):
@@ -212,10 +339,11 @@ def row_problem(row: dict, kind: str) -> Optional[str]:
     for name in needed:
         if not isinstance(fields.get(name), str):
             return f"expected {prefix}{name} to be a string, got {fields.get(name)!r:.80}"
-    # An empty body would make a query with nothing to summarize; refuse it rather than train on it.
-    body = "article" if kind == "cnndm" else "post"
-    if not fields[body].strip():
-        return f"expected a non-empty {prefix}{body}, got {fields[body]!r:.80}"
+    # An empty body would make a query with nothing to summarize, an empty summary a response that is
+    # a lone space and the EOS: refuse both rather than train on them.
+    for name in ("article",) if kind == "cnndm" else ("post", "summary") if kind == "sft" else ("post",):
+        if not fields[name].strip():
+            return f"expected a non-empty {prefix}{name}, got {fields[name]!r:.80}"
     return None
 
 
@@ -228,28 +356,72 @@ def validate_rows(rows, split: str, kind: str) -> None:
             raise DataError(f"split '{split}', row {i} (id {row_id!r}): {problem}")
 
 
+def duplicate_id_problem(ids_by_split: dict) -> Optional[str]:
+    """Which ids occur twice across `ids_by_split` ({split: [id per row]}), with where; None if all differ."""
+    seen, duplicates = {}, []
+    for split, ids in ids_by_split.items():
+        for i, row_id in enumerate(ids):
+            if row_id in seen:
+                duplicates.append(f"id {row_id!r} in split '{seen[row_id][0]}' row {seen[row_id][1]} "
+                                  f"and split '{split}' row {i}")
+            else:
+                seen[row_id] = (split, i)
+    if not duplicates:
+        return None
+    # One post twice would be trained on twice, or trained on and then tested on.
+    return (f"{len(duplicates)} duplicate post id(s): {'; '.join(duplicates[:5])}"
+            f"{' ...' if len(duplicates) > 5 else ''}; remove the repeated rows from the source")
+
+
 def truncate_last_paragraph(text: str, separator: str = "\n") -> str:
     """Cut `text` just before its last separator; without one, drop its last character."""
     cut = text.rfind(separator)
     return text[:cut] if cut != -1 else text[:-1]
 
 
+def truncation_cuts(text: str, separator: str = "\n") -> list:
+    """Lengths of the prefixes that repeating `truncate_last_paragraph` visits, `text` first, "" last."""
+    cuts, cut = [len(text)], text.rfind(separator)
+    while cut != -1:  # before each separator, from the last one back
+        cuts.append(cut)
+        cut = text.rfind(separator, 0, cut)
+    return cuts + list(range(cuts[-1] - 1, -1, -1))  # no separator left: one character at a time
+
+
+# Cutting a text re-tokenizes its kept end (the last word, the junction with the template), which may
+# then take a few ids fewer than it did inside the longer text. The skip in tokenize_query assumes
+# never more than this many (a BPE word's ids differ from its prefix's near the cut only: 0-3 on the
+# random posts of the tests, which compare the result with the reference's loop).
+RETOKENIZE_SLACK = 32
+
+
 def tokenize_query(tokenizer, format_str: str, fields: dict, truncate_field: str, length: int, where: str) -> list:
-    """Ids of `format_str` filled with `fields`, `truncate_field` shortened to fit `length` ids."""
-    fields = dict(fields)
-    # add_special_tokens=False: every id of every column is placed by this file, never by a template.
-    ids = tokenizer.encode(format_str.format(**fields), add_special_tokens=False)
+    """Ids of `format_str` filled with `fields`, `truncate_field` shortened to fit `length` ids.
+
+    == the reference loop `while too long: field = truncate_last_paragraph(field)`, re-tokenizing
+    only the prefixes that the byte count below cannot rule out."""
+    text = fields[truncate_field]
     # Detail 2: Truncate the paragraph, not the sentence
     # Over budget, drop the last paragraph of the post (OpenAI's tasks.py): the model then reads
     # whole paragraphs, not a post that stops mid-sentence. A post with no newline left loses one
-    # character per pass: slow on a huge post, but rare, and exactly the reference behaviour, so
-    # the released datasets are reproduced token for token.
-    while len(ids) > length:
-        if not fields[truncate_field]:
+    # character per pass, exactly as the reference does, so its datasets are reproduced token for
+    # token. Tokenizing every visited prefix would cost minutes on a 20k-character post, so:
+    cuts = truncation_cuts(text)  # candidate lengths, longest first; the answer is the first that fits
+    bytes_before = list(accumulate((len(char.encode()) for char in text), initial=0))  # [i]: bytes of text[:i]
+    i = 0
+    while True:
+        ids = encode_text(tokenizer, format_str.format(**{**fields, truncate_field: text[:cuts[i]]}))
+        excess = len(ids) - length
+        if excess <= 0:
+            return ids
+        if i == len(cuts) - 1:
             raise DataError(f"{where}: the query has {len(ids)} > {length} tokens even with an empty {truncate_field}")
-        fields[truncate_field] = truncate_last_paragraph(fields[truncate_field])
-        ids = tokenizer.encode(format_str.format(**fields), add_special_tokens=False)
-    return ids
+        # Every id holds >= 1 byte, so a prefix b bytes shorter has at least len(ids) - b - slack ids:
+        # while b < excess - slack it is still too long, and the loop would only have passed it by.
+        j = i + 1
+        while j < len(cuts) - 1 and bytes_before[cuts[i]] - bytes_before[cuts[j]] < excess - RETOKENIZE_SLACK:
+            j += 1
+        i = j
 
 
 def left_pad(ids: list, length: int, pad_id: int) -> list:
@@ -269,62 +441,72 @@ def response_label(query_response: list, query_len: int, pad_id: int) -> list:
 
 
 def query_columns(tokenizer, format_str: str, fields: dict, truncate_field: str, length: int, pad_id: int,
-                  where: str) -> tuple:
-    """(query, query_token, query_token_len columns of one row, the unpadded query ids)."""
+                  where: str) -> dict:
+    """The query, query_token and query_token_len columns of one row."""
     ids = tokenize_query(tokenizer, format_str, fields, truncate_field, length, where)
     query_token = left_pad(ids, length, pad_id)  # (length,): pads first, the query ends at the last column
-    # [PAD] is special, so decoding drops it; lstrip as in the reference (a no-op for these templates).
+    # Only special ids are skipped (the pads): a "[PAD]" typed in the post is text ids and stays in.
+    # lstrip as in the reference (a no-op for these templates).
     query = tokenizer.decode(query_token, skip_special_tokens=True).lstrip()
-    return {"query": query, "query_token": query_token, "query_token_len": len(ids)}, ids
+    return {"query": query, "query_token": query_token, "query_token_len": len(ids)}
 
 
-def response_columns(tokenizer, query: str, query_ids: list, name: str, response: str,
-                     response_length: int, query_response_length: int, pad_id: int) -> dict:
-    """The seven `name` columns (see `response_descriptions`) of one response to one query."""
-    response_ids = tokenizer.encode(response, add_special_tokens=False)
-    # Concatenate ids, never re-tokenize `query + response`: these are exactly the ids the policy
-    # sees when it generates (query ids, then its own response ids), and the first len(query_ids)
-    # positions are the query for sure, so the label mask below is exact. BPE on the joined
-    # string could merge across the boundary and shift the mask by a token.
-    query_response_ids = query_ids + response_ids
+def response_columns(tokenizer, prompt: str, prompt_ids: list, name: str, text: str, eos_text: str,
+                     response_length: int, query_response_length: int, pad_id: int, where: str) -> dict:
+    """The seven `name` columns (see `response_descriptions`) of the response `text` (no EOS) to `prompt`.
+
+    `prompt` is the stripped query and `prompt_ids` its ids: the reference's layout, which tokenizes
+    `query.strip() + response` as one text (the EOS id is appended here, never tokenized from text)."""
+    eos_id = tokenizer.eos_token_id
+    response_ids = encode_text(tokenizer, text) + [eos_id]
+    query_response_ids = encode_text(tokenizer, prompt + text) + [eos_id]
+    # The label mask covers exactly the prompt's ids, so they must open the joined ids (the response
+    # starts with a space, where a byte-level BPE never merges across).
+    if query_response_ids[:len(prompt_ids)] != prompt_ids:
+        raise DataError(f"{where}: the ids of the query + {name} do not start with the ids of the query alone "
+                        f"(the tokenizer merges across {prompt[-20:]!r} + {text[:20]!r}); expected the response "
+                        "to start a new token (a leading space): fix the row or use a byte-level BPE tokenizer")
     query_response_token = right_pad(query_response_ids, query_response_length, pad_id)
     return {
-        name: response,
+        name: text + eos_text,
         f"{name}_token": right_pad(response_ids, response_length, pad_id),
         f"{name}_token_len": len(response_ids),
-        # The text twin of the ids (the reference strips the query first, which drops the
-        # newline that ends a CNN/DM query; here text and ids always agree).
-        f"query_{name}": query + response,
+        f"query_{name}": prompt + text + eos_text,
         f"query_{name}_token": query_response_token,
         f"query_{name}_token_len": len(query_response_ids),
-        f"query_{name}_token_response_label": response_label(query_response_token, len(query_ids), pad_id),
+        # The reference masks query_token_len ids. A CNN/DM query ends in "\n", which strip() drops, so
+        # there it also masked the first response id; here exactly the prompt's ids are masked.
+        f"query_{name}_token_response_label": response_label(query_response_token, len(prompt_ids), pad_id),
     }
 
 
 def process_sft_row(row: dict, tokenizer, eos_text: str, pad_id: int, query_length: int,
                     response_length: int, query_response_length: int, split: str) -> dict:
     """Query and reference-response columns of one SFT row."""
-    query, query_ids = query_columns(tokenizer, TLDR_FORMAT, row, "post", query_length, pad_id,
-                                     where=f"split '{split}', row id {row['id']!r}")
+    where = f"split '{split}', row id {row['id']!r}"
+    query = query_columns(tokenizer, TLDR_FORMAT, row, "post", query_length, pad_id, where)
+    prompt = query["query"].strip()
     # The human summary has no leading space: add one (" word" after "TL;DR:", as in the preference
-    # data) and end with the EOS text, which tokenizes to the EOS id the SFT model must learn to emit.
-    response = " " + row["summary"] + eos_text
-    return {**query, **response_columns(tokenizer, query["query"], query_ids, "reference_response",
-                                        response, response_length, query_response_length, pad_id)}
+    # data); the EOS the SFT model must learn to emit ends the response.
+    return {**query, **response_columns(tokenizer, prompt, encode_text(tokenizer, prompt), "reference_response",
+                                        " " + row["summary"], eos_text, response_length, query_response_length,
+                                        pad_id, where)}
 
 
 def process_preference_row(row: dict, tokenizer, eos_text: str, pad_id: int, cnndm: bool, query_length: int,
                            response_length: int, query_response_length: int, split: str) -> dict:
     """Query, chosen and rejected columns of one preference row (CNN/DM format if `cnndm`)."""
     format_str, truncate_field = (CNNDM_FORMAT, "article") if cnndm else (TLDR_FORMAT, "post")
-    query, query_ids = query_columns(tokenizer, format_str, row["info"], truncate_field, query_length, pad_id,
-                                     where=f"split '{split}', row id {row['info']['id']!r}")
+    where = f"split '{split}', row id {row['info']['id']!r}"
+    query = query_columns(tokenizer, format_str, row["info"], truncate_field, query_length, pad_id, where)
+    prompt = query["query"].strip()
+    prompt_ids = encode_text(tokenizer, prompt)
     chosen, rejected = row["summaries"][row["choice"]], row["summaries"][1 - row["choice"]]
     columns = {**query, "chosen_policy": chosen["policy"], "rejected_policy": rejected["policy"],
                "policies": "--".join(sorted([chosen["policy"], rejected["policy"]]))}
-    for name, summary in (("chosen", chosen), ("rejected", rejected)):  # the text has its space: add EOS only
-        columns.update(response_columns(tokenizer, query["query"], query_ids, name, summary["text"] + eos_text,
-                                        response_length, query_response_length, pad_id))
+    for name, summary in (("chosen", chosen), ("rejected", rejected)):  # the text has its leading space
+        columns.update(response_columns(tokenizer, prompt, prompt_ids, name, summary["text"], eos_text,
+                                        response_length, query_response_length, pad_id, where))
     return columns
 
 
@@ -412,10 +594,127 @@ def plot_visuals(length_panels: list, confidences: dict, pair_counts: dict, fold
     return [os.path.join(folder, name) for name in ("token_len.png", "confidence.png", "policies.png")]
 
 
+# ---- plumbing: a scratch folder, and outputs moved into place in one step (no Detail below) ----
+
+SCRATCH_PREFIX = ".preprocess_tldr-scratch-"
+# The watcher: a bare interpreter (not a fork of this 340 MB process) that waits until this run and
+# every process it forked (the `map` workers) have exited, however (SIGKILL and the OOM killer
+# included), then puts back an output that a half-done swap had moved aside, deletes the scratch,
+# and removes the folders the run made if they stayed empty. It ignores Ctrl-C, SIGTERM and SIGHUP
+# (what `scancel` or a closed terminal send to every process): those stop the run, not the clean-up.
+SCRATCH_WATCHER = """
+import os, shutil, signal, sys
+for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(number, signal.SIG_IGN)
+sys.stdin.buffer.read()  # returns at end of file: every holder of the pipe's other end has exited
+scratch, made = sys.argv[1], sys.argv[2:]
+old = os.path.join(scratch, "old")
+for name in os.listdir(old) if os.path.isdir(old) else []:
+    target = os.path.join(os.path.dirname(scratch), name)
+    if not os.path.lexists(target):  # killed between the two renames of a swap: the old output goes back
+        os.rename(os.path.join(old, name), target)
+shutil.rmtree(scratch, ignore_errors=True)
+for folder in made:  # deepest first; a folder that holds anything stays
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
+"""
+
+
+def start_scratch(output_dir: str) -> str:
+    """Make `output_dir` and in it an empty scratch folder (with new/ for the outputs to be); return its path.
+
+    A watcher process deletes the scratch, and the folders made here if left empty, once this run has ended."""
+    made, folder = [], os.path.abspath(output_dir)
+    while not os.path.isdir(folder):  # the folders this run creates, deepest first
+        made.append(folder)
+        folder = os.path.dirname(folder)
+    scratch = os.path.join(os.path.abspath(output_dir), f"{SCRATCH_PREFIX}{socket.gethostname()}-{os.getpid()}")
+    # The watcher starts before anything is written: from here on, however the run ends, it cleans up.
+    watcher = subprocess.Popen([sys.executable, "-I", "-S", "-c", SCRATCH_WATCHER, scratch, *made],
+                               stdin=subprocess.PIPE)
+    atexit.register(stop_watcher, watcher)
+    # datasets' `map` workers are forked (even for num_proc=1) and would outlive a SIGKILLed run,
+    # blocked on their task queue forever, holding the watcher's pipe and the scratch: the kernel
+    # kills them with it (Linux PR_SET_PDEATHSIG = 1; prctl is looked up here, not in the child).
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+    if prctl is not None:
+        os.register_at_fork(after_in_child=lambda: prctl(1, signal.SIGKILL))
+    os.makedirs(os.path.join(scratch, "new"))
+    remove_stale_scratch(output_dir)
+    return scratch
+
+
+def stop_watcher(watcher: subprocess.Popen) -> None:
+    """Let the watcher clean up now and wait for it (at exit: after success, an exception or Ctrl-C)."""
+    watcher.stdin.close()
+    try:
+        watcher.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass  # a leftover worker still holds the pipe: the watcher cleans up once it is gone
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (it may belong to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_scratch(output_dir: str) -> None:
+    """Clean up the scratch folders of earlier runs on this host whose watcher was killed with them."""
+    mine = f"{SCRATCH_PREFIX}{socket.gethostname()}-"
+    for name in sorted(os.listdir(output_dir)):
+        pid = name[len(mine):]
+        if name.startswith(mine) and pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
+            subprocess.run([sys.executable, "-I", "-S", "-c", SCRATCH_WATCHER, os.path.join(output_dir, name)],
+                           stdin=subprocess.DEVNULL, check=False)
+            print(f"removed {os.path.join(output_dir, name)}, the scratch of an interrupted run")
+
+
+def exchange_paths(first: str, second: str) -> bool:
+    """Swap two existing paths in one system call (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc >= 2.28
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2  # from <fcntl.h> and <linux/fs.h>
+    if renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a kernel or file system without the flag
+        return False
+    raise OSError(code, os.strerror(code), first, None, second)
+
+
+def install_output(scratch: str, output_dir: str, name: str) -> None:
+    """Move `scratch`/new/`name` (a file or folder) to `output_dir`/`name`, replacing the old one in one step."""
+    staged, target = os.path.join(scratch, "new", name), os.path.join(output_dir, name)
+    # A rename is atomic: a reader (or a rerun killed at any moment) finds the old or the new version.
+    if not (os.path.isdir(staged) and os.path.isdir(target)):
+        os.replace(staged, target)  # a file, or a folder where there was none
+    elif not exchange_paths(staged, target):  # a folder cannot be renamed onto a folder: swap the two
+        # No atomic swap here (not Linux, or e.g. NFS): two renames. Killed between them, the run
+        # leaves the old folder in scratch/old, and the watcher (or the next run) moves it back.
+        old = os.path.join(scratch, "old", name)
+        os.makedirs(os.path.dirname(old), exist_ok=True)
+        os.rename(target, old)
+        os.rename(staged, target)
+    # (after a swap, the old version sits in the scratch and goes with it)
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    args.output_dir = args.output_dir or os.path.join("data", model_name(args.base_model), "tldr")
+    # ---- checks: every flag, before anything is loaded or written ----
+    problems = preprocess_flag_problems(args)
+    if problems:
+        raise SetupError("bad flags:\n  " + "\n  ".join(problems))
     num_proc = args.num_proc or os.cpu_count()
-    os.makedirs(args.output_dir, exist_ok=True)
 
     # ---- tokenizer ----
     tokenizer = AutoTokenizer.from_pretrained(args.base_model)
@@ -430,9 +729,10 @@ if __name__ == "__main__":
     assert pad_id != tokenizer.eos_token_id, f"pad id {pad_id} must differ from eos id {tokenizer.eos_token_id}"
 
     # ---- data: load, split, validate every row before any tokenization ----
-    scratch = tempfile.TemporaryDirectory(dir=args.output_dir)  # removed at exit
-    sft_source = load_source(args.sft_dataset, None, scratch.name)
-    preference_source = load_source(args.preference_dataset, args.preference_config, scratch.name)
+    # Until the last step this run writes only into a scratch folder (its caches, then its outputs).
+    scratch = start_scratch(args.output_dir)
+    sft_source = load_source(args.sft_dataset, None, scratch)
+    preference_source = load_source(args.preference_dataset, args.preference_config, scratch)
     require_splits(sft_source, SFT_SPLITS, args.sft_dataset)
     require_splits(preference_source, PREFERENCE_SPLITS, args.preference_dataset)
     # Detail 1: Dataset specification
@@ -443,9 +743,17 @@ if __name__ == "__main__":
     sft = datasets.DatasetDict({split: sft_source[split] for split in SFT_SPLITS})
     preference = datasets.DatasetDict(
         train=preference_source["train"], validation=validation, validation_cnndm=validation_cnndm)
+    require_splits(preference, PREFERENCE_SPLITS, f"{args.preference_dataset} without its CNN/DM rows")
+    if len(validation_cnndm) == 0:
+        print(f"{args.preference_dataset}: no CNN/DM comparisons (batches {', '.join(CNNDM_BATCHES)}) in "
+              "validation, so validation_cnndm is empty and the cnndm_* length flags are not checked")
     # A bad row fails here, in seconds, with its split and id, not deep inside a worker process.
     for split, dataset in sft.items():
         validate_rows(dataset, split, "sft")
+    # A post id twice in the SFT data is a post trained on twice or tested on after training. (In the
+    # preference data it is normal: one post, several comparisons.)
+    if problem := duplicate_id_problem({split: dataset["id"] for split, dataset in sft.items()}):
+        raise DataError(f"{args.sft_dataset}: {problem}")
     for split, dataset in preference.items():
         validate_rows(dataset, split, "cnndm" if split == "validation_cnndm" else "tldr")
     print(f"rows: sft {dict(sft.num_rows)}, preference {dict(preference.num_rows)}")
@@ -454,7 +762,9 @@ if __name__ == "__main__":
     # Detail 5: Pre-tokenize; right-pad query+response, left-pad queries
     # Queries are left-padded (generation appends on the right, so every query must end in the
     # same column); query+response rows are right-padded (training reads left to right and finds
-    # the EOS as the last non-pad id). Padded once here, every later batch is a plain stack.
+    # the EOS as the last non-pad id). Padded once here, every later batch is a plain stack. Each
+    # query+response row is the reference's: `query.strip() + response` tokenized as one text, then
+    # the EOS id (response_columns).
     # map pickles the function and its fn_kwargs (the tokenizer included) into each worker process.
     common = dict(tokenizer=tokenizer, eos_text=eos_text, pad_id=pad_id)
     sft = datasets.DatasetDict({split: dataset.map(
@@ -473,6 +783,8 @@ if __name__ == "__main__":
         fn_kwargs=dict(**common, split=split, cnndm=split == "validation_cnndm",
                        **(cnndm_lengths if split == "validation_cnndm" else tldr_lengths)),
     ) for split, dataset in preference.items()})
+    if len(preference["validation_cnndm"]) == 0:  # map adds no column to an empty split: give it the schema
+        preference["validation_cnndm"] = preference["validation"].select([])
 
     # ---- lengths ----
     # Detail 4: SFT and preference lengths differ
@@ -518,6 +830,7 @@ if __name__ == "__main__":
     print(f"{len(unseen)} of the {len(pair_counts['validation'])} validation policy pairs never occur in train")
 
     # ---- visuals ----
+    new = os.path.join(scratch, "new")  # every output is written here, then moved into place
     tldr = datasets.concatenate_datasets([preference[split] for split in PREFERENCE_SPLITS])
     pair = ("chosen", "rejected")
     visuals = plot_visuals(
@@ -532,7 +845,7 @@ if __name__ == "__main__":
         {split: Counter(str((extra or {}).get("confidence")) for extra in dataset["extra"])
          for split, dataset in preference.items()},
         {split: pair_counts[split] for split in PREFERENCE_SPLITS},
-        os.path.join(args.output_dir, "visuals"))
+        os.path.join(new, "visuals"))
 
     # ---- save: datasets with cards, counts, args ----
     commit = git_commit(os.path.dirname(os.path.abspath(__file__)))
@@ -540,20 +853,30 @@ if __name__ == "__main__":
                "preference": (preference, args.preference_dataset, PREFERENCE_DESCRIPTIONS)}
     for name, (dataset_dict, source, descriptions) in outputs.items():
         # Arrow shards that load_from_disk memory-maps: later stages open 100k+ rows in a second.
-        dataset_dict.save_to_disk(os.path.join(args.output_dir, name))
+        # An empty split (validation_cnndm without CNN/DM rows) needs its one shard asked for: datasets
+        # would write none and then fail to load the split.
+        dataset_dict.save_to_disk(os.path.join(new, name),
+                                  num_shards={split: 1 for split, dataset in dataset_dict.items() if not len(dataset)})
         # The card sits beside the saved splits: load_from_disk ignores it, a Hub repo shows it.
         intro = (f"Built from `{source}` by preprocess_tldr.py (commit {commit}) with the tokenizer of "
                  f"`{args.base_model}` (eos id {tokenizer.eos_token_id}, pad id {pad_id}); "
                  + ", ".join(f"{flag} {configured}" for flag, configured, _, _ in checks) + ".")
-        with open(os.path.join(args.output_dir, name, "README.md"), "w") as file:
+        with open(os.path.join(new, name, "README.md"), "w") as file:
             file.write(dataset_card(f"TL;DR {name} dataset, pre-tokenized", intro, dataset_dict, descriptions))
-    with open(os.path.join(args.output_dir, "policy_pairs.json"), "w") as file:
+    with open(os.path.join(new, "policy_pairs.json"), "w") as file:
         json.dump(pair_counts, file, indent=2)
     # The ids let later stages check that their tokenizer matches the one behind the token columns.
-    with open(os.path.join(args.output_dir, "args.json"), "w") as file:
-        json.dump({**asdict(args), "eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad_id,
+    with open(os.path.join(new, "args.json"), "w") as file:
+        json.dump({**asdict(args), "base_model_name": model_name(args.base_model),
+                   "eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad_id,
+                   "tokenizer_identity": tokenizer_identity(tokenizer),
                    "git_commit": commit}, file, indent=2)
-    print(f"saved {args.output_dir}/sft, {args.output_dir}/preference, args.json, policy_pairs.json, {visuals}")
+    # A failed run never reaches this point, so it leaves the old outputs as they were. Each output
+    # replaces its old version in one rename; args.json, the record of the run, goes last.
+    for name in ("sft", "preference", "visuals", "policy_pairs.json", "args.json"):
+        install_output(scratch, args.output_dir, name)
+    print(f"saved {args.output_dir}/sft, {args.output_dir}/preference, args.json, policy_pairs.json, "
+          f"{[os.path.join(args.output_dir, 'visuals', os.path.basename(path)) for path in visuals]}")
 
     # ---- publish (opt-in: the only networked code of this script) ----
     if args.push_to_hub:

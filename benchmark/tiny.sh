@@ -39,7 +39,7 @@ TINY_LENGTHS=(
   --max_rm_query_response_length 237
   --cnndm_query_length 192
   --cnndm_max_rm_response_length 44
-  --cnndm_max_rm_query_response_length 193
+  --cnndm_max_rm_query_response_length 192
 )
 # Another world (WORLD=/tmp/w SEED=2) has other exact maxima: there the flags are upper bounds
 # that hold for any seed (preprocess_tldr.py still fails if one would cut data) and are not

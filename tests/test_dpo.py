@@ -230,9 +230,10 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
              (["--label_dataset", str(small_world / "preference"), "--output_dir", str(tmp_path / "b")],
               "holds a different run"),
              (["--label_dataset", str(small_world / "preference"), "--output_dir", str(tmp_path / "c"), "--beta", "0"],
-              "--beta 0.0 must be > 0")]
+              "--beta 0.0: want a finite number > 0")]
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "args.json").write_text(json.dumps({"lr": 0.5}))
+    (tmp_path / "b" / "eval_metrics.json").write_text("{}")  # that run's work (an args.json alone is a failed start)
     other_ids = tmp_path / "other_ids"  # Detail 3: data tokenized with other pad / eos ids than the model's
     shutil.copytree(small_world, other_ids)
     (other_ids / "args.json").write_text(json.dumps({"pad_token_id": 5, "eos_token_id": EOS}))
@@ -243,4 +244,4 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
         assert result.returncode != 0 and "SetupError" in result.stderr and message in result.stderr, result.stderr[-2000:]
         assert "Loading weights" not in result.stdout + result.stderr
     assert not any((tmp_path / name).exists() for name in "acd")
-    assert sorted(os.listdir(tmp_path / "b")) == ["args.json"] and not (tmp_path / "runs").exists()
+    assert sorted(os.listdir(tmp_path / "b")) == ["args.json", "eval_metrics.json"] and not (tmp_path / "runs").exists()

@@ -2,8 +2,9 @@
 
 The HTTP tests start a small OpenAI-compatible server on 127.0.0.1 (stdlib ThreadingHTTPServer)
 that prefers the longer summary, answers malformed verdicts for marked posts, and injects faults by
-request number: 429 (with Retry-After), 500, a reply that hangs past the client timeout, 401.
-judge.py runs as a subprocess, as a user runs it, with short timeouts and backoff delays.
+request number or by post row: 429 (with Retry-After), 500, a reply that hangs past the client
+timeout, 401, 400, HTTP 200 bodies without a usable reply. judge.py runs as a subprocess, as a user
+runs it, with short timeouts and backoff delays. tests/test_judge_faults.py reuses this server.
 """
 
 import csv
@@ -78,11 +79,13 @@ def test_order_is_balanced_seeded_and_recorded():
 
 
 def test_win_rate_ci_and_malformed_by_hand():
-    preferred = ["ours"] * 7 + ["reference"] * 3 + ["malformed"] * 2 + ["tie", "unjudged"]
-    rows = [dict(preferred=p, ours_words=w, other_words=4, ours_score=None, other_score=None)
-            for p, w in zip(preferred, [10, 2] * 7)]
+    preferred = ["ours"] * 7 + ["reference"] * 3 + ["malformed"] * 2 + ["tie", "unjudged", "unjudged", "unjudged"]
+    status = ["judged"] * 13 + ["unjudged", "failed", "failed"]  # a failed row has no verdict: it counts for nobody
+    rows = [dict(preferred=p, status=s, ours_words=w, other_words=4, ours_score=None, other_score=None)
+            for p, s, w in zip(preferred, status, [10, 2] * 7 + [6, 6])]
     stats = judge.summarize(rows, "reference")
     assert (stats["n"], stats["wins"], stats["malformed"], stats["ties"], stats["unjudged"]) == (10, 7, 2, 1, 1)
+    assert (stats["judged"], stats["failed"], stats["rows"]) == (13, 2, 16)
     assert stats["win_rate"] == 0.7
     # Wilson by hand, z = 1.96: (0.7 + 1.9208/10) / 1.38415 -/+ 1.96 * sqrt(0.021 + 0.0096040) / 1.38415
     assert stats["ci_low"] == pytest.approx(0.39678, abs=1e-4) and stats["ci_high"] == pytest.approx(0.89222, abs=1e-4)
@@ -157,12 +160,20 @@ PROMPT_RE = re.compile(r"Post:\n(.*)\n\nSummary A:\n(.*)\n\nSummary B:\n(.*)\n\n
 
 
 class JudgeServer:
-    """Serves POST /v1/chat/completions: prefers the longer summary; `faults` by 1-based request number."""
+    """Serves POST /v1/chat/completions: prefers the longer summary; `faults` by 1-based request number.
 
-    def __init__(self, faults=None, delay=0.0, hang=3.0):
+    `row_faults` {post row: [fault, ...]}: the row's k-th request gets the k-th fault, later ones a
+    normal reply. Faults: 429, 500, 401, 400 (its message echoes the request's path and
+    Authorization header, as some servers do), hang, and HTTP 200s: nonjson (a JSON content type
+    over an HTML body), html (served as text/html), nochoices, echo (a normal verdict after the
+    path and Authorization header)."""
+
+    def __init__(self, faults=None, delay=0.0, hang=3.0, row_faults=None):
         self.faults, self.delay, self.hang = dict(faults or {}), delay, hang
+        self.row_faults = {row: list(faults) for row, faults in (row_faults or {}).items()}
         self.lock = threading.Lock()
         self.requests = []  # (request number, post row id, fault or None, request body)
+        self.seen = []  # (request path with query, Authorization header) of each request
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -175,31 +186,42 @@ class JudgeServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 prompt = body["messages"][-1]["content"]
                 post, a, b = PROMPT_RE.search(prompt).groups()
+                row = int(re.search(r"post (\d+)", post).group(1))
                 with server.lock:
                     number = len(server.requests) + 1
-                    fault = server.faults.get(number)
-                    server.requests.append((number, int(re.search(r"post (\d+)", post).group(1)), fault, body))
+                    queued = server.row_faults.get(row)
+                    fault = server.faults.get(number) or (queued.pop(0) if queued else None)
+                    server.requests.append((number, row, fault, body))
+                    server.seen.append((self.path, self.headers.get("Authorization")))
+                echoed = f"{self.path} {self.headers.get('Authorization')}"
                 if fault == "hang":
                     time.sleep(server.hang)  # the client gave up long ago
                     return
-                if fault in ("429", "500", "401"):
-                    payload = {"error": {"message": f"injected {fault}", "type": "test", "code": None}}
+                if fault in ("429", "500", "401", "400"):
+                    message = f"injected {fault}" + (f" for {echoed}" if fault == "400" else "")
+                    payload = {"error": {"message": message, "type": "test", "code": None}}
                     return self.send(int(fault), payload, {"retry-after": "0.02"} if fault == "429" else {})
+                if fault in ("nonjson", "html"):
+                    return self.send(200, None, raw=b"<html>upstream hiccup</html>",
+                                     content_type="text/html" if fault == "html" else "application/json")
                 time.sleep(server.delay)
                 if "MALFORMED" in post:
                     content = 'Comparison: both are fine.\nPreferred: "A"'
                 else:
                     content = f"Comparison: the longer one says more.\nPreferred: {'A' if len(a) > len(b) else 'B'}"
+                if fault == "echo":
+                    content = f"You sent {echoed}.\n{content}"
+                choices = [] if fault == "nochoices" else [
+                    {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}]
                 self.send(200, {
                     "id": f"chatcmpl-{number}", "object": "chat.completion", "created": int(time.time()),
-                    "model": body["model"], "choices": [{"index": 0, "finish_reason": "stop",
-                                                         "message": {"role": "assistant", "content": content}}],
+                    "model": body["model"], "choices": choices,
                     "usage": {"prompt_tokens": 100, "completion_tokens": 12, "total_tokens": 112}})
 
-            def send(self, code, payload, headers=None):
-                data = json.dumps(payload).encode()
+            def send(self, code, payload, headers=None, raw=None, content_type="application/json"):
+                data = raw if raw is not None else json.dumps(payload).encode()
                 self.send_response(code)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(data)))
                 for name, value in (headers or {}).items():
                     self.send_header(name, value)
@@ -290,6 +312,9 @@ def test_llm_judge_over_http_with_faults(tmp_path, server_factory):
     assert {(b["model"], b["temperature"]) for *_, b in server.requests} == {("judge-test", 0.0)}
     records = [json.loads(line) for line in (out / "judgments.jsonl").read_text().splitlines()]
     assert len(records) == 16 and sum(r["attempts"] for r in records) == 19
+    # The hang was abandoned at the timeout and may have been billed: its re-ask is counted.
+    hung = server.requests[2][1]
+    assert [(r["row"], r["abandoned"], r["billed_twice"]) for r in records if r["abandoned"]] == [(hung, 1, 1)]
     assert {r["temperature"] for r in records} == {0.0} and {r["prompt_version"] for r in records} == {"appendix-i-v1"}
 
     # The server prefers the longer summary: ours wins exactly where it is longer; row 5 is malformed.
@@ -299,6 +324,12 @@ def test_llm_judge_over_http_with_faults(tmp_path, server_factory):
     result = json.loads((out / "results.json").read_text())
     stats = result["runs"]["sft__seed3"]
     assert (stats["n"], stats["wins"], stats["malformed"], stats["ties"]) == (15, wins, 1, 0)
+    assert (stats["judged"], stats["failed"], stats["unjudged"], stats["calls"], stats["possibly_billed_twice"]) == \
+        (16, 0, 0, 19, 1)
+    assert result["this_run"] == dict(to_ask=16, judged=16, malformed=1, failed=0, unjudged=0, calls=19,
+                                      possibly_billed_twice=1, stopped=None)
+    assert result["totals"] == dict(rows=16, judged=16, malformed=1, failed=0, unjudged=0, calls=19,
+                                    possibly_billed_twice=1)
     assert stats["win_rate"] == pytest.approx(wins / 15)
     assert (stats["ci_low"], stats["ci_high"]) == pytest.approx(judge.wilson_interval(wins, 15))
     assert (stats["method"], stats["seed"], result["temperature"]) == ("sft", "3", 0.0)
@@ -314,7 +345,9 @@ def test_llm_judge_over_http_with_faults(tmp_path, server_factory):
     # A rerun asks nothing and reports the same; the key is written nowhere.
     again = run_judge(*flags)
     assert again.returncode == 0 and len(server.requests) == 19
-    assert json.loads((out / "results.json").read_text())["runs"] == result["runs"]
+    rerun = json.loads((out / "results.json").read_text())
+    assert rerun["runs"] == result["runs"] and rerun["totals"] == result["totals"]
+    assert (rerun["this_run"]["to_ask"], rerun["this_run"]["calls"]) == (0, 0)
     for path in out.rglob("*"):
         assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
     assert SECRET not in proc.stdout + proc.stderr + again.stdout + again.stderr
@@ -365,25 +398,42 @@ def test_killed_run_resumes_without_repeats(tmp_path, server_factory):
     assert (stats["n"], stats["malformed"], stats["unjudged"]) == (n - 1, 1, 0)
 
 
-def test_failures_stop_the_run_and_keep_nothing_half_done(tmp_path, server_factory):
+def test_run_level_faults_stop_the_run_row_faults_do_not(tmp_path, server_factory):
     table = write_table(tmp_path / "t.csv", llm_rows(3))
-    # A 401 is not retried: the run stops at once, with the error, and caches nothing.
+    # A 401 is not retried and every other row would meet it too: the run stops at once, with the
+    # error, caches nothing, and still writes results that say so.
     server = server_factory(faults={1: "401"})
     proc = run_judge("--base_url", server.url, "--tables", f"t={table}", "--output_dir", str(tmp_path / "a"),
                      "--max_concurrency", "1", *FAST)
-    assert proc.returncode != 0 and "AuthenticationError" in proc.stderr and "rerun" in proc.stderr
+    assert proc.returncode == 1 and "AuthenticationError" in proc.stderr and "rerun" in proc.stderr
     assert len(server.requests) == 1 and (tmp_path / "a" / "judgments.jsonl").read_text() == ""
-    # Retries are bounded: 1 call + 2 retries of 500, then the run stops.
+    result = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert result["runs"]["t"]["unjudged"] == 3 and "AuthenticationError" in result["this_run"]["stopped"]
+    # Retries are bounded per row: 1 call + 2 retries of 500, then the row is recorded as failed and
+    # the next row is asked; the run finishes, exit status 3, every failure counted and listed.
     server = server_factory(faults={k: "500" for k in range(1, 10)})
     proc = run_judge("--base_url", server.url, "--tables", f"t={table}", "--output_dir", str(tmp_path / "b"),
                      "--max_concurrency", "1", "--max_retries", "2", *FAST)
-    assert proc.returncode != 0 and "InternalServerError" in proc.stderr
-    assert len(server.requests) == 3
-    # No key, no call.
+    assert proc.returncode == 3 and "InternalServerError" in proc.stderr and "a rerun asks 3 of them" in proc.stderr
+    assert sorted(server.rows()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    result = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert (result["runs"]["t"]["failed"], result["runs"]["t"]["calls"], result["runs"]["t"]["n"]) == (3, 9, 0)
+    assert [(f["row"], f["failed_runs"], f["asked_by_rerun"]) for f in result["failures"]] == \
+        [(0, 1, True), (1, 1, True), (2, 1, True)]
+    assert all(f["error"].startswith("InternalServerError") for f in result["failures"])
+    # A server that cannot be reached fails every row alike: the run stops instead of burning retries.
+    closed = server_factory()
+    closed.httpd.shutdown()
+    closed.httpd.server_close()
+    proc = run_judge("--base_url", closed.url, "--tables", f"t={table}", "--output_dir", str(tmp_path / "d"),
+                     "--max_retries", "1", *FAST)
+    assert proc.returncode == 1 and "APIConnectionError" in proc.stderr
+    assert json.loads((tmp_path / "d" / "results.json").read_text())["runs"]["t"]["unjudged"] == 3
+    # No key, no call, and nothing written.
     env = {k: v for k, v in judge_env().items() if k != "OPENAI_API_KEY"}
     proc = subprocess.run(judge_cmd("--tables", f"t={table}", "--output_dir", str(tmp_path / "c")),
                           capture_output=True, text=True, timeout=60, env=env)
-    assert proc.returncode != 0 and "OPENAI_API_KEY" in proc.stderr
+    assert proc.returncode == 1 and "OPENAI_API_KEY" in proc.stderr and not (tmp_path / "c").exists()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ benchmark/knobs.sh), checked through their dry runs: no SLURM, no GPU, no model 
 """
 
 import ast
+import json
 import math
 import os
 import re
@@ -266,13 +267,14 @@ def test_pipeline_chains_the_stages_with_dependencies(dry_runs):
 
 
 def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
-    """Under a fake srun / scontrol: task 5 runs its command with srun; a finished run is skipped;
-    USR1 (the time-limit warning) calls `scontrol requeue <array job>_<task>`."""
+    """Under a fake srun / scontrol (and a python whose torch sees a GPU): task 5 runs its command with srun;
+    a finished run is skipped; USR1 (the time-limit warning) calls `scontrol requeue <array job>_<task>`."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "srun: $*"; sleep "${FAKE_SLEEP:-0}"\n')
     (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\necho "scontrol: $*"\n')
-    for tool in ("srun", "scontrol"):
+    (bin_dir / "python").write_text("#!/usr/bin/env bash\nexit 0\n")  # the CUDA check finds nothing wrong
+    for tool in ("srun", "scontrol", "python"):
         (bin_dir / tool).chmod(0o755)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT_ROOT": str(tmp_path / "models"), "SLURM_JOB_ID": "77",
            "SLURM_ARRAY_JOB_ID": "70", "SLURM_SUBMIT_DIR": str(REPO)}
@@ -293,3 +295,44 @@ def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
     process.send_signal(signal.SIGUSR1)
     stdout, _ = process.communicate(timeout=30)
     assert "scontrol: requeue 70_4" in stdout
+
+
+def test_a_training_task_stops_at_once_on_a_node_without_cuda(tmp_path):
+    """This machine's torch is a CPU build: a training task says so and never reaches srun; the GPU-free
+    stages (preprocess, judge) still run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "srun: $*"\n')
+    (bin_dir / "srun").chmod(0o755)
+    python_dir = Path(sys.executable).parent  # the test's own python, with its CPU torch
+    env = {"PATH": f"{bin_dir}:{python_dir}:{os.environ['PATH']}", "OUT_ROOT": str(tmp_path / "models"),
+           "SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "0", "SLURM_SUBMIT_DIR": str(REPO)}
+    for stage in ("sft", "reward", "dpo", "ppo"):
+        result = bash(str(SLURM / f"{stage}.sbatch"), env=env)
+        assert result.returncode != 0 and "srun:" not in result.stdout, result.stdout
+        assert "sees no CUDA GPU (CUDA build: none, a CPU-only torch" in result.stderr, result.stderr
+        assert "Nothing was started" in result.stderr
+    result = bash(str(SLURM / "preprocess.sbatch"), env=env)
+    assert result.returncode == 0 and "srun: python preprocess_tldr.py" in result.stdout, result.stderr
+
+
+def test_judge_task_runs_again_until_a_run_finished_with_no_row_left_to_retry(tmp_path):
+    """judge.py writes results.json after every run, also a stopped one or one with failed rows: the task
+    counts as done only when the run was not stopped and no failed row is left that a rerun would ask again."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "srun: $*"\n')
+    (bin_dir / "srun").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT_ROOT": str(tmp_path / "models"),
+           "SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "0", "SLURM_SUBMIT_DIR": str(REPO)}
+    out = tmp_path / "models" / PAPER_MODELS[0] / f"judge_{PAPER_SEEDS[0]}"
+    out.mkdir(parents=True)
+    for stopped, failures, runs in ((None, [{"row": 3, "asked_by_rerun": True}], True),
+                                    ("401 Unauthorized", [], True),
+                                    (None, [{"row": 3, "asked_by_rerun": False}], False),
+                                    (None, [], False)):
+        (out / "results.json").write_text(json.dumps({"this_run": {"stopped": stopped}, "failures": failures}))
+        result = bash(str(SLURM / "judge.sbatch"), env=env)
+        assert result.returncode == 0, result.stderr
+        assert ("srun: python judge.py" in result.stdout) == runs, (stopped, failures, result.stdout)
+        assert ("nothing to do" in result.stdout) != runs

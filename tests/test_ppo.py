@@ -14,9 +14,18 @@ import torch
 from conftest import REPO, WORLD
 from ppo import (PolicyAndValueWrapper, ScalarModel, ScalarModelConfig, compute_gae, compute_rewards, disable_dropout,
                  eos_trick, first_true_indices, gather_logprobs, generate, get_reward, masked_mean, ppo_batch_sizes,
-                 ppo_losses, response_masks, response_window, sample_rollout, truncate_response, whiten, SetupError)
+                 mask_logits, ppo_losses, response_masks, response_window, sample_rollout, truncate_response,
+                 unsampled_token_ids, whiten, SetupError)
 
 EOS, PAD = 0, 1  # the tiny world's ids (data/tiny_tldr/args.json)
+
+
+def unsampled_ids(policy):
+    """ppo.py's masked ids for the tiny policy: [PAD] and the embedding rows past the tokenizer."""
+    from transformers import AutoTokenizer
+
+    return torch.tensor(unsampled_token_ids(AutoTokenizer.from_pretrained(WORLD / "pythia-tiny"),
+                                            policy.get_output_embeddings().weight.size(0)))
 
 
 def naive_gae(rewards, values, gamma, lam):
@@ -196,14 +205,16 @@ def test_sample_rollout_draws_what_generate_draws(tiny_tldr):
 
     policy, _ = tiny_models(early_eos=True)
     queries, length, temperature = padded_queries(tiny_tldr, 8), 30, 0.7 + 1e-7
+    unsampled = unsampled_ids(policy)
     config = GenerationConfig(max_new_tokens=length, min_new_tokens=length, temperature=temperature, top_k=0,
-                              top_p=1.0, do_sample=True, return_dict_in_generate=True, output_scores=True)
+                              top_p=1.0, do_sample=True, return_dict_in_generate=True, output_scores=True,
+                              suppress_tokens=unsampled.tolist())
     with torch.no_grad():
         torch.manual_seed(1)
         reference, reference_scores = generate(policy.eval(), queries, PAD, config)
         after_reference = torch.rand(4)
         torch.manual_seed(1)
-        fast, fast_scores = sample_rollout(policy, queries, PAD, EOS, length, temperature)
+        fast, fast_scores = sample_rollout(policy, queries, PAD, EOS, length, temperature, unsampled)
         after_fast = torch.rand(4)
     context = queries.shape[1]
     assert fast.shape == reference.shape and torch.equal(fast[:, :context], queries)
@@ -213,7 +224,11 @@ def test_sample_rollout_draws_what_generate_draws(tiny_tldr):
     assert (fast_responses[:, -1] == EOS).all()  # ... and filled the steps it skipped (EOS: a valid id)
     used = torch.arange(length)[None] <= eos_at[:, None]  # (B, T_resp): up to and with each row's EOS
     assert torch.equal(fast_responses[used], responses[used])
-    torch.testing.assert_close(fast_scores[used], reference_scores[used], rtol=1e-5, atol=1e-5)
+    allowed = torch.ones(fast_scores.shape[-1], dtype=torch.bool).index_fill(0, unsampled, False)
+    # the same logits / T; generate() masks with -inf, the loop with the lowest float (both: probability 0)
+    torch.testing.assert_close(fast_scores[used][:, allowed], reference_scores[used][:, allowed], rtol=1e-5, atol=1e-5)
+    assert (reference_scores[used][:, ~allowed] == -torch.inf).all()
+    assert (fast_scores[used][:, ~allowed] == torch.finfo(torch.float32).min).all()
     assert torch.equal(truncate_response(fast_responses, EOS, PAD), truncate_response(responses, EOS, PAD))
     assert torch.equal(after_fast, after_reference)  # later samples are what the full-length loop gives
 
@@ -249,14 +264,15 @@ def test_first_epoch_ratio_is_one_on_tiny_model(tiny_tldr):
     """Behaviour log-probs from the rollout's scores = the training forward's (train mode), so the first ratio is 1."""
     policy, critic = tiny_models(early_eos=True)
     queries, length, temperature = padded_queries(tiny_tldr, 6), 16, 0.7 + 1e-7
+    unsampled = unsampled_ids(policy)
     with torch.no_grad():
-        query_responses, scores = sample_rollout(policy.eval(), queries, PAD, EOS, length, temperature)
+        query_responses, scores = sample_rollout(policy.eval(), queries, PAD, EOS, length, temperature, unsampled)
         context = queries.shape[1]
         responses = query_responses[:, context:]
         logprobs = gather_logprobs(scores, responses)
         model = PolicyAndValueWrapper(policy, critic).train()  # as in the PPO epochs: only dropout would differ
         logits, _ = model(*response_window(query_responses, PAD, context, length), length)
-        new_logprobs = gather_logprobs(logits / temperature, responses)
+        new_logprobs = gather_logprobs(mask_logits(logits / temperature, unsampled), responses)
     valid = truncate_response(responses, EOS, PAD) != PAD  # up to each row's EOS: what PPO trains
     ratio = torch.exp(new_logprobs - logprobs)[valid]
     assert valid.sum() > 20 and (ratio - 1).abs().max().item() < 1e-4, ratio
@@ -387,9 +403,11 @@ def test_deepspeed_offload_matches_deepspeed(tiny_tldr, tmp_path):
                "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
                "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / name), "--run_name", name,
                "--total_episodes", "16", "--batch_size", "16", "--local_micro_batch_size", "4",
-               "--local_rollout_forward_batch_size", "8", "--response_length", "16", "--num_eval_samples", "4",
+               "--local_rollout_forward_batch_size", "8", "--response_length", "16", "--num_eval_samples", "5",
                "--local_eval_batch_size", "2", "--lr", "1e-3", *extra]
-        result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        # 5 eval rows on 2 ranks in batches of 2: rank 0 has 3 rows (2 batches), rank 1 two (1 batch). The
+        # ZeRO-3 engines gather parameters in every forward, so unequal batch counts would hang here.
+        result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert json.loads((tmp_path / "offload" / "args.json").read_text())["offload"] is True
     plain, offload = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("plain", "offload"))
@@ -400,6 +418,7 @@ def test_deepspeed_offload_matches_deepspeed(tiny_tldr, tmp_path):
     for name in ("plain", "offload"):
         with open(tmp_path / name / "eval_validation.csv") as file:
             rows.append(list(csv.DictReader(file)))
+    assert len(rows[0]) == len(rows[1]) == 5  # every row once: the repeated one filling rank 1's batch is dropped
     assert [(r["query"], r["response"]) for r in rows[0]] == [(r["query"], r["response"]) for r in rows[1]]
     for key in ("score", "reference_score"):  # the offloaded RM scores them alike (ZeRO-3: float rounding)
         assert max(abs(float(a[key]) - float(b[key])) for a, b in zip(*rows)) < 1e-5

@@ -9,17 +9,19 @@ import dataclasses
 import inspect
 import json
 import os
+import random
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import datasets
 import pytest
 import tyro
 from datasets import Features, List, Value
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import preprocess_tldr as pre
 
@@ -54,9 +56,55 @@ def make_tokenizer(pad_token=None):
                                    model_max_length=4096)
 
 
+def make_pythia_like_tokenizer():
+    """Pythia's tokenizer in miniature: NFC, byte-level BPE, special <|endoftext|> and <|padding|> (not the pad
+    token), and the runs of 2-24 spaces as ordinary (non-special) added tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[EOS, "<|padding|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.add_tokens([AddedToken(" " * n, normalized=True) for n in range(24, 1, -1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, model_max_length=2048)
+
+
 def encode(tokenizer, text):
-    """Token ids of `text`, no template tokens."""
+    """Token ids of `text`, no template tokens (a plain encode, as the reference's script does it)."""
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def naive_query_ids(tokenizer, format_str, fields, field, length):
+    """The reference's truncation loop: cut the last paragraph (or character), re-tokenize, until it fits."""
+    fields = dict(fields)
+    ids = encode(tokenizer, format_str.format(**fields))
+    while len(ids) > length:
+        fields[field] = pre.truncate_last_paragraph(fields[field])
+        ids = encode(tokenizer, format_str.format(**fields))
+    return ids
+
+
+def reference_columns(tokenizer, format_str, fields, field, query_length, response, response_length=None,
+                      query_response_length=None):
+    """One row's columns built as the reference's dataset script builds them (for text without special strings):
+    query = decoded query_token, lstripped; query+response = tokenize(query.strip() + response), where `response`
+    ends with the EOS text; the label masks the first query_token_len positions."""
+    pad = tokenizer.pad_token_id
+    ids = naive_query_ids(tokenizer, format_str, fields, field, query_length)
+    query_token = [pad] * (query_length - len(ids)) + ids
+    query = tokenizer.decode(query_token, skip_special_tokens=True).lstrip()
+    response_ids = encode(tokenizer, response)
+    query_response = encode(tokenizer, query.strip() + response)
+    query_response_length = query_response_length or len(query_response)
+    query_response_token = query_response + [pad] * (query_response_length - len(query_response))
+    n_q = sum(token != pad for token in query_token)
+    return {"query": query, "query_token": query_token, "query_token_len": n_q,
+            "response": response, "response_token_len": len(response_ids),
+            "response_token": response_ids + [pad] * ((response_length or len(response_ids)) - len(response_ids)),
+            "query_response": query.strip() + response, "query_response_token": query_response_token,
+            "query_response_token_len": len(query_response),
+            "query_response_token_response_label": [pad] * n_q + query_response_token[n_q:]}
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +194,184 @@ def test_label_mask_is_query(tok):
     assert [token for token in label if token != pad] == response
 
 
+# Three byte-level BPEs: the test's own, a Pythia-like one (NFC, <|padding|>, added runs of spaces)
+# and the tiny world's pythia-tiny (whose [PAD] comes with it).
+TOKENIZERS = {"bpe": make_tokenizer, "pythia-like": make_pythia_like_tokenizer,
+              "tiny-world": lambda: AutoTokenizer.from_pretrained(str(REPO / "assets" / "tiny_world" / "pythia-tiny"))}
+
+
+@pytest.fixture(scope="module", params=list(TOKENIZERS))
+def any_tok(request):
+    tokenizer = TOKENIZERS[request.param]()
+    pre.add_pad_token(tokenizer)
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    return tokenizer
+
+
+def test_token_layout_equals_reference(any_tok):
+    """TL;DR and CNN/DM rows, truncated or not, against rows built the reference's way, token for token."""
+    tok, pad = any_tok, any_tok.pad_token_id
+    long_post = "the cat sat on the mat.\n" + "the dog sat on the log. " * 8
+    long_article = "the dog sat on the log.\n\nthe bird sat on the cat.\nmy cat and my dog sat on the mat.\n"
+    cases = [  # (kind, fields, response with the EOS text, shortened by this many ids)
+        ("sft", sft_row("s1", summary="cat sat"), " cat sat" + EOS, 0),
+        ("sft", sft_row("s2", post=long_post, summary="a dog,  a cat"), " a dog,  a cat" + EOS, 3),
+        ("tldr", preference_row("p1")["info"], " the cat sat" + EOS, 0),
+        ("tldr", preference_row("p2", post=long_post)["info"], " a dog" + EOS, 5),
+        ("cnndm", preference_row("c1", cnndm=True)["info"], " a dog" + EOS, 0),
+        ("cnndm", {**preference_row("c2", cnndm=True)["info"], "article": long_article}, " the cat  sat" + EOS, 2),
+    ]
+    for kind, fields, response, cut in cases:
+        format_str, field = (pre.CNNDM_FORMAT, "article") if kind == "cnndm" else (pre.TLDR_FORMAT, "post")
+        length = len(encode(tok, format_str.format(**fields))) - cut
+        name = "reference_response" if kind == "sft" else "chosen"
+        ref = reference_columns(tok, format_str, fields, field, length, response, 20, length + 24)
+        if kind == "sft":
+            out = pre.process_sft_row(fields, tok, EOS, pad, query_length=length, response_length=20,
+                                      query_response_length=length + 24, split="train")
+        else:
+            row = preference_row(fields["id"], cnndm=kind == "cnndm", texts=(response[:-len(EOS)], " a cat"))
+            row["info"] = fields
+            out = pre.process_preference_row(row, tok, EOS, pad, cnndm=kind == "cnndm", query_length=length,
+                                             response_length=20, query_response_length=length + 24, split="x")
+        for column in ("query", "query_token", "query_token_len"):
+            assert out[column] == ref[column], (kind, column)
+        for suffix in ("", "_token", "_token_len"):
+            assert out[name + suffix] == ref["response" + suffix], (kind, suffix)
+            assert out[f"query_{name}{suffix}"] == ref["query_response" + suffix], (kind, suffix)
+        assert cut == 0 or out["query_token_len"] < len(encode(tok, format_str.format(**fields)))  # truncated
+        label, ref_label = out[f"query_{name}_token_response_label"], ref["query_response_token_response_label"]
+        n_q, full = out["query_token_len"], out[f"query_{name}_token"]
+        if kind != "cnndm":
+            assert label == ref_label  # the reference's mask, exactly
+        else:
+            # The query ends in "\n", which strip() drops: the row holds n_q - 1 query ids. The reference
+            # masks n_q positions, the first response id included; the exact mask keeps that id.
+            assert out["query"].endswith("TL;DR:\n")
+            assert encode(tok, out["query"].strip()) == out["query_token"][-n_q:-1]
+            assert label[: n_q - 1] == [pad] * (n_q - 1) and label[n_q - 1] == full[n_q - 1] != pad
+            assert ref_label[n_q - 1] == pad and label[:n_q - 1] + label[n_q:] == ref_label[:n_q - 1] + ref_label[n_q:]
+        response_ids = out[f"{name}_token"][:out[f"{name}_token_len"]]
+        assert [token for token in label if token != pad] == response_ids  # unmasked: exactly the response
+
+
+def test_label_mask_needs_the_query_ids_to_open_the_row(tok):
+    # "my ca" + "t sat": BPE merges " ca" + "t" into " cat", so the prompt's ids are no prefix
+    assert encode(tok, "my cat sat")[:2] != encode(tok, "my ca")
+    where = "split 'train', row id 'r1'"
+    with pytest.raises(pre.DataError, match=rf"{where}: the ids of the query \+ chosen do not start with"):
+        pre.response_columns(tok, "my ca", encode(tok, "my ca"), "chosen", "t sat", EOS, 10, 20, tok.pad_token_id,
+                             where)
+
+
+# ---- Detail 3: a special-token string typed by a user stays text ----
+
+TYPED = "x [PAD] y <|endoftext|> z"
+
+
+@pytest.mark.parametrize("field", ["title", "post", "summary", "article", "summaries.text"])
+def test_special_token_strings_stay_text(any_tok, field):
+    tok, pad, eos = any_tok, any_tok.pad_token_id, any_tok.eos_token_id
+    assert {pad, eos} <= set(encode(tok, TYPED))  # a plain encode would turn them into the special ids
+    if field in ("title", "post", "summary"):
+        row = sft_row("s1")
+        row[field] = f"the cat {TYPED}"
+        out, names = pre.process_sft_row(row, tok, EOS, pad, query_length=120, response_length=40,
+                                         query_response_length=160, split="train"), ["reference_response"]
+    else:
+        row = preference_row("c1", cnndm=field == "article", texts=(f" the cat {TYPED}", " a dog"))
+        if field == "article":
+            row["info"]["article"] = f"the dog sat on the log.\n{TYPED}"
+        out, names = pre.process_preference_row(row, tok, EOS, pad, cnndm=field == "article", query_length=120,
+                                                response_length=40, query_response_length=160,
+                                                split="validation"), ["chosen", "rejected"]
+    # query_token: pads on the left only, no EOS; the decoded `query` keeps the typed text
+    query_token, n_q = out["query_token"], out["query_token_len"]
+    assert query_token[:-n_q] == [pad] * (len(query_token) - n_q) and pad not in query_token[-n_q:]
+    assert eos not in query_token
+    assert (TYPED in out["query"]) == (field in ("title", "post", "article"))
+    for name in names:  # every response: the EOS id once, at its end; pads after it only
+        for ids, n in ((out[f"{name}_token"], out[f"{name}_token_len"]),
+                       (out[f"query_{name}_token"], out[f"query_{name}_token_len"])):
+            assert ids[n - 1] == eos and eos not in ids[:n - 1] and pad not in ids[:n] and set(ids[n:]) <= {pad}
+        assert TYPED in out[f"query_{name}"] or field in ("summary", "summaries.text")
+    text_column = "reference_response" if field == "summary" else "chosen"
+    if field in ("summary", "summaries.text"):  # the typed text is in the response ids, as text
+        ids = out[f"{text_column}_token"][:out[f"{text_column}_token_len"] - 1]
+        assert TYPED in tok.decode(ids) and TYPED in out[text_column]
+
+
+# ---- Detail 2 at speed: the reference's cut rule, without re-tokenizing every prefix ----
+
+def test_truncation_cuts_follow_the_reference_rule():
+    assert pre.truncation_cuts("a\n\nb\nc") == [6, 4, 2, 1, 0]
+    assert pre.truncation_cuts("abc") == [3, 2, 1, 0] and pre.truncation_cuts("") == [0]
+    rng = random.Random(0)
+    for _ in range(500):
+        text = "".join(rng.choice("ab \n") for _ in range(rng.randint(0, 30)))
+        visited = [text]  # the naive loop: cut again and again, down to ""
+        while visited[-1]:
+            visited.append(pre.truncate_last_paragraph(visited[-1]))
+        assert pre.truncation_cuts(text) == [len(prefix) for prefix in visited]
+        assert all(text.startswith(prefix) for prefix in visited)
+
+
+def reference_loop(tok, format_str, fields, field, length):
+    """The reference's loop on `encode_text` ids: None where even an empty field does not fit."""
+    fields = dict(fields)
+    ids = pre.encode_text(tok, format_str.format(**fields))
+    while len(ids) > length:
+        if not fields[field]:
+            return None
+        fields[field] = pre.truncate_last_paragraph(fields[field])
+        ids = pre.encode_text(tok, format_str.format(**fields))
+    return ids
+
+
+PIECES = ["the", "cat", " sat", "mat.", "\n", "\n\n", "  ", "aaaaaaaaaaaaaaaaaaaaaaa", "é", "日本語", "🙂",
+          "!!!!!!", "http://x.com/a?b=c", "catcatcatcatcatcat", "[PAD]", "<|endoftext|>", "dog,"]
+
+
+def mismatches_with_reference_loop(tok, seed, cases):
+    """How many random posts / articles and budgets make tokenize_query differ from `reference_loop`."""
+    rng, mismatches = random.Random(seed), 0
+    for _ in range(cases):
+        separator = rng.choice([" ", "", "\n"])
+        body = separator.join(rng.choice(PIECES) for _ in range(rng.randint(1, 80)))
+        format_str, field = rng.choice([(pre.TLDR_FORMAT, "post"), (pre.CNNDM_FORMAT, "article")])
+        fields = {"subreddit": "cats", "title": "my cat", field: body}
+        length = rng.randint(5, len(pre.encode_text(tok, format_str.format(**fields))) + 1)
+        try:
+            ids = pre.tokenize_query(tok, format_str, fields, field, length, "row")
+        except pre.DataError:
+            ids = None
+        mismatches += ids != reference_loop(tok, format_str, fields, field, length)
+    return mismatches
+
+
+def test_tokenize_query_equals_the_reference_loop_on_random_posts(any_tok, monkeypatch):
+    assert mismatches_with_reference_loop(any_tok, seed=1, cases=150) == 0
+    # The comparison has teeth: skipping prefixes with a negative slack (more than the byte count
+    # allows) is caught on the same posts.
+    monkeypatch.setattr(pre, "RETOKENIZE_SLACK", -4)
+    assert mismatches_with_reference_loop(any_tok, seed=1, cases=150) > 0
+
+
+def test_truncating_a_25k_character_post_without_newlines_is_fast(any_tok):
+    post = ("the cat sat on the mat, the dog on the log; " * 600)[:25000]
+    assert len(post) == 25000 and "\n" not in post
+    fields = {"subreddit": "cats", "title": "my cat", "post": post}
+    start = time.perf_counter()
+    ids = pre.tokenize_query(any_tok, pre.TLDR_FORMAT, fields, "post", 512, "row")
+    elapsed = time.perf_counter() - start
+    assert elapsed < 2, f"{elapsed:.2f} s"  # the one-character-per-pass loop: minutes
+    # the reference's answer: the longest character prefix that fits (one character more does not)
+    kept = any_tok.decode(ids).split("POST: ", 1)[1].rsplit("\n\nTL;DR:", 1)[0]
+    assert len(ids) <= 512 and post.startswith(kept) and len(kept) < len(post)
+    longer = pre.TLDR_FORMAT.format(**{**fields, "post": post[:len(kept) + 1]})
+    assert len(pre.encode_text(any_tok, longer)) > 512
+
+
 # ---- Detail 2: truncate the paragraph, not the sentence ----
 
 def test_truncate_last_paragraph():
@@ -207,8 +433,14 @@ def test_split_surgery_cnndm(tok):
     assert out["chosen"] == " a dog" + EOS and out["rejected"] == " the cat sat" + EOS
     chosen = encode(tok, " a") + encode(tok, " dog") + [eos]
     assert out["chosen_token"] == chosen + [pad] * (10 - len(chosen))
-    assert out["query_chosen_token"] == query + chosen + [pad] * (60 - len(query) - len(chosen))
-    assert out["query_chosen_token_response_label"] == [pad] * len(query) + chosen + [pad] * (60 - len(query) - len(chosen))
+    # the reference's layout: the stripped query (its final newline dropped) re-tokenized with the response
+    prompt = encode(tok, text.strip())
+    assert prompt == query[:-1] and tok.decode(query[-1:]) == "\n"
+    assert out["query_chosen"] == text.strip() + " a dog" + EOS
+    assert out["query_chosen_token"] == prompt + chosen + [pad] * (60 - len(prompt) - len(chosen))
+    assert out["query_chosen_token_len"] == len(prompt) + len(chosen)
+    label = out["query_chosen_token_response_label"]
+    assert label == [pad] * len(prompt) + chosen + [pad] * (60 - len(prompt) - len(chosen))
     assert (out["chosen_policy"], out["rejected_policy"], out["policies"]) == ("ref", "sup2", "ref--sup2")
 
 
@@ -255,6 +487,28 @@ def test_length_check():
     assert "--max_sft_response_length is 60" in mismatch and "pass --max_sft_response_length 53" in mismatch
 
 
+def test_length_check_passes_on_cnndm_shaped_rows(tok):
+    """CNN/DM queries end in a newline that the reference strips: the widths it computed (2021 for Pythia) pass."""
+    articles = ["the dog sat on the log.\nthe bird sat on the cat.", "my cat and my dog sat on the mat.",
+                "a dog, a cat, a mat, a log.\n\nthe bird did not."]
+    rows = [preference_row(f"c{i}", batch="cnndm0", cnndm=True, texts=(" the cat sat on the mat", " a dog"))
+            for i in range(len(articles))]
+    for row, article in zip(rows, articles):
+        row["info"]["article"] = article
+    refs = [reference_columns(tok, pre.CNNDM_FORMAT, row["info"], "article", 48, s["text"] + EOS)
+            for row in rows for s in row["summaries"]]
+    widest = max(ref["query_response_token_len"] for ref in refs)
+    assert widest == max(ref["query_token_len"] - 1 + ref["response_token_len"] for ref in refs)
+    outs = [pre.process_preference_row(row, tok, EOS, tok.pad_token_id, cnndm=True, query_length=48,
+                                       response_length=12, query_response_length=widest, split="validation_cnndm")
+            for row in rows]
+    maxima = pre.column_maxima({"preference/validation_cnndm": datasets.Dataset.from_list(outs)},
+                               ("query_chosen_token_len", "query_rejected_token_len"))
+    assert pre.length_problem("cnndm_max_rm_query_response_length", widest, maxima, exact=True) is None
+    assert "pass --cnndm_max_rm_query_response_length" in pre.length_problem(
+        "cnndm_max_rm_query_response_length", widest + 1, maxima, exact=True)  # the concatenated layout's width
+
+
 # ---- Detail 6 ----
 
 def test_policy_pair_counts():
@@ -292,9 +546,8 @@ def write_hub_style_dataset(folder, config, splits, features):
     (folder / "README.md").write_text("\n".join(lines + ["---", ""]))
 
 
-def test_script_smoke(tmp_path, tok):
-    base_model = tmp_path / "tokenizer"
-    make_tokenizer().save_pretrained(str(base_model))  # no pad token: the script must add one
+def smoke_sources():
+    """Small SFT and preference sources ({split: [row]}): one post to truncate, two CNN/DM comparisons."""
     long_post = "the cat sat on the mat.\n" + "the dog sat on the log. " * 8
     sft = {"train": [sft_row("a1"), sft_row("a2", summary="my cat sat on the mat and the dog did not"),
                      sft_row("a3", post=long_post)],
@@ -305,37 +558,77 @@ def test_script_smoke(tmp_path, tok):
                        preference_row("c1", batch="cnndm0", cnndm=True),
                        preference_row("c2", batch="batch0_cnndm", cnndm=True, texts=(" a dog sat", " the cat"))],
     }
-    write_hub_style_dataset(tmp_path / "sft_src", "default", sft, SFT_FEATURES)
-    write_hub_style_dataset(tmp_path / "pref_src", "comparisons", preference, PREFERENCE_FEATURES)
+    return sft, preference
 
-    # Expected maxima, computed naively: query ids (truncated for the long post) + response ids.
-    query_length, cnndm_query_length = 40, 48
-    def query_len(fields, fmt, field, length):
-        return len(pre.tokenize_query(tok, fmt, fields, field, length, "row"))
-    sft_pairs = [(query_len(row, pre.TLDR_FORMAT, "post", query_length), len(encode(tok, " " + row["summary"] + EOS)))
-                 for rows in sft.values() for row in rows]
-    def preference_pairs(rows, fmt, field, length):
-        return [(query_len(row["info"], fmt, field, length), len(encode(tok, s["text"] + EOS)))
-                for row in rows for s in row["summaries"]]
-    tldr = preference_pairs(preference["train"] + preference["validation"][:1], pre.TLDR_FORMAT, "post", query_length)
-    cnndm = preference_pairs(preference["validation"][1:], pre.CNNDM_FORMAT, "article", cnndm_query_length)
-    flags = {
-        "query_length": query_length, "cnndm_query_length": cnndm_query_length,
-        "max_sft_response_length": max(r for _, r in sft_pairs),
-        "max_sft_query_response_length": max(q + r for q, r in sft_pairs),
-        "max_rm_response_length": max(r for _, r in tldr), "max_rm_query_response_length": max(q + r for q, r in tldr),
-        "cnndm_max_rm_response_length": max(r for _, r in cnndm),
-        "cnndm_max_rm_query_response_length": max(q + r for q, r in cnndm),
+
+def reference_flags(tok, sft, preference, query_length=40):
+    """The length flags for rows built the reference's way (the script's check accepts exactly these), and the
+    (query, response, query+response) ids of each response: {"sft" | "tldr" | "cnndm": [(q, r, qr)]}.
+
+    Query budgets the data reach (a budget above a query+response width is a flag error): `query_length`
+    cuts long posts; the CNN/DM budget is the longest article query, untruncated. Without CNN/DM rows the
+    cnndm_* flags keep their defaults."""
+    def widths(format_str, field, length, fields, response):
+        ref = reference_columns(tok, format_str, fields, field, length, response)
+        return ref["query_token_len"], ref["response_token_len"], ref["query_response_token_len"]
+    cnndm_rows = [row for row in preference["validation"] if row["batch"] in pre.CNNDM_BATCHES]
+    tldr_rows = preference["train"] + [row for row in preference["validation"] if row not in cnndm_rows]
+    cnndm_query_length = max((len(encode(tok, pre.CNNDM_FORMAT.format(**row["info"]))) for row in cnndm_rows),
+                             default=None)
+    found = {
+        "sft": [widths(pre.TLDR_FORMAT, "post", query_length, row, " " + row["summary"] + EOS)
+                for rows in sft.values() for row in rows],
+        "tldr": [widths(pre.TLDR_FORMAT, "post", query_length, row["info"], s["text"] + EOS)
+                 for row in tldr_rows for s in row["summaries"]],
+        "cnndm": [widths(pre.CNNDM_FORMAT, "article", cnndm_query_length, row["info"], s["text"] + EOS)
+                  for row in cnndm_rows for s in row["summaries"]],
     }
+    flags = {"query_length": query_length,
+             "max_sft_response_length": max(r for _, r, _ in found["sft"]),
+             "max_sft_query_response_length": max(qr for _, _, qr in found["sft"]),
+             "max_rm_response_length": max(r for _, r, _ in found["tldr"]),
+             "max_rm_query_response_length": max(qr for _, _, qr in found["tldr"])}
+    if cnndm_rows:
+        flags.update(cnndm_query_length=cnndm_query_length,
+                     cnndm_max_rm_response_length=max(r for _, r, _ in found["cnndm"]),
+                     cnndm_max_rm_query_response_length=max(qr for _, _, qr in found["cnndm"]))
+    return flags, found
+
+
+def write_world(folder, sft, preference) -> list:
+    """Write a tokenizer (no pad token) and hub-style sources into `folder`; return the script's command
+    without --output_dir and length flags."""
+    make_tokenizer().save_pretrained(str(folder / "tokenizer"))  # no pad token: the script must add one
+    write_hub_style_dataset(folder / "sft_src", "default", sft, SFT_FEATURES)
+    write_hub_style_dataset(folder / "pref_src", "comparisons", preference, PREFERENCE_FEATURES)
+    return [sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(folder / "tokenizer"),
+            "--sft_dataset", str(folder / "sft_src"), "--preference_dataset", str(folder / "pref_src")]
+
+
+def flag_args(flags: dict) -> list:
+    """{flag: value} as command-line arguments."""
+    return [arg for flag, value in flags.items() for arg in (f"--{flag}", str(value))]
+
+
+def test_script_smoke(tmp_path, tok):
+    sft, preference = smoke_sources()
+    # Expected maxima of rows built the reference's way (the long post truncated, the stripped query
+    # re-tokenized with each response): the script's length check must accept exactly these.
+    flags, widths = reference_flags(tok, sft, preference)
+    query_length = flags["query_length"]
+    # Shaped like the real CNN/DM: the query's final newline is stripped, so query ids + response ids
+    # (the layout before) would be one id longer than the reference's rows and fail this check.
+    assert all(qr == q - 1 + r for q, r, qr in widths["cnndm"])
+    assert all(qr == q + r for q, r, qr in widths["tldr"] + widths["sft"])
     out = tmp_path / "out"
-    command = [sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(base_model),
-               "--sft_dataset", str(tmp_path / "sft_src"), "--preference_dataset", str(tmp_path / "pref_src"),
-               "--output_dir", str(out), "--num_proc", "2"]
-    command += [arg for flag, value in flags.items() for arg in (f"--{flag}", str(value))]
+    command = write_world(tmp_path, sft, preference) + ["--output_dir", str(out), "--num_proc", "2"]
+    command += flag_args(flags)
     env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")}  # keep ~/.cache clean
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "added the pad token '[PAD]'" in result.stdout
+    # the outputs and nothing else: the scratch folder is gone when the script returns
+    assert sorted(os.listdir(out)) == ["args.json", "policy_pairs.json", "preference", "sft", "visuals"]
 
     sft_out = datasets.load_from_disk(str(out / "sft"))
     preference_out = datasets.load_from_disk(str(out / "preference"))
@@ -348,13 +641,13 @@ def test_script_smoke(tmp_path, tok):
     cnndm_rows = preference_out["validation_cnndm"]
     assert [row["info"]["id"] for row in cnndm_rows] == ["c1", "c2"]
     assert all(row["query"].startswith("Article:\n") for row in cnndm_rows)
-    assert {len(row["query_token"]) for row in cnndm_rows} == {cnndm_query_length}
+    assert {len(row["query_token"]) for row in cnndm_rows} == {flags["cnndm_query_length"]}
     assert {len(row["query_chosen_token"]) for row in cnndm_rows} == {flags["cnndm_max_rm_query_response_length"]}
     assert {len(row["query_chosen_token"]) for row in preference_out["validation"]} == {flags["max_rm_query_response_length"]}
 
     saved = json.loads((out / "args.json").read_text())
     assert saved["pad_token_id"] == len(make_tokenizer()) and saved["pad_token_id"] != saved["eos_token_id"]
-    assert saved["base_model"] == str(base_model) and "git_commit" in saved
+    assert saved["base_model"] == str(tmp_path / "tokenizer") and "git_commit" in saved
     pairs = json.loads((out / "policy_pairs.json").read_text())
     assert pairs["train"] == {"ref--sup2": 1, "sup1--sup2": 1} and pairs["validation"] == {"ppo--ref": 1}
     for name, dataset_dict in (("sft", sft_out), ("preference", preference_out)):

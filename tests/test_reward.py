@@ -314,6 +314,7 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
     assert wrong.returncode != 0 and "SetupError" in wrong.stderr and "lacks ['validation'" in wrong.stderr
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "args.json").write_text(json.dumps({"lr": 0.5}))
+    (tmp_path / "b" / "eval_metrics.json").write_text("{}")  # that run's work (an args.json alone is a failed start)
     taken = subprocess.run(base + ["--label_dataset", str(small_world / "preference"), "--output_dir", str(tmp_path / "b")],
                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert taken.returncode != 0 and "holds a different run" in taken.stderr
@@ -326,7 +327,7 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
     assert mismatch.returncode != 0 and "was tokenized with {'pad_token_id': 5, 'eos_token_id': 0}" in mismatch.stderr
     assert "Loading weights" not in mismatch.stdout + mismatch.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
-    assert sorted(os.listdir(tmp_path / "b")) == ["args.json"]
+    assert sorted(os.listdir(tmp_path / "b")) == ["args.json", "eval_metrics.json"]  # untouched
 
 
 def test_deepspeed_zero2_matches_one_process(resumed_run, small_world, tmp_path):

@@ -169,6 +169,9 @@ def test_output_dir_problem(tmp_path):
     assert sft.output_dir_problem(str(tmp_path), {**flags, "resume": True}, ("resume",)) is None
     problem = sft.output_dir_problem(str(tmp_path), {**flags, "seed": 2}, ("resume",))
     assert "holds a different run (seed=1 there, 2 now)" in problem
+    # A start that failed before any work left args.json alone: the corrected command may use the folder.
+    (tmp_path / "model.safetensors").unlink()
+    assert sft.output_dir_problem(str(tmp_path), {**flags, "seed": 2}, ("resume",)) is None
 
 
 def test_missing_columns():
@@ -228,6 +231,7 @@ def bad_input(case, tiny_tldr, single_run, tmp_path):
         (tmp_path / "out").mkdir()
         saved = json.loads((single_run[0] / "args.json").read_text())
         (tmp_path / "out" / "args.json").write_text(json.dumps({**saved, "output_dir": str(tmp_path / "out")}))
+        (tmp_path / "out" / "eval_metrics.json").write_text("{}")  # its work (an args.json alone is a failed start)
         return flags + ["--seed", "2"], "holds a different run (seed=1 there, 2 now)"
     if case == "pad is eos":
         shutil.copytree(BASE, tmp_path / "model")

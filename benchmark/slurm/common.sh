@@ -1,6 +1,8 @@
 # Array plumbing shared by the stage launchers in this folder (sourced; the knobs are in
 # benchmark/knobs.sh). A launcher defines STAGE, TASKS ("sweep": one task per model x seed, or
-# "single": one task), DONE (the file its script writes last, relative to $OUT) and a function
+# "single": one task), DONE (the file its script writes last, relative to $OUT; a `stage_done`
+# function, if defined, decides instead whether that file marks a finished run), GPU ("yes" for
+# the training stages: a node whose torch sees no CUDA GPU stops the task at once) and a function
 # `stage_command MODEL SEED` that sets OUT (its output folder) and CMD (the command, an array).
 # Then `run_stage "$@"`:
 #
@@ -40,6 +42,14 @@ requeue_self() {  # USR1 (sent by --signal=B:USR1@600 before the time limit): ba
   scontrol requeue "${job:-$SLURM_JOB_ID}"
 }
 
+cuda_problem() {  # prints why torch on this node cannot use a GPU; nothing when it can
+  python -c 'import os, torch
+if not torch.cuda.is_available():
+    build = torch.version.cuda or "none, a CPU-only torch"
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+    print(f"torch {torch.__version__} sees no CUDA GPU (CUDA build: {build}; CUDA_VISIBLE_DEVICES={devices})")'
+}
+
 run_stage() {  # run_stage [--dry-run]
   local n i
   n=$(num_tasks)
@@ -63,9 +73,21 @@ run_stage() {  # run_stage [--dry-run]
     return 2
   fi
   task_command "$i"
-  if [[ -f $OUT/$DONE ]]; then
-    echo "$STAGE [$i]: $OUT/$DONE exists, nothing to do"
+  # A launcher may define stage_done (its own test of a finished run); else DONE's existence is it.
+  if { declare -F stage_done >/dev/null && stage_done; } || { ! declare -F stage_done >/dev/null && [[ -f $OUT/$DONE ]]; }; then
+    echo "$STAGE [$i]: $OUT/$DONE says the run is complete, nothing to do"
     return 0
+  fi
+  if [[ $GPU == yes ]]; then
+    # A training stage on a node whose torch is a CPU build (or sees no GPU) would otherwise train
+    # on the CPU, silently, for weeks: stop before anything starts.
+    local problem
+    problem=$(cuda_problem 2>&1) || problem="python cannot check for CUDA: $problem"
+    if [[ -n $problem ]]; then
+      echo "$STAGE [$i] on $(hostname): $problem. This stage trains on GPUs (DeepSpeed, bf16): run it on a GPU" \
+        "node whose python has a CUDA build of torch. Nothing was started." >&2
+      return 1
+    fi
   fi
   echo "$STAGE [$i] on $(hostname) at $(date -u +%FT%TZ): $(print_command "${CMD[@]}")"
   if [[ -n ${SLURM_JOB_ID:-} ]]; then

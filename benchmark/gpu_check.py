@@ -1,0 +1,275 @@
+"""The real path on a GPU, in one command: a Pythia-1B-shaped model through SFT, RM and PPO updates.
+
+One SFT, one RM and one PPO update at the paper's per-GPU batch (SFT 16 samples in micro-batches of
+1, RM 8 pairs in micro-batches of 1, PPO 64 episodes in micro-batches of 16 with rollouts of 64:
+benchmark/knobs.sh at 1B), each through `accelerate launch` with the paper's DeepSpeed ZeRO-2 bf16
+config on one process, each stage loading the previous one's output. No Hub needed: the model is
+Pythia-1B's architecture (hidden 2048, 16 layers, 8 heads, rotary 25%, 50304 embedding rows) with
+random weights saved in fp16 as the Hub's are, the tokenizer the tiny world's (its [PAD] appended
+after the last token, as for Pythia), the data the tiny world's posts joined into queries that fill
+the paper's 512 tokens. With --hub, the real EleutherAI/pythia-1b-deduped checkpoint instead.
+
+Printed and written to benchmark/results/gpu_check.md: the device and versions; per stage its wall
+time and peak GPU memory; the PPO update's time split (generation / scoring / training) and its
+first-epoch ratio (mean, and max |ratio - 1| over tokens); the windowed training forward against
+the plain full forward (max |difference| of the logits, bf16); decode tokens/s of the rollout
+sampler at the paper's rollout batch.
+
+    bash benchmark/gpu_check.sh                       # any CUDA machine, ~5 min on one H100
+    python benchmark/gpu_check.py --size tiny --launcher plain --allow_cpu --out /tmp/check.md   # CPU smoke
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORLD = os.path.join(REPO, "assets", "tiny_world")
+sys.path.insert(0, REPO)
+
+# Pythia-1B (EleutherAI/pythia-1b-deduped config.json) and a tiny stand-in for smoke runs.
+SIZES = {
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=8, intermediate_size=8192, vocab_size=50304),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, vocab_size=1344),
+}
+# The paper's per-GPU batches at 1B (benchmark/knobs.sh): the global batch / 8 GPUs.
+STAGE_FLAGS = {
+    "sft.py": ["--batch_size", "16", "--local_micro_batch_size", "1", "--total_episodes", "16",
+               "--num_eval_samples", "8", "--local_eval_batch_size", "4"],
+    "reward.py": ["--batch_size", "8", "--local_micro_batch_size", "1", "--total_episodes", "8",
+                  "--num_eval_samples", "8", "--local_eval_batch_size", "8"],
+    "ppo.py": ["--batch_size", "64", "--local_micro_batch_size", "16", "--local_rollout_forward_batch_size", "64",
+               "--total_episodes", "64", "--num_eval_samples", "8", "--local_eval_batch_size", "8"],
+}
+LENGTHS = ["--query_length", "512", "--max_sft_response_length", "53", "--max_sft_query_response_length", "562",
+           "--max_rm_response_length", "169", "--max_rm_query_response_length", "638", "--cnndm_query_length", "1919",
+           "--cnndm_max_rm_response_length", "155", "--cnndm_max_rm_query_response_length", "2021",
+           "--no-check_length_correctness"]  # the paper's budgets; the tiny texts stay under them
+
+
+def pythia_like_tokenizer(folder: str) -> None:
+    """The tiny world's tokenizer with no pad token ([PAD] is added after its last token, as for Pythia)."""
+    tokenizer_json = json.load(open(os.path.join(WORLD, "pythia-tiny", "tokenizer.json")))
+    for token in tokenizer_json["added_tokens"]:
+        if token["content"] == "[PAD]":
+            token["content"] = "<|padding|>"
+    vocab = tokenizer_json["model"]["vocab"]
+    if "[PAD]" in vocab:
+        vocab["<|padding|>"] = vocab.pop("[PAD]")
+    config = json.load(open(os.path.join(WORLD, "pythia-tiny", "tokenizer_config.json")))
+    config.pop("pad_token", None)
+    json.dump(tokenizer_json, open(os.path.join(folder, "tokenizer.json"), "w"))
+    json.dump(config, open(os.path.join(folder, "tokenizer_config.json"), "w"))
+
+
+def build_model(folder: str, size: str) -> None:
+    """A randomly initialised GPT-NeoX of `size` with Pythia's other settings, saved in fp16 as the Hub's weights."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    os.makedirs(folder, exist_ok=True)
+    pythia_like_tokenizer(folder)
+    config = GPTNeoXConfig(**SIZES[size], max_position_embeddings=2048, hidden_act="gelu", layer_norm_eps=1e-5,
+                           use_parallel_residual=True, tie_word_embeddings=False, attention_bias=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                           hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = GPTNeoXForCausalLM(config)
+    model.half().save_pretrained(folder)
+
+
+def build_world(folder: str) -> None:
+    """The tiny world's datasets with every post made of several posts' paragraphs: queries fill the 512 tokens."""
+    import datasets
+
+    def lengthen(posts: list) -> list:  # post i ++ the next five, as paragraphs
+        return ["\n\n".join(posts[(i + k) % len(posts)] for k in range(6)) for i in range(len(posts))]
+
+    cache = os.path.join(folder, ".cache")
+    sft = datasets.load_dataset(os.path.join(WORLD, "tldr_3_filtered"), cache_dir=cache)
+    os.makedirs(os.path.join(folder, "tldr_3_filtered", "data"))
+    shutil.copy(os.path.join(WORLD, "tldr_3_filtered", "README.md"), os.path.join(folder, "tldr_3_filtered"))
+    for split, rows in (("train", 128), ("validation", 16), ("test", 16)):
+        part = sft[split].select(range(rows))
+        part = part.remove_columns("post").add_column("post", lengthen(part["post"]))
+        part.to_parquet(os.path.join(folder, "tldr_3_filtered", "data", f"{split}.parquet"))
+    preference = datasets.load_dataset(os.path.join(WORLD, "summarize_from_feedback"), "comparisons", cache_dir=cache)
+    os.makedirs(os.path.join(folder, "summarize_from_feedback", "comparisons"))
+    shutil.copy(os.path.join(WORLD, "summarize_from_feedback", "README.md"),
+                os.path.join(folder, "summarize_from_feedback"))
+    for split, rows in (("train", 64), ("validation", 32)):
+        batches = preference[split]["batch"]
+        tldr = [i for i, batch in enumerate(batches) if "cnndm" not in batch][:rows]
+        news = [i for i, batch in enumerate(batches) if "cnndm" in batch][:8]
+        part = preference[split].select(tldr + news)
+        posts = lengthen([info["post"] for info in part.select(range(len(tldr)))["info"]]) + [None] * len(news)
+        part = part.map(lambda row, i: {"info": {**row["info"], "post": posts[i] if i < len(tldr) else row["info"]["post"]}},
+                        with_indices=True)
+        part.to_parquet(os.path.join(folder, "summarize_from_feedback", "comparisons", f"{split}.parquet"))
+    shutil.rmtree(cache)
+
+
+def run(command: list, log: str, env: dict) -> float:
+    """Run `command`, its output to `log`; seconds taken. Raises with the log's tail when it fails."""
+    start = time.time()
+    with open(log, "w") as file:
+        result = subprocess.run(command, stdout=file, stderr=subprocess.STDOUT, env=env, cwd=os.path.dirname(log))
+    if result.returncode != 0:
+        raise SystemExit(f"failed ({result.returncode}): {' '.join(command)}\n" + open(log).read()[-4000:])
+    return time.time() - start
+
+
+def peak_memory(log: str) -> str:
+    """The `peak GPU memory: X GiB` a stage printed, or 'n/a' (no CUDA)."""
+    found = re.findall(r"peak GPU memory: ([\d.]+) GiB", open(log).read())
+    return f"{found[-1]} GiB" if found else "n/a"
+
+
+@torch.no_grad()
+def forward_checks(sft_folder: str, pad_id: int, device: str) -> dict:
+    """The windowed training forward vs the plain full forward (bf16), and the rollout sampler's decode speed."""
+    from transformers import AutoModelForCausalLM
+
+    from ppo import (PolicyAndValueWrapper, ScalarModel, ScalarModelConfig, cast_parameters, response_window,
+                     sample_rollout)
+
+    dtype = torch.bfloat16
+    policy = cast_parameters(AutoModelForCausalLM.from_pretrained(sft_folder, dtype=torch.float32), dtype).to(device)
+    policy.eval()
+    base_config = {k: v for k, v in policy.base_model.config.to_dict().items() if k != "_name_or_path"}
+    critic = ScalarModel(ScalarModelConfig(base_config=base_config))
+    critic.backbone.load_state_dict(policy.base_model.state_dict())
+    critic = cast_parameters(critic, dtype).to(device).eval()
+    generator = torch.Generator().manual_seed(0)
+    rows, context, response_length = 16, 512, 53
+    queries = torch.randint(2, 1000, (rows, context), generator=generator)
+    for i in range(rows):  # left padding of 0 ... 150 tokens, as truncated posts leave
+        queries[i, :10 * i] = pad_id
+    responses = torch.randint(2, 1000, (rows, response_length), generator=generator)
+    query_responses = torch.cat((queries, responses), 1).to(device)
+    logits, _ = PolicyAndValueWrapper(policy, critic)(*response_window(query_responses, pad_id, context, response_length),
+                                                      response_length)
+    mask = query_responses != pad_id
+    full = policy(input_ids=query_responses.masked_fill(~mask, 0), attention_mask=mask).logits
+    full = full[:, context - 1:context - 1 + response_length]
+    difference = (logits.float() - full.float()).abs()
+    # Decode: the paper's rollout batch (64 prompts of 512 tokens), 53 new tokens, no early stop.
+    batch = torch.randint(2, 1000, (64, context), generator=generator).to(device)
+    unsampled = torch.tensor([pad_id], device=device)
+    sample_rollout(policy, batch[:4], pad_id, -1, 4, 0.7, unsampled)  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.time()
+    sample_rollout(policy, batch, pad_id, -1, response_length, 0.7, unsampled)  # EOS -1: never stops early
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.time() - start
+    return {"window_max_abs_diff": difference.max().item(), "window_mean_abs_diff": difference.mean().item(),
+            "logit_scale": full.float().abs().mean().item(), "decode_tokens_per_second": 64 * response_length / seconds,
+            "decode_seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="1b", help="model shape (default: Pythia-1B)")
+    parser.add_argument("--hub", action="store_true", help="use EleutherAI/pythia-1b-deduped from the Hub instead")
+    parser.add_argument("--launcher", choices=("deepspeed", "plain"), default="deepspeed",
+                        help="deepspeed: the paper's ZeRO-2 bf16 config on 1 process; plain: python, fp32")
+    parser.add_argument("--work", default="/tmp/gpu_check", help="scratch folder (emptied first)")
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmark", "results", "gpu_check.md"))
+    parser.add_argument("--allow_cpu", action="store_true", help="run without CUDA (a smoke run of this script)")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.allow_cpu:
+        raise SystemExit(f"no CUDA device (torch {torch.__version__}, CUDA build {torch.version.cuda}): this check "
+                         "measures a GPU. On CPU, --allow_cpu --size tiny --launcher plain runs it as a smoke test.")
+    missing = [name for name in ("deepspeed", "datasets", "tyro", "rouge_score", "tensorboard", "accelerate")
+               if __import__("importlib").util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"missing packages {missing}: pip install -r requirements.txt (with a CUDA torch)")
+    import accelerate
+    import deepspeed
+    import transformers
+
+    shutil.rmtree(args.work, ignore_errors=True)
+    os.makedirs(args.work)
+    versions = (f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, "
+                f"accelerate {accelerate.__version__}, deepspeed {deepspeed.__version__}")
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke run, not a measurement)"
+    print(f"device: {name}\n{versions}", flush=True)
+
+    model = "EleutherAI/pythia-1b-deduped" if args.hub else os.path.join(args.work, "pythia-like")
+    if not args.hub:
+        build_model(model, args.size)
+    build_world(os.path.join(args.work, "world"))
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+    if device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    timings = {"preprocess": run([sys.executable, os.path.join(REPO, "preprocess_tldr.py"), "--base_model", model,
+                                  "--sft_dataset", os.path.join(args.work, "world", "tldr_3_filtered"),
+                                  "--preference_dataset", os.path.join(args.work, "world", "summarize_from_feedback"),
+                                  *LENGTHS], os.path.join(args.work, "preprocess.log"), env)}
+    launch = ([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               os.path.join(REPO, "benchmark", "accelerate", "deepspeed_zero2.yaml"), "--num_processes", "1"]
+              if args.launcher == "deepspeed" else [sys.executable])
+    memory = {}
+    for script in ("sft.py", "reward.py", "ppo.py"):  # each finds the last one's output at its default path
+        log = os.path.join(args.work, script.replace(".py", ".log"))
+        timings[script[:-3]] = run([*launch, os.path.join(REPO, script), "--base_model", model, *STAGE_FLAGS[script]],
+                                   log, env)
+        memory[script[:-3]] = peak_memory(log)
+        print(f"{script}: {timings[script[:-3]]:.0f} s, peak GPU memory {memory[script[:-3]]}", flush=True)
+    ppo_runs = [run_name for run_name in os.listdir(os.path.join(args.work, "runs")) if run_name.startswith("ppo")]
+    stats = scalars_of(os.path.join(args.work, "runs", ppo_runs[0]))
+    model_name = os.path.basename(model) if not args.hub else model
+    pad_id = json.load(open(os.path.join(args.work, "models", model_name, "sft_1", "args.json")))["pad_token_id"]
+    checks = forward_checks(os.path.join(args.work, "models", model_name, "sft_1"), pad_id, device)
+
+    split = {phase: stats[f"time/{phase}"][0] for phase in ("generation", "scoring", "training")}
+    precision = "bf16" if args.launcher == "deepspeed" else "fp32"
+    total = sum(split.values())
+    lines = [
+        "# benchmark/gpu_check.sh", "",
+        f"- device: **{name}**", f"- {versions}",
+        f"- model: {'EleutherAI/pythia-1b-deduped (Hub)' if args.hub else f'random-init Pythia-{args.size} shape, fp16 on disk'}; "
+        f"launch: {'DeepSpeed ZeRO-2, bf16, 1 process' if args.launcher == 'deepspeed' else 'python, fp32'}",
+        f"- date: {time.strftime('%Y-%m-%d')}, command: `{' '.join(sys.argv)}`", "",
+        "| stage | per-GPU batch | wall time (s, loading and eval included) | peak GPU memory |", "|---|---|---|---|",
+        f"| SFT, 1 update | 16 x 1 | {timings['sft']:.0f} | {memory['sft']} |",
+        f"| RM, 1 update | 8 pairs x 1 | {timings['reward']:.0f} | {memory['reward']} |",
+        f"| PPO, 1 update | 64 episodes, micro 16, rollout 64 | {timings['ppo']:.0f} | {memory['ppo']} |", "",
+        f"PPO update: {total:.2f} s = generation {split['generation']:.2f} s ({split['generation'] / total:.0%}) + "
+        f"scoring {split['scoring']:.2f} s ({split['scoring'] / total:.0%}) + training {split['training']:.2f} s "
+        f"({split['training'] / total:.0%}).", "",
+        f"First-epoch ratio ({precision} sampling loop vs {precision} training forward): mean "
+        f"{stats['policy/ratio_first_epoch'][0]:.5f}, max |ratio - 1| {stats['policy/ratio_first_epoch_max_deviation'][0]:.4f}; "
+        f"KL to the reference at the first update {stats['objective/kl'][0]:.5f}.", "",
+        f"Windowed training forward vs the plain full forward (bf16, 16 rows of 512 + 53): max |logit difference| "
+        f"{checks['window_max_abs_diff']:.4f}, mean {checks['window_mean_abs_diff']:.5f} (mean |logit| "
+        f"{checks['logit_scale']:.2f}).", "",
+        f"Decode (the rollout sampler, bf16, 64 prompts of 512 tokens, 53 new tokens): "
+        f"{checks['decode_tokens_per_second']:.0f} tokens/s ({checks['decode_seconds']:.2f} s).", ""]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as file:
+        file.write("\n".join(lines))
+    print("\n".join(lines))
+
+
+def scalars_of(folder: str) -> dict:
+    """{tag: [values]} of one TensorBoard run folder."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(folder)
+    events.Reload()
+    return {tag: [event.value for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+if __name__ == "__main__":
+    main()

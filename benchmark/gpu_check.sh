@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The real path on one GPU, in one command (no Hub needed): a Pythia-1B-shaped model through one
+# SFT, one RM and one PPO update at the paper's per-GPU batch, bf16 under DeepSpeed ZeRO-2; prints
+# and writes benchmark/results/gpu_check.md (device, versions, peak memory per stage, the PPO
+# update's time split, first-epoch ratio, windowed vs full forward, decode tokens/s).
+#
+#   bash benchmark/gpu_check.sh            # random-init Pythia-1B shape, ~5 min on one H100
+#   bash benchmark/gpu_check.sh --hub      # the real EleutherAI/pythia-1b-deduped (needs the Hub)
+#
+# Needs the requirements with a CUDA build of torch (pip install -r requirements.txt on the GPU
+# machine, without the CPU constraints file). Run it before anything else on a new GPU machine.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
+if [[ " $* " != *" --hub "* ]]; then
+  export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+fi
+exec python benchmark/gpu_check.py "$@"

@@ -1,0 +1,95 @@
+"""Bad flags (issue 16): every training stage checks every flag before it loads or writes anything,
+lists all problems at once (each names its flag and what to pass instead), and leaves nothing behind
+that would block the corrected command.
+
+The flag checks are pure functions (`<stage>_flag_problems(args, world_size)`), tested in process;
+one subprocess per stage shows they run first: no model loaded, and no folder or file made, so the
+corrected command finds the folder as the bad one did.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import dpo
+import ppo
+import reward
+import sft
+from conftest import REPO, WORLD
+
+BASE = str(WORLD / "pythia-tiny")
+STAGES = {"sft.py": (sft, sft.sft_flag_problems), "reward.py": (reward, reward.reward_flag_problems),
+          "dpo.py": (dpo, dpo.dpo_flag_problems), "ppo.py": (ppo, ppo.ppo_flag_problems)}
+# Flags every stage has, each set to a value that cannot work (a NaN fails every comparison)
+COMMON_BAD = {"lr": -1.0, "eps": math.nan, "weight_decay": math.inf, "local_eval_batch_size": 0, "save_every": -3,
+              "stop_after_updates": 0, "seed": -1}
+# Flags of some stages (the issue's cases: a negative response length, eval batch 0, -16 episodes, ...)
+STAGE_BAD = {
+    "sft.py": {"total_episodes": -16, "response_length": -1, "temperature": 0.0, "scheduler": "cosine_sometimes"},
+    "reward.py": {"total_episodes": -16, "num_eval_samples": 0, "scheduler": "nope"},
+    "dpo.py": {"total_episodes": 5, "response_length": -1, "beta": 0.0, "label_smoothing": 0.5},
+    "ppo.py": {"total_episodes": -16, "response_length": -1, "gamma": 1.5, "num_ppo_epochs": 0,
+               "eval_temperature": math.nan},
+}
+
+
+def bad_args(script):
+    """(Args of `script` holding every bad value of COMMON_BAD and STAGE_BAD, {flag: bad value})."""
+    bad = {**COMMON_BAD, **STAGE_BAD[script]}
+    return STAGES[script][0].Args(**bad), bad
+
+
+@pytest.mark.parametrize("script", list(STAGES))
+def test_every_bad_flag_is_listed_at_once(script):
+    module, flag_problems = STAGES[script]
+    args, bad = bad_args(script)
+    problems = flag_problems(args, 1)
+    for flag in bad:  # each bad flag has its own line, with what to pass instead
+        lines = [line for line in problems if line.startswith(f"--{flag} ")]
+        assert len(lines) == 1 and ("want" in lines[0] or "not a positive multiple" in lines[0]), (flag, problems)
+    assert len(problems) == len(bad)
+    good = module.Args(base_model=BASE) if script == "sft.py" else module.Args()
+    assert flag_problems(good, 1) == []  # the defaults are fine
+    # the batch must split over the ranks: 4 processes cannot share micro-batches of 16 in a batch of 32
+    assert any("--local_micro_batch_size" in line for line in flag_problems(module.Args(
+        batch_size=32, local_micro_batch_size=16, **({"base_model": BASE} if script == "sft.py" else {})), 4))
+
+
+def test_a_missing_model_folder_is_named():
+    """A path that is neither a folder nor a Hub id: 'no model folder at PATH', not 'Repo id must be in the form'."""
+    for path in ("/no/such/folder", "models/tiny/sft_9", "./here"):
+        problem = sft.model_path_problem(path, "--base_model")
+        assert f"--base_model {path}: no model folder at {path}, and it is not a Hub id either" in problem
+    assert sft.model_path_problem(BASE, "--base_model") is None
+    assert sft.model_path_problem("EleutherAI/pythia-1b-deduped", "--base_model") is None  # a Hub id
+    assert "is a file" in sft.model_path_problem(str(WORLD / "world.json"), "--base_model")
+    from transformers import AutoModelForCausalLM
+    for module in (sft, reward, dpo, ppo):  # the loaders say it too, for whatever path reaches them
+        with pytest.raises(module.SetupError, match="no model folder at /no/such/folder"):
+            module.load_fp32(AutoModelForCausalLM, "/no/such/folder", "--sft_model_path")
+        with pytest.raises(module.SetupError, match="no tokenizer at /no/such/folder"):
+            module.load_tokenizer("/no/such/folder", "--sft_model_path")
+
+
+@pytest.mark.parametrize("script", list(STAGES))
+def test_bad_flags_stop_before_anything_is_loaded_or_written(script, tiny_tldr, tmp_path):
+    """The real command line: every bad flag in one message, no model loaded, no folder created."""
+    _, bad = bad_args(script)
+    typed = [token for flag, value in bad.items() for token in (f"--{flag}", str(value))]
+    inputs = {"sft.py": ["--base_model", BASE, "--query_dataset", tiny_tldr / "sft"],
+              "ppo.py": ["--query_dataset", tiny_tldr / "sft", "--sft_model_path", BASE, "--reward_model_path", BASE]}
+    cmd = [sys.executable, str(REPO / script), *inputs.get(script, ["--sft_model_path", BASE]),
+           "--output_dir", tmp_path / "out", *typed]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    result = subprocess.run([str(part) for part in cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0
+    assert f"{script} cannot start (nothing was loaded or written)" in result.stderr, result.stderr[-3000:]
+    for flag, value in bad.items():  # each named with its value, as typed
+        assert f"--{flag} {value}" in result.stderr, (flag, result.stderr[-3000:])
+    assert "Loading weights" not in result.stdout + result.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == []  # no output folder, no runs/
+

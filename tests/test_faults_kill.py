@@ -1,0 +1,150 @@
+"""Kills during a save (issue 16): checkpoints and the output folder are written beside their place
+and renamed in whole, so a SIGKILL at any moment leaves the previous checkpoint and the previous
+model loadable, the run resumes to the very weights of an uninterrupted one, and a normal run leaves
+no scratch behind. A folder with checkpoints is never restarted at update 0 without --resume.
+
+One chain of real sft.py processes in one output folder (the tiny configuration of test_sft.py, a
+checkpoint after every update): an uninterrupted run; the same command again, killed while it
+writes a checkpoint; a rerun without --resume (refused); --resume killed while it writes the final
+model; --resume to the end. The swap's in-between states are built by hand and tidied in process.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import sft
+from conftest import REPO, WORLD
+from test_sft import TINY_RUN, run_sft, weights
+
+
+def run_until(cwd, flags, condition, timeout=300):
+    """Start sft.py with `flags` in `cwd`; SIGKILL it as soon as `condition()` holds. True if it was killed."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    with open(cwd / "killed.log", "w") as log:
+        process = subprocess.Popen([sys.executable, str(REPO / "sft.py"), *map(str, flags)], cwd=cwd, env=env,
+                                   stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout
+        while process.poll() is None and time.time() < deadline:
+            if condition():
+                process.send_signal(signal.SIGKILL)
+                process.wait()
+                return True
+            time.sleep(0.0005)
+        process.kill()
+        process.wait()
+    return False
+
+
+def checkpoint_loads(out):
+    """The latest complete checkpoint of `out` loads into the model and holds finite weights; its update."""
+    update, path = sft.latest_checkpoint(str(out / "checkpoints"))
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny").load_state_dict(tensors, strict=True)
+    assert all(torch.isfinite(tensor).all() for tensor in tensors.values())
+    assert load_file(os.path.join(path, "optimizer.safetensors"))  # the optimizer state is there and reads
+    assert json.loads(open(os.path.join(path, "trainer_state.json")).read())["update"] == update
+    return update
+
+
+def previous_model_intact(out, reference):
+    """The finished model of the first run is still in `out`, whole: it loads and has its weights."""
+    AutoModelForCausalLM.from_pretrained(out)
+    assert json.loads((out / "eval_metrics.json").read_text())["validation"]["loss"] > 0
+    assert all(torch.equal(weights(out)[key], reference[key]) for key in reference)
+
+
+def test_kills_during_saves_lose_nothing_and_the_run_resumes_bit_identical(tiny_tldr, tmp_path):
+    out = tmp_path / "out"
+    flags = [*TINY_RUN, "--query_dataset", tiny_tldr / "sft", "--output_dir", out, "--save_every", "1"]
+    run_sft(tmp_path, *flags)  # uninterrupted: its model is the reference, and the "previous model" below
+    reference = weights(out)
+    scratch = [tmp_path / ".out.partial", tmp_path / ".out.new", tmp_path / ".out.old"]
+    assert not (out / "checkpoints").exists() and not any(path.exists() for path in scratch)
+
+    # The same command again (it may overwrite a finished run), killed while it writes a checkpoint: a
+    # later one, so that an earlier complete one is there (or, should this busy machine not schedule the
+    # poll during that save, just after it).
+    def saving_a_checkpoint():
+        names = os.listdir(out / "checkpoints") if (out / "checkpoints").is_dir() else []
+        complete = [int(name.split("_")[1]) for name in names if "." not in name]
+        return bool(complete) and (any(name.endswith(".partial") for name in names) or max(complete) >= 2)
+
+    assert run_until(tmp_path, flags, saving_a_checkpoint), (tmp_path / "killed.log").read_text()[-3000:]
+    update = checkpoint_loads(out)
+    previous_model_intact(out, reference)
+
+    # Without --resume the checkpoints would be dropped for a start at update 0: refused.
+    result = run_sft(tmp_path, *flags, check=False)
+    assert result.returncode != 0 and f"holds an unfinished run, checkpointed at update {update}" in result.stderr
+    assert "pass --resume" in result.stderr and checkpoint_loads(out) == update
+
+    # --resume, killed while it writes the final results and model beside the output folder.
+    def saving_the_model():
+        return (tmp_path / ".out.partial").exists()
+
+    assert run_until(tmp_path, [*flags, "--resume"], saving_the_model), (tmp_path / "killed.log").read_text()[-3000:]
+    # The signal may land a little later, even within the swap (between its two renames there is no
+    # out/, but .out.old and .out.new are both whole); the next start finishes the swap first.
+    if not out.exists():
+        assert (tmp_path / ".out.old" / "args.json").exists() and (tmp_path / ".out.new" / "model.safetensors").exists()
+    sft.tidy_output_dir(str(out))
+    unfinished = (out / "checkpoints").exists()  # False only if the kill came after the new folder was complete
+    assert not unfinished or checkpoint_loads(out) >= update
+    previous_model_intact(out, reference)  # the old model, or the new one: the same weights
+
+    # --resume to the end: bit for bit the uninterrupted run's model, and no scratch anywhere.
+    result = run_sft(tmp_path, *flags, "--resume")
+    assert "resumed from" in result.stdout or not unfinished
+    assert all(torch.equal(weights(out)[key], reference[key]) for key in reference)
+    assert not (out / "checkpoints").exists() and not any(path.exists() for path in scratch)
+    assert not [name for name in os.listdir(out) if name.endswith(".partial")]
+
+
+def folder_with(path, files):
+    """Make folder `path` holding `files` ({name: text})."""
+    path.mkdir()
+    for name, text in files.items():
+        (path / name).write_text(text)
+
+
+@pytest.mark.parametrize("moment", ["new complete", "old retired", "new in place"])
+def test_a_swap_cut_short_is_finished_at_the_next_start(moment, tmp_path):
+    """publish_output renames staging -> .out.new, out -> .out.old, .out.new -> out: a kill between
+    any two leaves whole folders, and tidy_output_dir (every start) completes the swap."""
+    out = tmp_path / "out"
+    new = {"model.safetensors": "new", "args.json": "{}"}
+    if moment != "new in place":
+        folder_with(tmp_path / ".out.new", new)
+    if moment == "new complete":  # killed before out was renamed
+        folder_with(out, {"args.json": "{}", "model.safetensors": "old"})
+        (out / "checkpoints").mkdir()
+    if moment in ("old retired", "new in place"):  # killed between the renames, or before .old was removed
+        folder_with(tmp_path / ".out.old", {"args.json": "{}"})
+    if moment == "new in place":
+        folder_with(out, new)
+    (out.parent / ".out.partial").mkdir()  # a staging folder left by an earlier kill
+    sft.tidy_output_dir(str(out))
+    assert (out / "model.safetensors").read_text() == "new" and not (out / "checkpoints").exists()
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_tidy_drops_partial_files_so_a_failed_start_still_counts_as_one(tmp_path):
+    """A kill while args.json was written leaves args.json.partial; the next start removes it (and a
+    partial checkpoint), so the folder is again 'args.json only': a failed start, free to reuse."""
+    out = tmp_path / "out"
+    folder_with(out, {"args.json": json.dumps({"seed": 1}), "args.json.partial": "{"})
+    (out / "checkpoints" / "update_2.partial").mkdir(parents=True)
+    sft.tidy_output_dir(str(out))
+    assert sorted(os.listdir(out)) == ["args.json", "checkpoints"]
+    assert sft.latest_checkpoint(str(out / "checkpoints")) is None  # a .partial never counts
+    (out / "checkpoints").rmdir()
+    assert sft.output_dir_problem(str(out), {"seed": 2, "resume": False}, ("resume",)) is None

@@ -1,0 +1,134 @@
+"""Tokenizer identity (issue 16): EOS and [PAD] ids are not enough. Every stage records
+`tokenizer_identity` (sha256 of the vocabulary and special tokens) in its args.json, compares the
+identities of everything it loads (data, SFT model, reward model and its tokenizer), checks that
+every model's embedding holds every id, and stops before anything is written, naming each side.
+
+"Another vocabulary" below is the tiny world's tokenizer with the ids of two ordinary tokens swapped:
+same EOS and [PAD] ids, so the old id check passed and every stage trained silently on it.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+import dpo
+import ppo
+import reward
+import sft
+from conftest import REPO, WORLD
+from test_ppo import make_reward_model
+
+BASE = WORLD / "pythia-tiny"
+TINY = ["--batch_size", "8", "--local_micro_batch_size", "4", "--total_episodes", "8", "--local_eval_batch_size", "8",
+        "--num_eval_samples", "4"]
+
+
+def other_vocabulary(folder):
+    """A copy of the tiny model whose tokenizer swaps the ids of '!' and '"' (EOS 0 and [PAD] 1 unchanged)."""
+    shutil.copytree(BASE, folder)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["!"], vocab['"'] = vocab['"'], vocab["!"]
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return folder
+
+
+def identity(folder):
+    """tokenizer_identity of the tokenizer saved in `folder`."""
+    return sft.tokenizer_identity(AutoTokenizer.from_pretrained(folder))
+
+
+def data_of(tiny_tldr, folder, tokenizer_folder):
+    """The tiny world's datasets under `folder`, its args.json recording the identity of `tokenizer_folder`
+    (as preprocess_tldr.py records the tokenizer it used)."""
+    folder.mkdir()
+    for name in ("sft", "preference"):
+        os.symlink(tiny_tldr / name, folder / name)
+    built = json.loads((tiny_tldr / "args.json").read_text())
+    (folder / "args.json").write_text(json.dumps({**built, "tokenizer_identity": identity(tokenizer_folder)}))
+    return folder
+
+
+def test_identity_tells_vocabularies_apart(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(BASE)
+    tokenizer.save_pretrained(tmp_path / "saved")
+    assert identity(tmp_path / "saved") == sft.tokenizer_identity(tokenizer)  # survives save / load
+    assert len({module.tokenizer_identity(tokenizer) for module in (sft, reward, dpo, ppo)}) == 1
+    other = AutoTokenizer.from_pretrained(other_vocabulary(tmp_path / "other"))
+    assert (other.eos_token_id, other.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert sft.tokenizer_identity(other) != sft.tokenizer_identity(tokenizer)
+    no_pad = AutoTokenizer.from_pretrained(BASE)
+    no_pad.pad_token = None  # a [PAD] added by add_pad_token gives the identity of the saved tokenizer with it
+    sft.add_pad_token(no_pad)
+    assert sft.tokenizer_identity(no_pad) == sft.tokenizer_identity(tokenizer)
+
+
+def test_identity_problem_names_each_side():
+    assert sft.identity_problem({"a": "1" * 64, "b": None, "c": "1" * 64}) is None  # unknown sides are skipped
+    problem = sft.identity_problem({"--query_dataset x (x/args.json)": "1" * 64, "--base_model y (its tokenizer)": "2" * 64})
+    assert "--query_dataset x (x/args.json) has 1111111111111111" in problem
+    assert "--base_model y (its tokenizer) has 2222222222222222" in problem
+
+
+def test_vocabulary_problem_counts_every_id_but_pad():
+    tokenizer = AutoTokenizer.from_pretrained(BASE)  # ids 0 ... 1267, [PAD] = 1
+    assert sft.vocabulary_problem(tokenizer, 1268, "m") is None
+    assert "m has 1000 embedding rows, but the tokenizer has ids up to 1267" in sft.vocabulary_problem(tokenizer, 1000, "m")
+    tokenizer.pad_token = None
+    tokenizer.add_special_tokens({"pad_token": "<new pad>"})  # id 1268, past the table: masked, so fine
+    assert sft.vocabulary_problem(tokenizer, 1268, "m") is None
+
+
+def refused(cwd, script, *flags):
+    """Run `script` in `cwd`; it must stop with a SetupError before writing anything. Its stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    before = sorted(os.listdir(cwd))
+    result = subprocess.run([sys.executable, str(REPO / script), *map(str, flags), "--output_dir", cwd / "out"],
+                            cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "SetupError" in result.stderr, result.stdout[-2000:] + result.stderr[-3000:]
+    assert sorted(os.listdir(cwd)) == before  # no output folder, no runs/
+    return result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py"])
+def test_a_model_of_another_vocabulary_is_refused(script, tiny_tldr, tmp_path):
+    model = other_vocabulary(tmp_path / "model")
+    data = data_of(tiny_tldr, tmp_path / "data", BASE)
+    flags = (["--base_model", model, "--query_dataset", data / "sft", "--response_length", "4"] if script == "sft.py" else
+             ["--sft_model_path", model, "--label_dataset", data / "preference", "--query_dataset", data / "sft"])
+    message = refused(tmp_path, script, *flags, *TINY)
+    flag = "--base_model" if script == "sft.py" else "--sft_model_path"
+    assert f"{flag} {model} (its tokenizer) has {identity(model)[:16]}" in message
+    assert f"--query_dataset {data / 'sft'} ({data}/args.json) has {identity(BASE)[:16]}" in message
+
+
+def ppo_flags(tiny_tldr, rm):
+    return ["--query_dataset", tiny_tldr / "sft", "--sft_model_path", BASE, "--reward_model_path", rm,
+            "--local_rollout_forward_batch_size", "8", "--response_length", "4", *TINY]
+
+
+def test_ppo_refuses_a_reward_model_of_another_vocabulary(tiny_tldr, tmp_path):
+    make_reward_model(tmp_path / "rm")
+    other = AutoTokenizer.from_pretrained(other_vocabulary(tmp_path / "other"))
+    other.save_pretrained(tmp_path / "rm")  # the RM's own tokenizer: same special ids, other vocabulary
+    message = refused(tmp_path, "ppo.py", *ppo_flags(tiny_tldr, tmp_path / "rm"))
+    assert f"--reward_model_path {tmp_path / 'rm'} (its tokenizer) has {identity(tmp_path / 'rm')[:16]}" in message
+    assert f"--sft_model_path {BASE} (its tokenizer) has {identity(BASE)[:16]}" in message
+
+
+def test_ppo_refuses_a_reward_model_too_small_for_the_policys_ids(tiny_tldr, tmp_path):
+    """Same tokenizer, an embedding of 1000 rows: the first rollout's ids past row 999 used to raise an
+    IndexError inside the RM after the first rollout; now it stops before anything is written."""
+    make_reward_model(tmp_path / "rm")
+    small = ppo.ScalarModel.from_pretrained(tmp_path / "rm")
+    small.backbone.resize_token_embeddings(1000)
+    small.config.base_config["vocab_size"] = 1000
+    small.save_pretrained(tmp_path / "rm")
+    assert ppo.ScalarModel.from_pretrained(tmp_path / "rm").backbone.get_input_embeddings().weight.shape[0] == 1000
+    message = refused(tmp_path, "ppo.py", *ppo_flags(tiny_tldr, tmp_path / "rm"))
+    assert f"--reward_model_path {tmp_path / 'rm'} has 1000 embedding rows, but the tokenizer has ids up to 1267" in message

@@ -1,0 +1,370 @@
+"""judge.py under faults and bad input (issue 16): nothing computed is lost, nothing secret is written.
+
+The HTTP tests run judge.py as a subprocess against the OpenAI-compatible test server of
+tests/test_judge.py, with faults injected per post row: a 400 on every request, HTTP 200 bodies
+without a usable reply, replies that hang past the client timeout, a server echoing credentials.
+Each one checks that the verdicts judged before the fault are still in the cache and the results.
+"""
+
+import asyncio
+import base64
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+
+import judge
+from test_judge import (FAST, SECRET, judge_cmd, judge_env, llm_rows, read_csv, run_judge,  # noqa: F401
+                        server_factory, write_table)
+
+
+def cached(out):
+    """judgments.jsonl as {row: last record} (rows of one table, so rows are distinct)."""
+    return {r["row"]: r for r in judge.load_cache(str(out / "judgments.jsonl"))[0].values()}
+
+
+def verdicts(out):
+    """{row: verdict} of the rows the judge answered."""
+    return {row: r["verdict"] for row, r in cached(out).items() if r.get("status", "judged") == "judged"}
+
+
+def results(out):
+    return json.loads((out / "results.json").read_text())
+
+
+def flags_for(server_url, table, out, *extra):
+    """judge.py's flags for one table `sft`; `extra` last, so it overrides FAST (the last value wins)."""
+    return ["--base_url", server_url, "--tables", f"sft={table}", "--output_dir", str(out), *FAST, *extra]
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def test_redact_url_and_scrub():
+    url = "http://judge-user:pa%2Fss-word@host:8000/v1?api_key=K-123456&token=T-654321&api-version=2024#frag-abcdef"
+    assert judge.redact_url(url) == "http://***@host:8000/v1?api_key=***&token=***&api-version=***"
+    assert judge.redact_url("https://sk-bare-key-123456@host/v1?sk-bare-token-12") == "https://***@host/v1?***"
+    assert judge.redact_url("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1" and judge.redact_url(None) is None
+    secrets = judge.url_secrets(url)
+    assert {"judge-user", "pa%2Fss-word", "pa/ss-word", "K-123456", "T-654321", "frag-abcdef"} <= set(secrets)
+    assert base64.b64encode(b"judge-user:pa/ss-word").decode() in secrets  # what httpx sends as Basic auth
+    text = "401 for /v1?api_key=K-123456 Basic " + base64.b64encode(b"judge-user:pa/ss-word").decode()
+    assert judge.scrub(text, secrets) == "401 for /v1?api_key=*** Basic ***"
+    # Short strings are no keys: scrubbing them would eat the verdict.
+    assert judge.scrub("Comparison: x\nPreferred: A", ["A", "x"]) == "Comparison: x\nPreferred: A"
+    assert judge.scrub(None, secrets) is None
+    assert judge.split_endpoint("http://u:p@h:1/v1?api_key=K&x=") == ("http://u:p@h:1/v1", {"api_key": "K", "x": ""})
+    assert judge.split_endpoint(None) == (None, {})
+    for good in ("http://127.0.0.1:8000/v1", "https://api.example.com", "http://u:p@h/v1?k=v"):
+        assert judge.endpoint_is_valid(good), good
+    for bad in ("127.0.0.1:8000/v1", "user:KEY@host/v1", "ftp://h/v1", "http://", "http://h:port/v1", ""):
+        assert not judge.endpoint_is_valid(bad), bad
+
+
+def test_flag_problems_name_every_bad_flag(tmp_path):
+    table = write_table(tmp_path / "t.csv", llm_rows(2))
+    good = judge.Args(tables=(f"t={table}",), output_dir=str(tmp_path / "out"))
+    assert judge.flag_problems(good) == []
+    (tmp_path / "a_file").write_text("")
+    bad = {"n": 0, "temperature": -0.1, "max_concurrency": 0, "timeout": 0.0, "max_retries": -1,
+           "retry_base_delay": -1.0, "retry_max_delay": 0.5, "max_new_judgments": -2, "failed_row_retries": -1,
+           "length_bins": 0, "model": " "}
+    for flag, value in bad.items():
+        problems = judge.flag_problems(dataclasses.replace(good, **{flag: value}))
+        assert len(problems) == 1 and problems[0].startswith(f"--{flag} "), (flag, problems)
+    cases = {"tables": ((f"t={table}", f"t={table}"), "--tables"), "pairs": (("t:other",), "--pairs t:other"),
+             "output_dir": (str(tmp_path / "a_file"), "--output_dir"),
+             "base_url": ("user:KEY-123456@host/v1", "--base_url (not shown")}
+    for flag, (value, start) in cases.items():
+        problems = judge.flag_problems(dataclasses.replace(good, **{flag: value}))
+        assert len(problems) == 1 and problems[0].startswith(start) and "KEY-123456" not in problems[0], problems
+    problems = judge.flag_problems(dataclasses.replace(good, tables=("t=missing.csv", "no label")))
+    assert problems[0] == "--tables t=missing.csv: no file missing.csv" and problems[1].startswith("--tables entry")
+    assert judge.flag_problems(dataclasses.replace(good, reference=False))[0].startswith("--no-reference")
+
+
+def test_call_with_retries_counts_abandoned_calls():
+    async def run(outcomes, tally, max_retries=3):
+        outcomes = list(outcomes)
+
+        async def call():
+            outcome = outcomes.pop(0)
+            if outcome == "hang":
+                await asyncio.sleep(5)  # abandoned at the 0.05 s timeout
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        try:
+            return await judge.call_with_retries(call, tally, timeout=0.05, max_retries=max_retries, base=0.0,
+                                                 cap=0.0, rng=random.Random(0))
+        except Exception as error:
+            return error
+
+    fresh = lambda: dict(calls=0, abandoned=0, billed_twice=0, failed_runs=0)  # noqa: E731
+    tally = fresh()
+    assert asyncio.run(run(["hang", "hang", "ok"], tally)) == "ok"
+    assert tally == dict(calls=3, abandoned=2, billed_twice=2, failed_runs=0)  # both re-asks may pay twice
+    tally = fresh()
+    assert isinstance(asyncio.run(run(["hang", "hang"], tally, max_retries=1)), TimeoutError)  # retries spent
+    assert tally == dict(calls=2, abandoned=2, billed_twice=1, failed_runs=0)
+    tally = fresh()
+    bad = judge.BadReply("HTTP 200 without choices")
+    assert asyncio.run(run([bad, "ok"], tally)) is bad  # a 200 may be billed: not re-asked at once
+    assert tally == dict(calls=1, abandoned=1, billed_twice=0, failed_runs=0)
+    tally = dict(calls=3, abandoned=1, billed_twice=0, failed_runs=1)  # a row that timed out in an earlier run
+    assert asyncio.run(run(["ok"], tally)) == "ok" and tally["billed_twice"] == 1
+
+
+def test_write_atomic_keeps_the_old_file_when_a_write_fails(tmp_path):
+    path = str(tmp_path / "results.json")
+    judge.write_text_atomic(path, '{"old": 1}')
+
+    def killed_half_way(partial):
+        with open(partial, "w") as file:
+            file.write('{"new": ')
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        judge.write_atomic(path, killed_half_way)
+    assert json.loads(open(path).read()) == {"old": 1}  # a reader never sees half a file
+    judge.write_text_atomic(path, '{"new": 2}')
+    assert json.loads(open(path).read()) == {"new": 2} and os.listdir(tmp_path) == ["results.json"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The real client over HTTP
+# ------------------------------------------------------------------------------------------------
+
+
+def test_row_that_always_fails_is_counted_and_retried_a_bounded_number_of_times(tmp_path, server_factory):
+    server = server_factory(row_faults={2: ["400"] * 99})  # e.g. a post the server refuses
+    table = write_table(tmp_path / "sft.csv", llm_rows(6))
+    out = tmp_path / "out"
+    flags = flags_for(server.url, table, out, "--max_concurrency", "2", "--failed_row_retries", "2")
+    proc = run_judge(*flags)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "failed: sft row 2 in 1 run(s): BadRequestError" in proc.stderr and "a rerun asks 1" in proc.stderr
+    assert sorted(server.rows()) == list(range(6))  # a 400 is not retried within a run
+    first = results(out)
+    stats = first["runs"]["sft"]
+    assert (stats["judged"], stats["failed"], stats["unjudged"], stats["n"], stats["calls"]) == (5, 1, 0, 5, 6)
+    assert first["this_run"]["failed"] == 1 and first["totals"]["failed"] == 1
+    assert [(f["run"], f["row"], f["failed_runs"], f["asked_by_rerun"]) for f in first["failures"]] == \
+        [("sft", 2, 1, True)]
+    judged = {int(j["row"]): j for j in read_csv(out / "judged" / "sft.csv")}
+    assert (judged[2]["status"], judged[2]["preferred"]) == ("failed", "unjudged")
+    assert judged[2]["error"].startswith("BadRequestError") and judged[0]["status"] == "judged"
+    before = verdicts(out)
+    assert sorted(before) == [0, 1, 3, 4, 5]
+
+    # Reruns 1 and 2 ask row 2 again (and nothing else); rerun 3 leaves it failed and asks nothing.
+    for rerun in (1, 2, 3):
+        start = len(server.requests)
+        proc = run_judge(*flags)
+        assert proc.returncode == 3, proc.stderr[-3000:]
+        assert server.rows(start) == ([2] if rerun <= 2 else [])
+        failure = results(out)["failures"][0]
+        assert (failure["failed_runs"], failure["asked_by_rerun"]) == (min(rerun + 1, 3), rerun < 2)
+        assert verdicts(out) == before  # nothing judged before the fault is lost or asked again
+        assert results(out)["runs"]["sft"] == {**stats, "calls": 6 + min(rerun, 2)}
+    assert "a rerun asks 0 of them again" in proc.stderr and "the other 1 failed in more than --failed_row_retries 2 reruns" in proc.stderr
+    # The bound is the flag: raising it asks the row once more.
+    start = len(server.requests)
+    assert run_judge(*flags, "--failed_row_retries", "3").returncode == 3
+    assert server.rows(start) == [2] and verdicts(out) == before
+
+
+def test_http_200_without_a_usable_reply_fails_only_its_row(tmp_path, server_factory):
+    server = server_factory(row_faults={1: ["nonjson"], 3: ["nochoices"], 4: ["html"]})
+    table = write_table(tmp_path / "sft.csv", llm_rows(6))
+    out = tmp_path / "out"
+    flags = flags_for(server.url, table, out, "--max_concurrency", "2", "--max_retries", "3")
+    proc = run_judge(*flags)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # A 200 may have been billed: the row fails at once (no re-ask within the run), the others go on.
+    assert sorted(server.rows()) == list(range(6))
+    records = cached(out)
+    assert sorted(row for row, r in records.items() if r["status"] == "failed") == [1, 3, 4]
+    assert "not a chat completion" in records[1]["error"] and "without choices" in records[3]["error"]
+    assert "without choices" in records[4]["error"]  # a text/html body comes back as a str
+    assert all(records[row]["abandoned"] == 1 for row in (1, 3, 4))
+    stats = results(out)["runs"]["sft"]
+    assert (stats["judged"], stats["failed"], stats["possibly_billed_twice"]) == (3, 3, 0)
+    before = verdicts(out)
+
+    # The rerun asks exactly the three failed rows, once; each re-ask may pay a second time.
+    start = len(server.requests)
+    proc = run_judge(*flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(server.rows(start)) == [1, 3, 4]
+    result = results(out)
+    stats = result["runs"]["sft"]
+    assert (stats["judged"], stats["failed"], stats["n"], stats["malformed"]) == (6, 0, 6, 0)
+    assert (stats["calls"], stats["possibly_billed_twice"], result["this_run"]["possibly_billed_twice"]) == (9, 3, 3)
+    assert {row: v for row, v in verdicts(out).items() if row in before} == before and result["failures"] == []
+
+
+def test_calls_abandoned_at_the_timeout_are_counted_as_possibly_billed_twice(tmp_path, server_factory):
+    # The slow-server case: every row's first call hangs past the timeout, row 5's first three.
+    server = server_factory(row_faults={**{row: ["hang"] for row in range(8)}, 5: ["hang"] * 3})
+    table = write_table(tmp_path / "sft.csv", llm_rows(8))
+    out = tmp_path / "out"
+    flags = flags_for(server.url, table, out, "--max_concurrency", "4", "--max_retries", "2")
+    proc = run_judge(*flags)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = cached(out)
+    assert records[5]["status"] == "failed" and "Timeout" in records[5]["error"]
+    assert (records[5]["attempts"], records[5]["abandoned"], records[5]["billed_twice"]) == (3, 3, 2)
+    others = [(r["attempts"], r["abandoned"], r["billed_twice"]) for row, r in records.items() if row != 5]
+    assert others == [(2, 1, 1)] * 7
+    result = results(out)
+    # 7 rows re-asked once after an abandoned call, row 5 twice: 9 calls that may have been billed twice.
+    assert result["this_run"] == dict(to_ask=8, judged=7, malformed=0, failed=1, unjudged=0, calls=17,
+                                      possibly_billed_twice=9, stopped=None)
+    assert result["runs"]["sft"]["possibly_billed_twice"] == 9 and "possibly_billed_twice 9" in proc.stdout
+    before = verdicts(out)
+
+    # The rerun asks row 5 once; its call follows abandoned ones, so it counts too, in both totals.
+    start = len(server.requests)
+    proc = run_judge(*flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert server.rows(start) == [5]
+    result = results(out)
+    assert (result["this_run"]["calls"], result["this_run"]["possibly_billed_twice"]) == (1, 1)
+    assert (result["totals"]["calls"], result["totals"]["possibly_billed_twice"]) == (18, 10)
+    assert cached(out)[5]["totals"] == dict(calls=4, abandoned=3, billed_twice=3, failed_runs=1)
+    assert {row: v for row, v in verdicts(out).items() if row != 5} == before
+
+
+def test_credentials_in_base_url_are_written_nowhere(tmp_path, server_factory):
+    password, query_key, token = "url-pass-NEVER-WRITE-4711", "query-key-NEVER-WRITE-0815", "token-NEVER-WRITE-1234"
+    basic = base64.b64encode(f"judge-user:{password}".encode()).decode()
+    secrets = [SECRET, password, query_key, token, basic]
+    table = write_table(tmp_path / "sft.csv", llm_rows(5))
+    outputs = []
+    for name, userinfo in (("userinfo", f"judge-user:{password}@"), ("bearer", "")):
+        # The server echoes the path and the Authorization header in a 400 and in a reply.
+        server = server_factory(row_faults={1: ["400"] * 9, 2: ["echo"], 3: ["hang"]})
+        url = server.url.replace("http://", "http://" + userinfo) + f"?api_key={query_key}&token={token}"
+        out = tmp_path / name
+        # A failed start first: the message names the flag, shows no key and writes nothing.
+        bad = run_judge(*flags_for(url, table, out, "--max_concurrency", "0"))
+        assert bad.returncode == 1 and "--max_concurrency 0" in bad.stderr and not out.exists()
+        bad_url = run_judge(*flags_for(f"judge-user:{password}@127.0.0.1/v1", table, out))
+        assert bad_url.returncode == 1 and "--base_url (not shown" in bad_url.stderr and not out.exists()
+        proc = run_judge(*flags_for(url, table, out, "--max_concurrency", "2"))
+        assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+        # The credentials were sent: Basic auth from the URL (else the key), the query on every call.
+        auth = f"Basic {basic}" if userinfo else f"Bearer {SECRET}"
+        assert set(server.seen) == {(f"/v1/chat/completions?api_key={query_key}&token={token}", auth)}
+        assert judge.load_cache(str(out / "judgments.jsonl"))[0]  # something was written to scan
+        records = cached(out)
+        # The echo reached the cache scrubbed, not left out: the row's error and reply say ***.
+        assert records[1]["status"] == "failed" and records[1]["reply"] is None
+        assert f"?api_key=***&token=*** {auth.split()[0]} ***" in records[1]["error"], records[1]["error"]
+        assert records[2]["status"] == "judged" and records[2]["verdict"] in ("A", "B") and "***" in records[2]["reply"]
+        assert sorted(verdicts(out)) == [0, 2, 3, 4]  # the fault lost no verdict
+        args_json = json.loads((out / "args.json").read_text())
+        redacted = server.url.replace("http://", "http://***@" if userinfo else "http://")
+        assert args_json["base_url"] == f"{redacted}?api_key=***&token=***"
+        rerun = run_judge(*flags_for(url, table, out, "--max_concurrency", "2"))  # the failed row asked again
+        assert rerun.returncode == 3 and sorted(verdicts(out)) == [0, 2, 3, 4]
+        outputs += [proc.stdout, proc.stderr, bad.stdout, bad.stderr, bad_url.stdout, bad_url.stderr,
+                    rerun.stdout, rerun.stderr]
+        files = [path for path in out.rglob("*") if path.is_file()]
+        assert {"args.json", "judgments.jsonl", "results.json", "results.md", "sft.csv"} <= {p.name for p in files}
+        for path in files:
+            data = path.read_bytes()
+            for secret in secrets:
+                assert secret.encode() not in data, (path, secret)
+    for text in outputs:
+        for secret in secrets:
+            assert secret not in text, secret
+
+
+def test_bad_flags_write_nothing_and_the_corrected_run_goes_on(tmp_path, server_factory):
+    server = server_factory()
+    table = write_table(tmp_path / "sft.csv", llm_rows(4))
+    out = tmp_path / "out"
+    proc = run_judge(*flags_for(server.url, table, out, "--max_concurrency", "0", "--timeout", "-1",
+                                "--failed_row_retries", "-1", "--n", "0", "--pairs", "sft:ppo"))
+    assert proc.returncode == 1
+    for named in ("--max_concurrency 0", "--timeout -1", "--failed_row_retries -1", "--n 0", "--pairs sft:ppo"):
+        assert named in proc.stderr, named
+    assert not out.exists() and server.requests == []
+    # Table contents are checked before anything is written too: the file, the row and the column.
+    rows = llm_rows(4)
+    rows[2]["score"] = "high"
+    for i in (0, 1, 3):
+        rows[i]["score"] = "1.0"
+    bad_table = write_table(tmp_path / "bad.csv", rows)
+    proc = run_judge(*flags_for(server.url, bad_table, out))
+    assert proc.returncode == 1 and f"{bad_table}: data row 2, column score: 'high' is not a number" in proc.stderr
+    assert not out.exists() and server.requests == []
+    # The corrected command runs in the same folder: nothing left behind blocks it.
+    proc = run_judge(*flags_for(server.url, table, out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert results(out)["runs"]["sft"]["judged"] == 4 and sorted(server.rows()) == [0, 1, 2, 3]
+
+
+def test_torn_last_cache_line_is_asked_again_and_nothing_else(tmp_path, server_factory):
+    server = server_factory()
+    table = write_table(tmp_path / "sft.csv", llm_rows(6, malformed={4}))
+    out = tmp_path / "out"
+    flags = flags_for(server.url, table, out, "--max_concurrency", "2")
+    assert run_judge(*flags).returncode == 0
+    first = results(out)["runs"]
+    before = verdicts(out)
+    # A kill in the middle of the last append: half a line, no newline.
+    path = out / "judgments.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    torn_row = json.loads(lines[-1])["row"]
+    path.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
+    start = len(server.requests)
+    proc = run_judge(*flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 unreadable line(s) skipped" in proc.stdout
+    assert server.rows(start) == [torn_row]  # only the torn row is asked again
+    assert verdicts(out) == before and results(out)["runs"]["sft"] == {**first["sft"]}
+    assert len(judge.load_cache(str(path))[0]) == 6 and path.read_text().endswith("\n")
+
+
+def test_interrupted_run_writes_results_and_counts_calls_in_flight(tmp_path, server_factory):
+    server = server_factory(delay=1.0)  # slow replies: calls are in flight when Ctrl-C comes
+    table = write_table(tmp_path / "sft.csv", llm_rows(8))
+    out = tmp_path / "out"
+    flags = flags_for(server.url, table, out, "--max_concurrency", "2", "--timeout", "10")
+    process = subprocess.Popen(judge_cmd(*flags), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=judge_env())
+    deadline = time.time() + 60
+    while len(server.requests) < 4 and time.time() < deadline:  # two judged, two more in flight
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 1 and "stopped: interrupted" in stderr, stdout[-3000:] + stderr[-3000:]
+    records = cached(out)
+    judged = {row for row, r in records.items() if r["status"] == "judged"}
+    abandoned = {row for row, r in records.items() if r["status"] == "abandoned"}
+    # Every call the server saw is either a verdict in the cache or recorded as abandoned in flight.
+    assert judged and abandoned and judged | abandoned == set(server.rows()) and not judged & abandoned
+    result = results(out)
+    assert result["this_run"]["stopped"] == "interrupted" and result["runs"]["sft"]["judged"] == len(judged)
+    assert result["runs"]["sft"]["unjudged"] == 8 - len(judged) and result["runs"]["sft"]["failed"] == 0
+    before = verdicts(out)
+
+    # The rerun asks what has no verdict, once; re-asking a call abandoned in flight may pay twice.
+    start = len(server.requests)
+    proc = run_judge(*flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(server.rows(start)) == sorted(set(range(8)) - judged)
+    result = results(out)
+    assert result["this_run"]["possibly_billed_twice"] == len(abandoned) == result["totals"]["possibly_billed_twice"]
+    assert result["runs"]["sft"]["judged"] == 8 and {row: verdicts(out)[row] for row in before} == before

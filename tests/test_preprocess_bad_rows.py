@@ -1,0 +1,165 @@
+"""Bad rows and bad source files for preprocess_tldr.py: each fails before any tokenization, naming the
+file and line or the split and row id, and leaves the outputs of an earlier run as they were."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import datasets
+import pytest
+
+import preprocess_tldr as pre
+from test_preprocess import (EOS, flag_args, make_tokenizer, preference_row, reference_flags, sft_row,
+                             smoke_sources, write_world)
+
+
+def fingerprint(folder: Path) -> dict:
+    """{relative path: sha256} of every file under `folder`: equal fingerprints, untouched outputs."""
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def run(command: list, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")}  # keep ~/.cache clean
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    tokenizer = make_tokenizer()
+    pre.add_pad_token(tokenizer)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def old_output(tmp_path_factory, tok):
+    """The outputs of a good run, to be copied where a failing run then writes."""
+    folder = tmp_path_factory.mktemp("good")
+    sft, preference = smoke_sources()
+    command = write_world(folder, sft, preference) + ["--output_dir", str(folder / "out"), "--num_proc", "1"]
+    result = run(command + flag_args(reference_flags(tok, sft, preference)[0]), folder)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return folder / "out"
+
+
+# ---- rows ----
+
+@pytest.mark.parametrize("kind, change, expected", [
+    ("sft", lambda row: row.update(summary=""), "expected a non-empty summary, got ''"),
+    ("sft", lambda row: row.update(summary=" \n "), "expected a non-empty summary"),
+    ("tldr", lambda row: row["summaries"][0].update(text=" "), "expected summaries[0].text to hold a summary"),
+    ("cnndm", lambda row: row["summaries"][1].update(text="  "), "expected summaries[1].text to hold a summary"),
+])
+def test_empty_summaries_raise_naming_split_and_row(kind, change, expected):
+    good = sft_row("ok") if kind == "sft" else preference_row("ok", cnndm=kind == "cnndm")
+    bad = sft_row("bad3") if kind == "sft" else preference_row("bad3", cnndm=kind == "cnndm")
+    change(bad)
+    pre.validate_rows([good], "train", kind)
+    with pytest.raises(pre.DataError) as error:
+        pre.validate_rows([good, good, bad], "train", kind)
+    assert "split 'train', row 2 (id 'bad3')" in str(error.value) and expected in str(error.value)
+
+
+def test_duplicate_sft_ids_name_both_rows():
+    assert pre.duplicate_id_problem({"train": ["a", "b"], "validation": ["c"], "test": ["d"]}) is None
+    within = pre.duplicate_id_problem({"train": ["a", "b", "a"], "validation": ["c"]})
+    assert "1 duplicate post id(s): id 'a' in split 'train' row 0 and split 'train' row 2" in within
+    across = pre.duplicate_id_problem({"train": ["a", "b"], "validation": ["c"], "test": ["b", "c", "c"]})
+    assert across.startswith("3 duplicate post id(s): id 'b' in split 'train' row 1 and split 'test' row 0; "
+                             "id 'c' in split 'validation' row 0 and split 'test' row 1; id 'c'")
+    assert "remove the repeated rows from the source" in across
+
+
+def test_empty_split_is_an_error_naming_it():
+    rows = datasets.Dataset.from_list([sft_row()])
+    dataset_dict = datasets.DatasetDict(train=rows, validation=rows.select([]), test=rows)
+    with pytest.raises(pre.DataError, match=r"src: split\(s\) \['validation'\] have no rows"):
+        pre.require_splits(dataset_dict, pre.SFT_SPLITS, "src")
+
+
+# ---- files ----
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("train.jsonl", b'{"a": 1}\n{"a": 2}\n{"a": \n{"a": 4}\n', "train.jsonl, line 3: invalid JSON"),
+    ("train.jsonl", b'{"a": 1}\n\n{"a": "caf\xe9"}\n', "train.jsonl, line 3: byte 0xe9 is not UTF-8"),
+    ("train.json", b"", "train.json: the file is empty"),
+    ("train.json", b"\n  \n", "train.json: the file holds only whitespace"),
+    ("train.json", b'[\n  {"a": 1},\n  {"a": 2}\n  {"a": 3}\n]\n', "train.json, line 4: invalid JSON"),
+    ("train.parquet", b"", "train.parquet: the file is empty"),
+    ("train.jsonl", b'{"a": 1}\n{"a": "\xe2\x80\xa8 text"}\n', None),  # valid (a U+2028 inside a string)
+    ("train.json", b'[\n  {"a": 1},\n  {"a": 2}\n]\n', None),  # one document over several lines
+])
+def test_data_file_problem_names_file_and_line(tmp_path, name, content, expected):
+    path = tmp_path / name
+    path.write_bytes(content)
+    problem = pre.data_file_problem(str(path))
+    assert problem is None if expected is None else (problem.startswith(str(tmp_path)) and expected in problem)
+
+
+def test_load_source_names_the_bad_file_and_line(tmp_path):
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(json.dumps(sft_row("a")) + "\n")
+    (folder / "test.jsonl").write_text(json.dumps(sft_row("b")) + "\n" + json.dumps(sft_row("c"))[:-1] + "\n")
+    with pytest.raises(pre.DataError, match=r"test\.jsonl, line 2: invalid JSON"):
+        pre.load_source(str(folder), None, str(tmp_path / "scratch"))
+    with pytest.raises(pre.DataError, match=r"cannot load .*nowhere"):  # neither a folder nor a Hub id offline
+        pre.load_source(str(tmp_path / "nowhere"), None, str(tmp_path / "scratch"))
+
+
+# ---- end to end: a preference set without CNN/DM rows works ----
+
+def test_preference_data_without_cnndm_rows_works_and_says_so(tmp_path, tok):
+    sft, preference = smoke_sources()
+    preference["validation"] = [row for row in preference["validation"] if row["batch"] not in pre.CNNDM_BATCHES]
+    command = write_world(tmp_path, sft, preference) + ["--output_dir", str(tmp_path / "out"), "--num_proc", "1"]
+    result = run(command + flag_args(reference_flags(tok, sft, preference)[0]), tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "no CNN/DM comparisons" in result.stdout and "validation_cnndm is empty" in result.stdout
+    saved = datasets.load_from_disk(str(tmp_path / "out" / "preference"))
+    assert saved.num_rows["validation_cnndm"] == 0  # the split is there, with every column, for later stages
+    assert saved["validation_cnndm"].features == saved["validation"].features
+    assert json.loads((tmp_path / "out" / "policy_pairs.json").read_text())["validation_cnndm"] == {}
+
+
+# ---- end to end: a bad source keeps the old outputs ----
+
+def write_jsonl_sources(folder: Path, sft: dict) -> None:
+    """The SFT splits as JSON-lines files (what `datasets` infers from train.jsonl, ...), the test split broken."""
+    folder.mkdir()
+    for split, rows in sft.items():
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / "test.jsonl").write_text((folder / "test.jsonl").read_text() + '{"id": "c2", "post": \n')
+
+
+@pytest.mark.parametrize("fault", ["empty summary", "duplicate id", "invalid JSON", "invalid JSON, first run"])
+def test_bad_source_fails_and_keeps_the_old_outputs(tmp_path, tok, old_output, fault):
+    sft, preference = smoke_sources()
+    flags = reference_flags(tok, sft, preference)[0]
+    out = tmp_path / "out"
+    if fault != "invalid JSON, first run":
+        shutil.copytree(old_output, out)
+    before = fingerprint(out) if out.exists() else None
+    if fault == "empty summary":
+        sft["validation"].append(sft_row("b2", summary=" "))
+    elif fault == "duplicate id":
+        sft["test"].append(sft_row("a2", summary="a cat"))  # a2 is a train post
+    command = write_world(tmp_path, sft, preference) + ["--output_dir", str(out), "--num_proc", "1"]
+    if fault.startswith("invalid JSON"):
+        write_jsonl_sources(tmp_path / "sft_json", sft)
+        command[command.index("--sft_dataset") + 1] = str(tmp_path / "sft_json")
+    result = run(command + flag_args(flags), tmp_path)
+    assert result.returncode == 1 and "DataError" in result.stderr, result.stderr[-2000:]
+    expected = {"empty summary": "split 'validation', row 1 (id 'b2'): expected a non-empty summary",
+                "duplicate id": "id 'a2' in split 'train' row 1 and split 'test' row 1",
+                "invalid JSON": f"{tmp_path / 'sft_json' / 'test.jsonl'}, line 2: invalid JSON",
+                "invalid JSON, first run": "test.jsonl, line 2: invalid JSON"}[fault]
+    assert expected in result.stderr
+    if before is None:
+        assert not out.exists()  # a failed first run leaves no folder behind
+    else:
+        assert fingerprint(out) == before  # nothing of the earlier run is lost, nothing is left beside it
+        assert datasets.load_from_disk(str(out / "sft")).num_rows == {"train": 3, "validation": 1, "test": 1}

@@ -1,0 +1,394 @@
+"""The path users run first, seen on CPU: Pythia from the Hub (fp16 weights, an embedding with more
+rows than the tokenizer has tokens, no pad token), bf16, DeepSpeed, and stages that chain by their
+default paths.
+
+A "Pythia-like" model is made on the fly from the tiny world's pythia-tiny with exactly these
+traits. The pure helpers these traits need (fp32 loading, fp32 rotary frequencies, sampling masks,
+equal evaluation batches, the GPU check, a training window never 0 wide) are tested against
+hand-computed values; then the whole pipeline runs on the Pythia-like model twice: once in fp32
+with nothing but --base_model (each stage finds the last one's output by convention), once in
+bf16 under DeepSpeed ZeRO-2 on 2 CPU processes (the paper's launch).
+
+What does not work on CPU, and how it is covered instead: no flash / memory-efficient attention
+kernels and no CUDA graphs (sdpa's math kernel runs; benchmark/gpu_check.sh measures the GPU path);
+bf16 matmuls run, but slowly and with CPU accumulation order, so bf16 results are compared with
+bf16 tolerances, not bit for bit; DeepSpeed needs DS_ACCELERATOR=cpu and the gloo backend
+(ENV_NOTES), and its fused optimizers are not used (the scripts hand it torch's AdamW).
+"""
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import REPO, WORLD, tiny_lengths
+from ppo import (PolicyAndValueWrapper, ScalarModel, ScalarModelConfig, cast_parameters, disable_dropout,
+                 eval_batches, first_true_indices, generate, gpu_problem, last_hidden_states, load_fp32, mask_logits,
+                 model_name, response_masks, response_window, rotary_problem, sample_rollout, trained_width,
+                 unsampled_token_ids)
+
+EOS = 0
+NAME = "pythia-like"  # the fixture's folder name: default paths go to data/pythia-like, models/pythia-like
+
+
+def make_pythia_like(folder):
+    """pythia-tiny as the Hub ships Pythia: fp16 weights; `<|padding|>` at id 1 and no pad token, so the
+    [PAD] the stages add lands at len(tokenizer); an embedding with rows no token owns."""
+    model = AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny", dtype=torch.float32)
+    tokenizer_json = json.loads((WORLD / "pythia-tiny" / "tokenizer.json").read_text())
+    for token in tokenizer_json["added_tokens"]:
+        if token["content"] == "[PAD]":
+            token["content"] = "<|padding|>"
+    vocab = tokenizer_json["model"]["vocab"]
+    vocab["<|padding|>"] = vocab.pop("[PAD]")
+    folder.mkdir(parents=True)
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    config = json.loads((WORLD / "pythia-tiny" / "tokenizer_config.json").read_text())
+    config.pop("pad_token")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tokens = len(AutoTokenizer.from_pretrained(folder))
+    if model.config.vocab_size < tokens + 8:  # Pythia: 50304 rows for 50277 tokens
+        model.resize_token_embeddings(64 * (tokens // 64 + 2))
+    model.half().save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def pythia_like(tmp_path_factory):
+    """Folder of the Pythia-like model, and its tokenizer's length before [PAD] is added."""
+    folder = tmp_path_factory.mktemp("hub") / NAME
+    make_pythia_like(folder)
+    return folder
+
+
+def test_pythia_like_has_pythias_traits(pythia_like):
+    tokenizer = AutoTokenizer.from_pretrained(pythia_like)
+    assert tokenizer.pad_token is None and tokenizer.convert_ids_to_tokens(1) == "<|padding|>"
+    with safe_open(str(pythia_like / "model.safetensors"), "pt") as file:
+        assert {file.get_tensor(key).dtype for key in file.keys()} == {torch.float16}
+    assert AutoModelForCausalLM.from_pretrained(pythia_like).dtype == torch.float16  # transformers 5: the saved dtype
+    model = load_fp32(AutoModelForCausalLM, str(pythia_like), "--base_model")
+    assert {param.dtype for param in model.parameters()} == {torch.float32}
+    assert model.get_output_embeddings().weight.size(0) > len(tokenizer) + 1  # rows no token owns, [PAD]'s among them
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers of the real path
+# ---------------------------------------------------------------------------------------------
+
+
+def test_model_name_keeps_base_models_apart(tmp_path):
+    assert model_name("EleutherAI/pythia-1b-deduped") == "EleutherAI/pythia-1b-deduped"
+    assert model_name("EleutherAI/pythia-2.8b-deduped") != model_name("EleutherAI/pythia-1b-deduped")
+    (tmp_path / "my-model").mkdir()
+    assert model_name(str(tmp_path / "my-model") + "/") == "my-model"
+
+
+@pytest.mark.parametrize("num_rows, world_size, batch_size", [(5, 2, 2), (1, 2, 4), (0, 3, 2), (10, 3, 4), (7, 2, 1),
+                                                               (64, 8, 8), (3, 4, 2)])
+def test_eval_batches_same_count_on_every_rank_and_every_row_once(num_rows, world_size, batch_size):
+    ranks = [eval_batches(num_rows, rank, world_size, batch_size) for rank in range(world_size)]
+    assert len({len(batches) for batches in ranks}) == 1  # as many (collective) forwards on every rank
+    assert len({tuple(len(indices) for indices, _ in batches) for batches in ranks}) == 1  # of the same sizes
+    kept = sorted(i for batches in ranks for indices, real in batches for i in indices[:real])
+    assert kept == list(range(num_rows))  # each row kept exactly once
+    for rank, batches in enumerate(ranks):
+        assert all(0 <= i < max(num_rows, 1) for indices, _ in batches for i in indices)  # fillers are real rows
+        assert [i for indices, real in batches for i in indices[:real]] == list(range(rank, num_rows, world_size))
+
+
+def test_gpu_problem_only_when_a_gpu_launch_finds_none():
+    assert gpu_problem({}, cuda_available=False) is None  # plain `python sft.py`: the CPU, as asked
+    assert gpu_problem({"ACCELERATE_USE_DEEPSPEED": "true"}, cuda_available=True) is None
+    problem = gpu_problem({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "bf16"}, False)
+    assert "asks for a GPU (DeepSpeed)" in problem and "DS_ACCELERATOR=cpu" in problem and torch.__version__ in problem
+    assert gpu_problem({"ACCELERATE_USE_DEEPSPEED": "true", "DS_ACCELERATOR": "cpu"}, False) is None  # a rehearsal
+    problem = gpu_problem({"ACCELERATE_MIXED_PRECISION": "bf16"}, False)
+    assert "mixed precision bf16" in problem and "--cpu" in problem
+    assert gpu_problem({"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_USE_CPU": "True"}, False) is None
+
+
+def test_rotary_frequencies_stay_fp32_when_parameters_go_bf16():
+    model = AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny", dtype=torch.float32)
+    exact = model.gpt_neox.rotary_emb.inv_freq.clone()
+    assert rotary_problem({"model": model}) is None
+    cast_parameters(model, torch.bfloat16)
+    assert {param.dtype for param in model.parameters()} == {torch.bfloat16}
+    assert rotary_problem({"model": model}) is None and torch.equal(model.gpt_neox.rotary_emb.inv_freq, exact)
+    rounded = AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny").to(torch.bfloat16)  # the blanket cast
+    problem = rotary_problem({"reference": rounded})
+    assert "reference: gpt_neox.rotary_emb.inv_freq is torch.bfloat16" in problem
+    # What the rounding costs: the angle of the last frequency pair at distance 565 (Pythia-1B's rotary dims).
+    inv_freq_1b = 1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64)
+    assert (565 * (inv_freq_1b - inv_freq_1b.bfloat16().float())).abs().max() > 0.1
+
+
+def test_unsampled_ids_are_pad_and_unowned_rows():
+    class Tokenizer:  # Pythia's numbers: 50277 tokens, [PAD] added as 50277, 50304 embedding rows
+        pad_token_id = 50277
+
+        def __len__(self):
+            return 50278
+
+    assert unsampled_token_ids(Tokenizer(), 50304) == list(range(50277, 50304))
+    logits = torch.zeros(2, 3, 6)
+    masked = mask_logits(logits, torch.tensor([1, 5]))
+    assert (masked[..., [1, 5]] == torch.finfo(torch.float32).min).all() and (masked[..., [0, 2, 3, 4]] == 0).all()
+    probabilities = masked.softmax(-1)
+    assert (probabilities[..., [1, 5]] == 0).all() and torch.allclose(probabilities[..., 0], torch.tensor(0.25))
+    entropy = torch.logsumexp(masked, -1) - (probabilities * masked).sum(-1)  # no NaN from 0 * lowest
+    torch.testing.assert_close(entropy, torch.full((2, 3), math.log(4)))
+
+
+def tiny_policy(pythia_like):
+    """The Pythia-like model in fp32, dropout off, eval mode; its tokenizer with [PAD] added."""
+    policy = load_fp32(AutoModelForCausalLM, str(pythia_like), "--base_model").eval()
+    disable_dropout(policy)
+    tokenizer = AutoTokenizer.from_pretrained(pythia_like, padding_side="right")
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return policy, tokenizer
+
+
+def queries_of(tokenizer, n, width=40):
+    """n left-padded queries of the tiny world's validation posts."""
+    import pandas as pd
+
+    posts = pd.read_parquet(WORLD / "tldr_3_filtered" / "data" / "validation.parquet")["post"][:n]
+    rows = [tokenizer.encode(f"POST: {post}\n\nTL;DR:")[-width + 5 * i:] for i, post in enumerate(posts)]
+    return torch.tensor([[tokenizer.pad_token_id] * (width - len(row)) + row for row in rows])
+
+
+def test_sampling_never_emits_pad_or_unowned_ids_even_when_they_are_likeliest(pythia_like):
+    """A hook makes [PAD] and an unowned row the likeliest tokens by far: unmasked sampling emits them at
+    once; the rollout loop and every evaluation sampler (generate with suppress_tokens) never do."""
+    from transformers import GenerationConfig
+
+    policy, tokenizer = tiny_policy(pythia_like)
+    pad, unowned = tokenizer.pad_token_id, policy.get_output_embeddings().weight.size(0) - 1
+    assert pad == len(tokenizer) - 1 and unowned >= len(tokenizer)
+
+    def boost(module, inputs, output):
+        output[..., pad] += 50.0
+        output[..., unowned] += 49.0
+        return output
+    policy.get_output_embeddings().register_forward_hook(boost)
+    queries, length = queries_of(tokenizer, 4), 12
+    unsampled = torch.tensor(unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
+    config = dict(max_new_tokens=length, min_new_tokens=length, temperature=0.7, top_k=0, top_p=1.0, do_sample=True,
+                  return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        plain, _ = generate(policy, queries, pad, GenerationConfig(**config))
+        assert (plain[:, queries.shape[1]:] == pad).float().mean() > 0.5  # the hook bites without the mask
+        evaluated, _ = generate(policy, queries, pad, GenerationConfig(**config, suppress_tokens=unsampled.tolist()))
+        rollout, scores = sample_rollout(policy, queries, pad, EOS, length, 0.7, unsampled)
+    for sampled in (evaluated[:, queries.shape[1]:], rollout[:, queries.shape[1]:]):
+        assert sampled.max() < len(tokenizer) - 1 and not (sampled == pad).any()
+    assert torch.isfinite(torch.log_softmax(scores, -1).gather(2, rollout[:, queries.shape[1]:, None])).all()
+
+
+def test_training_window_is_never_zero_wide(pythia_like):
+    """Reproducer: a micro-batch whose only response starts with [PAD] (EOS index -1). The window was
+    n = 0 and x[:, -0:] selected every position; now it is 1 wide and equals the full forward there."""
+    policy, tokenizer = tiny_policy(pythia_like)
+    pad = tokenizer.pad_token_id
+    queries = queries_of(tokenizer, 1)
+    responses = torch.full((1, 6), pad)  # the response starts with [PAD]
+    query_responses = torch.cat((queries, responses), 1)
+    sequence_lengths, _, _ = response_masks(responses, pad, score_after_eos=False)
+    assert sequence_lengths.tolist() == [-1]
+    n = trained_width(sequence_lengths, responses.size(1), score_after_eos=False)
+    assert n == 1
+    assert trained_width(torch.tensor([2, 9]), 6, score_after_eos=True) == 6  # never past the response either
+    ids, mask, positions = response_window(query_responses, pad, queries.shape[1], n)
+    with torch.no_grad():
+        hidden = last_hidden_states(policy.base_model, ids, mask, positions, n)  # (1, 1, d)
+        full = policy.base_model(input_ids=query_responses.masked_fill(query_responses == pad, 0),
+                                 attention_mask=query_responses != pad).last_hidden_state
+    assert hidden.shape[1] == 1
+    torch.testing.assert_close(hidden[:, 0], full[:, queries.shape[1] - 1], rtol=1e-5, atol=1e-5)
+
+
+def test_windowed_forward_in_bf16_matches_full_forward(pythia_like):
+    """PPO's windowed training forward under bf16 autocast on CPU (accelerate's mixed precision) against the
+    plain full forward under the same autocast: equal within bf16 tolerance."""
+    policy, tokenizer = tiny_policy(pythia_like)
+    pad = tokenizer.pad_token_id
+    critic = ScalarModel(ScalarModelConfig(base_config={k: v for k, v in policy.base_model.config.to_dict().items()
+                                                        if k != "_name_or_path"}))
+    critic.backbone.load_state_dict(policy.base_model.state_dict())
+    queries = queries_of(tokenizer, 4)
+    torch.manual_seed(0)
+    responses = torch.randint(2, 1000, (4, 10))
+    responses[0, 4], responses[0, 5:] = EOS, pad
+    query_responses = torch.cat((queries, responses), 1)
+    context, n = queries.shape[1], 8
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, values = PolicyAndValueWrapper(policy, critic)(*response_window(query_responses, pad, context, n), n)
+        attention_mask = query_responses != pad
+        full = policy(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask).logits
+        full_values = critic(query_responses.masked_fill(~attention_mask, 0), attention_mask)
+    assert logits.dtype == torch.bfloat16  # autocast really ran the projections in bf16
+    full, full_values = full[:, context - 1:context - 1 + n], full_values[:, context - 1:context - 1 + n]
+    # bf16 keeps 8 bits of mantissa: a relative rounding of 2^-8 per op, a few ops deep
+    torch.testing.assert_close(logits.float(), full.float(), rtol=0.05, atol=0.1)
+    torch.testing.assert_close(values.float(), full_values.float(), rtol=0.05, atol=0.1)
+    assert (logits.float().argmax(-1) == full.float().argmax(-1)).float().mean() > 0.9
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline on the Pythia-like model
+# ---------------------------------------------------------------------------------------------
+
+TINY = {  # scale knobs only: at least one real update per stage, seconds each
+    "sft.py": ["--lr", "1e-3", "--batch_size", "8", "--local_micro_batch_size", "4", "--total_episodes", "16",
+               "--response_length", "8", "--local_eval_batch_size", "8", "--num_eval_samples", "5"],
+    "reward.py": ["--lr", "1e-3", "--batch_size", "8", "--local_micro_batch_size", "4", "--total_episodes", "16",
+                  "--local_eval_batch_size", "8", "--num_eval_samples", "5"],
+    "dpo.py": ["--lr", "1e-3", "--batch_size", "8", "--local_micro_batch_size", "4", "--total_episodes", "16",
+               "--response_length", "8", "--local_eval_batch_size", "8", "--num_eval_samples", "5"],
+    "ppo.py": ["--lr", "1e-4", "--batch_size", "8", "--local_micro_batch_size", "4", "--total_episodes", "16",
+               "--local_rollout_forward_batch_size", "8", "--response_length", "8", "--local_eval_batch_size", "8",
+               "--num_eval_samples", "5"],
+}
+
+
+def preprocess(cwd, base_model, *flags):
+    """preprocess_tldr.py on the tiny world with the tokenizer of `base_model`, run in `cwd`."""
+    return subprocess.run([sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(base_model),
+                           "--sft_dataset", str(WORLD / "tldr_3_filtered"),
+                           "--preference_dataset", str(WORLD / "summarize_from_feedback"), "--num_proc", "1",
+                           *tiny_lengths(), *flags], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def stage(cwd, script, *flags, processes=1, bf16=False, check=True):
+    """Run a stage script in `cwd`: plain python, or 2 CPU processes of DeepSpeed ZeRO-2 (bf16 or not)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    if processes == 1 and not bf16:
+        cmd = [sys.executable, str(REPO / script)]
+    else:
+        with socket.socket() as sock:  # a free port: other test sessions may launch at the same time
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env.pop("ACCELERATE_USE_CPU", None)  # ENV_NOTES: CPU DeepSpeed must not set it (it would drop DeepSpeed)
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO / "benchmark/accelerate/deepspeed_zero2.yaml"), "--num_processes", str(processes),
+               "--mixed_precision", "bf16" if bf16 else "no", "--main_process_port", str(port), str(REPO / script)]
+    result = subprocess.run(cmd + [str(flag) for flag in flags], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=600)
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def saved_dtypes(folder):
+    """{dtype of every saved tensor}, and the dtype the saved config states."""
+    with safe_open(str(folder / "model.safetensors"), "pt") as file:
+        dtypes = {file.get_tensor(key).dtype for key in file.keys()}
+    return dtypes, json.loads((folder / "config.json").read_text())["dtype"]
+
+
+def scalars(cwd, run_name):
+    """{tag: [values]} of a run's TensorBoard folder."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(cwd / "runs" / run_name))
+    events.Reload()
+    return {tag: [event.value for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def chained(pythia_like, tmp_path_factory):
+    """preprocess -> sft -> reward -> dpo -> ppo on the Pythia-like model in fp32, each given nothing but
+    --base_model (and scale knobs): every input is the previous stage's default output. The working folder."""
+    cwd = tmp_path_factory.mktemp("chain")
+    result = preprocess(cwd, pythia_like)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for script in ("sft.py", "reward.py", "dpo.py", "ppo.py"):
+        stage(cwd, script, "--base_model", pythia_like, *TINY[script], "--run_name", script[:-3])
+    return cwd
+
+
+def test_stages_chain_by_default_paths_in_fp32(chained, pythia_like):
+    data = chained / "data" / NAME / "tldr"
+    pad = len(AutoTokenizer.from_pretrained(pythia_like))  # [PAD] appended after the last token, as for Pythia
+    data_args = json.loads((data / "args.json").read_text())
+    assert data_args["pad_token_id"] == pad and data_args["base_model_name"] == NAME
+    for stage_name in ("sft", "reward", "dpo", "ppo"):
+        out = chained / "models" / NAME / f"{stage_name}_1"
+        saved = json.loads((out / "args.json").read_text())
+        assert saved["base_model_name"] == NAME and saved["pad_token_id"] == pad
+        assert saved["tokenizer_identity"] == data_args["tokenizer_identity"]  # [PAD] included on both sides
+        assert saved_dtypes(out) == ({torch.float32}, "float32")  # fp32 from fp16 Hub weights
+        assert AutoTokenizer.from_pretrained(out).pad_token_id == pad
+    inputs = json.loads((chained / "models" / NAME / "ppo_1" / "args.json").read_text())
+    assert inputs["sft_model_path"] == os.path.join("models", NAME, "sft_1")
+    assert inputs["reward_model_path"] == os.path.join("models", NAME, "reward_1")
+    assert inputs["query_dataset"] == os.path.join("data", NAME, "tldr", "sft")
+    ppo = scalars(chained, "ppo")
+    assert abs(ppo["policy/ratio_first_epoch"][0] - 1) < 1e-4 and abs(ppo["objective/kl"][0]) < 1e-4
+
+
+def test_missing_inputs_stop_before_anything_is_written(chained, pythia_like, tmp_path):
+    """Each stage in an empty folder: the message names the missing path, the command that creates it and
+    the flag to pass instead, and nothing is written."""
+    expected = {"sft.py": ("--query_dataset", f"data/{NAME}/tldr/sft", f"python preprocess_tldr.py --base_model {pythia_like}"),
+                "reward.py": ("--sft_model_path", f"models/{NAME}/sft_1", f"python sft.py --base_model {pythia_like} --seed 1"),
+                "dpo.py": ("--sft_model_path", f"models/{NAME}/sft_1", f"python sft.py --base_model {pythia_like} --seed 1"),
+                "ppo.py": ("--sft_model_path", f"models/{NAME}/sft_1", f"python sft.py --base_model {pythia_like} --seed 1")}
+    shutil.copytree(chained / "data", tmp_path / "data")  # the data is there, the models are not
+    for script, (flag, path, command) in expected.items():
+        if script == "sft.py":
+            cwd = tmp_path / "empty"
+            cwd.mkdir()
+        else:
+            cwd = tmp_path
+        result = stage(cwd, script, "--base_model", pythia_like, check=False)
+        assert result.returncode != 0 and "SetupError" in result.stderr, result.stderr[-2000:]
+        message = result.stderr.strip().splitlines()[-1]
+        assert f"{flag} {path}: no such folder" in message and f"`{command}`" in message and f"pass {flag}" in message
+        assert sorted(p.name for p in cwd.iterdir()) == ([] if script == "sft.py" else ["data", "empty"])
+    # PPO with the SFT model there but not the reward model: the reward model is named.
+    shutil.copytree(chained / "models" / NAME / "sft_1", tmp_path / "models" / NAME / "sft_1")
+    result = stage(tmp_path, "ppo.py", "--base_model", pythia_like, check=False)
+    assert f"--reward_model_path models/{NAME}/reward_1: no such folder" in result.stderr
+    assert f"`python reward.py --base_model {pythia_like} --seed 1`" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "models" / NAME).iterdir()) == ["sft_1"]
+
+
+def test_a_model_of_another_base_is_never_picked_up(chained, tmp_path):
+    """A run for another base model looks in its own folders, and refuses an SFT model trained from another base."""
+    result = stage(chained, "ppo.py", "--base_model", "EleutherAI/pythia-2.8b-deduped", check=False)
+    assert "--sft_model_path models/EleutherAI/pythia-2.8b-deduped/sft_1: no such folder" in result.stderr
+    result = stage(chained, "reward.py", "--base_model", "EleutherAI/pythia-2.8b-deduped",
+                   "--sft_model_path", chained / "models" / NAME / "sft_1", check=False)
+    assert f"was fine-tuned from {NAME}, not from --base_model EleutherAI/pythia-2.8b-deduped" in result.stderr
+    assert not (chained / "models" / "EleutherAI").exists()
+
+
+def test_bf16_deepspeed_pipeline(chained, pythia_like, tmp_path):
+    """sft -> reward -> dpo -> ppo in bf16 under DeepSpeed ZeRO-2 on 2 CPU processes (the paper's launch; every
+    stage checks after prepare that no rotary frequency is below fp32). Saved weights are the fp32 masters;
+    DPO's reference takes the policy's precision path (h = 0 before the first step: loss log 2); PPO's first
+    ratio is 1 within bf16 noise."""
+    shutil.copytree(chained / "data", tmp_path / "data")
+    for script in ("sft.py", "reward.py", "dpo.py", "ppo.py"):
+        stage(tmp_path, script, "--base_model", pythia_like, *TINY[script], "--run_name", script[:-3],
+              processes=2, bf16=True)
+    for stage_name in ("sft", "reward", "dpo", "ppo"):
+        out = tmp_path / "models" / NAME / f"{stage_name}_1"
+        assert saved_dtypes(out) == ({torch.float32}, "float32")
+    with safe_open(str(tmp_path / "models" / NAME / "sft_1" / "model.safetensors"), "pt") as file:
+        weight = file.get_tensor("gpt_neox.layers.0.mlp.dense_h_to_4h.weight")
+    assert (weight != weight.bfloat16().float()).float().mean() > 0.5  # the fp32 masters, not bf16 copies upcast
+    dpo = scalars(tmp_path, "dpo")
+    assert dpo["train/dpo/loss"][0] == pytest.approx(math.log(2), abs=1e-6)
+    ppo = scalars(tmp_path, "ppo")
+    assert abs(ppo["policy/ratio_first_epoch"][0] - 1) < 0.02  # bf16 sampling loop vs bf16 training forward
+    assert abs(ppo["objective/kl"][0]) < 0.1  # summed over a response: bf16 rounding only, policy = reference
