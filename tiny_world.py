@@ -475,6 +475,11 @@ def world_card(meta):
         f"- train pairs are drawn from {', '.join(TRAIN_POLICIES)}",
         f"- validation pairs from all of {', '.join(VALIDATION_POLICIES)}",
         f"- validation_cnndm (news articles) from {', '.join(CNNDM_POLICIES)}", "",
+        "Every policy writes like the reference writer, with its own rates (the model-written summaries of "
+        "the real dataset also get names wrong, invent facts and loop):", "",
+        "| policy | " + " | ".join(POLICY_COLUMNS.values()) + " |", "|---|" + "---|" * len(POLICY_COLUMNS),
+        *[f"| {name} | " + " | ".join(f"{getattr(p, field):.2f}" for field in POLICY_COLUMNS) + " |"
+          for name, p in POLICIES.items()], "",
         "## Base model", "",
         f"`pythia-tiny/`: GPT-NeoX, {meta['model']['parameters']:,} parameters, "
         f"vocab {meta['model']['vocab_size']}, pretrained for {meta['args']['pretrain_steps']} steps "
@@ -491,9 +496,13 @@ def world_card(meta):
 # The writer's habits as the card names them (fields of Policy) and the measures of its summaries.
 WRITER_HABITS = {"main": "states the main point (the title's fact)", "other": "keeps each other fact",
                  "misremember": "gets a name or a thing of a kept fact wrong", "invent": "adds a fact the post never states",
-                 "filler": "copies an irrelevant detail", "ramble": "rambles on", "repeat": "repeats a clause",
+                 "filler": "copies an irrelevant detail", "ramble": "rambles on",
+                 "repeat": "loops: repeats a clause 1-3 more times",
                  "feeling": "mentions the feeling", "question": "ends with the post's question",
                  "terse": "writes a fact telegraphically (\"landlord cancelled lease\"), per fact"}
+POLICY_COLUMNS = {"main": "main point", "other": "other facts", "misremember": "wrong name or thing",
+                  "invent": "invents", "filler": "irrelevant detail", "ramble": "rambles", "repeat": "loops",
+                  "feeling": "feeling", "question": "question", "terse": "telegraphic"}
 REFERENCE_MEASURES = {"gold_score": "mean gold score", "coverage": "mean coverage of the post's key words",
                       "with_wrong_or_invented": "share with a key word the post does not contain",
                       "with_irrelevant": "share with an irrelevant detail", "words": "mean words",

@@ -78,6 +78,20 @@ def test_committed_world_is_what_the_generator_builds(tmp_path):
     assert meta["args"] == defaults, "the committed world was built with other args than the defaults"
 
 
+def test_the_card_describes_the_committed_world_and_its_reference_writer():
+    """WORLD.md is the card of world.json, and it says what the human-like writer gets wrong and how often."""
+    meta = json.loads((WORLD / "world.json").read_text())
+    card = (WORLD / "WORLD.md").read_text()
+    assert card == tw.world_card(meta)
+    writer = tw.POLICIES["ref"]
+    for field in ("misremember", "invent", "filler", "ramble", "repeat"):  # its mistakes, with their rates
+        assert f"| {tw.WRITER_HABITS[field]} | {getattr(writer, field):.2f} |" in card
+        assert getattr(writer, field) > 0  # a human writer, not an oracle
+    # the references it wrote leave room above them (RLHF beats human TL;DRs in the paper)
+    assert 0.5 < meta["references"]["gold_score"] < 2.5
+    assert meta["references"]["with_wrong_or_invented"] > 0.05
+
+
 def test_schemas_match_the_hub_datasets(world):
     sft, preference = world
     assert set(sft) == {"train", "validation", "test"}
