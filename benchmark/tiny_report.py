@@ -525,7 +525,7 @@ def plot_report(art: dict, path: str) -> None:
     ax_acc.set(ylim=(0, 1.05), ylabel="accuracy on preference pairs", title="Fig. 4: RM accuracy (TL;DR, CNN/DM never trained on)")
     ax_acc.legend(loc="lower right", fontsize=7)
 
-    # Detail 16: accuracy per labeling batch and per confidence.
+    # The per-batch and per-confidence accuracy of Detail 16 (the paper plots both).
     rows = art["rm_rows"].get("validation")
     if rows:
         by_batch, by_confidence = grouped_accuracy(rows, "batch"), grouped_accuracy(rows, "confidence")
