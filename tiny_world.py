@@ -194,7 +194,7 @@ def make_post(rng, long_tail, recap_probability=0.3):
     return rng.choice(SUBREDDITS), title, "\n\n".join(paragraphs), facts, feeling
 
 
-def make_article(rng):
+def make_article(rng, recap_probability=0.0):
     """A CNN/DM-like news article: (site, title, article text, facts)."""
     n_facts = rng.choice([2, 3, 3, 4])
     actors, objects = rng.sample(NEWS_ACTORS, n_facts), rng.sample(NEWS_OBJECTS, n_facts)
@@ -205,8 +205,22 @@ def make_article(rng):
         paragraph = [lead + rng.choice(NEWS_FACTS).format(a=a, v=v, o=o)]
         paragraph += [filler_sentence(rng, NEWS_FILLERS) for _ in range(rng.randint(1, 3))]
         paragraphs.append(" ".join(paragraph))
+    if rng.random() < recap_probability:  # a closing paragraph that restates the news, as wire stories do
+        paragraphs.append("In short, " + " and ".join(f"the {a} {v} the {o}" for a, v, o in facts) + ".")
     a, v, o = facts[0]
     return rng.choice(["cnn", "dailymail"]), f"The {a} {v} the {o}", "\n".join(paragraphs), facts
+
+
+def pretraining_corpus(rng, n, news_fraction):
+    """The base model's web text: n documents, posts and (news_fraction of them) articles, each with a recap."""
+    documents = []
+    for _ in range(n):
+        if rng.random() < news_fraction:
+            _, title, text, _ = make_article(rng, recap_probability=1.0)
+        else:
+            _, title, text, _, _ = make_post(rng, long_tail=False, recap_probability=1.0)
+        documents.append(f"{title}\n\n{text}")
+    return documents
 
 
 @dataclass(frozen=True)
@@ -219,23 +233,28 @@ class Policy:
     invent: float  # adds a fact that is not in the post
     filler: float  # copies irrelevant detail
     ramble: float  # rambles on
-    repeat: float  # repeats itself
+    repeat: float  # repeats a clause (1-3 times: a loop)
     question: float  # ends with the question
     terse: float  # writes facts telegraphically ("landlord cancelled lease")
+    misremember: float = 0.0  # gets one word of a kept fact wrong (another actor or object)
 
 
 # The names follow the policies of openai/summarize_from_feedback; the qualities are this world's.
+# Like the real dataset's model-written summaries, the policies make model-like mistakes: a kept
+# fact with one wrong name or thing (misremember), a fact out of nowhere, loops of repeated clauses.
 POLICIES = {
-    "ref": Policy(0.97, 0.80, 0.4, 0.03, 0.08, 0.05, 0.02, 0.4, 0.5),
-    "sup1": Policy(0.70, 0.40, 0.3, 0.35, 0.40, 0.30, 0.20, 0.5, 0.3),
-    "sup2": Policy(0.80, 0.50, 0.3, 0.25, 0.30, 0.25, 0.15, 0.5, 0.3),
-    "sup2_t0.7": Policy(0.75, 0.45, 0.3, 0.30, 0.35, 0.30, 0.20, 0.5, 0.3),
-    "sup4": Policy(0.90, 0.65, 0.4, 0.15, 0.20, 0.20, 0.08, 0.4, 0.4),
-    "sup4_t0.7": Policy(0.85, 0.60, 0.4, 0.20, 0.25, 0.25, 0.10, 0.4, 0.4),
-    "sup4_6b": Policy(0.93, 0.70, 0.4, 0.10, 0.15, 0.15, 0.05, 0.4, 0.4),
-    "sup4_ppo_rm3": Policy(0.97, 0.85, 0.6, 0.05, 0.10, 0.45, 0.05, 0.6, 0.2),
-    "sup4_bo8_rm3": Policy(0.95, 0.80, 0.5, 0.05, 0.10, 0.20, 0.03, 0.4, 0.4),
-    "pretrain_1b_t.7": Policy(0.45, 0.25, 0.2, 0.55, 0.60, 0.50, 0.35, 0.3, 0.2),
+    # The human reference writer: states the main point, keeps half of the rest, sometimes gets a
+    # name or thing wrong, copies a detail that does not matter or rambles (see WORLD.md for rates).
+    "ref": Policy(0.90, 0.50, 0.35, 0.02, 0.15, 0.15, 0.02, 0.3, 0.5, misremember=0.15),
+    "sup1": Policy(0.70, 0.40, 0.3, 0.35, 0.40, 0.30, 0.20, 0.5, 0.3, misremember=0.30),
+    "sup2": Policy(0.80, 0.50, 0.3, 0.25, 0.30, 0.25, 0.15, 0.5, 0.3, misremember=0.25),
+    "sup2_t0.7": Policy(0.75, 0.45, 0.3, 0.30, 0.35, 0.30, 0.20, 0.5, 0.3, misremember=0.30),
+    "sup4": Policy(0.90, 0.65, 0.4, 0.15, 0.20, 0.20, 0.08, 0.4, 0.4, misremember=0.15),
+    "sup4_t0.7": Policy(0.85, 0.60, 0.4, 0.20, 0.25, 0.25, 0.10, 0.4, 0.4, misremember=0.20),
+    "sup4_6b": Policy(0.93, 0.70, 0.4, 0.10, 0.15, 0.15, 0.05, 0.4, 0.4, misremember=0.10),
+    "sup4_ppo_rm3": Policy(0.97, 0.85, 0.6, 0.05, 0.10, 0.45, 0.05, 0.6, 0.2, misremember=0.05),
+    "sup4_bo8_rm3": Policy(0.95, 0.80, 0.5, 0.05, 0.10, 0.20, 0.03, 0.4, 0.4, misremember=0.08),
+    "pretrain_1b_t.7": Policy(0.45, 0.25, 0.2, 0.55, 0.60, 0.50, 0.35, 0.3, 0.2, misremember=0.40),
 }
 # Detail 6 in this world: train compares a few supervised policies; validation adds many unseen ones.
 TRAIN_POLICIES = ["sup1", "sup2", "sup4", "sup4_t0.7", "pretrain_1b_t.7"]
@@ -246,11 +265,19 @@ CNNDM_BATCHES = ["batch0_cnndm", "cnndm0", "cnndm2"]
 
 def make_summary(rng, facts, feeling, policy, filler_pool, news=False):
     """A summary written by `policy` from the post's facts (no leading space, no EOS)."""
-    clauses = []
-    for i, (a, v, o) in enumerate(facts):
-        if rng.random() < (policy.main if i == 0 else policy.other):
-            clauses.append(f"{a} {v} {o}" if rng.random() < policy.terse
-                           else (f"the {a} {v} the {o}" if news else f"my {a} {v} my {o}"))
+    kept = [fact for i, fact in enumerate(facts) if rng.random() < (policy.main if i == 0 else policy.other)]
+    if kept and rng.random() < policy.misremember:  # one kept fact with a wrong actor or object
+        actors, objects = (NEWS_ACTORS, NEWS_OBJECTS) if news else (ACTORS, OBJECTS)
+        in_post = {w for fact in facts for w in fact}
+        i = rng.randrange(len(kept))
+        a, v, o = kept[i]
+        if rng.random() < 0.5:
+            a = rng.choice([w for w in actors if w not in in_post])
+        else:
+            o = rng.choice([w for w in objects if w not in in_post])
+        kept[i] = (a, v, o)
+    clauses = [f"{a} {v} {o}" if rng.random() < policy.terse else (f"the {a} {v} the {o}" if news else f"my {a} {v} my {o}")
+               for a, v, o in kept]
     if rng.random() < policy.invent:  # a fact the post never states
         pool = (NEWS_ACTORS, NEWS_VERBS, NEWS_OBJECTS) if news else (ACTORS, VERBS, OBJECTS)
         a, v, o = (rng.choice(p) for p in pool)
@@ -259,8 +286,8 @@ def make_summary(rng, facts, feeling, policy, filler_pool, news=False):
         clauses.append(f"i feel {feeling}")
     if rng.random() < policy.filler and filler_pool:
         clauses.insert(rng.randint(0, len(clauses)), rng.choice(filler_pool))
-    if clauses and rng.random() < policy.repeat:
-        clauses.append(rng.choice(clauses))
+    if clauses and rng.random() < policy.repeat:  # a loop: one clause again, up to three times
+        clauses += [rng.choice(clauses)] * rng.choice([1, 1, 2, 3])
     if rng.random() < policy.ramble:
         clauses.append(rng.choice(RAMBLES))
     text = rng.choice([", ", "; ", " and "]).join(clauses) if clauses else "not sure"
@@ -432,19 +459,66 @@ def world_card(meta):
         "Best achievable accuracy on the labels (the noise ceiling, mean of max(p, 1-p)):", "",
         "| split | noise ceiling |", "|---|---|",
         *[f"| {s} | {v:.3f} |" for s, v in meta["noise_ceiling"].items()], "",
+        "## The human reference writer", "",
+        "The SFT dataset's reference summaries (and the `ref` policy of the preference pairs) come from a "
+        "human-like writer, not from an oracle: like a Reddit TL;DR, it states the main point and skips "
+        "much of the rest, and it makes mistakes. How often, per summary (configured rates):", "",
+        "| habit | rate |", "|---|---|",
+        *[f"| {what} | {getattr(POLICIES['ref'], field):.2f} |" for field, what in WRITER_HABITS.items()], "",
+        "What that gives on the SFT train split, measured with the gold judge "
+        f"({meta['references']['n']} summaries):", "",
+        "| measure | value |", "|---|---|",
+        *[f"| {name} | {meta['references'][key]:.3g} |" for key, name in REFERENCE_MEASURES.items()], "",
+        "A summary that keeps every fact and adds nothing scores about 3.0; the references average "
+        f"{meta['references']['gold_score']:.2f}, so a policy can beat them, as RLHF beats human TL;DRs in the paper.", "",
         "## Policies (Detail 6)", "",
         f"- train pairs are drawn from {', '.join(TRAIN_POLICIES)}",
         f"- validation pairs from all of {', '.join(VALIDATION_POLICIES)}",
         f"- validation_cnndm (news articles) from {', '.join(CNNDM_POLICIES)}", "",
+        "Every policy writes like the reference writer, with its own rates (the model-written summaries of "
+        "the real dataset also get names wrong, invent facts and loop):", "",
+        "| policy | " + " | ".join(POLICY_COLUMNS.values()) + " |", "|---|" + "---|" * len(POLICY_COLUMNS),
+        *[f"| {name} | " + " | ".join(f"{getattr(p, field):.2f}" for field in POLICY_COLUMNS) + " |"
+          for name, p in POLICIES.items()], "",
         "## Base model", "",
         f"`pythia-tiny/`: GPT-NeoX, {meta['model']['parameters']:,} parameters, "
         f"vocab {meta['model']['vocab_size']}, pretrained for {meta['args']['pretrain_steps']} steps "
         f"(loss {meta['model']['pretrain_loss_first']:.2f} -> {meta['model']['pretrain_loss_last']:.2f}) "
-        "on fresh posts of the world that end with an \"Edit: to sum up\" recap (never a dataset row, "
-        "never a TL;DR): predicting the recap teaches it to copy facts from its context. "
+        f"on the world's web text: fresh Reddit-like posts and ({meta['args']['pretrain_news_fraction']:.0%}) news-like "
+        "articles, each ending with a recap (\"Edit: to sum up, ...\", \"In short, ...\"); never a dataset row, "
+        "a TL;DR, a reference summary or a label. Predicting the recap teaches it to copy facts from its "
+        "context; the articles let a reward model trained on Reddit posts transfer to CNN/DM. "
         "Dropout is 0.1 (Pythia's is 0), so Detail 7 (disable dropout) has a visible effect.",
     ]
     return "\n".join(lines) + "\n"
+
+
+# The writer's habits as the card names them (fields of Policy) and the measures of its summaries.
+WRITER_HABITS = {"main": "states the main point (the title's fact)", "other": "keeps each other fact",
+                 "misremember": "gets a name or a thing of a kept fact wrong", "invent": "adds a fact the post never states",
+                 "filler": "copies an irrelevant detail", "ramble": "rambles on",
+                 "repeat": "loops: repeats a clause 1-3 more times",
+                 "feeling": "mentions the feeling", "question": "ends with the post's question",
+                 "terse": "writes a fact telegraphically (\"landlord cancelled lease\"), per fact"}
+POLICY_COLUMNS = {"main": "main point", "other": "other facts", "misremember": "wrong name or thing",
+                  "invent": "invents", "filler": "irrelevant detail", "ramble": "rambles", "repeat": "loops",
+                  "feeling": "feeling", "question": "question", "terse": "telegraphic"}
+REFERENCE_MEASURES = {"gold_score": "mean gold score", "coverage": "mean coverage of the post's key words",
+                      "with_wrong_or_invented": "share with a key word the post does not contain",
+                      "with_irrelevant": "share with an irrelevant detail", "words": "mean words",
+                      "words_min": "fewest words", "words_max": "most words"}
+
+
+def reference_statistics(rows):
+    """The gold judge's view of the SFT references (title + post as the post, as the labels use it)."""
+    parts = [gold_breakdown(f"{r['title']}\n{r['post']}", r["summary"]) for r in rows]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {"n": len(parts), "gold_score": mean([b["score"] for b in parts]),
+            "coverage": mean([b["coverage"] for b in parts]),
+            "with_wrong_or_invented": mean([b["invented"] > 0 for b in parts]),
+            "with_irrelevant": mean([b["irrelevant"] > 0 for b in parts]),
+            "words": mean([b["n_words"] for b in parts]), "words_min": min(b["n_words"] for b in parts),
+            "words_max": max(b["n_words"] for b in parts)}
 
 
 @dataclass
@@ -455,24 +529,27 @@ class Args:
     """Seed of everything: same seed, same bytes"""
     sft_sizes: tuple[int, int, int] = (4096, 256, 256)
     """Rows of the SFT dataset: train, validation, test"""
-    preference_sizes: tuple[int, int, int] = (4096, 512, 64)
-    """Rows of the preference dataset: train, validation (TL;DR), validation (CNN/DM-like news)"""
+    preference_sizes: tuple[int, int, int] = (16384, 512, 256)
+    """Rows of the preference dataset: train, validation (TL;DR), validation (CNN/DM-like news); enough
+    train pairs for the RM to see most of them once or twice, as the paper trains one epoch over 92,858"""
     long_tail_fraction: float = 0.08
     """Share of posts with a long tail of irrelevant paragraphs that overflows the query budget"""
     label_temperature: float = 0.7
     """Bradley-Terry temperature of the preference labels (lower: less noise)"""
     vocab_size: int = 2048
     """BPE vocabulary size (the model's embedding is rounded up to a multiple of 128, as Pythia's)"""
-    hidden_size: int = 64
+    hidden_size: int = 96
     """Width of the tiny GPT-NeoX"""
-    num_layers: int = 2
-    """Depth of the tiny GPT-NeoX (2 is the least that can learn to copy from its context)"""
+    num_layers: int = 3
+    """Depth of the tiny GPT-NeoX (2 is the least that can learn to copy from its context; 3 copies far better)"""
     num_heads: int = 4
     """Attention heads of the tiny GPT-NeoX"""
-    pretrain_steps: int = 2500
+    pretrain_steps: int = 3000
     """Steps of next-token pretraining (0: random weights; the committed world used the default)"""
     pretrain_documents: int = 8192
-    """Posts in the pretraining corpus"""
+    """Documents (posts and articles) in the pretraining corpus"""
+    pretrain_news_fraction: float = 0.5
+    """Share of news-like articles in the pretraining corpus (the rest are Reddit-like posts)"""
     pretrain_batch_size: int = 16
     """Documents per pretraining step"""
     pretrain_seq_len: int = 256
@@ -512,9 +589,16 @@ def build_world(args, with_model=True):
                             "# summarize_from_feedback (tiny world)\n\nSynthetic stand-in for "
                             "`openai/summarize_from_feedback` (config `comparisons`), built by tiny_world.py.")
 
-    # Tokenizer and model: trained on the text the world contains (posts, articles, summaries).
+    # The pretraining corpus is this world's "web text": fresh Reddit-like posts and news-like
+    # articles (never a dataset row, never a TL;DR, never a label) that end with a recap ("Edit: to
+    # sum up, ..." / "In short, ..."). Learning to predict the recap teaches the model to copy facts
+    # from earlier in its context, which a tiny model learns only after a few hundred steps of such
+    # text; SFT then only has to point that skill at "TL;DR:". Real base models have read news too,
+    # which is what lets a reward model trained on Reddit transfer to CNN/DM (Figure 4).
+    corpus = pretraining_corpus(random.Random(args.seed + 1), args.pretrain_documents, args.pretrain_news_fraction)
+    # Tokenizer: trained on the text the world contains (posts, articles, summaries, web text).
     texts = [f"{r['title']}\n{r['post']}\nTL;DR: {r['summary']}" for r in sft["train"]]
-    texts += [r["info"]["article"] for r in news_rows]
+    texts += [r["info"]["article"] for r in news_rows] + corpus
     tokenizer = train_tokenizer(texts, args.vocab_size)
     model_dir = os.path.join(args.out_dir, "pythia-tiny")
     tokenizer.save_pretrained(model_dir)
@@ -528,16 +612,7 @@ def build_world(args, with_model=True):
         hidden_dropout=0.1, attention_dropout=0.1, tie_word_embeddings=False, use_parallel_residual=True,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = GPTNeoXForCausalLM(config)
-    # The pretraining corpus is this world's "web text": fresh posts (never a dataset row, never a
-    # TL;DR) that all end with an "Edit: to sum up" recap. Learning to predict the recap teaches
-    # the model to copy facts from earlier in its context, which a tiny model learns only after a
-    # few hundred steps of such text; SFT then only has to point that skill at "TL;DR:".
-    corpus_rng = random.Random(args.seed + 1)
-    documents = []
-    for _ in range(args.pretrain_documents):
-        _, title, post, _, _ = make_post(corpus_rng, long_tail=False, recap_probability=1.0)
-        documents.append(tokenizer(f"{title}\n\n{post}").input_ids[: args.pretrain_seq_len]
-                         + [tokenizer.eos_token_id])
+    documents = [tokenizer(text).input_ids[: args.pretrain_seq_len] + [tokenizer.eos_token_id] for text in corpus]
     losses = pretrain(model, documents, tokenizer.pad_token_id, args.pretrain_steps,
                       args.pretrain_batch_size, args.pretrain_lr, args.seed) or [float("nan")]
     model.save_pretrained(model_dir)
@@ -549,6 +624,7 @@ def build_world(args, with_model=True):
                    "summarize_from_feedback": {"train": len(train_rows),
                                                "validation (TL;DR)": len(val_rows),
                                                "validation (CNN/DM)": len(news_rows)}},
+        "references": reference_statistics(sft["train"]),
         "noise_ceiling": {"train": sum(train_p) / len(train_p), "validation": sum(val_p) / len(val_p),
                           "validation_cnndm": sum(news_p) / len(news_p)},
         "model": {"parameters": sum(p.numel() for p in model.parameters()),

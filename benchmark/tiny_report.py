@@ -1,35 +1,50 @@
-"""The report of a benchmark/tiny.sh run: one markdown page and one figure from the stages' artifacts.
+"""The report of a benchmark/tiny.sh run: the paper's findings in miniature, from the stages' artifacts.
 
-Off the training path: it only reads what the stages wrote. A stage whose artifact is missing is
-reported as "not run" (so the report also works on a partial run).
+Off the training path: it reads what the stages wrote and, for the token view (paper Table 8),
+loads the saved SFT and PPO models to compute per-token probabilities. A stage whose artifact is
+missing is reported as "not run" (so the report also works on a partial run).
 
+    {models}/environment.json                  threads and versions of the run (tiny.sh writes it)
     {models}/base_{seed}/eval_metrics.json, sft_{seed}/...  ROUGE of the sampled summaries (sft.py)
     {models}/reward_{seed}/eval_metrics.json   eval/rm/{split}/accuracy, .../gold_accuracy (reward.py)
+    {models}/reward_{seed}/eval_{split}.csv    one row per pair: batch, confidence, rewards (reward.py)
     {models}/dpo_{seed}/eval_metrics.json      eval/dpo/{split}/accuracy, .../gold_accuracy (dpo.py)
     {models}/ppo_{seed}/eval_metrics.json      RM score of the samples and of the references, EOS fraction
-    {models}/judge_{seed}/results.json         win rates vs the references, and of PPO / DPO vs SFT, with
-                                               Wilson 95% CIs (judge.py)
+    {models}/ppo_{seed}/args.json              run_name: runs/{run_name}/samples_validation_{episode}.csv
+                                               are the periodic evaluations (ppo.py --eval_every)
+    {models}/judge_{seed}/results.json         win rates vs the references and vs SFT, Wilson 95% CIs (judge.py)
+    {models}/judge_{seed}/judged/<run>.csv     every gold comparison with both lengths in words (judge.py)
     {models}/timings.tsv                       `stage<TAB>seconds` rows, appended by tiny.sh's `stage`
     {world}/world.json                         the noise ceiling: the best accuracy any RM can reach on the labels
 
-Writes {models}/report.md and {models}/report.png (win rates with CIs, RM and DPO accuracies beside
-the noise ceiling, time per stage), and prints the markdown.
+Writes {models}/report.md, {models}/report.png (one panel per finding) and {models}/report_tokens.png
+(the token view), and prints the markdown.
 
     python benchmark/tiny_report.py --models models/tiny --seed 1
 """
 
+import csv
 import json
+import math
 import os
+import re
+import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import tyro
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Methods in pipeline order, as judge.py labels them (`<method>__seed<seed>`), with display names.
 METHODS = {"base": "base model", "sft": "SFT", "ppo": "PPO", "dpo": "DPO"}
 # Preference splits of the RM and DPO evaluations (validation is out of distribution: Detail 6).
 PREF_SPLITS = {"validation": "TL;DR validation", "validation_cnndm": "CNN/DM"}
+# Figure 8's buckets of log(summary words / reference words): 0.3 wide around 0, open at both ends.
+LENGTH_EDGES = (-math.inf, -0.75, -0.45, -0.15, 0.15, 0.45, 0.75, math.inf)
+Z_95 = 1.959963984540054  # the two-sided 95% quantile of the standard normal
+TOKEN_POSTS = 3  # validation posts shown in the token view (Table 8)
 
 
 @dataclass
@@ -40,14 +55,126 @@ class Args:
     """Seed of the run (its folders are named <stage>_<seed>)"""
     world: Optional[str] = "assets/tiny_world"
     """Tiny world folder whose world.json holds the labels' noise ceiling (None: not shown)"""
+    runs_dir: str = "runs"
+    """Where ppo.py wrote runs/{run_name}/samples_validation_{episode}.csv (its working directory's runs/)"""
+    tokens: bool = True
+    """Compute the token view (Table 8) from the saved SFT and PPO models (loads torch and transformers)"""
 
 
+# ------------------------------------------------------------------------------------------------
+# Pure helpers (tested against hand-computed values in tests/test_tiny_report.py)
+# ------------------------------------------------------------------------------------------------
+def wilson_interval(wins: int, n: int, z: float = Z_95) -> tuple:
+    """Wilson score interval of wins / n ((nan, nan) when n is 0)."""
+    if n == 0:
+        return (math.nan, math.nan)
+    p = wins / n
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (center - half, center + half)
+
+
+def length_buckets(judged: list, edges: tuple = LENGTH_EDGES) -> list:
+    """Figure 8: [{low, high, wins, n, win_rate}] of decided comparisons per bucket of log(ours / other words).
+
+    `judged`: rows of judge.py's judged/<run>.csv (preferred, ours_words, other_words); ties, malformed
+    and unjudged rows count in no bucket. Bucket k holds edges[k] <= x < edges[k + 1]."""
+    buckets = [{"low": lo, "high": hi, "wins": 0, "n": 0} for lo, hi in zip(edges[:-1], edges[1:])]
+    for row in judged:
+        if row["preferred"] not in ("ours", "reference", "other"):
+            continue
+        x = math.log(max(1, int(row["ours_words"])) / max(1, int(row["other_words"])))
+        bucket = next(b for b in buckets if b["low"] <= x < b["high"])
+        bucket["n"] += 1
+        bucket["wins"] += row["preferred"] == "ours"
+    for bucket in buckets:
+        bucket["win_rate"] = bucket["wins"] / bucket["n"] if bucket["n"] else None
+    return buckets
+
+
+def grouped_accuracy(rows: list, key: str) -> list:
+    """Detail 16: [(value, accuracy, pairs)] of reward.py eval rows grouped by `key` (batch, confidence).
+
+    A row is right when its `accuracy` is 1 (chosen reward above rejected); groups in sorted order,
+    numbers numerically; rows without a value (no confidence in early batches) are left out."""
+    groups = {}
+    for row in rows:
+        value = row[key]
+        if value in ("", None) or (isinstance(value, float) and math.isnan(value)):
+            continue
+        groups.setdefault(str(value).removesuffix(".0"), []).append(float(row["accuracy"]))
+    natural = lambda v: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", v)]  # noqa: E731
+    order = sorted(groups, key=natural)  # batch3 before batch10, confidence 9 before 10
+    return [(value, sum(groups[value]) / len(groups[value]), len(groups[value])) for value in order]
+
+
+def calibration_bins(margins: list, width: float = 0.5) -> list:
+    """Figure 5 (right): [(low, high, pairs, accuracy, ideal)] per bin of |r_chosen - r_rejected|.
+
+    accuracy = share of the bin's pairs with margin > 0; ideal = sigmoid(bin centre), what a
+    calibrated RM would reach (Bai et al. 2022). Empty bins are skipped."""
+    bins = {}
+    for margin in margins:
+        bins.setdefault(int(abs(margin) // width), []).append(margin > 0)
+    return [(k * width, (k + 1) * width, len(bins[k]), sum(bins[k]) / len(bins[k]),
+             1 / (1 + math.exp(-(k + 0.5) * width))) for k in sorted(bins)]
+
+
+def overoptimisation_curve(tables: dict, batch_size: int, gold: Callable[[str, str], float]) -> list:
+    """Gao et al. (2023) in miniature: one point per PPO evaluation, the proxy (RM) beside the truth (gold).
+
+    tables: {episode: rows of a samples_validation_{episode}.csv (query, response, reference, score,
+    reference_score)}. Returns [{update, episode, rm, rm_reference, gold, gold_reference, gold_win_rate, n}]
+    by episode; the post the gold judge reads is the query, as judge.py gives it."""
+    points = []
+    for episode in sorted(tables):
+        rows = tables[episode]
+        ours = [gold(row["query"].strip(), row["response"].strip()) for row in rows]
+        theirs = [gold(row["query"].strip(), row["reference"].strip()) for row in rows]
+        wins, losses = sum(a > b for a, b in zip(ours, theirs)), sum(a < b for a, b in zip(ours, theirs))
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        points.append({"update": episode // batch_size, "episode": episode,
+                       "rm": mean([float(row["score"]) for row in rows]),
+                       "rm_reference": mean([float(row["reference_score"]) for row in rows]),
+                       "gold": mean(ours), "gold_reference": mean(theirs),
+                       "gold_win_rate": wins / (wins + losses) if wins + losses else None, "n": len(rows)})
+    return points
+
+
+def token_shift(before_logits, after_logits, tokens) -> list:
+    """Table 8: per token of a summary, its probability before (SFT) and after (PPO) and its rank before.
+
+    before_logits, after_logits: (T, V) logits of the positions that predict `tokens` (T,). Rank 1 =
+    the token the SFT model would pick greedily ("unshifted"), 2-3 "marginal", beyond 3 "shifted"
+    (Lin et al. 2024, with SFT as the model before RLHF)."""
+    import torch
+
+    before, after = torch.softmax(before_logits.float(), -1), torch.softmax(after_logits.float(), -1)  # (T, V)
+    index = tokens.view(-1, 1)
+    p_before, p_after = before.gather(1, index)[:, 0], after.gather(1, index)[:, 0]  # (T,)
+    ranks = (before > p_before[:, None]).sum(1) + 1  # (T,): 1 + tokens strictly more likely
+    return [{"p_before": float(pb), "p_after": float(pa), "rank_before": int(r),
+             "shift": "unshifted" if r == 1 else "marginal" if r <= 3 else "shifted"}
+            for pb, pa, r in zip(p_before, p_after, ranks)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading the run
+# ------------------------------------------------------------------------------------------------
 def read_json(path: str) -> Optional[dict]:
     """The JSON object at `path`, or None when the file does not exist (a stage that did not run)."""
     if not os.path.isfile(path):
         return None
     with open(path) as file:
         return json.load(file)
+
+
+def read_csv(path: str) -> Optional[list]:
+    """Rows of a CSV file as dicts (empty cells stay empty strings), or None when it does not exist."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, newline="", encoding="utf-8") as file:
+        return list(csv.DictReader(file))
 
 
 def read_timings(path: str) -> list:
@@ -63,24 +190,104 @@ def read_timings(path: str) -> list:
     return rows
 
 
-def load_artifacts(models: str, seed: int, world: Optional[str]) -> dict:
+def ppo_sample_tables(models: str, seed: int, runs_dir: str) -> tuple:
+    """({episode: rows} of the PPO run's periodic evaluations, its batch size); ({}, None) if absent."""
+    args = read_json(os.path.join(models, f"ppo_{seed}", "args.json"))
+    if args is None:
+        return {}, None
+    folder = os.path.join(runs_dir, args["run_name"])
+    tables = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.startswith("samples_validation_") and name.endswith(".csv"):
+            tables[int(name[len("samples_validation_"):-4])] = read_csv(os.path.join(folder, name))
+    return tables, args["batch_size"]
+
+
+def gold_judge():
+    """tiny_world.gold_score (the report runs from anywhere; the module sits at the repository root)."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import tiny_world
+
+    return tiny_world.gold_score
+
+
+def load_artifacts(models: str, seed: int, world: Optional[str], runs_dir: str = "runs") -> dict:
     """Everything the report shows, read from a tiny run's folders; a missing stage is None."""
     stage = lambda name, file="eval_metrics.json": read_json(os.path.join(models, f"{name}_{seed}", file))  # noqa: E731
     judge = stage("judge", "results.json")
-    runs, head_to_head = {}, {}
+    runs, head_to_head, judged = {}, {}, {}
     for label, run in (judge or {}).get("runs", {}).items():
         if run.get("vs", "reference") == "reference" and label in (f"{m}__seed{seed}" for m in METHODS):
             runs[label.split("__")[0]] = run
+            judged[label.split("__")[0]] = read_csv(os.path.join(models, f"judge_{seed}", "judged", f"{label}.csv"))
         elif run.get("vs") == f"sft__seed{seed}" and label.split("__")[0] in ("ppo", "dpo"):
             head_to_head[label.split("__")[0]] = run
     world_card = read_json(os.path.join(world, "world.json")) if world else None
+    tables, batch_size = ppo_sample_tables(models, seed, runs_dir)
+    curve = overoptimisation_curve(tables, batch_size, gold_judge()) if tables else []
+    sft_samples = read_csv(os.path.join(models, f"sft_{seed}", "eval_validation.csv"))
+    if curve and sft_samples:  # update 0: the SFT policy's samples (same prompts, same temperature 0.01)
+        start = overoptimisation_curve({0: [dict(r, score="nan", reference_score="nan") for r in sft_samples]},
+                                       batch_size, gold_judge())[0]
+        curve.insert(0, dict(start, rm=None, rm_reference=None))
     return {"models": models, "seed": seed,
+            "environment": read_json(os.path.join(models, "environment.json")),
             "rouge": {method: (stage(method) or {}).get("validation") for method in ("base", "sft")},
             "rm": stage("reward"), "dpo": stage("dpo"), "ppo": (stage("ppo") or {}).get("validation"),
+            "rm_rows": {split: read_csv(os.path.join(models, f"reward_{seed}", f"eval_{split}.csv")) for split in PREF_SPLITS},
+            "dpo_rows": {split: read_csv(os.path.join(models, f"dpo_{seed}", f"eval_pairs_{split}.csv")) for split in PREF_SPLITS},
             "judge": runs if judge is not None else None, "judge_name": (judge or {}).get("model"),
-            "head_to_head": head_to_head,
-            "noise_ceiling": (world_card or {}).get("noise_ceiling"),
-            "timings": read_timings(os.path.join(models, "timings.tsv"))}
+            "judged": judged, "head_to_head": head_to_head, "curve": curve,
+            "noise_ceiling": (world_card or {}).get("noise_ceiling"), "world_card": world_card,
+            "timings": read_timings(os.path.join(models, "timings.tsv")), "tokens": None}
+
+
+def compute_token_view(models: str, seed: int, n_posts: int = TOKEN_POSTS) -> Optional[list]:
+    """Table 8: the first n validation posts where PPO's summary differs from SFT's, with token_shift per token.
+
+    Probabilities at temperature 1 over the vocabulary the models can sample: [PAD] and the rows of
+    the embedding beyond the tokenizer are masked, as in sampling. None when SFT or PPO did not run."""
+    sft_dir, ppo_dir = os.path.join(models, f"sft_{seed}"), os.path.join(models, f"ppo_{seed}")
+    ppo_rows, sft_rows = read_csv(os.path.join(ppo_dir, "eval_validation.csv")), read_csv(os.path.join(sft_dir, "eval_validation.csv"))
+    if not ppo_rows or not sft_rows or not os.path.isfile(os.path.join(ppo_dir, "config.json")):
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ppo_dir)
+    sft_model, ppo_model = (AutoModelForCausalLM.from_pretrained(d).eval() for d in (sft_dir, ppo_dir))
+    sft_by_query = {row["query"]: row["response"] for row in sft_rows}
+    view = []
+    for row in ppo_rows:
+        if len(view) == n_posts:
+            break
+        sft_summary = sft_by_query.get(row["query"])
+        if sft_summary is None or sft_summary == row["response"]:
+            continue
+        query = tokenizer(row["query"]).input_ids
+        summary = tokenizer(" " + row["response"]).input_ids + [tokenizer.eos_token_id]
+        ids = torch.tensor([query + summary])  # (1, T_q + T_s)
+        with torch.no_grad():
+            # (T_s, V): logits at position t predict token t + 1, so the summary is predicted by T_q - 1 ... T - 2
+            logits = [m(input_ids=ids).logits[0, len(query) - 1:-1].float() for m in (sft_model, ppo_model)]
+        unusable = torch.ones(logits[0].shape[1], dtype=torch.bool)
+        unusable[: len(tokenizer)] = False
+        unusable[tokenizer.pad_token_id] = True
+        logits = [lg.masked_fill(unusable, -math.inf) for lg in logits]
+        shifts = token_shift(logits[0], logits[1], torch.tensor(summary))
+        texts = [tokenizer.decode([t]) for t in summary]
+        view.append({"query": row["query"], "ppo": row["response"], "sft": sft_summary, "reference": row["reference"],
+                     "tokens": [dict(s, token=t) for s, t in zip(shifts, texts)]})
+    return view
+
+
+# ------------------------------------------------------------------------------------------------
+# The markdown page
+# ------------------------------------------------------------------------------------------------
+def fmt(value: Optional[float], digits: int = 3) -> str:
+    """A number with `digits` decimals, or 'n/a'."""
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
 def preference_accuracies(metrics: Optional[dict], prefix: str) -> dict:
@@ -94,40 +301,26 @@ def preference_accuracies(metrics: Optional[dict], prefix: str) -> dict:
     return out
 
 
-def fmt(value: Optional[float], digits: int = 3) -> str:
-    """A number with `digits` decimals, or 'n/a'."""
-    return "n/a" if value is None else f"{value:.{digits}f}"
+def environment_line(env: Optional[dict]) -> str:
+    """One line: threads, versions, cores (or why they are unknown)."""
+    if env is None:
+        return "Environment: not recorded (no environment.json)."
+    versions = ", ".join(f"{name} {version}" for name, version in env.get("versions", {}).items())
+    return (f"Environment: **{env.get('torch_threads')} torch threads** (OMP_NUM_THREADS="
+            f"{env.get('omp_num_threads') or 'unset'}), {env.get('cpu_count')} CPU cores, {versions}. "
+            "The thread count changes the numbers (floating-point sums in another order), not only the time.")
 
 
 def render_markdown(art: dict) -> str:
-    """The report page: results per stage, win rates with CIs, time per stage."""
+    """The report page: one section per finding of the paper, then the stages' other results and times."""
     ceiling = art["noise_ceiling"] or {}
+    judge_name = art["judge_name"] or "judge"
     lines = [f"# Tiny-world pipeline report (seed {art['seed']})", "",
              f"From the artifacts in `{art['models']}` (benchmark/tiny.sh), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
-             "All numbers are on the validation splits.", "", "![report](report.png)", "",
-             "## Results", "", "| stage | measure | value |", "|---|---|---|"]
-    for method in ("base", "sft"):
-        rouge = art["rouge"][method]
-        value = "not run" if rouge is None else " / ".join(fmt(rouge.get(k)) for k in ("rouge1", "rouge2", "rougeL"))
-        lines.append(f"| {'base model (no training)' if method == 'base' else 'SFT'} | ROUGE-1 / 2 / L | {value} |")
-    for name, metrics, prefix in (("reward model", art["rm"], "eval/rm"), ("DPO (implicit reward)", art["dpo"], "eval/dpo")):
-        if metrics is None:
-            lines.append(f"| {name} | accuracy | not run |")
-            continue
-        accuracies = preference_accuracies(metrics, prefix)
-        for split, split_name in PREF_SPLITS.items():
-            ceiling_note = f" (noise ceiling {fmt(ceiling[split])})" if split in ceiling else ""
-            lines.append(f"| {name} | {split_name} accuracy vs the labels{ceiling_note} | {fmt(accuracies.get((split, 'labels')))} |")
-            if (split, "gold") in accuracies:
-                lines.append(f"| {name} | {split_name} accuracy vs the gold judge | {fmt(accuracies[(split, 'gold')])} |")
-    ppo = art["ppo"]
-    if ppo is None:
-        lines.append("| PPO | RM score of its samples | not run |")
-    else:
-        lines.append(f"| PPO | RM score: its samples / the references | {fmt(ppo.get('score'))} / {fmt(ppo.get('reference_score'))} |")
-        lines.append(f"| PPO | samples with an EOS | {fmt(ppo.get('eos_fraction'))} |")
+             "All numbers are on the validation splits.", "", environment_line(art["environment"]), "",
+             "![report](report.png)", ""]
 
-    lines += ["", f"## Win rate against the human reference summaries ({art['judge_name'] or 'judge'}, Wilson 95% CI)", "",
+    lines += [f"## Figure 1: win rate against the human reference summaries ({judge_name}, Wilson 95% CI)", "",
               "| policy | win rate | 95% CI | wins / judged | ties | mean words (reference) |", "|---|---|---|---|---|---|"]
     for method, name in METHODS.items():
         run = (art["judge"] or {}).get(method)
@@ -137,18 +330,113 @@ def render_markdown(art: dict) -> str:
             lines.append(f"| {name} | {fmt(run['win_rate'])} | [{fmt(run['ci_low'])}, {fmt(run['ci_high'])}] | "
                          f"{run['wins']} / {run['n']} | {run.get('ties', 0)} | "
                          f"{fmt(run.get('mean_words'), 1)} ({fmt(run.get('mean_other_words'), 1)}) |")
-
     if art["head_to_head"]:
-        # Against the references every policy of the tiny world nearly always loses, so the
-        # comparison with SFT is where a gain (or an over-optimised loss) shows.
-        lines += ["", f"## Head to head against SFT ({art['judge_name'] or 'judge'}, Wilson 95% CI)", "",
+        lines += ["", f"Head to head against SFT ({judge_name}, Wilson 95% CI):", "",
                   "| policy | win rate vs SFT | 95% CI | wins / judged | ties | mean words (SFT) |", "|---|---|---|---|---|---|"]
         for method, run in sorted(art["head_to_head"].items(), key=lambda item: list(METHODS).index(item[0])):
             lines.append(f"| {METHODS[method]} | {fmt(run['win_rate'])} | [{fmt(run['ci_low'])}, {fmt(run['ci_high'])}] | "
                          f"{run['wins']} / {run['n']} | {run.get('ties', 0)} | "
                          f"{fmt(run.get('mean_words'), 1)} ({fmt(run.get('mean_other_words'), 1)}) |")
 
-    lines += ["", "## Time per stage (2 CPU cores)", "", "| stage | time |", "|---|---|"]
+    lines += ["", "## Figure 8: win rate against the references by log(summary length / reference length)", "",
+              "Lengths in words; a bucket's win rate is over its decided comparisons (n). The paper's finding: "
+              "PPO above SFT at every length, so its gain is not just longer summaries.", ""]
+    buckets = {m: length_buckets(rows) for m, rows in art["judged"].items() if rows is not None and m != "base"}
+    if buckets:
+        shown = [m for m in ("sft", "ppo", "dpo") if m in buckets]
+        lines += ["| log length ratio | " + " | ".join(f"{METHODS[m]} win rate (n)" for m in shown) + " |",
+                  "|---|" + "---|" * len(shown)]
+        for k, (lo, hi) in enumerate(zip(LENGTH_EDGES[:-1], LENGTH_EDGES[1:])):
+            cells = [f"{fmt(buckets[m][k]['win_rate'])} ({buckets[m][k]['n']})" for m in shown]
+            lines.append(f"| [{lo:+.2f}, {hi:+.2f}) | " + " | ".join(cells) + " |")
+    else:
+        lines.append("not run (no judged/<run>.csv)")
+
+    lines += ["", "## Over-optimisation: the RM's score and the gold score over PPO updates (Gao et al. 2023)", "",
+              "Each row is a PPO evaluation of the validation posts (temperature 0.01; update 0 = the SFT model's "
+              "samples, which the RM did not score). The RM's score is the proxy PPO maximises; the gold score is "
+              "the truth. Where the RM keeps rising while gold falls, PPO exploits the RM.", ""]
+    if art["curve"]:
+        lines += ["| PPO update | RM score (references) | gold score (references) | gold win rate vs references |", "|---|---|---|---|"]
+        for p in art["curve"]:
+            lines.append(f"| {p['update']} | {fmt(p['rm'])} ({fmt(p['rm_reference'])}) | {fmt(p['gold'])} ({fmt(p['gold_reference'])}) "
+                         f"| {fmt(p['gold_win_rate'])} |")
+    else:
+        lines.append("not run (no runs/<run_name>/samples_validation_*.csv)")
+
+    lines += ["", "## Figure 4: reward model accuracy", ""]
+    if art["rm"] is None:
+        lines.append("not run")
+    else:
+        lines += ["| model | split | accuracy vs the labels | noise ceiling | accuracy vs the gold judge |", "|---|---|---|---|---|"]
+        for name, metrics, prefix in (("RM", art["rm"], "eval/rm"), ("DPO (implicit reward)", art["dpo"], "eval/dpo")):
+            if metrics is None:
+                lines.append(f"| {name} | | not run | | |")
+                continue
+            accuracies = preference_accuracies(metrics, prefix)
+            for split, split_name in PREF_SPLITS.items():
+                lines.append(f"| {name} | {split_name} | {fmt(accuracies.get((split, 'labels')))} | {fmt(ceiling.get(split))} "
+                             f"| {fmt(accuracies.get((split, 'gold')))} |")
+        rows = art["rm_rows"].get("validation")
+        if rows:
+            lines += ["", "Detail 16: the RM's accuracy on TL;DR validation differs by labeling batch (each adds "
+                      "policies train never showed) and by the labeler's confidence (1-9; low confidence is near a coin flip).", "",
+                      "| batch | accuracy (pairs) |", "|---|---|"]
+            lines += [f"| {v} | {fmt(a)} ({n}) |" for v, a, n in grouped_accuracy(rows, "batch")]
+            lines += ["", "| confidence | accuracy (pairs) |", "|---|---|"]
+            lines += [f"| {v} | {fmt(a)} ({n}) |" for v, a, n in grouped_accuracy(rows, "confidence")]
+
+    lines += ["", "## Figure 5 (right): reward model calibration on TL;DR validation", "",
+              "Accuracy against the labels per bin of |r_chosen - r_rejected|, beside sigmoid(margin): a calibrated "
+              "RM lies on it (Bai et al. 2022).", ""]
+    rows = art["rm_rows"].get("validation")
+    if rows:
+        lines += ["| \\|margin\\| | pairs | accuracy | calibrated |", "|---|---|---|---|"]
+        for lo, hi, n, acc, ideal in calibration_bins([float(r["chosen_reward"]) - float(r["rejected_reward"]) for r in rows]):
+            lines.append(f"| [{lo:.1f}, {hi:.1f}) | {n} | {fmt(acc)} | {fmt(ideal)} |")
+    else:
+        lines.append("not run")
+
+    rm_acc, dpo_acc = preference_accuracies(art["rm"], "eval/rm"), preference_accuracies(art["dpo"], "eval/dpo")
+    lines += ["", "## Figure 6: DPO's implicit reward as a reward model (Detail 19)", ""]
+    if art["rm"] is None or art["dpo"] is None:
+        lines.append("not run")
+    else:
+        lines += ["| split | RM accuracy | DPO implicit-reward accuracy |", "|---|---|---|"]
+        for split, split_name in PREF_SPLITS.items():
+            lines.append(f"| {split_name} | {fmt(rm_acc.get((split, 'labels')))} | {fmt(dpo_acc.get((split, 'labels')))} |")
+
+    lines += ["", "## Table 8: what PPO changed, token by token", ""]
+    if not art["tokens"]:
+        lines.append("not computed (no SFT or PPO model, or --no-tokens)")
+    else:
+        lines += ["For validation posts where PPO's summary differs from SFT's: each token of PPO's summary with its "
+                  "probability under SFT and under PPO (temperature 1). Rank = its rank under SFT: 1 unshifted, "
+                  "2-3 marginal, beyond 3 **shifted** (bold): where RLHF moved the policy (paper Table 8, Lin et al. 2024).", ""]
+        for i, post in enumerate(art["tokens"], 1):
+            body = post["query"].split("POST:")[-1].replace("TL;DR:", "").strip().replace("\n", " ")
+            lines += [f"**Post {i}**: {body[:300]}{' ...' if len(body) > 300 else ''}", "",
+                      f"- reference: {post['reference']}", f"- SFT: {post['sft']}", f"- PPO: {post['ppo']}", "",
+                      "| token | p(SFT) | p(PPO) | rank under SFT |", "|---|---|---|---|"]
+            for t in post["tokens"]:
+                token = repr(t["token"])[1:-1].replace("|", "\\|")
+                token = f"**{token}**" if t["shift"] == "shifted" else token
+                lines.append(f"| {token} | {fmt(t['p_before'])} | {fmt(t['p_after'])} | {t['rank_before']} |")
+            lines.append("")
+
+    lines += ["", "## Other results", "", "| stage | measure | value |", "|---|---|---|"]
+    for method in ("base", "sft"):
+        rouge = art["rouge"][method]
+        value = "not run" if rouge is None else " / ".join(fmt(rouge.get(k)) for k in ("rouge1", "rouge2", "rougeL"))
+        lines.append(f"| {'base model (no training)' if method == 'base' else 'SFT'} | ROUGE-1 / 2 / L | {value} |")
+    ppo = art["ppo"]
+    if ppo is None:
+        lines.append("| PPO | RM score of its samples | not run |")
+    else:
+        lines.append(f"| PPO | RM score: its samples / the references | {fmt(ppo.get('score'))} / {fmt(ppo.get('reference_score'))} |")
+        lines.append(f"| PPO | samples with an EOS | {fmt(ppo.get('eos_fraction'))} |")
+
+    lines += ["", "## Time per stage", "", environment_line(art["environment"]), "", "| stage | time |", "|---|---|"]
     for name, seconds in art["timings"]:
         lines.append(f"| {name} | {seconds:.0f} s |")
     total = sum(seconds for _, seconds in art["timings"])
@@ -156,15 +444,20 @@ def render_markdown(art: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------------------------------------
+# The figures
+# ------------------------------------------------------------------------------------------------
 def plot_report(art: dict, path: str) -> None:
-    """One figure, three panels: win rates with CI error bars, RM / DPO accuracies, time per stage."""
+    """One figure, one panel per finding: Figures 1, 8, over-optimisation, 4, 5, 6 and the time per stage."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (ax_win, ax_acc, ax_time) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [1, 1.4, 1.2]})
+    figure, axes = plt.subplots(2, 4, figsize=(22, 10))
+    (ax_win, ax_len, ax_curve, ax_acc), (ax_group, ax_cal, ax_dpo, ax_time) = axes
 
+    # Figure 1: win rates against the references (blue) and against SFT (cyan), with Wilson CIs.
     names = [name.replace(" ", "\n") for name in METHODS.values()] + [f"{METHODS[m]}\nvs SFT" for m in ("ppo", "dpo") if m in art["head_to_head"]]
     runs = [(art["judge"] or {}).get(method) for method in METHODS] + [
         art["head_to_head"][m] for m in ("ppo", "dpo") if m in art["head_to_head"]]
@@ -174,16 +467,48 @@ def plot_report(art: dict, path: str) -> None:
     ax_win.bar(names, rates, yerr=errors, capsize=6,
                color=["tab:blue"] * len(METHODS) + ["tab:cyan"] * (len(names) - len(METHODS)))
     for x, run in enumerate(runs):
-        label = "not run" if run is None else f"{run['win_rate']:.3f}"
-        ax_win.text(x, (run["ci_high"] if run else 0.0) + 0.01, label, ha="center", va="bottom", fontsize=9)
-    ax_win.set_ylim(0, max(0.1, max((run["ci_high"] for run in runs if run), default=0.0) * 1.3))
-    if len(names) > len(METHODS):
-        ax_win.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+        ax_win.text(x, (run["ci_high"] if run else 0.0) + 0.01, "not run" if run is None else f"{run['win_rate']:.3f}",
+                    ha="center", va="bottom", fontsize=9)
+    ax_win.set_ylim(0, 1.05)
+    ax_win.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
     ax_win.set_ylabel("win rate vs the references (blue) / vs SFT (cyan)")
-    ax_win.set_title(f"{art['judge_name'] or 'judge'} (Wilson 95% CI)")
+    ax_win.set_title(f"Fig. 1: win rate ({art['judge_name'] or 'judge'}, Wilson 95% CI)")
 
-    groups = [("RM", preference_accuracies(art["rm"], "eval/rm"), art["rm"] is not None),
-              ("DPO", preference_accuracies(art["dpo"], "eval/dpo"), art["dpo"] is not None)]
+    # Figure 8: win rate against the references by length bucket (buckets with >= 10 comparisons).
+    for method, color in (("sft", "tab:orange"), ("ppo", "tab:green"), ("dpo", "tab:red")):
+        rows = art["judged"].get(method)
+        if not rows:
+            continue
+        points = [b for b in length_buckets(rows) if b["n"] >= 10]
+        centers = [(max(b["low"], -1.05) + min(b["high"], 1.05)) / 2 for b in points]
+        low_high = [wilson_interval(b["wins"], b["n"]) for b in points]
+        ax_len.errorbar(centers, [b["win_rate"] for b in points], capsize=3, marker="o", color=color, label=METHODS[method],
+                        yerr=[[max(0.0, b["win_rate"] - lo) for b, (lo, _) in zip(points, low_high)],  # max: rounding
+                              [max(0.0, hi - b["win_rate"]) for b, (_, hi) in zip(points, low_high)]])
+    ax_len.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+    ax_len.set(xlabel="log(summary words / reference words)", ylabel="win rate vs the references", ylim=(-0.02, 1.02),
+               title="Fig. 8: win rate by length (buckets with n >= 10)")
+    if art["judged"]:
+        ax_len.legend(fontsize=8)
+
+    # Over-optimisation: RM score (proxy, left axis) and gold score (truth, right axis) over PPO updates.
+    curve = art["curve"]
+    if curve:
+        rm_points = [p for p in curve if p["rm"] is not None]
+        ax_curve.plot([p["update"] for p in rm_points], [p["rm"] for p in rm_points], "o-", color="tab:purple", label="RM score (proxy)")
+        ax_curve.set_ylabel("RM score of the samples", color="tab:purple")
+        gold_axis = ax_curve.twinx()
+        gold_axis.plot([p["update"] for p in curve], [p["gold"] for p in curve], "s-", color="tab:green", label="gold score (truth)")
+        gold_axis.axhline(curve[0]["gold_reference"], color="tab:green", linestyle=":", linewidth=1, label="gold score of the references")
+        gold_axis.set_ylabel("gold score of the samples", color="tab:green")
+        handles = ax_curve.get_legend_handles_labels()[0] + gold_axis.get_legend_handles_labels()[0]
+        ax_curve.legend(handles=handles, fontsize=7, loc="lower right")
+    else:
+        ax_curve.text(0.5, 0.5, "not run", transform=ax_curve.transAxes, ha="center")
+    ax_curve.set(xlabel="PPO update (0 = SFT)", title="over-optimisation: proxy vs gold (Gao et al. 2023)")
+
+    # Figure 4 (bottom right): RM accuracy per split, against the labels and the gold judge.
+    groups = [("RM", preference_accuracies(art["rm"], "eval/rm"), art["rm"] is not None)]
     bars = [(f"{model}\n{PREF_SPLITS[split].split()[0]}\n{kind}", accuracies.get((split, kind)))
             for model, accuracies, ran in groups if ran for split in PREF_SPLITS for kind in ("labels", "gold")]
     colors = {"labels": "tab:orange", "gold": "tab:green"}
@@ -191,39 +516,102 @@ def plot_report(art: dict, path: str) -> None:
         ax_acc.bar(x, value or 0.0, color=colors[label.rsplit("\n", 1)[1]])
         ax_acc.text(x, (value or 0.0) + 0.01, fmt(value), ha="center", va="bottom", fontsize=8)
     ax_acc.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
-    not_run = [model for model, _, ran in groups if not ran]
-    if not_run:
-        ax_acc.text(0.02, 0.97, f"not run: {', '.join(not_run)}", transform=ax_acc.transAxes, ha="left", va="top")
+    if not bars:
+        ax_acc.text(0.5, 0.5, "not run", transform=ax_acc.transAxes, ha="center")
     ax_acc.axhline(0.5, color="grey", linewidth=0.8, linestyle=":", label="chance")
     if art["noise_ceiling"] and "validation" in art["noise_ceiling"]:
         ax_acc.axhline(art["noise_ceiling"]["validation"], color="black", linewidth=0.8, linestyle="--",
                        label=f"noise ceiling of the labels ({art['noise_ceiling']['validation']:.2f})")
-    ax_acc.set_ylim(0, 1.05)
-    ax_acc.set_ylabel("accuracy on preference pairs")
-    ax_acc.set_title("RM and DPO implicit-reward accuracy (vs labels / gold judge)")
-    ax_acc.legend(loc="upper right", fontsize=7)
+    ax_acc.set(ylim=(0, 1.05), ylabel="accuracy on preference pairs", title="Fig. 4: RM accuracy (TL;DR, CNN/DM never trained on)")
+    ax_acc.legend(loc="lower right", fontsize=7)
+
+    # The per-batch and per-confidence accuracy of Detail 16 (the paper plots both).
+    rows = art["rm_rows"].get("validation")
+    if rows:
+        by_batch, by_confidence = grouped_accuracy(rows, "batch"), grouped_accuracy(rows, "confidence")
+        labels = [v.replace("batch", "b") for v, _, _ in by_batch] + [f"c{v}" for v, _, _ in by_confidence]
+        values = [a for _, a, _ in by_batch] + [a for _, a, _ in by_confidence]
+        ax_group.bar(range(len(values)), values, color=["tab:blue"] * len(by_batch) + ["tab:olive"] * len(by_confidence))
+        ax_group.set_xticks(range(len(values)), labels, rotation=90, fontsize=7)
+    else:
+        ax_group.text(0.5, 0.5, "not run", transform=ax_group.transAxes, ha="center")
+    ax_group.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+    ax_group.set(ylim=(0, 1.05), ylabel="RM accuracy vs the labels", title="Detail 16: per batch (blue), per confidence (olive)")
+
+    # Figure 5 (right): calibration of the RM (and of DPO's implicit reward) beside sigmoid(margin).
+    for name, table, color in (("RM", art["rm_rows"].get("validation"), "tab:orange"), ("DPO", art["dpo_rows"].get("validation"), "tab:red")):
+        if table:
+            bins = [b for b in calibration_bins([float(r["chosen_reward"]) - float(r["rejected_reward"]) for r in table]) if b[2] >= 5]
+            ax_cal.plot([(lo + hi) / 2 for lo, hi, *_ in bins], [acc for _, _, _, acc, _ in bins], "o-", color=color, label=name)
+    grid = [i / 20 for i in range(0, 101)]
+    ax_cal.plot(grid, [1 / (1 + math.exp(-x)) for x in grid], color="black", linewidth=1, label="calibrated: sigmoid")
+    ax_cal.set(xlabel="|r_chosen - r_rejected| (bins of 0.5 with >= 5 pairs)", ylabel="accuracy vs the labels",
+               ylim=(0.3, 1.02), title="Fig. 5 (right): calibration, TL;DR validation")
+    ax_cal.legend(fontsize=8)
+
+    # Figure 6: RM vs DPO's implicit reward, accuracy on the labels.
+    rm_acc, dpo_acc = preference_accuracies(art["rm"], "eval/rm"), preference_accuracies(art["dpo"], "eval/dpo")
+    for offset, (name, accuracies, color) in enumerate((("RM", rm_acc, "tab:orange"), ("DPO", dpo_acc, "tab:red"))):
+        xs = [i + 0.38 * offset for i in range(len(PREF_SPLITS))]
+        values = [accuracies.get((split, "labels")) or 0.0 for split in PREF_SPLITS]
+        ax_dpo.bar(xs, values, width=0.36, color=color, label=name)
+        for x, v in zip(xs, values):
+            ax_dpo.text(x, v + 0.01, fmt(v), ha="center", va="bottom", fontsize=8)
+    ax_dpo.set_xticks([i + 0.19 for i in range(len(PREF_SPLITS))], list(PREF_SPLITS.values()))
+    ax_dpo.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+    ax_dpo.set(ylim=(0, 1.05), ylabel="accuracy vs the labels", title="Fig. 6: RM vs DPO implicit reward (Detail 19)")
+    ax_dpo.legend(fontsize=8)
 
     timings = art["timings"]
     ax_time.barh([name for name, _ in timings][::-1], [seconds for _, seconds in timings][::-1], color="tab:purple")
     for y, (_, seconds) in enumerate(timings[::-1]):
         ax_time.text(seconds, y, f" {seconds:.0f} s", va="center", fontsize=8)
     total = sum(seconds for _, seconds in timings)
-    ax_time.set_xlabel("seconds")
+    env = art["environment"] or {}
+    ax_time.set_xlabel(f"seconds ({env.get('torch_threads', '?')} torch threads)")
     ax_time.set_title(f"time per stage (total {total / 60:.1f} min)" if timings else "time per stage (no timings.tsv)")
-    ax_time.margins(x=0.2)
+    ax_time.margins(x=0.25)
 
     figure.suptitle(f"benchmark/tiny.sh, seed {art['seed']}: {art['models']}")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def plot_tokens(view: list, path: str) -> None:
+    """Table 8 as bars: per token of PPO's summary, its probability under SFT and under PPO."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(view), 1, figsize=(max(8, 0.42 * max(len(p["tokens"]) for p in view)), 3.2 * len(view)),
+                                squeeze=False)
+    colors = {"unshifted": "tab:blue", "marginal": "gold", "shifted": "tab:red"}
+    for ax, (i, post) in zip(axes[:, 0], enumerate(view, 1)):
+        xs = range(len(post["tokens"]))
+        ax.bar([x - 0.2 for x in xs], [t["p_before"] for t in post["tokens"]], width=0.4, color="lightgrey", label="p(SFT)")
+        ax.bar([x + 0.2 for x in xs], [t["p_after"] for t in post["tokens"]], width=0.4,
+               color=[colors[t["shift"]] for t in post["tokens"]], label="p(PPO), colour = rank under SFT")
+        ax.set_xticks(list(xs), [repr(t["token"])[1:-1] for t in post["tokens"]], rotation=60, fontsize=8)
+        ax.set(ylim=(0, 1.05), ylabel="probability", title=f"post {i}: PPO's summary (blue: SFT's top token, "
+               "yellow: SFT's 2nd-3rd, red: beyond SFT's top 3)")
+        ax.legend(fontsize=7, loc="upper right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
     plt.close(figure)
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    artifacts = load_artifacts(args.models, args.seed, args.world)
+    artifacts = load_artifacts(args.models, args.seed, args.world, args.runs_dir)
+    if args.tokens:
+        artifacts["tokens"] = compute_token_view(args.models, args.seed)
     markdown = render_markdown(artifacts)
     with open(os.path.join(args.models, "report.md"), "w") as file:
         file.write(markdown)
     plot_report(artifacts, os.path.join(args.models, "report.png"))
+    if artifacts["tokens"]:
+        plot_tokens(artifacts["tokens"], os.path.join(args.models, "report_tokens.png"))
     print(markdown)
-    print(f"saved {args.models}/report.md, {args.models}/report.png")
+    print(f"saved {args.models}/report.md, report.png" + (", report_tokens.png" if artifacts["tokens"] else ""))

@@ -76,12 +76,15 @@ def test_identity_problem_names_each_side():
 
 
 def test_vocabulary_problem_counts_every_id_but_pad():
-    tokenizer = AutoTokenizer.from_pretrained(BASE)  # ids 0 ... 1267, [PAD] = 1
-    assert sft.vocabulary_problem(tokenizer, 1268, "m") is None
-    assert "m has 1000 embedding rows, but the tokenizer has ids up to 1267" in sft.vocabulary_problem(tokenizer, 1000, "m")
+    tokenizer = AutoTokenizer.from_pretrained(BASE)  # ids 0 ... n - 1, [PAD] = 1
+    n = len(tokenizer)
+    assert tokenizer.pad_token_id == 1 and n > 1000
+    assert sft.vocabulary_problem(tokenizer, n, "m") is None
+    assert f"m has 1000 embedding rows, but the tokenizer has ids up to {n - 1}" in sft.vocabulary_problem(tokenizer, 1000, "m")
     tokenizer.pad_token = None
-    tokenizer.add_special_tokens({"pad_token": "<new pad>"})  # id 1268, past the table: masked, so fine
-    assert sft.vocabulary_problem(tokenizer, 1268, "m") is None
+    tokenizer.add_special_tokens({"pad_token": "<new pad>"})  # id n, past the table: masked, so fine
+    assert tokenizer.pad_token_id == n
+    assert sft.vocabulary_problem(tokenizer, n, "m") is None
 
 
 def refused(cwd, script, *flags):
@@ -131,4 +134,5 @@ def test_ppo_refuses_a_reward_model_too_small_for_the_policys_ids(tiny_tldr, tmp
     small.save_pretrained(tmp_path / "rm")
     assert ppo.ScalarModel.from_pretrained(tmp_path / "rm").backbone.get_input_embeddings().weight.shape[0] == 1000
     message = refused(tmp_path, "ppo.py", *ppo_flags(tiny_tldr, tmp_path / "rm"))
-    assert f"--reward_model_path {tmp_path / 'rm'} has 1000 embedding rows, but the tokenizer has ids up to 1267" in message
+    last_id = len(AutoTokenizer.from_pretrained(BASE)) - 1  # the world's [PAD] is id 1, so the last id is a real token
+    assert f"--reward_model_path {tmp_path / 'rm'} has 1000 embedding rows, but the tokenizer has ids up to {last_id}" in message

@@ -1,10 +1,14 @@
-"""benchmark/tiny_report.py on hand-made artifacts: the numbers land in report.md, a stage that did
-not run reads "not run", and the figure is written. No model is loaded."""
+"""benchmark/tiny_report.py: its pure helpers against hand-computed values, and the report on hand-made
+artifacts (the numbers land in report.md, a stage that did not run reads "not run", the figures are written)."""
 
+import csv
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmark"))
@@ -17,80 +21,233 @@ def write(path: Path, payload) -> None:
     path.write_text(json.dumps(payload) if not isinstance(payload, str) else payload)
 
 
+def write_csv(path: Path, rows: list) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure helpers
+# ------------------------------------------------------------------------------------------------
+def test_wilson_interval_by_hand():
+    # 8 / 10: p = 0.8, z^2 = 3.841459; centre (0.8 + 0.192073) / 1.384146 = 0.716740,
+    # half 1.959964 * sqrt(0.016 + 0.009604) / 1.384146 = 0.226578
+    low, high = tiny_report.wilson_interval(8, 10)
+    assert (low, high) == pytest.approx((0.490162, 0.943318), abs=1e-6)
+    low, high = tiny_report.wilson_interval(0, 10)  # z^2 / (n + z^2) = 3.841459 / 13.841459
+    assert low == pytest.approx(0.0, abs=1e-12) and high == pytest.approx(0.277533, abs=1e-6)
+    assert all(math.isnan(x) for x in tiny_report.wilson_interval(0, 0))
+
+
+def test_length_buckets_by_hand():
+    rows = [dict(ours_words=o, other_words=r, preferred=p) for o, r, p in [
+        (10, 10, "ours"),  # log 1 = 0 -> [-0.15, 0.15)
+        (20, 10, "reference"),  # log 2 = 0.693 -> [0.45, 0.75)
+        (5, 10, "ours"),  # -0.693 -> [-0.75, -0.45)
+        (10, 10, "tie"), (7, 10, "malformed"), (7, 10, "unjudged"),  # decided by nobody: in no bucket
+        (0, 10, "reference"),  # an empty summary counts as 1 word: log 0.1 = -2.303 -> [-inf, -0.75)
+        (10, 5, "ours"),  # 0.693 -> [0.45, 0.75)
+        (13, 10, "other"),  # log 1.3 = 0.262 -> [0.15, 0.45), a loss against another run
+    ]]
+    buckets = tiny_report.length_buckets(rows)
+    assert [(b["low"], b["high"]) for b in buckets] == list(zip(tiny_report.LENGTH_EDGES[:-1], tiny_report.LENGTH_EDGES[1:]))
+    assert [(b["wins"], b["n"]) for b in buckets] == [(0, 1), (1, 1), (0, 0), (1, 1), (0, 1), (1, 2), (0, 0)]
+    assert [b["win_rate"] for b in buckets] == [0.0, 1.0, None, 1.0, 0.0, 0.5, None]
+
+
+def test_grouped_accuracy_by_hand():
+    rows = [dict(batch="batch3", confidence="9.0", accuracy="1.0"), dict(batch="batch10", confidence="", accuracy="0.0"),
+            dict(batch="batch3", confidence="2", accuracy="0.0"), dict(batch="batch10", confidence="9", accuracy="1.0"),
+            dict(batch="batch3", confidence="10", accuracy="1.0")]
+    # natural order (batch3 before batch10, 2 < 9 < 10); a row without a confidence is in no confidence group
+    assert tiny_report.grouped_accuracy(rows, "batch") == [("batch3", 2 / 3, 3), ("batch10", 0.5, 2)]
+    assert tiny_report.grouped_accuracy(rows, "confidence") == [("2", 0.0, 1), ("9", 1.0, 2), ("10", 1.0, 1)]
+
+
+def test_calibration_bins_by_hand():
+    bins = tiny_report.calibration_bins([0.2, -0.3, 0.7, -1.2, 1.4], width=0.5)
+    # |m| 0.2, 0.3 -> bin [0, 0.5): 1 of 2 right; 0.7 -> [0.5, 1): 1 of 1; 1.2, 1.4 -> [1, 1.5): 1 of 2
+    assert [(lo, hi, n, acc) for lo, hi, n, acc, _ in bins] == [(0.0, 0.5, 2, 0.5), (0.5, 1.0, 1, 1.0), (1.0, 1.5, 2, 0.5)]
+    # ideal = sigmoid(bin centre): 1 / (1 + e^-0.25), 1 / (1 + e^-0.75), 1 / (1 + e^-1.25)
+    assert [ideal for *_, ideal in bins] == pytest.approx([0.562177, 0.679179, 0.777300], abs=1e-6)
+
+
+def test_overoptimisation_curve_by_hand():
+    def gold(post, summary):  # a stand-in judge: words of the summary found in the post
+        return float(sum(word in post.split() for word in summary.split()))
+
+    row = lambda q, r, ref, s, rs: dict(query=q, response=r, reference=ref, score=s, reference_score=rs)  # noqa: E731
+    tables = {
+        128: [row(" a b c ", "a b", "a", "1.5", "0.5"), row("x y", "z", "x y", "-0.5", "0.0")],  # gold 2 vs 1, 0 vs 2
+        64: [row("a b c", "a", "a", "0.25", "0.5"), row("x y", "x y", "z", "0.75", "0.0")],  # gold 1 vs 1 (tie), 2 vs 0
+    }
+    points = tiny_report.overoptimisation_curve(tables, batch_size=64, gold=gold)
+    assert [p["update"] for p in points] == [1, 2] and [p["episode"] for p in points] == [64, 128]
+    first, second = points
+    assert (first["rm"], first["rm_reference"], first["gold"], first["gold_reference"]) == (0.5, 0.25, 1.5, 0.5)
+    assert first["gold_win_rate"] == 1.0  # one win, one tie (not counted)
+    assert (second["rm"], second["rm_reference"], second["gold"], second["gold_reference"]) == (0.5, 0.25, 1.0, 1.5)
+    assert second["gold_win_rate"] == 0.5 and second["n"] == 2
+
+
+def test_token_shift_by_hand():
+    import torch
+
+    before = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0], [0.0, 5.0, 4.0, 3.0]])
+    after = torch.tensor([[0.0, 0.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    shifts = tiny_report.token_shift(before, after, torch.tensor([1, 0, 0]))
+    # row 0: e^1 / (e^2 + e^1 + e^0 + e^-1) = 2.718282 / 11.475217 = 0.236883, one token above it -> rank 2
+    # row 1: uniform 0.25, none strictly above -> rank 1; after: e^3 / (e^3 + 3) = 20.085537 / 23.085537 = 0.870049
+    # row 2: token 0 has the smallest logit: 1 / (1 + e^5 + e^4 + e^3) = 1 / 224.096846 = 0.004462, rank 4 -> shifted
+    assert [s["p_before"] for s in shifts] == pytest.approx([0.236883, 0.25, 0.004462], abs=1e-6)
+    assert [s["p_after"] for s in shifts] == pytest.approx([0.25, 0.870049, 0.25], abs=1e-6)
+    assert [(s["rank_before"], s["shift"]) for s in shifts] == [(2, "marginal"), (1, "unshifted"), (4, "shifted")]
+
+
+# ------------------------------------------------------------------------------------------------
+# The report on hand-made artifacts
+# ------------------------------------------------------------------------------------------------
 def judge_run(method: str, wins: int, n: int, low: float, high: float, vs: str = "reference") -> dict:
     return {"method": method, "seed": "3", "vs": vs, "n": n, "wins": wins, "win_rate": wins / n, "ci_low": low,
             "ci_high": high, "ties": 0, "mean_words": 15.0, "mean_other_words": 14.0}
 
 
-def make_run(models: Path, with_dpo: bool) -> None:
-    """A tiny run of seed 3: SFT, base, RM, PPO, judge (+ DPO), timings and a world card."""
+POST = "SUBREDDIT: r/tifu\n\nTITLE: My landlord cancelled my lease\n\nPOST: My landlord cancelled my lease. I ate tacos.\n\nTL;DR:"
+
+
+def make_run(models: Path, runs: Path, with_dpo: bool) -> None:
+    """A tiny run of seed 3: SFT, base, RM, PPO (2 evaluations), judge (+ DPO), timings and the environment."""
+    write(models / "environment.json", {"torch_threads": 2, "omp_num_threads": None, "cpu_count": 2,
+                                        "python": "3.11.0", "versions": {"torch": "2.13.0", "transformers": "5.23.0"}})
     write(models / "base_3" / "eval_metrics.json", {"validation": {"loss": 4.6, "rouge1": 0.25, "rouge2": 0.125, "rougeL": 0.2}})
     write(models / "sft_3" / "eval_metrics.json", {"validation": {"loss": 0.7, "rouge1": 0.4125, "rouge2": 0.2, "rougeL": 0.375}})
+    write_csv(models / "sft_3" / "eval_validation.csv", [
+        dict(query=POST, response="landlord cancelled lease, tacos", reference="my landlord cancelled my lease")])
     write(models / "reward_3" / "eval_metrics.json", {
         "eval/rm/validation/accuracy": 0.6875, "eval/rm/validation/accuracy/split/valid1": 0.1,
         "eval/rm/validation/gold_accuracy": 0.71875, "eval/rm/validation_cnndm/accuracy": 0.640625})
+    pair = lambda batch, confidence, chosen, rejected: dict(  # noqa: E731
+        batch=batch, confidence=confidence, chosen_reward=chosen, rejected_reward=rejected, accuracy=float(chosen > rejected))
+    write_csv(models / "reward_3" / "eval_validation.csv", [
+        pair("batch11", "1.0", 0.2, 0.4), pair("batch11", "9.0", 1.7, 0.1), pair("batch12", "9.0", 0.3, 0.0)])
     if with_dpo:
         write(models / "dpo_3" / "eval_metrics.json", {"eval/dpo/validation/accuracy": 0.65625,
                                                        "eval/dpo/validation_cnndm/accuracy": 0.59375})
     write(models / "ppo_3" / "eval_metrics.json", {"validation": {"score": 0.3125, "reference_score": -0.0625,
                                                                   "eos_fraction": 0.96875, "response_length": 19.0}})
-    runs = {"base__seed3": judge_run("base", 0, 256, 0.0, 0.0148), "sft__seed3": judge_run("sft", 32, 256, 0.09, 0.17),
-            "ppo__seed3": judge_run("ppo", 64, 256, 0.2, 0.31),
-            "ppo__seed3_vs_sft__seed3": judge_run("ppo", 200, 256, 0.7, 0.8, vs="sft__seed3")}
+    write(models / "ppo_3" / "args.json", {"run_name": "tiny_ppo_3", "batch_size": 64})
+    for episode, response, score in ((320, "my landlord cancelled my lease", "0.5"), (640, "landlord tacos tacos", "1.25")):
+        write_csv(runs / "tiny_ppo_3" / f"samples_validation_{episode}.csv", [
+            dict(query=POST, response=response, reference="my landlord cancelled my lease", score=score, reference_score="0.0")])
+    runs_json = {"base__seed3": judge_run("base", 0, 256, 0.0, 0.0148), "sft__seed3": judge_run("sft", 32, 256, 0.09, 0.17),
+                 "ppo__seed3": judge_run("ppo", 64, 256, 0.2, 0.31),
+                 "ppo__seed3_vs_sft__seed3": judge_run("ppo", 200, 256, 0.7, 0.8, vs="sft__seed3")}
+    judged = lambda wins, losses: [dict(preferred="ours", ours_words=10, other_words=10)] * wins + [  # noqa: E731
+        dict(preferred="reference", ours_words=20, other_words=10)] * losses
+    write_csv(models / "judge_3" / "judged" / "sft__seed3.csv", judged(3, 2))
+    write_csv(models / "judge_3" / "judged" / "ppo__seed3.csv", judged(4, 1))
     if with_dpo:
-        runs["dpo__seed3"] = judge_run("dpo", 48, 256, 0.14, 0.24)
-    write(models / "judge_3" / "results.json", {"model": "tiny_world.gold_score", "runs": runs})
+        runs_json["dpo__seed3"] = judge_run("dpo", 48, 256, 0.14, 0.24)
+    write(models / "judge_3" / "results.json", {"model": "tiny_world.gold_score", "runs": runs_json})
     write(models / "timings.tsv", "stage\tseconds\npreprocess\t29\nsft\t97\nreward\t110\nppo\t64\n")
 
 
-def test_report_has_every_stage_and_the_figure(tmp_path):
-    models, world = tmp_path / "models", tmp_path / "world"
-    make_run(models, with_dpo=True)
+def test_report_has_every_finding_and_the_figure(tmp_path):
+    models, world, runs = tmp_path / "models", tmp_path / "world", tmp_path / "runs"
+    make_run(models, runs, with_dpo=True)
     write(world / "world.json", {"noise_ceiling": {"validation": 0.8355, "validation_cnndm": 0.8427}})
     result = subprocess.run([sys.executable, str(REPO / "benchmark" / "tiny_report.py"), "--models", str(models),
-                             "--seed", "3", "--world", str(world)], capture_output=True, text=True, timeout=300)
+                             "--seed", "3", "--world", str(world), "--runs_dir", str(runs), "--no-tokens"],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = (models / "report.md").read_text()
     assert report in result.stdout
-    for row in ("| base model (no training) | ROUGE-1 / 2 / L | 0.250 / 0.125 / 0.200 |",
-                "| SFT | ROUGE-1 / 2 / L | 0.412 / 0.200 / 0.375 |",
-                "| reward model | TL;DR validation accuracy vs the labels (noise ceiling 0.836) | 0.688 |",
-                "| PPO | 0.781 | [0.700, 0.800] | 200 / 256 | 0 | 15.0 (14.0) |",
-                "| reward model | TL;DR validation accuracy vs the gold judge | 0.719 |",
-                "| reward model | CNN/DM accuracy vs the labels (noise ceiling 0.843) | 0.641 |",
-                "| DPO (implicit reward) | TL;DR validation accuracy vs the labels (noise ceiling 0.836) | 0.656 |",
-                "| DPO (implicit reward) | CNN/DM accuracy vs the labels (noise ceiling 0.843) | 0.594 |",
-                "| PPO | RM score: its samples / the references | 0.312 / -0.062 |",
-                "| PPO | samples with an EOS | 0.969 |",
+    for row in ("**2 torch threads** (OMP_NUM_THREADS=unset), 2 CPU cores, torch 2.13.0, transformers 5.23.0",
                 "| SFT | 0.125 | [0.090, 0.170] | 32 / 256 | 0 | 15.0 (14.0) |",
                 "| PPO | 0.250 | [0.200, 0.310] | 64 / 256 | 0 | 15.0 (14.0) |",
                 "| DPO | 0.188 | [0.140, 0.240] | 48 / 256 | 0 | 15.0 (14.0) |",
+                "| PPO | 0.781 | [0.700, 0.800] | 200 / 256 | 0 | 15.0 (14.0) |",
+                # Figure 8: 3 of 5 SFT wins at log ratio 0, its 2 losses at log 2; PPO 4 and 1
+                "| [-0.15, +0.15) | 1.000 (3) | 1.000 (4) |", "| [+0.45, +0.75) | 0.000 (2) | 0.000 (1) |",
+                # over-optimisation: update 0 = SFT's samples (all 3 key words, 1 filler: 3 - 0.4), then PPO's:
+                # a tie with the reference (3.0), then 1 of 3 key words, 2 fillers, 1 repeat: 1 - 0.8 - 0.3
+                "| 0 | n/a (n/a) | 2.600 (3.000) | 0.000 |", "| 5 | 0.500 (0.000) | 3.000 (3.000) | n/a |",
+                "| 10 | 1.250 (0.000) | -0.100 (3.000) | 0.000 |",
+                "| RM | TL;DR validation | 0.688 | 0.836 | 0.719 |", "| RM | CNN/DM | 0.641 | 0.843 | n/a |",
+                "| DPO (implicit reward) | TL;DR validation | 0.656 | 0.836 | n/a |",
+                "| batch11 | 0.500 (2) |", "| batch12 | 1.000 (1) |", "| 1 | 0.000 (1) |", "| 9 | 1.000 (2) |",
+                "| [0.0, 0.5) | 2 | 0.500 | 0.562 |", "| [1.5, 2.0) | 1 | 1.000 | 0.852 |",
+                "| TL;DR validation | 0.688 | 0.656 |", "| CNN/DM | 0.641 | 0.594 |",
+                "| base model (no training) | ROUGE-1 / 2 / L | 0.250 / 0.125 / 0.200 |",
+                "| PPO | RM score: its samples / the references | 0.312 / -0.062 |",
                 "| reward | 110 s |", "| **total** | **5 min 0 s** |"):
         assert row in report, row
-    reference_table = report.split("## Win rate")[1].split("## Head to head")[0]
-    assert "not run" not in report and "0.800" not in reference_table  # the head-to-head PPO vs SFT is not a reference win rate
-    assert report.index("## Head to head against SFT") < report.index("| PPO | 0.781 |")  # ... it has its own table
-    png = (models / "report.png").read_bytes()
-    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    reference_table = report.split("## Figure 1")[1].split("Head to head")[0]
+    assert "not run" not in report.replace("not computed", "") and "0.800" not in reference_table
+    assert report.index("Head to head against SFT") < report.index("| PPO | 0.781 |")  # its own table
+    for png in ("report.png",):
+        data = (models / png).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 10_000
 
 
 def test_a_stage_that_did_not_run_reads_not_run(tmp_path):
     models = tmp_path / "models"
-    make_run(models, with_dpo=False)
+    make_run(models, tmp_path / "runs", with_dpo=False)
     (models / "ppo_3" / "eval_metrics.json").unlink()
-    art = tiny_report.load_artifacts(str(models), 3, world=None)
+    art = tiny_report.load_artifacts(str(models), 3, world=None, runs_dir=str(tmp_path / "runs"))
     assert art["dpo"] is None and art["ppo"] is None and set(art["judge"]) == {"base", "sft", "ppo"}
     report = tiny_report.render_markdown(art)
-    assert "| DPO (implicit reward) | accuracy | not run |" in report
+    assert "| DPO (implicit reward) | | not run | | |" in report
     assert "| PPO | RM score of its samples | not run |" in report
     assert "| DPO | not run | | | | |" in report
-    assert "noise ceiling" not in report  # no world card: no ceiling
+    assert "## Figure 6: DPO's implicit reward as a reward model (Detail 19)\n\nnot run" in report
     tiny_report.plot_report(art, str(tmp_path / "report.png"))
     assert (tmp_path / "report.png").stat().st_size > 10_000
-    # nothing at all: every stage reads "not run", and the figure is still drawn
-    empty = tiny_report.load_artifacts(str(tmp_path / "nothing"), 1, world=None)
-    assert tiny_report.render_markdown(empty).count("not run") == 5 + 4  # 5 stage rows, 4 win-rate rows
+    # nothing at all: every finding reads "not run" or "not computed", and the figure is still drawn
+    empty = tiny_report.load_artifacts(str(tmp_path / "nothing"), 1, world=None, runs_dir=str(tmp_path / "none"))
+    markdown = tiny_report.render_markdown(empty)
+    assert markdown.count("not run") == 4 + 1 + 1 + 1 + 1 + 1 + 3  # win rates, Fig. 8, curve, 4, 5, 6, other results
+    assert "Environment: not recorded" in markdown and "not computed" in markdown
     tiny_report.plot_report(empty, str(tmp_path / "empty.png"))
+
+
+def test_token_view_probabilities_are_the_models(tmp_path):
+    """compute_token_view on two tiny random models: each token's probability is the softmax of that
+    model's logits at the position before it, over the tokens it can sample (a naive loop recomputes them)."""
+    import torch
+    from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "assets" / "tiny_world" / "pythia-tiny")
+    models = tmp_path / "models"
+    config = GPTNeoXConfig(vocab_size=len(tokenizer) + 64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64, eos_token_id=tokenizer.eos_token_id)
+    for name, seed in (("sft_1", 0), ("ppo_1", 1)):
+        torch.manual_seed(seed)
+        GPTNeoXForCausalLM(config).save_pretrained(models / name)
+        tokenizer.save_pretrained(models / name)
+    rows = [dict(query=POST.replace("tifu", f"tifu{i}"), response=r, reference="my landlord cancelled my lease")
+            for i, r in enumerate(("a", "b c", "d", "e f", "g"))]
+    write_csv(models / "ppo_1" / "eval_validation.csv", rows)
+    write_csv(models / "sft_1" / "eval_validation.csv", [dict(r, response="b c" if i == 1 else "x") for i, r in enumerate(rows)])
+    view = tiny_report.compute_token_view(str(models), 1, n_posts=3)
+    assert [post["ppo"] for post in view] == ["a", "d", "e f"]  # "b c" is SFT's summary too: skipped
+    query = tokenizer(rows[3]["query"]).input_ids
+    for post, name_before, name_after in [(view[2], "sft_1", "ppo_1")]:
+        summary = tokenizer(" e f").input_ids + [tokenizer.eos_token_id]
+        assert [t["token"] for t in post["tokens"]] == [tokenizer.decode([t]) for t in summary]
+        for model_name, key in ((name_before, "p_before"), (name_after, "p_after")):
+            model = GPTNeoXForCausalLM.from_pretrained(models / model_name).eval()
+            for i, token in enumerate(summary):
+                with torch.no_grad():
+                    logits = model(input_ids=torch.tensor([query + summary[:i]])).logits[0, -1]
+                allowed = [t for t in range(len(tokenizer)) if t != tokenizer.pad_token_id]
+                probability = torch.softmax(logits[allowed], -1)[allowed.index(token)].item()
+                assert post["tokens"][i][key] == pytest.approx(probability, rel=1e-4), (model_name, i)
+    tiny_report.plot_tokens(view, str(tmp_path / "tokens.png"))
+    assert (tmp_path / "tokens.png").stat().st_size > 10_000
 
 
 def test_timings_reader_skips_the_header_and_keeps_names_with_spaces(tmp_path):

@@ -23,13 +23,17 @@ DATA_FILES = ["tldr_3_filtered/README.md", "tldr_3_filtered/data/train.parquet",
               "summarize_from_feedback/README.md", "summarize_from_feedback/comparisons/train.parquet",
               "summarize_from_feedback/comparisons/validation.parquet",
               "pythia-tiny/tokenizer.json", "pythia-tiny/tokenizer_config.json"]
+# Everything a world folder holds: no `datasets` cache, no lock files (they were once committed).
+WORLD_FILES = sorted(DATA_FILES + ["pythia-tiny/config.json", "pythia-tiny/generation_config.json",
+                                   "pythia-tiny/model.safetensors", "WORLD.md", "world.json"])
 
 
-def load_world(path):
-    """The two datasets of a world folder, loaded as from the Hub (fresh cache: folders get rebuilt)."""
-    cache = str(Path(path) / ".cache")
-    sft = datasets.load_dataset(str(path / "tldr_3_filtered"), cache_dir=cache)
-    preference = datasets.load_dataset(str(path / "summarize_from_feedback"), "comparisons", cache_dir=cache)
+def load_world(path, cache):
+    """The two datasets of a world folder, loaded as from the Hub with a `datasets` cache in `cache`.
+
+    The cache never goes inside the world: assets/ holds only what tiny_world.py writes."""
+    sft = datasets.load_dataset(str(path / "tldr_3_filtered"), cache_dir=str(cache))
+    preference = datasets.load_dataset(str(path / "summarize_from_feedback"), "comparisons", cache_dir=str(cache))
     return sft, preference
 
 
@@ -40,21 +44,22 @@ def small_args(out_dir, seed=1):
 
 
 def tree_bytes(root):
-    """{relative path: bytes} of every file under root (caches excluded)."""
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(Path(root).rglob("*"))
-            if p.is_file() and ".cache" not in p.parts}
+    """{relative path: bytes} of every file under root."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
-def world():
-    return load_world(WORLD)
+def world(tmp_path_factory):
+    return load_world(WORLD, tmp_path_factory.mktemp("datasets_cache"))
 
 
 def test_same_seed_same_bytes(tmp_path):
     tw.build_world(small_args(tmp_path / "a"))
     tw.build_world(small_args(tmp_path / "b"))
     tw.build_world(small_args(tmp_path / "c", seed=2), with_model=False)
+    load_world(tmp_path / "a", tmp_path / "cache")  # loading as the stages do writes nothing into the world
     a, b, c = tree_bytes(tmp_path / "a"), tree_bytes(tmp_path / "b"), tree_bytes(tmp_path / "c")
+    assert sorted(a) == WORLD_FILES
     assert "pythia-tiny/model.safetensors" in a and "summarize_from_feedback/comparisons/train.parquet" in a
     assert a.keys() == b.keys()
     assert [name for name in a if a[name] != b[name]] == []
@@ -62,6 +67,8 @@ def test_same_seed_same_bytes(tmp_path):
 
 
 def test_committed_world_is_what_the_generator_builds(tmp_path):
+    committed = sorted(p.relative_to(WORLD).as_posix() for p in WORLD.rglob("*") if p.is_file())
+    assert committed == WORLD_FILES, "assets/tiny_world holds files tiny_world.py does not write (a cache?)"
     tw.build_world(tw.Args(out_dir=str(tmp_path)), with_model=False)
     for name in DATA_FILES:
         assert (tmp_path / name).read_bytes() == (WORLD / name).read_bytes(), (
@@ -69,6 +76,20 @@ def test_committed_world_is_what_the_generator_builds(tmp_path):
     meta = json.loads((WORLD / "world.json").read_text())
     defaults = {k: v for k, v in json.loads(json.dumps(vars(tw.Args()))).items() if k != "out_dir"}
     assert meta["args"] == defaults, "the committed world was built with other args than the defaults"
+
+
+def test_the_card_describes_the_committed_world_and_its_reference_writer():
+    """WORLD.md is the card of world.json, and it says what the human-like writer gets wrong and how often."""
+    meta = json.loads((WORLD / "world.json").read_text())
+    card = (WORLD / "WORLD.md").read_text()
+    assert card == tw.world_card(meta)
+    writer = tw.POLICIES["ref"]
+    for field in ("misremember", "invent", "filler", "ramble", "repeat"):  # its mistakes, with their rates
+        assert f"| {tw.WRITER_HABITS[field]} | {getattr(writer, field):.2f} |" in card
+        assert getattr(writer, field) > 0  # a human writer, not an oracle
+    # the references it wrote leave room above them (RLHF beats human TL;DRs in the paper)
+    assert 0.5 < meta["references"]["gold_score"] < 2.5
+    assert meta["references"]["with_wrong_or_invented"] > 0.05
 
 
 def test_schemas_match_the_hub_datasets(world):
