@@ -1,19 +1,17 @@
 """PPO from the RM's scores: RLHF of the SFT policy on TL;DR prompts (Details 3, 7, 8, 12, 14, 20-25).
 
-Stage 3 of the pipeline. The policy and a frozen reference start from the SFT model of sft.py;
-the reward model and the value model (critic) both start from the trained RM of reward.py. Each
-update samples `response_length` tokens for a batch of SFT prompts, truncates them after the first
-EOS, scores them with the RM (-1 without an EOS), adds a per-token KL penalty to the reference,
-computes GAE advantages, and takes 4 epochs of clipped PPO steps on policy and critic together.
-At the end (and every --eval_every updates) the policy samples summaries of validation prompts at
-temperature 0.01, scored by the RM beside the human references.
+Stage 3 of the pipeline. The policy and a frozen reference start from sft.py's model, the RM and the critic from
+reward.py's. Each update samples `response_length` tokens for a batch of SFT prompts, truncates them after the first
+EOS, scores them with the RM (-1 without an EOS), adds a per-token KL penalty to the reference, computes GAE
+advantages, and takes 4 epochs of clipped PPO steps on policy and critic together. At the end (and every --eval_every
+updates) the RM scores the policy's summaries of validation prompts (temperature 0.01) beside the human references.
 
     {output_dir}/                   the policy: a causal-LM folder + tokenizer (loads with from_pretrained)
     {output_dir}/args.json          these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, git commit
     {output_dir}/eval_{split}.csv   columns query, response, reference, score, reference_score (judge.py)
     {output_dir}/eval_metrics.json  {split: {score, reference_score, eos_fraction, response_length}}
     {output_dir}/checkpoints/       the latest --save_every checkpoint (no pickle), removed when the run ends
-    runs/{run_name}/                TensorBoard; samples_{episode}.csv of every --eval_every evaluation
+    runs/{run_name}/                TensorBoard; samples_{split}_{episode}.csv of every evaluation
 
     # tiny world, offline, 2 CPU cores, ~2 min with OMP_NUM_THREADS=1 (10 updates; RM score of the
     # validation samples -0.13 for the SFT model -> 0.60, measured with sft.py / reward.py tiny models)
@@ -29,15 +27,12 @@ temperature 0.01, scored by the RM beside the human references.
     accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml ppo.py \
         --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_rollout_forward_batch_size 16 --track
 
-Details: 3 distinct [PAD], ids checked against the dataset; 7 dropout off in all four models; 8
-accelerate / DeepSpeed / bf16, ZeRO-3 CPU offload of the frozen models (--offload); 12 and 14 the
-score at the EOS of left-padded query ++ response; 20 the paper's PPO hyperparameters; 21 prompts
-reshuffled at each pass; 22 critic = the RM; 23 the EOS trick; 24 optional reward whitening; 25
-advantage whitening. Statistics over tokens are masked to the valid (non-pad) positions, and the
-whitening statistics are global over all processes (the reference uses per-GPU ones).
-Logged (TensorBoard, and W&B with --track; x-axis = episodes seen):
-  objective/kl                mean over responses of sum_t (logp - ref_logp) over valid tokens
-  objective/entropy           mean over responses of the summed sampling entropy of valid tokens
+Details: 3 a distinct [PAD]; 7 dropout off in all four models; 8 accelerate / DeepSpeed / bf16, ZeRO-3 offload of the
+frozen models; 12 and 14 the score at the EOS of left-padded query ++ response; 20 the paper's hyperparameters; 21
+prompts reshuffled at each pass; 22 critic = the RM; 23 the EOS trick; 24 and 25 whitening (global statistics).
+Logged (TensorBoard, and W&B with --track; x-axis = episodes seen; t runs over a response's valid tokens):
+  objective/kl                mean over responses of sum_t (logp - ref_logp)
+  objective/entropy           mean over responses of sum_t of the sampling entropy
   objective/non_score_reward  mean over responses of sum_t -kl_coef * (logp - ref_logp)
   objective/scores            mean RM score after the EOS trick (-1 for responses without EOS)
   objective/rlhf_reward       objective/scores + objective/non_score_reward
@@ -47,8 +42,7 @@ Logged (TensorBoard, and W&B with --track; x-axis = episodes seen):
   policy/approxkl             mean over PPO steps of the masked 0.5 * (logp_new - logp_old)^2
   policy/clipfrac             fraction of valid tokens whose ratio was clipped
   policy/ratio                mean ratio exp(logp_new - logp_old) over valid tokens, all epochs
-  policy/ratio_first_epoch    the same before the first optimizer step (the first epoch with 1 minibatch):
-                              1 up to numerical noise, or the behaviour log-probs are wrong
+  policy/ratio_first_epoch    the same before the first optimizer step (1 up to noise, else the log-probs are wrong)
   policy/ratio_first_epoch_max_deviation  max over its valid tokens of |ratio - 1| (bf16 noise shows here)
   policy/loss                 clipped policy loss
   policy/lr                   learning rate of the update
@@ -218,17 +212,15 @@ class Args:
     """PPO updates = total_episodes // batch_size (paper: 1,000,000 // 512 = 1953)"""
 
 
-# The prompts, and the human references that evaluation scores beside the samples (preprocess_tldr.py's
-# SFT_DESCRIPTIONS says what they hold).
+# The prompts, and the human references the evaluation scores beside the samples.
 REQUIRED_COLUMNS = ("query_token", "reference_response_token")
 
 
 def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bool:
     """Refuse pad == EOS, add [PAD] where there is no pad, refuse ids other than `data_ids`; True if added."""
     # Detail 3: Leading space, EOS at the end, a distinct [PAD]
-    # "A tokenizer without a pad token" is read as: no pad at all (Pythia) gets the [PAD] that
-    # preprocess_tldr.py added, so the ids agree; a pad that IS the EOS is refused, because every
-    # mask `ids != pad` would then hide the EOS too and the model would never learn to stop.
+    # A tokenizer without any pad (Pythia) gets the [PAD] that preprocess_tldr.py added, so the ids agree.
+    # A pad that IS the EOS is refused: every mask `ids != pad` would hide the EOS, and no model would learn to stop.
     if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise SetupError(f"the tokenizer's pad token {tokenizer.pad_token!r} is its EOS token: "
                          "give it a distinct pad token, or none (then [PAD] is added)")
@@ -240,77 +232,20 @@ def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bo
     return added
 
 
-# Sampling: the policy's temperature distribution, one token per step.
-
-
-def sampling_distribution(logits: torch.Tensor, temperature: float, unsampled: torch.Tensor) -> tuple:
-    """(B, V) next-token logits -> ((B, V) scores = logits / T with the `unsampled` ids masked, (B, V) probabilities drawn from)."""
-    score = mask_logits(logits.float() / temperature, unsampled)
-    probs = F.softmax(score, dim=-1)
-    # Weights blown up by a too large step give nan / inf logits: multinomial would raise on some
-    # rank (a device-side assert on a GPU). Such a row draws uniformly from the sampled ids instead;
-    # its log-probs stay non-finite, and the update's finite check stops every rank together.
-    # Finite rows are drawn from exactly as before.
-    uniform = torch.ones_like(probs).index_fill(-1, unsampled, 0.0)
-    return score, torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, uniform)
-
-
-def sample_rollout(model, queries: torch.Tensor, pad_token_id: int, eos_token_id: int, response_length: int,
-                   temperature: float, unsampled: torch.Tensor) -> tuple:
-    """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores = logits / T,
-    the `unsampled` ids masked)."""
-    # The sampling of generate() above (pure temperature: softmax of logits / T, one multinomial
-    # draw per row and step), as a plain KV-cache loop that stops once EVERY row holds an EOS: the
-    # tokens after a row's EOS are never used (truncated, masked, causal attention), so the steps
-    # after the last row's EOS only cost time. They become EOS fillers (scores 0), and their random draws
-    # are still taken, so the random stream, and every later sample, is what the full length gives.
-    attention_mask = queries != pad_token_id  # (B, T_q), grows by one column per step
-    position_ids = (attention_mask.long().cumsum(1) - 1).masked_fill(~attention_mask, 0)  # generate()'s convention
-    cache = DynamicCache(config=model.config)
-    logits = model(input_ids=torch.masked_fill(queries, ~attention_mask, 0), attention_mask=attention_mask,
-                   position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-    tokens, scores = [], []
-    has_eos = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
-    while True:
-        score, probs = sampling_distribution(logits[:, -1], temperature, unsampled)  # (B, V) each
-        token = torch.multinomial(probs, num_samples=1).squeeze(1)  # (B,)
-        tokens.append(token)
-        scores.append(score)
-        has_eos |= token == eos_token_id
-        if len(tokens) == response_length or has_eos.all():
-            break
-        attention_mask = torch.cat((attention_mask, attention_mask.new_ones(queries.size(0), 1)), 1)
-        position_ids = position_ids[:, -1:] + 1  # (B, 1)
-        logits = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=position_ids,
-                       past_key_values=cache, use_cache=True).logits
-    for _ in range(response_length - len(tokens)):  # the skipped steps' draws (a draw's use of the stream
-        torch.multinomial(torch.ones_like(score), num_samples=1)  # depends on the shape only)
-    # EOS as filler, not [PAD]: [PAD] may lie past the vocabulary (log-probs are gathered at these
-    # ids too, then masked); every row has ended, so truncate_response pads them all anyway.
-    tokens += [torch.full_like(token, eos_token_id)] * (response_length - len(tokens))
-    scores += [torch.zeros_like(score)] * (response_length - len(scores))
-    return torch.cat((queries, torch.stack(tokens, 1)), 1), torch.stack(scores, 1)
-
-
-# Scores, values and log-probs.
-
-
 def reward_indices(query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
     """(B, T) ids -> (B,): the EOS position = first pad at or after `context_length`, minus 1 (T - 1 if none)."""
     # Detail 12: Extract the reward at the EOS token
-    # Only the EOS position has read the whole summary, so only its output is trained (and used as
-    # the reward). Right-padded query+response rows: context 0, the first pad ends the sequence.
-    # Left-padded query ++ right-padded response (PPO's layout): the query's own pads come first,
-    # so the search starts at the response (context = query width). No pad: the last position.
+    # Only the EOS position has read the whole summary, so only its output is trained and read as the reward.
+    # PPO's rows are a left-padded query ++ a right-padded response: the search for a pad starts after the query.
+    # A row without pad (no EOS either) is read at its last position.
     return first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
 
 
 def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> tuple:
     """(B, T) ids with pads -> ((B, T) per-token reward logits, (B,) reward at each row's EOS)."""
     attention_mask = query_responses != pad_token_id  # (B, T)
-    # Pads are masked out of attention and replaced by a valid id; no position_ids are passed (the
-    # reference's convention): with left padding, positions shift by the pad count, which rotary
-    # embeddings (relative positions) do not see. Detail 14 measures what is left of it.
+    # Pads are masked out of attention and replaced by a valid id.
+    # No position_ids, as in the reference: left pads shift the positions, which rotary embeddings do not see.
     input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
     reward_logits = model(input_ids=input_ids, attention_mask=attention_mask)  # (B, T)
     eos = reward_indices(query_responses, pad_token_id, context_length)  # (B,)
@@ -318,41 +253,26 @@ def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_
 
 
 def get_values(critic, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
-    """(B, T) query ++ response ids -> (B, T_resp) values: the critic's output at the state before each response token."""
-    # The critic is a trained copy of the RM (Detail 22): its per-token outputs are the values.
-    # (B, T_resp): the output at position t has read the sequence up to t and predicts from token t + 1 on.
+    """(B, T) query ++ response ids -> (B, T_resp) values V(s_t) of the states before each response token."""
+    # The critic is a trained copy of the RM (Detail 22), so its per-token outputs are the values.
+    # (B, T_resp): the output at position t has read the tokens up to t, and the response token t + 1 is next.
     return get_reward(critic, query_responses, pad_token_id, context_length)[0][:, context_length - 1:-1]
-
-
-def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) temperature-scaled logits and (B, T) ids -> (B, T) log-prob of each id."""
-    return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) temperature-scaled logits -> (B, T) entropy of each softmax distribution."""
-    logits = logits.float()
-    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
-
-
-# The maths of one update: EOS trick, masks, KL rewards, whitening, GAE, PPO losses.
 
 
 def eos_trick(scores: torch.Tensor, contains_eos: torch.Tensor, penalty_reward_value: float) -> torch.Tensor:
     """(B,) RM scores, (B,) bool -> (B,) scores, replaced by `penalty_reward_value` where there is no EOS."""
     # Detail 23: EOS trick
-    # Sampling never stops early (exactly response_length tokens, then truncation after the first
-    # EOS). Without an EOS the RM's score is undefined (it is trained on the EOS logit only), so it
-    # is REPLACED by a constant (-1), not decreased: this also teaches the policy to stop in time.
+    # Sampling never stops early: exactly response_length tokens, then truncation after the first EOS.
+    # Without an EOS the RM's score is undefined, as the RM is trained on the EOS logit only.
+    # So it is REPLACED by a constant (-1), not decreased, which also teaches the policy to stop in time.
     return torch.where(contains_eos, scores, torch.full_like(scores, penalty_reward_value))
 
 
 def response_masks(postprocessed_responses: torch.Tensor, pad_token_id: int, score_after_eos: bool) -> tuple:
     """(B, T) truncated responses -> ((B,) EOS index, (B, T) token padding mask, (B, T) value padding mask).
 
-    EOS index = first pad - 1 (T - 1 when the row has no pad, i.e. no EOS). Padding masks are True
-    where a position is NOT trained: after the EOS for tokens; after the token that carries the
-    score for values (the EOS, or EOS + 1 with score_after_eos, the reference's placement)."""
+    EOS index = first pad - 1 (T - 1 without a pad, i.e. without an EOS). The masks are True where NOT trained.
+    Tokens: after the EOS. Values: after the token that carries the score (the EOS, or EOS + 1 with score_after_eos)."""
     sequence_lengths = first_true_indices(postprocessed_responses == pad_token_id) - 1  # (B,)
     positions = torch.arange(postprocessed_responses.size(1), device=postprocessed_responses.device)  # (T,)
     padding_mask = positions.unsqueeze(0) > sequence_lengths.unsqueeze(1)  # (B, T)
@@ -367,8 +287,9 @@ def compute_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: 
     kl = (logprobs - ref_logprobs).masked_fill(padding_mask, 0.0)  # (B, T): 0 after the EOS
     non_score_reward = -kl_coef * kl
     rewards = non_score_reward.clone()
-    # The score goes on the EOS token (paper, Figure 11) or, in the reference code, one token later
-    # when there is room. A response without EOS gets it on its last token.
+    # The score goes on the EOS token, as in the paper (Figure 11).
+    # The reference code puts it one token later when there is room (score_after_eos).
+    # A response without EOS gets it on its last token.
     index = sequence_lengths + int(score_after_eos)  # (B,)
     index = torch.where(index < rewards.size(1), index, sequence_lengths)
     rewards[torch.arange(rewards.size(0), device=rewards.device), index] += scores
@@ -403,17 +324,12 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: 
     return advantages, advantages + values
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `values` over the True positions of `mask` (0 when there are none)."""
-    return (values * mask).sum() / mask.sum().clamp(min=1)
-
-
 def ppo_losses(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, token_mask: torch.Tensor,
                value_mask: torch.Tensor, cliprange: float, cliprange_value: float) -> dict:
     """(B, T) tensors and bool masks of valid tokens / values -> {pg_loss, vf_loss, and masked statistics}."""
-    # Value loss: the new value may move at most cliprange_value from the rollout's value, unless
-    # the unclipped error is the larger one (PPO's pessimistic max).
+    # Value loss: the larger of the clipped and the unclipped squared error (PPO's pessimism).
+    # Clipped, the new value moves at most cliprange_value away from the rollout's.
     vpred_clipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
     vf_losses1, vf_losses2 = (vpred - returns) ** 2, (vpred_clipped - returns) ** 2
     vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), value_mask)
@@ -431,23 +347,18 @@ def ppo_losses(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
             "ratio_max_deviation": ((ratio - 1).abs() * token_mask).max()}
 
 
-# The steps of an update that take more than a screen: the rollout and the PPO epochs.
-
-
 def rollout(args, policy, ref_policy, critic, reward_model, queries: torch.Tensor, sample, pad_token_id: int,
             eos_token_id: int, temperature: float, unsampled: torch.Tensor) -> tuple:
-    """(B, T_q) left-padded queries -> ({name: tensor}, seconds spent sampling); call it without grad.
-
-    query_responses (B, T_q + T_resp), untruncated; logprobs, entropy, ref_logprobs, values (B, T_resp);
-    scores (B,): the RM's scores of query ++ truncated response, before the EOS trick."""
+    """No grad: (B, T_q) queries -> ({query_responses (B, T) untruncated; logprobs, entropy, ref_logprobs, values
+    (B, T_resp); scores (B,) before the EOS trick}, seconds spent sampling)."""
     context_length = queries.shape[1]
     out = {key: [] for key in ("query_responses", "logprobs", "entropy", "ref_logprobs", "values", "scores")}
     generation_time = 0.0
     for start in range(0, len(queries), args.local_rollout_forward_batch_size):  # chunks: memory only
         query = queries[start:start + args.local_rollout_forward_batch_size]  # (b, T_q)
         tick = time.time()
-        # Always response_length tokens, past a row's EOS (the EOS trick truncates later).
-        # (b, T) ids and (b, T_resp, V) scores = the sampled logits / T.
+        # Always response_length tokens, past a row's EOS: the EOS trick truncates them afterwards.
+        # (b, T) ids, and (b, T_resp, V) scores: the logits sampled from, divided by T.
         query_response, sample_scores = sample(policy, query, pad_token_id, eos_token_id, args.response_length,
                                                temperature, unsampled)
         response = query_response[:, context_length:]  # (b, T_resp)
@@ -456,15 +367,14 @@ def rollout(args, policy, ref_policy, critic, reward_model, queries: torch.Tenso
         out["entropy"].append(entropy_from_logits(sample_scores))
         del sample_scores  # (b, T_resp, V): the largest tensor of the rollout
         generation_time += time.time() - tick
-        # Reference log-probs of the untruncated response, at the same temperature, on the policy's support.
+        # The reference's log-probs of the untruncated response, at the same temperature, on the policy's support.
         ref_logits = response_logits(ref_policy, query_response, pad_token_id, context_length)  # (b, T_resp, V)
         out["ref_logprobs"].append(gather_logprobs(mask_logits(ref_logits / temperature, unsampled), response))
         del ref_logits
-        # The critic, too, reads the untruncated sequence, as in training.
         out["values"].append(get_values(critic, query_response, pad_token_id, context_length).float())
         # Detail 14: Left- vs right-padded reward extraction
         # PPO scores the left-padded query followed by its right-padded (truncated) response.
-        # The search for the EOS starts after the query (context_length), so the query's pads are skipped.
+        # The RM was trained on right-padded rows: the two layouts give the same reward (reward.py measures it).
         postprocessed = truncate_response(response, eos_token_id, pad_token_id)
         _, score = get_reward(reward_model, torch.cat((query, postprocessed), 1), pad_token_id, context_length)
         out["query_responses"].append(query_response)
@@ -474,8 +384,8 @@ def rollout(args, policy, ref_policy, critic, reward_model, queries: torch.Tenso
 
 def ppo_epochs(accelerator, model, optimizer, args, batch: dict, context_length: int, pad_token_id: int,
                temperature: float, unsampled: torch.Tensor) -> tuple:
-    """All ranks: num_ppo_epochs passes of clipped PPO steps on policy and critic over the rollout `batch`
-    ({name: (B_loc, ...)}) -> ({statistic: mean over micro-batches}, every micro-batch's pg and vf loss)."""
+    """All ranks: num_ppo_epochs passes of clipped PPO steps over the rollout `batch` ({name: (B_loc, ...)})
+    -> ({policy/* and value/* statistic: scalar}, every micro-batch's pg and vf loss)."""
     stats = {key: [] for key in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio",
                                  "ratio_max_deviation")}
     responses, logprobs, values = batch["responses"], batch["logprobs"], batch["values"]
@@ -484,69 +394,34 @@ def ppo_epochs(accelerator, model, optimizer, args, batch: dict, context_length:
         for mini_start in range(0, args.local_batch_size, args.local_mini_batch_size):
             for micro_start in range(mini_start, mini_start + args.local_mini_batch_size, args.local_micro_batch_size):
                 mb = permutation[micro_start:micro_start + args.local_micro_batch_size]  # (micro,) rows
-                # Positions from n on are masked in every row of the micro-batch (after its EOS and its value
-                # target), so the forward computes the first n only.
+                # Positions from n on are masked in every row of the micro-batch (after its EOS and value target).
                 n = trained_width(batch["sequence_lengths"][mb], responses.size(1), args.score_after_eos)
                 with accelerator.accumulate(model):
-                    # (micro, n, V) and (micro, n): the first n columns of logits[:, context_length - 1 : -1] and values
+                    # (micro, n, V), (micro, n): the first n columns of logits[:, context_length - 1 : -1] and values
                     logits, vpred = response_logits_and_values(model, batch["query_responses"][mb], pad_token_id,
                                                                context_length, n)
                     logits = mask_logits(logits / temperature, unsampled)  # as sampled: same T, same support
                     # Back to (micro, T_resp): the masked positions take the rollout's values (ratio 1, no loss).
                     new_logprobs = torch.cat((gather_logprobs(logits, responses[mb, :n]), logprobs[mb, n:]), 1)
                     vpred = torch.cat((vpred.float(), values[mb, n:]), 1)
-                    step = ppo_losses(new_logprobs, logprobs[mb], batch["advantages"][mb], vpred, values[mb],
-                                      batch["returns"][mb], ~batch["padding_mask"][mb],
-                                      ~batch["value_padding_mask"][mb], args.cliprange, args.cliprange_value)
-                    loss = step["pg_loss"] + args.vf_coef * step["vf_loss"]  # no entropy bonus
+                    micro_stats = ppo_losses(new_logprobs, logprobs[mb], batch["advantages"][mb], vpred, values[mb],
+                                             batch["returns"][mb], ~batch["padding_mask"][mb],
+                                             ~batch["value_padding_mask"][mb], args.cliprange, args.cliprange_value)
+                    loss = micro_stats["pg_loss"] + args.vf_coef * micro_stats["vf_loss"]  # no entropy bonus
                     accelerator.backward(loss)
                     optimizer.step()
                     optimizer.zero_grad()
-                for key, value in step.items():
+                for key, value in micro_stats.items():
                     stats[key].append(value.detach())
             if epoch == 0 and mini_start == 0:  # before the first optimizer step: must be 1
                 ratio_first_epoch = torch.stack(stats["ratio"]).mean()
                 ratio_first_epoch_max_deviation = torch.stack(stats["ratio_max_deviation"]).max()
     losses = torch.stack(stats["pg_loss"] + stats["vf_loss"])  # every micro-batch's, for the finite check
-    return {**{key: torch.stack(value).mean() for key, value in stats.items()}, "ratio_first_epoch": ratio_first_epoch,
-            "ratio_first_epoch_max_deviation": ratio_first_epoch_max_deviation}, losses
-
-
-@torch.no_grad()
-def ppo_evaluate(accelerator, policy, reward_model, dataset, tokenizer, sample_summaries,
-                 local_eval_batch_size: int) -> tuple:
-    """All ranks: sample (`sample_summaries(policy, (B, T_q) queries)` -> (B, T_q + T_resp)) and score `dataset`
-    -> ({score, reference_score, eos_fraction, response_length}, rows)."""
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    policy.eval()
-    rows = []
-    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
-    for indices, real in tqdm(batches, desc="eval", disable=not accelerator.is_main_process):
-        batch = dataset[indices]
-        queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
-        references = batch["reference_response_token"].to(accelerator.device)  # (B, T_ref), right-padded
-        context_length = queries.shape[1]
-        with accelerator.autocast():
-            query_responses = sample_summaries(policy, queries)
-            responses = truncate_response(query_responses[:, context_length:], eos_id, pad_id)  # (B, T_resp)
-            _, scores = get_reward(reward_model, torch.cat((queries, responses), 1), pad_id, context_length)
-            _, reference_scores = get_reward(reward_model, torch.cat((queries, references), 1), pad_id, context_length)
-        for j, (i, query, response, reference) in enumerate(list(zip(
-                indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
-                tokenizer.batch_decode(responses, skip_special_tokens=True),
-                tokenizer.batch_decode(references, skip_special_tokens=True)))[:real]):
-            rows.append({"index": i, "query": query.strip(), "response": response.strip(),
-                         "reference": reference.strip(), "score": scores[j].item(),
-                         "reference_score": reference_scores[j].item(),
-                         "eos": bool((responses[j] == eos_id).any()), "length": int((responses[j] != pad_id).sum())})
-    policy.train()
-    rows = sorted(gather_object(rows), key=lambda row: row["index"])  # every rank's rows, in split order
-    metrics = {"score": float(np.mean([row["score"] for row in rows])),
-               "reference_score": float(np.mean([row["reference_score"] for row in rows])),
-               "eos_fraction": float(np.mean([row["eos"] for row in rows])),
-               "response_length": float(np.mean([row["length"] for row in rows]))}
-    columns = ("query", "response", "reference", "score", "reference_score")
-    return metrics, [{key: row[key] for key in columns} for row in rows]
+    means = {key: torch.stack(value).mean() for key, value in stats.items()}
+    return {"policy/approxkl": means["approxkl"], "policy/clipfrac": means["pg_clipfrac"],
+            "policy/ratio": means["ratio"], "policy/ratio_first_epoch": ratio_first_epoch,
+            "policy/ratio_first_epoch_max_deviation": ratio_first_epoch_max_deviation, "policy/loss": means["pg_loss"],
+            "value/loss": means["vf_loss"], "value/clipfrac": means["vf_clipfrac"]}, losses
 
 
 def main() -> None:
@@ -562,12 +437,12 @@ def main() -> None:
     if accelerator.state.deepspeed_plugin is not None:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
-    # Every division of logits by a temperature T uses T + 1e-7, as the reference code does (its guard
-    # against T = 0). One divisor for sampling, reference and training keeps their log-probs alike.
+    # Logits are divided by T + 1e-7, as in the reference code, whose epsilon guards against T = 0.
+    # One divisor for sampling, reference and training: their log-probs come from the same scaled logits.
     temperature, eval_temperature = args.temperature + 1e-7, args.eval_temperature + 1e-7
 
     # ---- data and tokenizer: every bad input fails here, before a model is loaded or anything is written ----
-    dataset, eval_splits, tokenizer, recorded = ppo_inputs(args, accelerator)
+    dataset, eval_splits, tokenizer, recorded = ppo_inputs(args, accelerator)  # also fills in the default paths
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     train = dataset["train"].with_format("torch", columns=["query_token"])
     context_length = train[0]["query_token"].shape[0]  # T_q: every query is left-padded to this width
@@ -580,9 +455,8 @@ def main() -> None:
     torch.manual_seed(local_seed)
     torch.backends.cudnn.deterministic = True
     # Detail 21: Reuse the SFT prompts, reshuffle at each pass
-    # 1M episodes are ~8.6 passes over the SFT train split.
-    # Each pass is a fresh permutation (no prompt twice within a pass), seeded alike on every rank.
-    # Update u, rank r reads the slice [u, r].
+    # 1M episodes are ~8.6 passes over the SFT train split, each pass a fresh permutation.
+    # Seeded alike on every rank: update u, rank r reads the slice [u, r], and no prompt repeats within a pass.
     order = episode_order(len(train), args.num_updates * args.batch_size, args.seed)
     local_order = order.view(args.num_updates, args.world_size, args.local_batch_size)[:, accelerator.process_index]
 
@@ -590,18 +464,14 @@ def main() -> None:
     policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
     ref_policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
     # Detail 22: Value model initialised from the RM
-    # The critic is a second, trainable copy of the RM: backbone, head and the head's bias.
-    # That bias carries the normalisation of Detail 15, so the first values are the RM's per-token logits.
+    # The critic is a second, trainable copy of the RM, with the head's bias that normalises it (Detail 15).
+    # Its first values are the RM's per-token outputs.
     critic = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
     reward_model = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
-    refuse(vocabulary_problem(tokenizer, policy.get_input_embeddings().weight.size(0),
-                              f"--sft_model_path {args.sft_model_path}")
-           or vocabulary_problem(tokenizer, critic.backbone.get_input_embeddings().weight.size(0),
-                                 f"--reward_model_path {args.reward_model_path}"))
+    refuse(vocabulary_problems(args, tokenizer, policy, critic))
     unsampled = torch.tensor(unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
     # Detail 7: Disable dropout
-    # With dropout on, two forwards of the same ids give different log-probs and values.
-    # The first PPO ratio would then not be 1, and the scores would be noisy.
+    # With dropout on, two forwards of the same ids differ: the first PPO ratio would not be 1, the scores noisy.
     for model in (policy, ref_policy, critic, reward_model):
         disable_dropout(model)
     for model in (ref_policy, reward_model):
@@ -617,26 +487,19 @@ def main() -> None:
     # Detail 20: PPO setup
     # Table 7: AdamW (eps 1e-5) with lr 3e-6 decayed linearly, one optimizer over policy and critic.
     # Batch 512 in 1 minibatch, 4 epochs, KL 0.05, gamma 1, lambda 0.95, clips 0.2 / 0.2, vf 0.1, T 0.7.
-    model = PolicyAndValueWrapper(policy, critic)
+    model = PolicyAndValueWrapper(policy, critic)  # one module: one prepare, one optimizer, one backward
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
-    if not args.offload:
-        # The frozen models take the policy's precision path: DeepSpeed's bf16 parameters with fp32
-        # buffers, or fp32 under accelerate's autocast. A more precise reference would make the KL
-        # start away from 0 by the rounding difference alone.
-        dtype = next(model.parameters()).dtype
-        ref_policy = cast_parameters(ref_policy.to(accelerator.device), dtype)
-        reward_model = cast_parameters(reward_model.to(accelerator.device), dtype)
-    problem = rotary_problem({"policy and critic": model, "reference": ref_policy, "reward model": reward_model})
-    refuse(problem and f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
+    ref_policy, reward_model = frozen_like_trained(accelerator, args.offload, model, ref_policy, reward_model)
     unsampled = unsampled.to(accelerator.device)
     start_update = resume(accelerator, args, resume_from, model, optimizer, None)
     unwrapped = accelerator.unwrap_model(model)  # sampling and the rollout's forwards use the plain modules
-    # The same samples either way: the plain loop (HF generate in evaluation), or the fast path.
+    # Sampling is HF generate's: softmax(logits / T) without [PAD] and unowned rows, always response_length tokens.
+    # The plain loop stops once every row has its EOS; the fast path adds a static cache and a compiled step.
     sample_responses = StaticSampler(args.local_rollout_forward_batch_size) if args.fast_sampling else sample_rollout
-    sample_summaries = summary_sampler(args, pad_id, eos_id, eval_temperature, unsampled)
     evaluate = functools.partial(evaluate_and_log, accelerator, args, dataset, unwrapped.policy, reward_model,
-                                 tokenizer, sample_summaries, writer, run_name)
+                                 tokenizer, summary_sampler(args, pad_id, eos_id, eval_temperature, unsampled), writer,
+                                 run_name)
 
     # ---- training loop ----
     start_clock = time.time()
@@ -648,15 +511,14 @@ def main() -> None:
         optimizer.param_groups[0]["lr"] = lr
         queries = train[local_order[update].tolist()]["query_token"].to(accelerator.device)  # (B_loc, T_q)
 
-        # 1. Rollout: sample, then score with the frozen models and the critic (no grad).
+        # 1. Rollout: sample responses, then score them with the frozen models and the critic.
         clock = time.time()
         unwrapped.policy.eval()  # no dropout either way; eval() lets generate keep its KV cache under checkpointing
         with torch.no_grad(), accelerator.autocast():
             batch, generation_time = rollout(args, unwrapped.policy, ref_policy, unwrapped.critic, reward_model,
                                              queries, sample_responses, pad_id, eos_id, temperature, unsampled)
         unwrapped.policy.train()
-        query_responses, logprobs, values = batch["query_responses"], batch["logprobs"], batch["values"]
-        responses = query_responses[:, context_length:]  # (B_loc, T_resp)
+        responses = batch["query_responses"][:, context_length:]  # (B_loc, T_resp)
         postprocessed_responses = truncate_response(responses, eos_id, pad_id)
         scoring_time = time.time() - clock - generation_time
 
@@ -669,11 +531,12 @@ def main() -> None:
         # 3. Masks: tokens after the EOS are not trained; values also not after the scored token.
         sequence_lengths, padding_mask, value_padding_mask = response_masks(postprocessed_responses, pad_id,
                                                                             args.score_after_eos)
-        values = values.masked_fill(value_padding_mask, 0.0)
+        values = batch["values"].masked_fill(value_padding_mask, 0.0)
 
         # 4. Per-token rewards: -kl_coef * (logp - ref_logp) everywhere, plus the score on the EOS.
-        rewards, kl, non_score_reward = compute_rewards(logprobs, batch["ref_logprobs"], scores, sequence_lengths,
-                                                        padding_mask, args.kl_coef, args.score_after_eos)
+        rewards, kl, non_score_reward = compute_rewards(batch["logprobs"], batch["ref_logprobs"], scores,
+                                                        sequence_lengths, padding_mask, args.kl_coef,
+                                                        args.score_after_eos)
         sum_over_processes = lambda tensor: accelerator.reduce(tensor, reduction="sum")  # noqa: E731
         if args.whiten_rewards:
             # Detail 24: Reward whitening is optional
@@ -689,11 +552,10 @@ def main() -> None:
 
         # 6. PPO epochs: shuffle, split into minibatches (one optimizer step each) of micro-batches.
         clock = time.time()
-        ppo_stats, losses = ppo_epochs(accelerator, model, optimizer, args, {
-            "query_responses": query_responses, "responses": responses, "logprobs": logprobs, "values": values,
-            "advantages": advantages, "returns": returns, "sequence_lengths": sequence_lengths,
-            "padding_mask": padding_mask, "value_padding_mask": value_padding_mask},
-            context_length, pad_id, temperature, unsampled)
+        batch.update(responses=responses, values=values, advantages=advantages, returns=returns, padding_mask=padding_mask,
+                     value_padding_mask=value_padding_mask, sequence_lengths=sequence_lengths)
+        ppo_stats, losses = ppo_epochs(accelerator, model, optimizer, args, batch, context_length, pad_id,
+                                       temperature, unsampled)
         training_time = time.time() - clock
 
         # 7. Log: per-rank means, averaged over ranks (every rank holds local_batch_size episodes).
@@ -703,23 +565,12 @@ def main() -> None:
                  "objective/non_score_reward": mean_non_score, "objective/scores": scores.mean(),
                  "objective/rlhf_reward": scores.mean() + mean_non_score,
                  "objective/eos_fraction": contains_eos.float().mean(),
-                 "objective/response_length": valid.sum(1).mean(),
-                 "policy/approxkl": ppo_stats["approxkl"], "policy/clipfrac": ppo_stats["pg_clipfrac"],
-                 "policy/ratio": ppo_stats["ratio"], "policy/ratio_first_epoch": ppo_stats["ratio_first_epoch"],
-                 "policy/ratio_first_epoch_max_deviation": ppo_stats["ratio_first_epoch_max_deviation"],
-                 "policy/loss": ppo_stats["pg_loss"], "value/loss": ppo_stats["vf_loss"],
-                 "value/clipfrac": ppo_stats["vf_clipfrac"]}
+                 "objective/response_length": valid.sum(1).mean(), **ppo_stats}
         means = {key: value.item() for key, value in accelerator.reduce(stats, reduction="mean").items()}
         episode = (update + 1) * args.batch_size
-        if accelerator.is_main_process:
-            timings = {"time/generation": generation_time, "time/scoring": scoring_time, "time/training": training_time,
-                       "time/episodes_per_second": (episode - start_update * args.batch_size)
-                       / (time.time() - start_clock), "policy/lr": lr}
-            for key, value in {**means, **timings}.items():
-                writer.add_scalar(key, value, episode)
-            progress.set_postfix(score=f"{means['objective/scores']:.3f}", kl=f"{means['objective/kl']:.3f}",
-                                 ratio0=f"{means['policy/ratio_first_epoch']:.5f}",
-                                 eos=f"{means['objective/eos_fraction']:.2f}")
+        timings = {"time/generation": generation_time, "time/scoring": scoring_time, "time/training": training_time,
+                   "time/episodes_per_second": (episode - start_update * args.batch_size) / (time.time() - start_clock)}
+        log_update(writer, progress, episode, {**means, **timings, "policy/lr": lr})
         # A nan / inf stops every rank here, before anything of this update is saved (no checkpoint
         # holding it ever replaces a good one), and before the next rollout samples from such weights.
         check_and_checkpoint(accelerator, args, update + 1, losses, run_name, model, optimizer, None)
@@ -731,7 +582,7 @@ def main() -> None:
             writer.close()
         raise SystemExit(0)
 
-    # ---- evaluation ----
+    # ---- evaluation: summaries sampled at eval_temperature, scored by the RM beside the references ----
     all_metrics = evaluate(eval_splits, args.num_updates * args.batch_size)
 
     # ---- save ----
@@ -772,8 +623,10 @@ class ScalarModel(PreTrainedModel):
 
 
 def response_logits(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
-    """== model(input_ids=ids, pads as 0, attention_mask=ids != pad).logits[:, context_length - 1 : -1], (B, T) -> (B, T_resp, V):
-    the logits that predict the response tokens, from a forward of the columns they read only (tests/test_ppo.py)."""
+    """== model(input_ids=ids, pads as 0, attention_mask=ids != pad).logits[:, context_length - 1 : -1]
+
+    (B, T) query ++ response ids -> (B, T_resp, V): the logits that predict the response tokens, from a forward of
+    the response window only (response_window; tests/test_ppo.py checks the equality)."""
     response_length = query_responses.shape[1] - context_length
     input_ids, attention_mask, position_ids = response_window(query_responses, pad_token_id, context_length,
                                                               response_length)
@@ -862,6 +715,54 @@ def trained_width(sequence_lengths: torch.Tensor, response_length: int, score_af
     # Positions after a row's EOS (and after its value target) are masked in every loss: the
     # forward only computes the first n. Never 0: x[:, -0:] would select every position.
     return max(1, min(response_length, int(sequence_lengths.max()) + 1 + int(score_after_eos)))
+
+
+def sample_rollout(model, queries: torch.Tensor, pad_token_id: int, eos_token_id: int, response_length: int,
+                   temperature: float, unsampled: torch.Tensor) -> tuple:
+    """== generate(model, queries, pad_token_id, GenerationConfig(temperature, response_length new tokens, `unsampled`
+    suppressed)) up to each row's EOS: ((B, T_q + T_resp) ids, (B, T_resp, V) scores = logits / T).
+
+    A plain KV-cache loop that stops once EVERY row holds an EOS (tests/test_ppo.py checks the equality). The tokens
+    after a row's EOS are never used (truncated, masked, causal attention): the steps after the last row's EOS only
+    cost time. They become EOS fillers (scores 0), and their random draws are still taken, so the random stream, and
+    every later sample, is what the full length gives. Masked scores are the lowest float, not generate()'s -inf."""
+    attention_mask = queries != pad_token_id  # (B, T_q), grows by one column per step
+    position_ids = (attention_mask.long().cumsum(1) - 1).masked_fill(~attention_mask, 0)  # generate()'s convention
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=torch.masked_fill(queries, ~attention_mask, 0), attention_mask=attention_mask,
+                   position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    tokens, scores = [], []
+    has_eos = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
+    while True:
+        score, probs = sampling_distribution(logits[:, -1], temperature, unsampled)  # (B, V) each
+        token = torch.multinomial(probs, num_samples=1).squeeze(1)  # (B,)
+        tokens.append(token)
+        scores.append(score)
+        has_eos |= token == eos_token_id
+        if len(tokens) == response_length or has_eos.all():
+            break
+        attention_mask = torch.cat((attention_mask, attention_mask.new_ones(queries.size(0), 1)), 1)
+        position_ids = position_ids[:, -1:] + 1  # (B, 1)
+        logits = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=cache, use_cache=True).logits
+    for _ in range(response_length - len(tokens)):  # the skipped steps' draws (a draw's use of the stream
+        torch.multinomial(torch.ones_like(score), num_samples=1)  # depends on the shape only)
+    # EOS as filler, not [PAD]: [PAD] may lie past the vocabulary (log-probs are gathered at these
+    # ids too, then masked); every row has ended, so truncate_response pads them all anyway.
+    tokens += [torch.full_like(token, eos_token_id)] * (response_length - len(tokens))
+    scores += [torch.zeros_like(score)] * (response_length - len(scores))
+    return torch.cat((queries, torch.stack(tokens, 1)), 1), torch.stack(scores, 1)
+
+
+def sampling_distribution(logits: torch.Tensor, temperature: float, unsampled: torch.Tensor) -> tuple:
+    """(B, V) next-token logits -> ((B, V) scores = logits / T with the `unsampled` ids masked, (B, V) probabilities drawn from)."""
+    score = mask_logits(logits.float() / temperature, unsampled)
+    probs = F.softmax(score, dim=-1)
+    # Weights blown up by a too large step give nan / inf logits, on which multinomial raises (on one rank only).
+    # Such a row draws uniformly from the sampled ids instead, and its log-probs stay non-finite.
+    # The update's finite check then stops every rank together; finite rows are drawn from as they are.
+    uniform = torch.ones_like(probs).index_fill(-1, unsampled, 0.0)
+    return score, torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, uniform)
 
 
 class StaticSampler:
@@ -987,6 +888,22 @@ def summary_sampler(args, pad_token_id: int, eos_token_id: int, temperature: flo
     return lambda policy, queries: generate(policy, queries, pad_token_id, config)[0]
 
 
+def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) temperature-scaled logits and (B, T) ids -> (B, T) log-prob of each id."""
+    return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) temperature-scaled logits -> (B, T) entropy of each softmax distribution."""
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` over the True positions of `mask` (0 when there are none)."""
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
 def mask_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """(..., V) logits -> the same with the columns `token_ids` at the dtype's lowest value (probability 0)."""
     # The lowest finite value, not -inf: softmax gives exactly 0 there and entropy's p * logit stays 0, not NaN.
@@ -1048,7 +965,43 @@ def episode_order(num_rows: int, num_episodes: int, seed: int) -> torch.Tensor:
     return torch.cat(perms)[:num_episodes] if perms else torch.zeros(0, dtype=torch.long)
 
 
-# Evaluation: sharding and outputs.
+# Evaluation: sampling, scoring, sharding and outputs.
+
+
+@torch.no_grad()
+def ppo_evaluate(accelerator, policy, reward_model, dataset, tokenizer, sample_summaries,
+                 local_eval_batch_size: int) -> tuple:
+    """All ranks: sample (`sample_summaries(policy, (B, T_q) queries)` -> (B, T_q + T_resp)) and score `dataset`
+    -> ({score, reference_score, eos_fraction, response_length}, rows in split order)."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    policy.eval()
+    rows = []
+    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
+    for indices, real in tqdm(batches, desc="eval", disable=not accelerator.is_main_process):
+        batch = dataset[indices]
+        queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
+        references = batch["reference_response_token"].to(accelerator.device)  # (B, T_ref), right-padded
+        context_length = queries.shape[1]
+        with accelerator.autocast():
+            query_responses = sample_summaries(policy, queries)
+            responses = truncate_response(query_responses[:, context_length:], eos_id, pad_id)  # (B, T_resp)
+            _, scores = get_reward(reward_model, torch.cat((queries, responses), 1), pad_id, context_length)
+            _, reference_scores = get_reward(reward_model, torch.cat((queries, references), 1), pad_id, context_length)
+        for j, (i, query, response, reference) in enumerate(list(zip(
+                indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
+                tokenizer.batch_decode(responses, skip_special_tokens=True),
+                tokenizer.batch_decode(references, skip_special_tokens=True)))[:real]):
+            rows.append({"index": i, "query": query.strip(), "response": response.strip(),
+                         "reference": reference.strip(), "score": scores[j].item(),
+                         "reference_score": reference_scores[j].item(),
+                         "eos": bool((responses[j] == eos_id).any()), "length": int((responses[j] != pad_id).sum())})
+    policy.train()
+    rows = sorted(gather_object(rows), key=lambda row: row["index"])  # every rank's rows, in split order
+    metrics = {"score": float(np.mean([row["score"] for row in rows])),
+               "reference_score": float(np.mean([row["reference_score"] for row in rows])),
+               "eos_fraction": float(np.mean([row["eos"] for row in rows])),
+               "response_length": float(np.mean([row["length"] for row in rows]))}
+    return metrics, rows
 
 
 def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
@@ -1063,18 +1016,15 @@ def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> 
             for start in range(0, per_rank, batch_size)]
 
 
-def first_rows(dataset, num_rows: Optional[int]):
-    """The first `num_rows` rows of `dataset` (all of them when None): --num_eval_samples caps every evaluation."""
-    return dataset if num_rows is None else dataset.select(range(min(num_rows, len(dataset))))
-
-
 def evaluate_and_log(accelerator, args, dataset, policy, reward_model, tokenizer, sample_summaries, writer,
                      run_name: str, splits: tuple, episode: int) -> dict:
     """All ranks: ppo_evaluate the policy on `splits` -> {split: metrics}; rank 0 logs eval/ppo/*, writes the
     sample tables runs/{run_name}/samples_{split}_{episode}.csv and prints the metrics."""
     out = {}
     for split in splits if args.num_eval_samples != 0 else ():
-        eval_set = first_rows(dataset[split].with_format("torch", columns=list(REQUIRED_COLUMNS)), args.num_eval_samples)
+        eval_set = dataset[split].with_format("torch", columns=list(REQUIRED_COLUMNS))
+        if args.num_eval_samples is not None:
+            eval_set = eval_set.select(range(min(args.num_eval_samples, len(eval_set))))
         metrics, rows = ppo_evaluate(accelerator, policy, reward_model, eval_set, tokenizer, sample_summaries,
                                      args.local_eval_batch_size)
         out[split] = metrics
@@ -1092,6 +1042,18 @@ def evaluate_and_log(accelerator, args, dataset, policy, reward_model, tokenizer
                 wandb.log({f"eval/ppo/{split}/samples": wandb.Table(dataframe=table)})
             print(f"eval/{split} after {episode} episodes: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return out
+
+
+def log_update(writer, progress, episode: int, logged: dict) -> None:
+    """Rank 0 (the one with a writer): every scalar of `logged` at x = `episode`, and the progress line."""
+    if writer is None:
+        return
+    for key, value in logged.items():
+        writer.add_scalar(key, value, episode)
+    progress.set_postfix(score=f"{logged['objective/scores']:.3f}", kl=f"{logged['objective/kl']:.3f}",
+                         ratio0=f"{logged['policy/ratio_first_epoch']:.5f}",
+                         eos=f"{logged['objective/eos_fraction']:.2f}")
+
 
 
 # Run setup: flags, inputs, tokenizer, models, logging.
@@ -1202,22 +1164,7 @@ def start_ppo_accelerator(args) -> Accelerator:
 
 def ppo_inputs(args, accelerator) -> tuple:
     """(the SFT dataset, its eval splits, the SFT model's tokenizer, what args.json records of them), every one
-    checked; fills in the default paths of `args`."""
-    name = resolve_ppo_paths(args, accelerator)
-    local_dataset = os.path.isdir(args.query_dataset)
-    dataset = datasets.load_from_disk(args.query_dataset) if local_dataset else datasets.load_dataset(args.query_dataset)
-    eval_splits = ("validation", "test") if args.eval_test else ("validation",)
-    missing = missing_columns(dataset, ("train",) + eval_splits, REQUIRED_COLUMNS)
-    if missing:
-        raise SetupError(f"{args.query_dataset} lacks {missing}: build it with preprocess_tldr.py")
-    tokenizer, identity = ppo_tokenizer(args, accelerator, local_dataset)
-    recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-                "tokenizer_identity": identity}
-    return dataset, eval_splits, tokenizer, recorded
-
-
-def resolve_ppo_paths(args, accelerator) -> str:
-    """Fill in the default paths of `args`, tidy its output folder and check every input; the base model's name."""
+    checked; fills in the default paths of `args` and tidies its output folder."""
     # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, then
     # models/{base_model}/{sft,reward}_{seed}, and this script -> models/{base_model}/ppo_{seed}.
     name = model_name(args.base_model) if args.base_model else None
@@ -1246,7 +1193,16 @@ def resolve_ppo_paths(args, accelerator) -> str:
            or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
                "world_size", "local_batch_size", "mini_batch_size", "local_mini_batch_size",
                "gradient_accumulation_steps", "micro_batch_size", "num_updates")))
-    return name
+    local_dataset = os.path.isdir(args.query_dataset)
+    dataset = datasets.load_from_disk(args.query_dataset) if local_dataset else datasets.load_dataset(args.query_dataset)
+    eval_splits = ("validation", "test") if args.eval_test else ("validation",)
+    missing = missing_columns(dataset, ("train",) + eval_splits, REQUIRED_COLUMNS)
+    if missing:
+        raise SetupError(f"{args.query_dataset} lacks {missing}: build it with preprocess_tldr.py")
+    tokenizer, identity = ppo_tokenizer(args, accelerator, local_dataset)
+    recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+                "tokenizer_identity": identity}
+    return dataset, eval_splits, tokenizer, recorded
 
 
 def ppo_tokenizer(args, accelerator, local_dataset: bool) -> tuple:
@@ -1388,6 +1344,14 @@ def vocabulary_problem(tokenizer, rows: int, what: str) -> Optional[str]:
             "with this tokenizer; use models and data made from one base model")
 
 
+def vocabulary_problems(args, tokenizer, policy, critic) -> Optional[str]:
+    """vocabulary_problem of the policy (--sft_model_path), else of the critic, the RM's copy (--reward_model_path)."""
+    return (vocabulary_problem(tokenizer, policy.get_input_embeddings().weight.size(0),
+                               f"--sft_model_path {args.sft_model_path}")
+            or vocabulary_problem(tokenizer, critic.backbone.get_input_embeddings().weight.size(0),
+                                  f"--reward_model_path {args.reward_model_path}"))
+
+
 def load_fp32(model_class, path: str, flag: str):
     """`model_class.from_pretrained(path)` in fp32 whatever dtype it was saved in (Pythia's Hub weights are fp16)."""
     # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
@@ -1428,6 +1392,20 @@ def offload_frozen_models(accelerator, args, ref_policy, reward_model) -> tuple:
     reward_model = deepspeed.initialize(model=reward_model, config=ds_config)[0]
     ref_policy.eval(), reward_model.eval()
     return ref_policy, reward_model
+
+
+def frozen_like_trained(accelerator, offload: bool, model, ref_policy, reward_model) -> tuple:
+    """(reference policy, RM) on the prepared `model`'s precision path; refused if a rotary inv_freq is below fp32."""
+    if not offload:
+        # DeepSpeed's bf16 parameters with fp32 buffers, or fp32 under accelerate's autocast.
+        # A more precise reference would make the KL start away from 0 by the rounding difference alone.
+        dtype = next(model.parameters()).dtype
+        ref_policy = cast_parameters(ref_policy.to(accelerator.device), dtype)
+        reward_model = cast_parameters(reward_model.to(accelerator.device), dtype)
+    problem = rotary_problem({"policy and critic": model, "reference": ref_policy, "reward model": reward_model})
+    refuse(problem and f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
+    return ref_policy, reward_model
+
 
 
 def start_ppo_logging(args, accelerator, resume_from: Optional[tuple], recorded: dict) -> tuple:
