@@ -53,12 +53,6 @@ Logged (TensorBoard, and W&B with --track; x-axis = episodes seen; t runs over a
   eval/ppo/{split}/score|reference_score|eos_fraction|response_length  final (and periodic) evaluation
 """
 
-import hashlib
-import json
-import math
-import os
-import random
-
 import functools
 import hashlib
 import json
@@ -254,8 +248,7 @@ def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_
 
 def get_values(critic, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
     """(B, T) query ++ response ids -> (B, T_resp) values V(s_t) of the states before each response token."""
-    # The critic is a trained copy of the RM (Detail 22), so its per-token outputs are the values.
-    # (B, T_resp): the output at position t has read the tokens up to t, and the response token t + 1 is next.
+    # The critic is a trained copy of the RM (Detail 22): its output at t, having read the tokens up to t, is V(s_t).
     return get_reward(critic, query_responses, pad_token_id, context_length)[0][:, context_length - 1:-1]
 
 
@@ -431,8 +424,7 @@ def main() -> None:
     accelerator = start_ppo_accelerator(args)  # every flag is checked first; sets the derived sizes
     # Detail 8: Tech stack
     # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
-    # One optimizer step per minibatch: accumulate over its micro-batches.
-    # DeepSpeed cannot read the micro-batch from a DataLoader here, and the paper's runs do not clip gradients.
+    # One optimizer step per minibatch, accumulated over its micro-batches; the paper's runs do not clip gradients.
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
     if accelerator.state.deepspeed_plugin is not None:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
@@ -494,12 +486,12 @@ def main() -> None:
     unsampled = unsampled.to(accelerator.device)
     start_update = resume(accelerator, args, resume_from, model, optimizer, None)
     unwrapped = accelerator.unwrap_model(model)  # sampling and the rollout's forwards use the plain modules
-    # Sampling is HF generate's: softmax(logits / T) without [PAD] and unowned rows, always response_length tokens.
-    # The plain loop stops once every row has its EOS; the fast path adds a static cache and a compiled step.
+    # HF generate's sampling (softmax(logits / T), [PAD] and unowned rows masked), as a loop that stops once every
+    # row has its EOS, or as the fast path (a static cache and a compiled step): the same samples either way.
     sample_responses = StaticSampler(args.local_rollout_forward_batch_size) if args.fast_sampling else sample_rollout
+    sample_summaries = summary_sampler(args, pad_id, eos_id, eval_temperature, unsampled)  # HF generate, or fast
     evaluate = functools.partial(evaluate_and_log, accelerator, args, dataset, unwrapped.policy, reward_model,
-                                 tokenizer, summary_sampler(args, pad_id, eos_id, eval_temperature, unsampled), writer,
-                                 run_name)
+                                 tokenizer, sample_summaries, writer, run_name)
 
     # ---- training loop ----
     start_clock = time.time()
@@ -589,9 +581,8 @@ def main() -> None:
     save_ppo(accelerator, args, run_name, writer, model, tokenizer, all_metrics)
 
 
-
 # ---- plumbing and fast paths: no Detail below ----
-# Fast paths, and the helpers of the maths above.
+# The RM as ppo.py loads it; the forwards of the response window only (fast paths).
 
 
 class ScalarModelConfig(PretrainedConfig):
@@ -613,7 +604,7 @@ class ScalarModel(PreTrainedModel):
         super().__init__(config)
         # Built from the stored config, never from a path: a saved RM loads on any machine.
         self.backbone = AutoModel.from_config(AutoConfig.for_model(**config.base_config))
-        self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)  # its bias carries Detail 15
+        self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)  # its bias carries the RM's normalisation
         self.post_init()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -636,8 +627,10 @@ def response_logits(model, query_responses: torch.Tensor, pad_token_id: int, con
 
 def response_logits_and_values(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int,
                                num_outputs: int) -> tuple:
-    """== (policy logits, get_values(critic, ...)) at [:, context_length - 1 : -1], their first num_outputs columns:
-    (B, T) -> ((B, n, V), (B, n)) from the PolicyAndValueWrapper `model`, on the response window (tests/test_ppo.py)."""
+    """== (policy logits[:, context_length - 1 : -1], get_values(critic, ...)), their first num_outputs columns
+
+    (B, T) query ++ response ids -> ((B, n, V), (B, n)) from the PolicyAndValueWrapper `model`: a forward of the
+    response window whose last layer runs at those n positions only (tests/test_ppo.py checks the equality)."""
     input_ids, attention_mask, position_ids = response_window(query_responses, pad_token_id, context_length,
                                                               num_outputs)
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -653,7 +646,7 @@ class PolicyAndValueWrapper(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 num_outputs: int) -> tuple:
-        """(B, T) ids, mask, positions -> ((B, num_outputs, V) policy logits, (B, num_outputs) values) of the last positions."""
+        """== (policy logits, critic outputs)[:, -num_outputs:]: (B, T) ids, mask, positions -> ((B, n, V), (B, n))."""
         policy_hidden = last_hidden_states(self.policy.base_model, input_ids, attention_mask, position_ids, num_outputs)
         critic_hidden = last_hidden_states(self.critic.backbone, input_ids, attention_mask, position_ids, num_outputs)
         return self.policy.get_output_embeddings()(policy_hidden), self.critic.head(critic_hidden).squeeze(-1)
@@ -661,7 +654,7 @@ class PolicyAndValueWrapper(torch.nn.Module):
 
 def last_hidden_states(backbone, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                        num_positions: int) -> torch.Tensor:
-    """(B, T) ids, mask, positions -> (B, num_positions, d): the backbone's final hidden states at the last positions."""
+    """== backbone(input_ids, attention_mask, position_ids).last_hidden_state[:, -num_positions:]: (B, num_positions, d)."""
     if not (isinstance(backbone, GPTNeoXModel) and backbone.config._attn_implementation == "sdpa"):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         return hidden.last_hidden_state[:, -num_positions:]
@@ -715,6 +708,9 @@ def trained_width(sequence_lengths: torch.Tensor, response_length: int, score_af
     # Positions after a row's EOS (and after its value target) are masked in every loss: the
     # forward only computes the first n. Never 0: x[:, -0:] would select every position.
     return max(1, min(response_length, int(sequence_lengths.max()) + 1 + int(score_after_eos)))
+
+
+# Sampling: the plain loop (HF generate's draws), its fast path, and HF generate for evaluation.
 
 
 def sample_rollout(model, queries: torch.Tensor, pad_token_id: int, eos_token_id: int, response_length: int,
@@ -853,7 +849,7 @@ def draw_tokens(probs: torch.Tensor) -> torch.Tensor:
 
 def decode_step(model, token: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache,
                 temperature: float, unsampled: torch.Tensor) -> tuple:
-    """(B,) ids at (B, 1) positions, (B, T) mask, a StaticCache -> sampling_distribution of the next token (compiled)."""
+    """== sampling_distribution(model(token, ..., cache).logits[:, -1], T, unsampled): StaticSampler's compiled step."""
     logits = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=position_ids,
                    past_key_values=cache, use_cache=True).logits  # (B, 1, V)
     return sampling_distribution(logits[:, -1], temperature, unsampled)
@@ -886,6 +882,9 @@ def summary_sampler(args, pad_token_id: int, eos_token_id: int, temperature: flo
         temperature=temperature, top_k=0, top_p=1.0, do_sample=True,  # pure temperature sampling
         return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled.tolist())  # never [PAD] / unowned rows
     return lambda policy, queries: generate(policy, queries, pad_token_id, config)[0]
+
+
+# Helpers of the maths above.
 
 
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
