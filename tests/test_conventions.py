@@ -13,6 +13,7 @@ a checker that silently stopped checking would be noticed.
   e. importing a stage script runs nothing (subprocess)
   f. `python <script> --help` exits 0 and lists every flag (subprocess)
   g. every repository path that README.md names exists
+  h. a training stage reads as the algorithm above one fence line, its plumbing and fast paths below
 
 Tests about stage scripts are parametrized over the scripts that exist, so they grow as stages land.
 """
@@ -799,3 +800,74 @@ def test_readme_checker_catches_missing_paths(tmp_path):
         "README.md names dpo.py, which does not exist",
         "README.md names reward.py, which does not exist",
     ], problems
+
+
+# ---------------------------------------------------------------------------------------------
+# h. The algorithm above one fence, plumbing and fast paths below
+# ---------------------------------------------------------------------------------------------
+
+FENCE = "# ---- plumbing and fast paths: no Detail below ----"
+FENCED_STAGES = ("sft.py", "reward.py", "dpo.py", "ppo.py")  # the training stages (../shared/STYLE.md)
+
+
+def check_fence(source: str, filename: str) -> list[str]:
+    """One fence line; `def main()` above it and no Detail tag below it; every fast path (a top-level function or
+    class whose docstring opens with `==`, the plain expression it equals) below it; `main()` run on the last line."""
+    lines = source.splitlines()
+    fences = [lineno for lineno, line in enumerate(lines, 1) if line == FENCE]
+    if len(fences) != 1:
+        return [f"{filename}: {len(fences)} lines `{FENCE}`, want exactly one"]
+    fence = fences[0]
+    problems = [f"{filename}:{lineno}: Detail {n} tagged below the fence (line {fence}); tag it where it acts, above"
+                for lineno, n, _ in find_tags(source) if lineno > fence]
+    definitions = [node for node in ast.parse(source).body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    if not any(node.name == "main" and node.lineno < fence for node in definitions):
+        problems.append(f"{filename}: no `def main()` above the fence (line {fence})")
+    for node in definitions:
+        docstring = ast.get_docstring(node) or ""
+        if docstring.startswith("==") and node.lineno < fence:
+            problems.append(f"{filename}:{node.lineno}: fast path `{node.name}` above the fence; move it below")
+    if not lines or not lines[-1].strip().startswith("main()"):
+        problems.append(f"{filename}: the last line does not run main()")
+    return problems
+
+
+@pytest.mark.parametrize("script", [name for name in FENCED_STAGES if (REPO / name).is_file()])
+def test_algorithm_above_the_fence(script):
+    problems = check_fence((REPO / script).read_text(), script)
+    assert not problems, "\n".join(problems)
+
+
+def test_fence_checker_catches_misplaced_code():
+    good = textwrap.dedent(f'''\
+        def step(x):
+            """One step."""
+            # Detail 1: Alpha
+            return fast(x)
+
+
+        def main():
+            step(1)
+
+
+        {FENCE}
+
+
+        def fast(x):
+            """== x + 0, faster."""
+            return x
+
+
+        if __name__ == "__main__":
+            main()
+        ''')
+    assert check_fence(good, "a.py") == []
+    assert "2 lines" in check_fence(good + FENCE + "\n", "b.py")[0]
+    misplaced = good.replace("def step(x):", "def early(x):\n    \"\"\"== x.\"\"\"\n\n\ndef step(x):")
+    misplaced = misplaced.replace("    return x\n", "    # Detail 2: Beta\n    return x\n").replace("def main", "def mane")
+    problems = "\n".join(check_fence(misplaced + "print(1)\n", "c.py"))
+    assert "Detail 2 tagged below the fence" in problems and "Detail 1" not in problems
+    assert "no `def main()` above the fence" in problems
+    assert "fast path `early` above the fence" in problems and "`fast`" not in problems
+    assert "the last line does not run main()" in problems
+
