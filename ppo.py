@@ -210,22 +210,6 @@ class Args:
 REQUIRED_COLUMNS = ("query_token", "reference_response_token")
 
 
-def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bool:
-    """Refuse pad == EOS, add [PAD] where there is no pad, refuse ids other than `data_ids`; True if added."""
-    # Detail 3: Leading space, EOS at the end, a distinct [PAD]
-    # A tokenizer without any pad (Pythia) gets the [PAD] that preprocess_tldr.py added, so the ids agree.
-    # A pad that IS the EOS is refused: every mask `ids != pad` would hide the EOS, and no model would learn to stop.
-    if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise SetupError(f"the tokenizer's pad token {tokenizer.pad_token!r} is its EOS token: "
-                         "give it a distinct pad token, or none (then [PAD] is added)")
-    added = add_pad_token(tokenizer)
-    ours = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    if data_ids is not None and data_ids != ours:
-        raise SetupError(f"{data_source} was tokenized with {data_ids}, this tokenizer has {ours}: "
-                         "preprocess the data with the same base model")
-    return added
-
-
 def reward_indices(query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
     """(B, T) ids -> (B,): the EOS position = first pad at or after `context_length`, minus 1 (T - 1 if none)."""
     # Detail 12: Extract the reward at the EOS token
@@ -266,6 +250,8 @@ def response_masks(postprocessed_responses: torch.Tensor, pad_token_id: int, sco
 
     EOS index = first pad - 1 (T - 1 without a pad, i.e. without an EOS). The masks are True where NOT trained.
     Tokens: after the EOS. Values: after the token that carries the score (the EOS, or EOS + 1 with score_after_eos)."""
+    # Detail 3: Leading space, EOS at the end, a distinct [PAD]
+    # [PAD] is never the EOS (check_tokenizer refuses that): the first pad of a truncated response comes after its EOS.
     sequence_lengths = first_true_indices(postprocessed_responses == pad_token_id) - 1  # (B,)
     positions = torch.arange(postprocessed_responses.size(1), device=postprocessed_responses.device)  # (T,)
     padding_mask = positions.unsqueeze(0) > sequence_lengths.unsqueeze(1)  # (B, T)
@@ -292,8 +278,7 @@ def compute_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: 
 def whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, all_reduce=None) -> torch.Tensor:
     """(B, T) values, (B, T) bool mask of valid positions -> (B, T) whitened values, 0 where not valid.
 
-    Mean and biased variance over the valid positions of every process: `all_reduce` sums a
-    tensor over processes (None: this process alone)."""
+    Mean and biased variance over the valid positions of every process (`all_reduce` sums over them; None: this one)."""
     all_reduce = all_reduce or (lambda tensor: tensor)
     weights = mask.to(values.dtype)
     total, count = all_reduce(torch.stack([(values * weights).sum(), weights.sum()]))
@@ -335,8 +320,7 @@ def ppo_losses(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
     return {"pg_loss": pg_loss, "vf_loss": vf_loss,
             "pg_clipfrac": masked_mean((pg_losses2 > pg_losses1).float(), token_mask),
             "vf_clipfrac": masked_mean((vf_losses2 > vf_losses1).float(), value_mask),
-            "approxkl": 0.5 * masked_mean(log_ratio ** 2, token_mask),
-            "ratio": masked_mean(ratio, token_mask),
+            "approxkl": 0.5 * masked_mean(log_ratio ** 2, token_mask), "ratio": masked_mean(ratio, token_mask),
             "ratio_max_deviation": ((ratio - 1).abs() * token_mask).max()}
 
 
@@ -1230,6 +1214,21 @@ def ppo_tokenizer(args, accelerator, local_dataset: bool) -> tuple:
         f"--query_dataset {args.query_dataset} ({built_with})":
             recorded_tokenizer_identity(os.path.dirname(built_with)) if local_dataset else None}))
     return tokenizer, identity
+
+
+def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bool:
+    """Refuse pad == EOS, add [PAD] where there is no pad, refuse ids other than `data_ids`; True if added."""
+    # A tokenizer without any pad (Pythia) gets the [PAD] that preprocess_tldr.py added, so the ids agree.
+    # A pad that IS the EOS is refused: every mask `ids != pad` would hide the EOS, and no model would learn to stop.
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise SetupError(f"the tokenizer's pad token {tokenizer.pad_token!r} is its EOS token: "
+                         "give it a distinct pad token, or none (then [PAD] is added)")
+    added = add_pad_token(tokenizer)
+    ours = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    if data_ids is not None and data_ids != ours:
+        raise SetupError(f"{data_source} was tokenized with {data_ids}, this tokenizer has {ours}: "
+                         "preprocess the data with the same base model")
+    return added
 
 
 def model_name(base_model: str) -> str:
