@@ -206,16 +206,11 @@ class Args:
     """PPO updates = total_episodes // batch_size (paper: 1,000,000 // 512 = 1953)"""
 
 
-# The prompts, and the human references the evaluation scores beside the samples.
-REQUIRED_COLUMNS = ("query_token", "reference_response_token")
-
-
 def reward_indices(query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
     """(B, T) ids -> (B,): the EOS position = first pad at or after `context_length`, minus 1 (T - 1 if none)."""
     # Detail 12: Extract the reward at the EOS token
     # Only the EOS position has read the whole summary, so only its output is trained and read as the reward.
     # PPO's rows are a left-padded query ++ a right-padded response: the search for a pad starts after the query.
-    # A row without pad (no EOS either) is read at its last position.
     return first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
 
 
@@ -240,8 +235,8 @@ def eos_trick(scores: torch.Tensor, contains_eos: torch.Tensor, penalty_reward_v
     """(B,) RM scores, (B,) bool -> (B,) scores, replaced by `penalty_reward_value` where there is no EOS."""
     # Detail 23: EOS trick
     # Sampling never stops early: exactly response_length tokens, then truncation after the first EOS.
-    # Without an EOS the RM's score is undefined, as the RM is trained on the EOS logit only.
-    # So it is REPLACED by a constant (-1), not decreased, which also teaches the policy to stop in time.
+    # Without an EOS the RM's score is undefined (it is trained on the EOS logit only): REPLACE it, do not decrease it.
+    # The constant (-1) also teaches the policy to stop in time.
     return torch.where(contains_eos, scores, torch.full_like(scores, penalty_reward_value))
 
 
@@ -408,7 +403,8 @@ def main() -> None:
     accelerator = start_ppo_accelerator(args)  # every flag is checked first; sets the derived sizes
     # Detail 8: Tech stack
     # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
-    # One optimizer step per minibatch, accumulated over its micro-batches; the paper's runs do not clip gradients.
+    # One optimizer step per minibatch, accumulated over its micro-batches.
+    # DeepSpeed is told the micro-batch (it reads no DataLoader here) and no clipping (the paper's runs do not clip).
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
     if accelerator.state.deepspeed_plugin is not None:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
@@ -1040,6 +1036,8 @@ def log_update(writer, progress, episode: int, logged: dict) -> None:
 
 
 # Run setup: flags, inputs, tokenizer, models, logging.
+# The prompts, and the human references that the evaluation scores beside the samples.
+REQUIRED_COLUMNS = ("query_token", "reference_response_token")
 RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
 POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
 NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
