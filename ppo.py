@@ -1,19 +1,17 @@
 """PPO from the RM's scores: RLHF of the SFT policy on TL;DR prompts (Details 3, 7, 8, 12, 14, 20-25).
 
-Stage 3 of the pipeline. The policy and a frozen reference start from the SFT model of sft.py;
-the reward model and the value model (critic) both start from the trained RM of reward.py. Each
-update samples `response_length` tokens for a batch of SFT prompts, truncates them after the first
-EOS, scores them with the RM (-1 without an EOS), adds a per-token KL penalty to the reference,
-computes GAE advantages, and takes 4 epochs of clipped PPO steps on policy and critic together.
-At the end (and every --eval_every updates) the policy samples summaries of validation prompts at
-temperature 0.01, scored by the RM beside the human references.
+Stage 3 of the pipeline. The policy and a frozen reference start from sft.py's model, the RM and the critic from
+reward.py's. Each update samples `response_length` tokens for a batch of SFT prompts, truncates them after the first
+EOS, scores them with the RM (-1 without an EOS), adds a per-token KL penalty to the reference, computes GAE
+advantages, and takes 4 epochs of clipped PPO steps on policy and critic together. At the end (and every --eval_every
+updates) the RM scores the policy's summaries of validation prompts (temperature 0.01) beside the human references.
 
     {output_dir}/                   the policy: a causal-LM folder + tokenizer (loads with from_pretrained)
     {output_dir}/args.json          these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, git commit
     {output_dir}/eval_{split}.csv   columns query, response, reference, score, reference_score (judge.py)
     {output_dir}/eval_metrics.json  {split: {score, reference_score, eos_fraction, response_length}}
     {output_dir}/checkpoints/       the latest --save_every checkpoint (no pickle), removed when the run ends
-    runs/{run_name}/                TensorBoard; samples_{episode}.csv of every --eval_every evaluation
+    runs/{run_name}/                TensorBoard; samples_{split}_{episode}.csv of every evaluation
 
     # tiny world, offline, 2 CPU cores, ~2 min with OMP_NUM_THREADS=1 (10 updates; RM score of the
     # validation samples -0.13 for the SFT model -> 0.60, measured with sft.py / reward.py tiny models)
@@ -29,15 +27,12 @@ temperature 0.01, scored by the RM beside the human references.
     accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml ppo.py \
         --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_rollout_forward_batch_size 16 --track
 
-Details: 3 distinct [PAD], ids checked against the dataset; 7 dropout off in all four models; 8
-accelerate / DeepSpeed / bf16, ZeRO-3 CPU offload of the frozen models (--offload); 12 and 14 the
-score at the EOS of left-padded query ++ response; 20 the paper's PPO hyperparameters; 21 prompts
-reshuffled at each pass; 22 critic = the RM; 23 the EOS trick; 24 optional reward whitening; 25
-advantage whitening. Statistics over tokens are masked to the valid (non-pad) positions, and the
-whitening statistics are global over all processes (the reference uses per-GPU ones).
-Logged (TensorBoard, and W&B with --track; x-axis = episodes seen):
-  objective/kl                mean over responses of sum_t (logp - ref_logp) over valid tokens
-  objective/entropy           mean over responses of the summed sampling entropy of valid tokens
+Details: 3 a distinct [PAD]; 7 dropout off in all four models; 8 accelerate / DeepSpeed / bf16, ZeRO-3 offload of the
+frozen models; 12 and 14 the score at the EOS of left-padded query ++ response; 20 the paper's hyperparameters; 21
+prompts reshuffled at each pass; 22 critic = the RM; 23 the EOS trick; 24 and 25 whitening (global statistics).
+Logged (TensorBoard, and W&B with --track; x-axis = episodes seen; t runs over a response's valid tokens):
+  objective/kl                mean over responses of sum_t (logp - ref_logp)
+  objective/entropy           mean over responses of sum_t of the sampling entropy
   objective/non_score_reward  mean over responses of sum_t -kl_coef * (logp - ref_logp)
   objective/scores            mean RM score after the EOS trick (-1 for responses without EOS)
   objective/rlhf_reward       objective/scores + objective/non_score_reward
@@ -47,8 +42,7 @@ Logged (TensorBoard, and W&B with --track; x-axis = episodes seen):
   policy/approxkl             mean over PPO steps of the masked 0.5 * (logp_new - logp_old)^2
   policy/clipfrac             fraction of valid tokens whose ratio was clipped
   policy/ratio                mean ratio exp(logp_new - logp_old) over valid tokens, all epochs
-  policy/ratio_first_epoch    the same before the first optimizer step (the first epoch with 1 minibatch):
-                              1 up to numerical noise, or the behaviour log-probs are wrong
+  policy/ratio_first_epoch    the same before the first optimizer step (1 up to noise, else the log-probs are wrong)
   policy/ratio_first_epoch_max_deviation  max over its valid tokens of |ratio - 1| (bf16 noise shows here)
   policy/loss                 clipped policy loss
   policy/lr                   learning rate of the update
@@ -59,6 +53,7 @@ Logged (TensorBoard, and W&B with --track; x-axis = episodes seen):
   eval/ppo/{split}/score|reference_score|eos_fraction|response_length  final (and periodic) evaluation
 """
 
+import functools
 import hashlib
 import json
 import math
@@ -79,7 +74,7 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
-from huggingface_hub.utils import HFValidationError, validate_repo_id
+from huggingface_hub.utils import HFValidationError
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
@@ -211,20 +206,363 @@ class Args:
     """PPO updates = total_episodes // batch_size (paper: 1,000,000 // 512 = 1953)"""
 
 
-# Flags that may change between an interrupted run and its resumption (see output_dir_problem).
-RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
-REQUIRED_COLUMNS = ("query_token", "reference_response_token")
-# Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
-POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
-NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
-AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")
-AT_LEAST_0 = (lambda value: value >= 0, "an integer >= 0")
-NONE_OR_AT_LEAST_1 = (lambda value: value is None or value >= 1, "an integer >= 1, or no flag")
-NONE_OR_AT_LEAST_0 = (lambda value: value is None or value >= 0, "an integer >= 0, or no flag")
+def reward_indices(query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+    """(B, T) ids -> (B,): the EOS position = first pad at or after `context_length`, minus 1 (T - 1 if none)."""
+    # Detail 12: Extract the reward at the EOS token
+    # Only the EOS position has read the whole summary, so only its output is trained and read as the reward.
+    # PPO's rows are a left-padded query ++ a right-padded response: the search for a pad starts after the query.
+    return first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
 
 
-class SetupError(ValueError):
-    """Flags, data, tokenizer or output folder the script cannot use; raised before any compute."""
+def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> tuple:
+    """(B, T) ids with pads -> ((B, T) per-token reward logits, (B,) reward at each row's EOS)."""
+    attention_mask = query_responses != pad_token_id  # (B, T)
+    # Pads are masked out of attention and replaced by a valid id.
+    # No position_ids, as in the reference: left pads shift the positions, which rotary embeddings do not see.
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    reward_logits = model(input_ids=input_ids, attention_mask=attention_mask)  # (B, T)
+    eos = reward_indices(query_responses, pad_token_id, context_length)  # (B,)
+    return reward_logits, reward_logits[torch.arange(reward_logits.size(0), device=eos.device), eos]
+
+
+def get_values(critic, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+    """(B, T) query ++ response ids -> (B, T_resp) values V(s_t) of the states before each response token."""
+    # The critic is a trained copy of the RM (Detail 22): its output at t, having read the tokens up to t, is V(s_t).
+    return get_reward(critic, query_responses, pad_token_id, context_length)[0][:, context_length - 1:-1]
+
+
+def eos_trick(scores: torch.Tensor, contains_eos: torch.Tensor, penalty_reward_value: float) -> torch.Tensor:
+    """(B,) RM scores, (B,) bool -> (B,) scores, replaced by `penalty_reward_value` where there is no EOS."""
+    # Detail 23: EOS trick
+    # Sampling never stops early: exactly response_length tokens, then truncation after the first EOS.
+    # Without an EOS the RM's score is undefined (it is trained on the EOS logit only): REPLACE it, do not decrease it.
+    # The constant (-1) also teaches the policy to stop in time.
+    return torch.where(contains_eos, scores, torch.full_like(scores, penalty_reward_value))
+
+
+def response_masks(postprocessed_responses: torch.Tensor, pad_token_id: int, score_after_eos: bool) -> tuple:
+    """(B, T) truncated responses -> ((B,) EOS index, (B, T) token padding mask, (B, T) value padding mask).
+
+    EOS index = first pad - 1 (T - 1 without a pad, i.e. without an EOS). The masks are True where NOT trained.
+    Tokens: after the EOS. Values: after the token that carries the score (the EOS, or EOS + 1 with score_after_eos)."""
+    # Detail 3: Leading space, EOS at the end, a distinct [PAD]
+    # [PAD] is never the EOS (check_tokenizer refuses that): the first pad of a truncated response comes after its EOS.
+    sequence_lengths = first_true_indices(postprocessed_responses == pad_token_id) - 1  # (B,)
+    positions = torch.arange(postprocessed_responses.size(1), device=postprocessed_responses.device)  # (T,)
+    padding_mask = positions.unsqueeze(0) > sequence_lengths.unsqueeze(1)  # (B, T)
+    value_padding_mask = positions.unsqueeze(0) > (sequence_lengths + int(score_after_eos)).unsqueeze(1)
+    return sequence_lengths, padding_mask, value_padding_mask
+
+
+def compute_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: torch.Tensor,
+                    sequence_lengths: torch.Tensor, padding_mask: torch.Tensor, kl_coef: float,
+                    score_after_eos: bool) -> tuple:
+    """(B, T) log-probs of policy and reference, (B,) scores -> (B, T) rewards, (B, T) kl, (B, T) -kl_coef * kl."""
+    kl = (logprobs - ref_logprobs).masked_fill(padding_mask, 0.0)  # (B, T): 0 after the EOS
+    non_score_reward = -kl_coef * kl
+    rewards = non_score_reward.clone()
+    # The score goes on the EOS token, as in the paper (Figure 11).
+    # The reference code puts it one token later when there is room (score_after_eos).
+    # A response without EOS gets it on its last token.
+    index = sequence_lengths + int(score_after_eos)  # (B,)
+    index = torch.where(index < rewards.size(1), index, sequence_lengths)
+    rewards[torch.arange(rewards.size(0), device=rewards.device), index] += scores
+    return rewards, kl, non_score_reward
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, all_reduce=None) -> torch.Tensor:
+    """(B, T) values, (B, T) bool mask of valid positions -> (B, T) whitened values, 0 where not valid.
+
+    Mean and biased variance over the valid positions of every process (`all_reduce` sums over them; None: this one)."""
+    all_reduce = all_reduce or (lambda tensor: tensor)
+    weights = mask.to(values.dtype)
+    total, count = all_reduce(torch.stack([(values * weights).sum(), weights.sum()]))
+    mean = total / count
+    variance = all_reduce(((values - mean) ** 2 * weights).sum()) / count
+    whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
+    if not shift_mean:  # Detail 24 keeps the rewards' mean: only their scale changes
+        whitened = whitened + mean
+    return whitened * weights
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple:
+    """(B, T) rewards and values (0 where not valid) -> ((B, T) GAE advantages, (B, T) returns = A + V)."""
+    advantages_reversed, last_gae = [], torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.size(1))):
+        next_value = values[:, t + 1] if t + 1 < rewards.size(1) else torch.zeros_like(values[:, t])  # V_T = 0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last_gae = delta + gamma * lam * last_gae
+        advantages_reversed.append(last_gae)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)  # (B, T)
+    return advantages, advantages + values
+
+
+def ppo_losses(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+               vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, token_mask: torch.Tensor,
+               value_mask: torch.Tensor, cliprange: float, cliprange_value: float) -> dict:
+    """(B, T) tensors and bool masks of valid tokens / values -> {pg_loss, vf_loss, and masked statistics}."""
+    # Value loss: the larger of the clipped and the unclipped squared error (PPO's pessimism).
+    # Clipped, the new value moves at most cliprange_value away from the rollout's.
+    vpred_clipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
+    vf_losses1, vf_losses2 = (vpred - returns) ** 2, (vpred_clipped - returns) ** 2
+    vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), value_mask)
+    # Policy loss: the clipped surrogate objective, negated.
+    log_ratio = new_logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_loss = masked_mean(torch.max(pg_losses1, pg_losses2), token_mask)
+    return {"pg_loss": pg_loss, "vf_loss": vf_loss,
+            "pg_clipfrac": masked_mean((pg_losses2 > pg_losses1).float(), token_mask),
+            "vf_clipfrac": masked_mean((vf_losses2 > vf_losses1).float(), value_mask),
+            "approxkl": 0.5 * masked_mean(log_ratio ** 2, token_mask), "ratio": masked_mean(ratio, token_mask),
+            "ratio_max_deviation": ((ratio - 1).abs() * token_mask).max()}
+
+
+def rollout(args, policy, ref_policy, critic, reward_model, queries: torch.Tensor, sample, pad_token_id: int,
+            eos_token_id: int, temperature: float, unsampled: torch.Tensor) -> tuple:
+    """No grad: (B, T_q) queries -> ({query_responses (B, T) untruncated; logprobs, entropy, ref_logprobs, values
+    (B, T_resp); scores (B,) before the EOS trick}, seconds spent sampling)."""
+    context_length = queries.shape[1]
+    out = {key: [] for key in ("query_responses", "logprobs", "entropy", "ref_logprobs", "values", "scores")}
+    generation_time = 0.0
+    for start in range(0, len(queries), args.local_rollout_forward_batch_size):  # chunks: memory only
+        query = queries[start:start + args.local_rollout_forward_batch_size]  # (b, T_q)
+        tick = time.time()
+        # Always response_length tokens, past a row's EOS: the EOS trick truncates them afterwards.
+        # (b, T) ids, and (b, T_resp, V) scores: the logits sampled from, divided by T.
+        query_response, sample_scores = sample(policy, query, pad_token_id, eos_token_id, args.response_length,
+                                               temperature, unsampled)
+        response = query_response[:, context_length:]  # (b, T_resp)
+        # The behaviour log-probs come from the sampling scores: no second forward of the policy.
+        out["logprobs"].append(gather_logprobs(sample_scores, response))
+        out["entropy"].append(entropy_from_logits(sample_scores))
+        del sample_scores  # (b, T_resp, V): the largest tensor of the rollout
+        generation_time += time.time() - tick
+        # The reference's log-probs of the untruncated response, at the same temperature, on the policy's support.
+        ref_logits = response_logits(ref_policy, query_response, pad_token_id, context_length)  # (b, T_resp, V)
+        out["ref_logprobs"].append(gather_logprobs(mask_logits(ref_logits / temperature, unsampled), response))
+        del ref_logits
+        out["values"].append(get_values(critic, query_response, pad_token_id, context_length).float())
+        # Detail 14: Left- vs right-padded reward extraction
+        # PPO scores the left-padded query followed by its right-padded (truncated) response.
+        # The RM was trained on right-padded rows: the two layouts give the same reward (reward.py measures it).
+        postprocessed = truncate_response(response, eos_token_id, pad_token_id)
+        _, score = get_reward(reward_model, torch.cat((query, postprocessed), 1), pad_token_id, context_length)
+        out["query_responses"].append(query_response)
+        out["scores"].append(score.float())
+    return {key: torch.cat(value) for key, value in out.items()}, generation_time
+
+
+def ppo_epochs(accelerator, model, optimizer, args, batch: dict, context_length: int, pad_token_id: int,
+               temperature: float, unsampled: torch.Tensor) -> tuple:
+    """All ranks: num_ppo_epochs passes of clipped PPO steps over the rollout `batch` ({name: (B_loc, ...)})
+    -> ({policy/* and value/* statistic: scalar}, every micro-batch's pg and vf loss)."""
+    stats = {key: [] for key in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio",
+                                 "ratio_max_deviation")}
+    responses, logprobs, values = batch["responses"], batch["logprobs"], batch["values"]
+    for epoch in range(args.num_ppo_epochs):
+        permutation = torch.randperm(args.local_batch_size, device=accelerator.device)
+        for mini_start in range(0, args.local_batch_size, args.local_mini_batch_size):
+            for micro_start in range(mini_start, mini_start + args.local_mini_batch_size, args.local_micro_batch_size):
+                mb = permutation[micro_start:micro_start + args.local_micro_batch_size]  # (micro,) rows
+                # Positions from n on are masked in every row of the micro-batch (after its EOS and value target).
+                n = trained_width(batch["sequence_lengths"][mb], responses.size(1), args.score_after_eos)
+                with accelerator.accumulate(model):
+                    # (micro, n, V), (micro, n): the first n columns of logits[:, context_length - 1 : -1] and values
+                    logits, vpred = response_logits_and_values(model, batch["query_responses"][mb], pad_token_id,
+                                                               context_length, n)
+                    logits = mask_logits(logits / temperature, unsampled)  # as sampled: same T, same support
+                    # Back to (micro, T_resp): the masked positions take the rollout's values (ratio 1, no loss).
+                    new_logprobs = torch.cat((gather_logprobs(logits, responses[mb, :n]), logprobs[mb, n:]), 1)
+                    vpred = torch.cat((vpred.float(), values[mb, n:]), 1)
+                    micro_stats = ppo_losses(new_logprobs, logprobs[mb], batch["advantages"][mb], vpred, values[mb],
+                                             batch["returns"][mb], ~batch["padding_mask"][mb],
+                                             ~batch["value_padding_mask"][mb], args.cliprange, args.cliprange_value)
+                    loss = micro_stats["pg_loss"] + args.vf_coef * micro_stats["vf_loss"]  # no entropy bonus
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                for key, value in micro_stats.items():
+                    stats[key].append(value.detach())
+            if epoch == 0 and mini_start == 0:  # before the first optimizer step: must be 1
+                ratio_first_epoch = torch.stack(stats["ratio"]).mean()
+                ratio_first_epoch_max_deviation = torch.stack(stats["ratio_max_deviation"]).max()
+    losses = torch.stack(stats["pg_loss"] + stats["vf_loss"])  # every micro-batch's, for the finite check
+    means = {key: torch.stack(value).mean() for key, value in stats.items()}
+    return {"policy/approxkl": means["approxkl"], "policy/clipfrac": means["pg_clipfrac"],
+            "policy/ratio": means["ratio"], "policy/ratio_first_epoch": ratio_first_epoch,
+            "policy/ratio_first_epoch_max_deviation": ratio_first_epoch_max_deviation, "policy/loss": means["pg_loss"],
+            "value/loss": means["vf_loss"], "value/clipfrac": means["vf_clipfrac"]}, losses
+
+
+def main() -> None:
+    """The stage, top to bottom (run at the end of the file, once the plumbing below the fence is defined)."""
+    # ---- args & sizes ----
+    args = tyro.cli(Args)
+    accelerator = start_ppo_accelerator(args)  # every flag is checked first; sets the derived sizes
+    # Detail 8: Tech stack
+    # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
+    # One optimizer step per minibatch, accumulated over its micro-batches.
+    # DeepSpeed is told the micro-batch (it reads no DataLoader here) and no clipping (the paper's runs do not clip).
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
+    if accelerator.state.deepspeed_plugin is not None:
+        accelerator.state.deepspeed_plugin.deepspeed_config.update(
+            train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
+    # Logits are divided by T + 1e-7, as in the reference code, whose epsilon guards against T = 0.
+    # One divisor for sampling, reference and training: their log-probs come from the same scaled logits.
+    temperature, eval_temperature = args.temperature + 1e-7, args.eval_temperature + 1e-7
+
+    # ---- data and tokenizer: every bad input fails here, before a model is loaded or anything is written ----
+    dataset, eval_splits, tokenizer, recorded = ppo_inputs(args, accelerator)  # also fills in the default paths
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    train = dataset["train"].with_format("torch", columns=["query_token"])
+    context_length = train[0]["query_token"].shape[0]  # T_q: every query is left-padded to this width
+    resume_from = latest_checkpoint(os.path.join(args.output_dir, "checkpoints")) if args.resume else None
+
+    # ---- seeding & data order ----
+    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    torch.backends.cudnn.deterministic = True
+    # Detail 21: Reuse the SFT prompts, reshuffle at each pass
+    # 1M episodes are ~8.6 passes over the SFT train split, each pass a fresh permutation.
+    # Seeded alike on every rank: update u, rank r reads the slice [u, r], and no prompt repeats within a pass.
+    order = episode_order(len(train), args.num_updates * args.batch_size, args.seed)
+    local_order = order.view(args.num_updates, args.world_size, args.local_batch_size)[:, accelerator.process_index]
+
+    # ---- models, run name & logging ----
+    policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
+    ref_policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
+    # Detail 22: Value model initialised from the RM
+    # The critic is a second, trainable copy of the RM, with the head's bias that normalises it (Detail 15).
+    # Its first values are the RM's per-token outputs.
+    critic = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
+    reward_model = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
+    refuse(vocabulary_problems(args, tokenizer, policy, critic))
+    unsampled = torch.tensor(unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
+    # Detail 7: Disable dropout
+    # With dropout on, two forwards of the same ids differ: the first PPO ratio would not be 1, the scores noisy.
+    for model in (policy, ref_policy, critic, reward_model):
+        disable_dropout(model)
+    for model in (ref_policy, reward_model):
+        model.eval().requires_grad_(False)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        critic.backbone.gradient_checkpointing_enable()
+    if args.offload:  # the frozen models as ZeRO-3 inference engines, their parameters on the CPU (6.9B)
+        ref_policy, reward_model = offload_frozen_models(accelerator, args, ref_policy, reward_model)
+    run_name, writer = start_ppo_logging(args, accelerator, resume_from, recorded)
+
+    # ---- optimizer ----
+    # Detail 20: PPO setup
+    # Table 7: AdamW (eps 1e-5) with lr 3e-6 decayed linearly, one optimizer over policy and critic.
+    # Batch 512 in 1 minibatch, 4 epochs, KL 0.05, gamma 1, lambda 0.95, clips 0.2 / 0.2, vf 0.1, T 0.7.
+    model = PolicyAndValueWrapper(policy, critic)  # one module: one prepare, one optimizer, one backward
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ref_policy, reward_model = frozen_like_trained(accelerator, args.offload, model, ref_policy, reward_model)
+    unsampled = unsampled.to(accelerator.device)
+    start_update = resume(accelerator, args, resume_from, model, optimizer, None)
+    unwrapped = accelerator.unwrap_model(model)  # sampling and the rollout's forwards use the plain modules
+    # HF generate's sampling (softmax(logits / T), [PAD] and unowned rows masked), as a loop that stops once every
+    # row has its EOS, or as the fast path (a static cache and a compiled step): the same samples either way.
+    sample_responses = StaticSampler(args.local_rollout_forward_batch_size) if args.fast_sampling else sample_rollout
+    sample_summaries = summary_sampler(args, pad_id, eos_id, eval_temperature, unsampled)  # HF generate, or fast
+    evaluate = functools.partial(evaluate_and_log, accelerator, args, dataset, unwrapped.policy, reward_model,
+                                 tokenizer, sample_summaries, writer, run_name)
+
+    # ---- training loop ----
+    start_clock = time.time()
+    stop_at = args.num_updates if args.stop_after_updates is None else min(args.stop_after_updates, args.num_updates)
+    progress = tqdm(range(start_update, stop_at), desc="ppo", disable=not accelerator.is_main_process)
+    for update in progress:
+        # 0. Learning rate: linear decay from lr (first update) towards 0 (last update: lr / num_updates).
+        lr = args.lr * (1.0 - update / args.num_updates)
+        optimizer.param_groups[0]["lr"] = lr
+        queries = train[local_order[update].tolist()]["query_token"].to(accelerator.device)  # (B_loc, T_q)
+
+        # 1. Rollout: sample responses, then score them with the frozen models and the critic.
+        clock = time.time()
+        unwrapped.policy.eval()  # no dropout either way; eval() lets generate keep its KV cache under checkpointing
+        with torch.no_grad(), accelerator.autocast():
+            batch, generation_time = rollout(args, unwrapped.policy, ref_policy, unwrapped.critic, reward_model,
+                                             queries, sample_responses, pad_id, eos_id, temperature, unsampled)
+        unwrapped.policy.train()
+        responses = batch["query_responses"][:, context_length:]  # (B_loc, T_resp)
+        postprocessed_responses = truncate_response(responses, eos_id, pad_id)
+        scoring_time = time.time() - clock - generation_time
+
+        # 2. EOS trick: a response without EOS gets penalty_reward_value as its score.
+        contains_eos = (postprocessed_responses == eos_id).any(dim=1)  # (B_loc,)
+        scores = batch["scores"]
+        if args.non_eos_penalty:
+            scores = eos_trick(scores, contains_eos, args.penalty_reward_value)
+
+        # 3. Masks: tokens after the EOS are not trained; values also not after the scored token.
+        sequence_lengths, padding_mask, value_padding_mask = response_masks(postprocessed_responses, pad_id,
+                                                                            args.score_after_eos)
+        values = batch["values"].masked_fill(value_padding_mask, 0.0)
+
+        # 4. Per-token rewards: -kl_coef * (logp - ref_logp) everywhere, plus the score on the EOS.
+        rewards, kl, non_score_reward = compute_rewards(batch["logprobs"], batch["ref_logprobs"], scores,
+                                                        sequence_lengths, padding_mask, args.kl_coef,
+                                                        args.score_after_eos)
+        sum_over_processes = lambda tensor: accelerator.reduce(tensor, reduction="sum")  # noqa: E731
+        if args.whiten_rewards:
+            # Detail 24: Reward whitening is optional
+            # Scale (not shift) the rewards by their std over all valid positions of all processes.
+            rewards = whiten(rewards, ~value_padding_mask, shift_mean=False, all_reduce=sum_over_processes)
+
+        # 5. GAE over the response positions; returns before the advantages are whitened.
+        advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
+        # Detail 25: Advantage whitening
+        # Zero mean, unit variance over every valid token of the whole batch.
+        # Global statistics: the reference whitens per GPU, so its normalisation changed with the GPU count.
+        advantages = whiten(advantages, ~padding_mask, shift_mean=True, all_reduce=sum_over_processes)
+
+        # 6. PPO epochs: shuffle, split into minibatches (one optimizer step each) of micro-batches.
+        clock = time.time()
+        batch.update(responses=responses, values=values, advantages=advantages, returns=returns, padding_mask=padding_mask,
+                     value_padding_mask=value_padding_mask, sequence_lengths=sequence_lengths)
+        ppo_stats, losses = ppo_epochs(accelerator, model, optimizer, args, batch, context_length, pad_id,
+                                       temperature, unsampled)
+        training_time = time.time() - clock
+
+        # 7. Log: per-rank means, averaged over ranks (every rank holds local_batch_size episodes).
+        valid = (~padding_mask).float()
+        mean_kl, mean_non_score = kl.sum(1).mean(), non_score_reward.sum(1).mean()
+        stats = {"objective/kl": mean_kl, "objective/entropy": (batch["entropy"] * valid).sum(1).mean(),
+                 "objective/non_score_reward": mean_non_score, "objective/scores": scores.mean(),
+                 "objective/rlhf_reward": scores.mean() + mean_non_score,
+                 "objective/eos_fraction": contains_eos.float().mean(),
+                 "objective/response_length": valid.sum(1).mean(), **ppo_stats}
+        means = {key: value.item() for key, value in accelerator.reduce(stats, reduction="mean").items()}
+        episode = (update + 1) * args.batch_size
+        timings = {"time/generation": generation_time, "time/scoring": scoring_time, "time/training": training_time,
+                   "time/episodes_per_second": (episode - start_update * args.batch_size) / (time.time() - start_clock)}
+        log_update(writer, progress, episode, {**means, **timings, "policy/lr": lr})
+        # A nan / inf stops every rank here, before anything of this update is saved (no checkpoint
+        # holding it ever replaces a good one), and before the next rollout samples from such weights.
+        check_and_checkpoint(accelerator, args, update + 1, losses, run_name, model, optimizer, None)
+        if args.eval_every and (update + 1) % args.eval_every == 0 and update + 1 < args.num_updates:
+            evaluate(("validation",), episode)
+    if stop_at < args.num_updates:
+        accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
+        if accelerator.is_main_process:
+            writer.close()
+        raise SystemExit(0)
+
+    # ---- evaluation: summaries sampled at eval_temperature, scored by the RM beside the references ----
+    all_metrics = evaluate(eval_splits, args.num_updates * args.batch_size)
+
+    # ---- save ----
+    save_ppo(accelerator, args, run_name, writer, model, tokenizer, all_metrics)
+
+
+# ---- plumbing and fast paths: no Detail below ----
+# The RM as ppo.py loads it; the forwards of the response window only (fast paths).
 
 
 class ScalarModelConfig(PretrainedConfig):
@@ -238,7 +576,7 @@ class ScalarModelConfig(PretrainedConfig):
 
 
 class ScalarModel(PreTrainedModel):
-    """A transformer backbone + Linear(hidden, 1): (B, T) ids -> (B, T) per-token reward logits."""
+    """A transformer backbone + Linear(hidden, 1): (B, T) ids -> (B, T) per-token outputs (reward.py's RM, loaded)."""
 
     config_class = ScalarModelConfig
 
@@ -246,35 +584,37 @@ class ScalarModel(PreTrainedModel):
         super().__init__(config)
         # Built from the stored config, never from a path: a saved RM loads on any machine.
         self.backbone = AutoModel.from_config(AutoConfig.for_model(**config.base_config))
-        self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)  # its bias carries Detail 15
+        self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)  # its bias carries the RM's normalisation
         self.post_init()
 
-    def _init_weights(self, module):
-        """Only the head is new: N(0, 1/sqrt(d_model + 1)) weight, zero bias; the backbone is loaded."""
-        if module is self.head:
-            init_reward_head(module)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """(B, T) ids -> (B, T) scalar per position (the last hidden state through the head). The mask is
-        (B, T) padding, or (B, 1, T, T) boolean: the keys each position reads (then give position_ids too)."""
-        if attention_mask.dim() == 4 and self.backbone.config._attn_implementation == "eager":
-            # sdpa reads a boolean mask as it is; eager attention adds the mask to its scores
-            attention_mask = torch.zeros(attention_mask.shape, dtype=self.dtype, device=attention_mask.device
-                                         ).masked_fill(~attention_mask, torch.finfo(self.dtype).min)
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids).last_hidden_state  # (B, T, d)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids, (B, T) padding mask -> (B, T) scalar per position (the last hidden state through the head)."""
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, d)
         return self.head(hidden).squeeze(-1)
 
 
-def init_reward_head(head: torch.nn.Linear) -> None:
-    """Initialise a Linear(d_model, 1) reward head in place: weight ~ N(0, 1/sqrt(d_model + 1)), bias 0."""
-    # Detail 11: Reward head initialisation
-    # OpenAI's summarize-from-feedback init (the paper's footnote: the std is 1/sqrt(d+1), not
-    # 1/(d+1)). With unit-scale hidden states after the final layer norm, initial rewards have a
-    # std near 1, so the first sigmoid(r_c - r_r) are neither saturated nor all 0.5.
-    torch.nn.init.normal_(head.weight, std=1 / math.sqrt(head.in_features + 1))
-    torch.nn.init.zeros_(head.bias)
+def response_logits(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+    """== model(input_ids=ids, pads as 0, attention_mask=ids != pad).logits[:, context_length - 1 : -1]
+
+    (B, T) query ++ response ids -> (B, T_resp, V): the logits that predict the response tokens, from a forward of
+    the response window only (response_window; tests/test_ppo.py checks the equality)."""
+    response_length = query_responses.shape[1] - context_length
+    input_ids, attention_mask, position_ids = response_window(query_responses, pad_token_id, context_length,
+                                                              response_length)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 logits_to_keep=response_length, return_dict=True).logits
+
+
+def response_logits_and_values(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int,
+                               num_outputs: int) -> tuple:
+    """== (policy logits[:, context_length - 1 : -1], get_values(critic, ...)), their first num_outputs columns
+
+    (B, T) query ++ response ids -> ((B, n, V), (B, n)) from the PolicyAndValueWrapper `model`: a forward of the
+    response window whose last layer runs at those n positions only (tests/test_ppo.py checks the equality)."""
+    input_ids, attention_mask, position_ids = response_window(query_responses, pad_token_id, context_length,
+                                                              num_outputs)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 num_outputs=num_outputs)
 
 
 class PolicyAndValueWrapper(torch.nn.Module):
@@ -286,7 +626,7 @@ class PolicyAndValueWrapper(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 num_outputs: int) -> tuple:
-        """(B, T) ids, mask, positions -> ((B, num_outputs, V) policy logits, (B, num_outputs) values) of the last positions."""
+        """== (policy logits, critic outputs)[:, -num_outputs:]: (B, T) ids, mask, positions -> ((B, n, V), (B, n))."""
         policy_hidden = last_hidden_states(self.policy.base_model, input_ids, attention_mask, position_ids, num_outputs)
         critic_hidden = last_hidden_states(self.critic.backbone, input_ids, attention_mask, position_ids, num_outputs)
         return self.policy.get_output_embeddings()(policy_hidden), self.critic.head(critic_hidden).squeeze(-1)
@@ -294,7 +634,7 @@ class PolicyAndValueWrapper(torch.nn.Module):
 
 def last_hidden_states(backbone, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                        num_positions: int) -> torch.Tensor:
-    """(B, T) ids, mask, positions -> (B, num_positions, d): the backbone's final hidden states at the last positions."""
+    """== backbone(input_ids, attention_mask, position_ids).last_hidden_state[:, -num_positions:]: (B, num_positions, d)."""
     if not (isinstance(backbone, GPTNeoXModel) and backbone.config._attn_implementation == "sdpa"):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         return hidden.last_hidden_state[:, -num_positions:]
@@ -328,286 +668,19 @@ def last_hidden_states(backbone, input_ids: torch.Tensor, attention_mask: torch.
     return backbone.final_layer_norm(hidden)
 
 
-def ppo_batch_sizes(batch_size: int, world_size: int, num_minibatches: int, local_micro_batch_size: int) -> dict:
-    """The derived sizes of Args (local_batch_size ... micro_batch_size), each an exact division."""
-    def exact(numerator: int, denominator: int, what: str) -> int:
-        if denominator <= 0 or numerator <= 0 or numerator % denominator:
-            raise SetupError(f"{what}: {numerator} is not a positive multiple of {denominator}")
-        return numerator // denominator
-
-    local_batch_size = exact(batch_size, world_size, "--batch_size / world size")
-    local_mini_batch_size = exact(local_batch_size, num_minibatches, "batch per rank / --num_minibatches")
-    return {"local_batch_size": local_batch_size,
-            "mini_batch_size": exact(batch_size, num_minibatches, "--batch_size / --num_minibatches"),
-            "local_mini_batch_size": local_mini_batch_size,
-            "gradient_accumulation_steps": exact(local_mini_batch_size, local_micro_batch_size,
-                                                 "minibatch per rank / --local_micro_batch_size"),
-            "micro_batch_size": local_micro_batch_size * world_size}
-
-
-def ppo_flag_problems(args: Args, world_size: int) -> list:
-    """One line per flag that cannot work, naming it and what to pass instead; empty if all can. Loads and writes nothing."""
-    # Every flag is checked before anything is loaded or written, and all problems are listed at once:
-    # a bad value would otherwise surface inside AdamW or the rollout, or after training.
-    unit = (lambda value: 0 <= value <= 1, "a number in [0, 1]")
-    problems = flag_range_problems(args, {
-        "seed": (lambda seed: 0 <= seed < 2 ** 32 - 100003 * world_size, f"an integer in [0, 2^32 - {100003 * world_size})"),
-        "save_every": AT_LEAST_0, "stop_after_updates": NONE_OR_AT_LEAST_1,
-        "total_episodes": (lambda n: n >= args.batch_size, f"at least one batch, --batch_size {args.batch_size}"),
-        "eval_every": AT_LEAST_0, "num_eval_samples": NONE_OR_AT_LEAST_0, "response_length": AT_LEAST_1,
-        "temperature": POSITIVE, "eval_temperature": POSITIVE, "lr": POSITIVE, "eps": POSITIVE,
-        "weight_decay": NON_NEGATIVE, "local_rollout_forward_batch_size": AT_LEAST_1, "local_eval_batch_size": AT_LEAST_1,
-        "num_ppo_epochs": AT_LEAST_1, "kl_coef": NON_NEGATIVE, "gamma": unit, "lam": unit, "cliprange": POSITIVE,
-        "cliprange_value": POSITIVE, "vf_coef": NON_NEGATIVE,
-        "penalty_reward_value": (math.isfinite, "a finite number")})
-    try:
-        ppo_batch_sizes(args.batch_size, world_size, args.num_minibatches, args.local_micro_batch_size)
-    except SetupError as error:
-        problems.append(str(error))
-    if args.output_dir is not None and os.path.isfile(args.output_dir):
-        problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
-    return problems
-
-
-def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
-    """Why `output_dir` cannot hold this run (another run's args.json, or foreign files), None if it can."""
-    path = os.path.join(output_dir, "args.json")
-    if not os.path.isfile(path):
-        if os.path.isdir(output_dir) and os.listdir(output_dir):
-            return f"--output_dir {output_dir} is not empty and has no args.json: choose an empty or new folder"
-        return None
-    if os.listdir(output_dir) == ["args.json"]:  # a start that failed before any work: nothing to lose
-        return None
-    with open(path) as file:
-        saved = json.load(file)
-    changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
-               if k not in ignored and saved.get(k) != v]
-    if changed:
-        return (f"--output_dir {output_dir} holds a different run ({'; '.join(changed)}): "
-                "choose another folder, delete it, or pass the same flags to overwrite or --resume it")
-    checkpoint = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
-    if checkpoint is not None and not flags.get("resume"):  # starting again at update 0 would discard them
-        return (f"--output_dir {output_dir} holds an unfinished run, checkpointed at update {checkpoint[0]}: "
-                "pass --resume to continue it, or choose another folder (or delete this one) to start again")
-    return None
-
-
-def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
-    """['split' or 'split.column' for each missing split or column]; empty when all are there."""
-    missing = [split for split in splits if split not in dataset_dict]
-    return missing + [f"{split}.{column}" for split in splits if split in dataset_dict
-                      for column in columns if column not in dataset_dict[split].column_names]
-
-
-def model_name(base_model: str) -> str:
-    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
-    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
-    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
-    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
-
-
-def input_problem(path: str, flag: str, make: str) -> Optional[str]:
-    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
-    # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
-    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
-    if os.path.exists(path) or hub_id:
-        return None
-    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
-
-
-def recorded_base_model(folder: str) -> Optional[str]:
-    """The base model name (`model_name`) recorded in the args.json of the stage output `folder`; None if none."""
-    path = os.path.join(folder, "args.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as file:
-        return json.load(file).get("base_model_name")
-
-
-def load_fp32(model_class, path: str, flag: str):
-    """`model_class.from_pretrained(path)` in fp32 whatever dtype it was saved in (Pythia's Hub weights are fp16)."""
-    # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
-    # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
-    # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
-    try:
-        return model_class.from_pretrained(path, dtype=torch.float32)
-    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
-        raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
-                         f"(or the Hub cannot be reached): {error}") from error
-
-
-def load_tokenizer(path: str, flag: str):
-    """AutoTokenizer of `path` with right padding; a SetupError naming `flag` when there is none."""
-    try:
-        return AutoTokenizer.from_pretrained(path, padding_side="right")
-    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
-        raise SetupError(f"{flag} {path}: no tokenizer at {path}, and none of that name on the Hub "
-                         f"(or the Hub cannot be reached): {error}") from error
-
-
-def model_path_problem(path: str, flag: str) -> Optional[str]:
-    """Why `path` (given to `flag`) is neither a local model folder nor a Hub id; None if it may be either."""
-    # from_pretrained would read a missing folder as a Hub id and fail with "Repo id must be in the
-    # form ...", which never says that the folder is missing.
-    if os.path.isdir(path):
-        return None
-    if os.path.exists(path):
-        return f"{flag} {path} is a file: pass a model folder or a Hub id (org/name)"
-    try:
-        validate_repo_id(path)
-    except HFValidationError:
-        return f"{flag} {path}: no model folder at {path}, and it is not a Hub id either (org/name): pass a folder that exists"
-    return None  # a Hub id: from_pretrained fetches it, or says that it cannot
-
-
-def flag_range_problems(args, rules: dict) -> list:
-    """['--flag value: want ...'] for each flag of `rules` ({flag: (ok(value) -> bool, what to pass)}) whose value fails."""
-    return [f"--{flag} {getattr(args, flag)}: want {want}" for flag, (ok, want) in rules.items()
-            if not ok(getattr(args, flag))]
-
-
-def tokenizer_identity(tokenizer) -> str:
-    """sha256 (hex) of the tokenizer's vocabulary, as sorted (token, id) pairs, and of its special tokens map."""
-    # Two tokenizers with the same EOS and [PAD] ids may still map every other id to another token: a
-    # model would then train on, or score, text it cannot read, silently. Every stage records this in
-    # its args.json (taken after add_pad_token) and compares it across everything it loads.
-    payload = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "special_tokens": tokenizer.special_tokens_map},
-                         sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
-
-
-def recorded_tokenizer_identity(folder: str) -> Optional[str]:
-    """The "tokenizer_identity" of `folder`/args.json (a stage's output or preprocess_tldr.py's data folder); None if none."""
-    path = os.path.join(folder, "args.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as file:
-        return json.load(file).get("tokenizer_identity")
-
-
-def identity_problem(sides: dict) -> Optional[str]:
-    """{what: tokenizer identity, or None when unknown} -> why the known ones differ, each side named; None if they agree."""
-    known = {what: identity for what, identity in sides.items() if identity is not None}
-    if len(set(known.values())) <= 1:
-        return None
-    return ("these inputs come from different tokenizers (tokenizer_identity = sha256 of vocabulary and special tokens): "
-            + "; ".join(f"{what} has {identity[:16]}" for what, identity in known.items())
-            + ". Preprocess the data and train every model from one base model's tokenizer")
-
-
-def vocabulary_problem(tokenizer, rows: int, what: str) -> Optional[str]:
-    """Why `what`, a model with `rows` embedding rows, cannot read every id of `tokenizer` but [PAD]; None if it can."""
-    # [PAD] may lie past the table: it is replaced by a valid id before every forward.
-    largest = max(i for i in tokenizer.get_vocab().values() if i != tokenizer.pad_token_id)
-    if largest < rows:
-        return None
-    return (f"{what} has {rows} embedding rows, but the tokenizer has ids up to {largest}: it was not trained "
-            "with this tokenizer; use models and data made from one base model")
-
-
-def gpu_problem(environ, cuda_available: bool) -> Optional[str]:
-    """Why this launch cannot run: it asks for a GPU (DeepSpeed, bf16 / fp16) and sees none; None if it can."""
-    # A SLURM job on a node whose torch is a CPU build would otherwise train on the CPU, silently,
-    # for days. A CPU rehearsal is fine when it says so: DS_ACCELERATOR=cpu, or accelerate's --cpu.
-    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
-    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if cuda_available or not (deepspeed or precision != "no"):
-        return None
-    if deepspeed and environ.get("DS_ACCELERATOR") == "cpu":
-        return None
-    if not deepspeed and environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
-        return None
-    asked = "DeepSpeed" if deepspeed else f"mixed precision {precision}"
-    rehearsal = "DS_ACCELERATOR=cpu" if deepspeed else "accelerate launch --cpu"
-    return (f"this launch asks for a GPU ({asked}), but torch {torch.__version__} sees no CUDA device "
-            f"(CUDA build: {torch.version.cuda or 'none, a CPU-only torch'}). Run it on a GPU node with a CUDA "
-            f"build of torch, or, for a CPU rehearsal on purpose, use {rehearsal}")
-
-
-def git_commit(folder: str) -> Optional[str]:
-    """The git commit checked out in `folder`, None outside a git checkout."""
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True)
-    except OSError:
-        return None
-    return result.stdout.strip() if result.returncode == 0 else None
-
-
-def add_pad_token(tokenizer) -> bool:
-    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
-    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
-        return False
-    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    return True
-
-
-def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bool:
-    """Refuse pad == EOS, add [PAD] where there is no pad, refuse ids other than `data_ids`; True if added."""
-    # Detail 3: Leading space, EOS at the end, a distinct [PAD]
-    # "A tokenizer without a pad token" is read as: no pad at all (Pythia) gets the [PAD] that
-    # preprocess_tldr.py added, so the ids agree; a pad that IS the EOS is refused, because every
-    # mask `ids != pad` would then hide the EOS too and the model would never learn to stop.
-    if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise SetupError(f"the tokenizer's pad token {tokenizer.pad_token!r} is its EOS token: "
-                         "give it a distinct pad token, or none (then [PAD] is added)")
-    added = add_pad_token(tokenizer)
-    ours = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    if data_ids is not None and data_ids != ours:
-        raise SetupError(f"{data_source} was tokenized with {data_ids}, this tokenizer has {ours}: "
-                         "preprocess the data with the same base model")
-    return added
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Set every dropout probability of `model` to 0: nn.Dropout modules, float *dropout* attributes, config."""
-    # Detail 7: Disable dropout
-    # With dropout on, two forwards of the same ids give different log-probs: the first PPO ratio
-    # would not be 1 and reward scores would be noisy. Pythia's dropout is 0 already; the tiny
-    # model's is 0.1. nn.Dropout modules are not all of it: GPT-NeoX attention copies the float
-    # `config.attention_dropout` into a module attribute and applies it functionally.
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name, value in vars(module).items():
-            if "dropout" in name and isinstance(value, float):
-                setattr(module, name, 0.0)
-    for name, value in vars(model.config).items():  # saved with the model: later loads start at 0 too
-        if "dropout" in name and isinstance(value, float):
-            setattr(model.config, name, 0.0)
-
-
-def rotary_problem(models: dict) -> Optional[str]:
-    """{name: model} -> the rotary `inv_freq` buffers stored below fp32 (None if there are none)."""
-    # Rotary angles are position x inv_freq: rounded to bf16 (8 bits of mantissa) the angle at
-    # distance 565 of Pythia-1B is off by ~0.25 rad, and two copies of one model that disagree on
-    # it disagree on every log-prob. DeepSpeed casts parameters only; a blanket .to(bf16) does not.
-    low = [f"{name}: {module_name}.inv_freq is {buffer.dtype}" for name, model in models.items()
-           for module_name, module in model.named_modules()
-           for buffer_name, buffer in module.named_buffers(recurse=False)
-           if buffer_name == "inv_freq" and buffer.dtype != torch.float32]
-    return "; ".join(low) or None
-
-
-def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """Cast `model`'s parameters (not its buffers) to `dtype`, in place, as DeepSpeed casts the trained model."""
-    # A plain .to(bf16) would also round the fp32 rotary frequencies (see rotary_problem).
-    for param in model.parameters():
-        param.data = param.data.to(dtype)
-    return model
-
-
-def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:
-    """Ids that sampling never emits: [PAD] and the embedding rows past the tokenizer (no token owns them)."""
-    # Pythia's embedding has 50304 rows for 50277 tokens, and the [PAD] we add is 50277: a sampled
-    # [PAD] in mid-summary would move the EOS the reward is read at, and an unowned row decodes to
-    # nothing. Their logits are masked wherever the policy samples (a departure from the reference).
-    return sorted({tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)})
-
-
-def mask_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """(..., V) logits -> the same with the columns `token_ids` at the dtype's lowest value (probability 0)."""
-    # The lowest finite value, not -inf: softmax gives exactly 0 there and entropy's p * logit stays 0, not NaN.
-    return logits.index_fill(-1, token_ids, torch.finfo(logits.dtype).min)
+def response_window(query_responses: torch.Tensor, pad_token_id: int, context_length: int, num_outputs: int) -> tuple:
+    """(B, T) left-padded query ++ response ids -> (B, W) ids, mask and position ids of the columns that the
+    outputs at positions context - 1 ... context + num_outputs - 2 (predicting response tokens 0 ... num_outputs - 1) read."""
+    # Columns before `start` are pads in every row (keys that no position attends to); columns
+    # from `stop` on come after the last position used (causal attention: never read). The kept
+    # columns keep their positions in the full row (which a forward without position ids numbers
+    # 0 ... T - 1), so the outputs are those of the full forward, up to the float rounding of sums
+    # over a shorter row. Padded rows cost as much as real ones: this skips what is never used.
+    start = min(int(first_true_indices(query_responses[:, :context_length] != pad_token_id).min()), context_length - 1)
+    window = query_responses[:, start:context_length + num_outputs - 1]  # (B, W)
+    attention_mask = window != pad_token_id
+    position_ids = torch.arange(start, start + window.size(1), device=window.device).expand_as(window)
+    return torch.masked_fill(window, ~attention_mask, 0), attention_mask, position_ids
 
 
 def trained_width(sequence_lengths: torch.Tensor, response_length: int, score_after_eos: bool) -> int:
@@ -617,57 +690,18 @@ def trained_width(sequence_lengths: torch.Tensor, response_length: int, score_af
     return max(1, min(response_length, int(sequence_lengths.max()) + 1 + int(score_after_eos)))
 
 
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """(B, T) bool -> (B,): index of the first True of each row, T for a row without one."""
-    row_len = bools.size(-1)
-    # (B, T): a False costs T + its index, a True just its index; the minimum is the first True
-    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
-    return torch.min(zero_or_index, dim=-1).values
-
-
-def truncate_response(responses: torch.Tensor, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
-    """(B, T_resp) ids -> (B, T_resp): ids after each row's first EOS set to pad (the EOS is kept)."""
-    eos_index = first_true_indices(responses == eos_token_id)  # (B,): T_resp where no EOS
-    positions = torch.arange(responses.size(1), device=responses.device).view(1, -1)  # (1, T_resp)
-    return torch.masked_fill(responses, positions > eos_index.unsqueeze(1), pad_token_id)
-
-
-def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config) -> tuple:
-    """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores)."""
-    context_length = queries.shape[1]
-    attention_mask = queries != pad_token_id  # (B, T_q)
-    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    # generate() fills unset fields from the model's own generation_config: its eos id would stop
-    # early or, with min_new_tokens, forbid EOS altogether. Without eos / pad ids every row gets
-    # exactly max_new_tokens tokens and EOS is handled afterwards by truncate_response.
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = None
-    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
-    # (B, T_q + T_resp): the original queries (with their pads) ++ the new tokens
-    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), torch.stack(output.scores, 1)
-
-
-def sampling_distribution(logits: torch.Tensor, temperature: float, unsampled: torch.Tensor) -> tuple:
-    """(B, V) next-token logits -> ((B, V) scores = logits / T with the `unsampled` ids masked, (B, V) probabilities drawn from)."""
-    score = mask_logits(logits.float() / temperature, unsampled)
-    probs = F.softmax(score, dim=-1)
-    # Weights blown up by a too large step give nan / inf logits: multinomial would raise on some
-    # rank (a device-side assert on a GPU). Such a row draws uniformly from the sampled ids instead;
-    # its log-probs stay non-finite, and the update's finite check stops every rank together.
-    # Finite rows are drawn from exactly as before.
-    uniform = torch.ones_like(probs).index_fill(-1, unsampled, 0.0)
-    return score, torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, uniform)
+# Sampling: the plain loop (HF generate's draws), its fast path, and HF generate for evaluation.
 
 
 def sample_rollout(model, queries: torch.Tensor, pad_token_id: int, eos_token_id: int, response_length: int,
                    temperature: float, unsampled: torch.Tensor) -> tuple:
-    """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores = logits / T,
-    the `unsampled` ids masked)."""
-    # The sampling of generate() above (pure temperature: softmax of logits / T, one multinomial
-    # draw per row and step), as a plain KV-cache loop that stops once EVERY row holds an EOS: the
-    # tokens after a row's EOS are never used (truncated, masked, causal attention), so the steps
-    # after the last row's EOS only cost time. They become EOS fillers (scores 0), and their random draws
-    # are still taken, so the random stream, and every later sample, is what the full length gives.
+    """== generate(model, queries, pad_token_id, GenerationConfig(temperature, response_length new tokens, `unsampled`
+    suppressed)) up to each row's EOS: ((B, T_q + T_resp) ids, (B, T_resp, V) scores = logits / T).
+
+    A plain KV-cache loop that stops once EVERY row holds an EOS (tests/test_ppo.py checks the equality). The tokens
+    after a row's EOS are never used (truncated, masked, causal attention): the steps after the last row's EOS only
+    cost time. They become EOS fillers (scores 0), and their random draws are still taken, so the random stream, and
+    every later sample, is what the full length gives. Masked scores are the lowest float, not generate()'s -inf."""
     attention_mask = queries != pad_token_id  # (B, T_q), grows by one column per step
     position_ids = (attention_mask.long().cumsum(1) - 1).masked_fill(~attention_mask, 0)  # generate()'s convention
     cache = DynamicCache(config=model.config)
@@ -694,6 +728,17 @@ def sample_rollout(model, queries: torch.Tensor, pad_token_id: int, eos_token_id
     tokens += [torch.full_like(token, eos_token_id)] * (response_length - len(tokens))
     scores += [torch.zeros_like(score)] * (response_length - len(scores))
     return torch.cat((queries, torch.stack(tokens, 1)), 1), torch.stack(scores, 1)
+
+
+def sampling_distribution(logits: torch.Tensor, temperature: float, unsampled: torch.Tensor) -> tuple:
+    """(B, V) next-token logits -> ((B, V) scores = logits / T with the `unsampled` ids masked, (B, V) probabilities drawn from)."""
+    score = mask_logits(logits.float() / temperature, unsampled)
+    probs = F.softmax(score, dim=-1)
+    # Weights blown up by a too large step give nan / inf logits, on which multinomial raises (on one rank only).
+    # Such a row draws uniformly from the sampled ids instead, and its log-probs stay non-finite.
+    # The update's finite check then stops every rank together; finite rows are drawn from as they are.
+    uniform = torch.ones_like(probs).index_fill(-1, unsampled, 0.0)
+    return score, torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, uniform)
 
 
 class StaticSampler:
@@ -784,47 +829,111 @@ def draw_tokens(probs: torch.Tensor) -> torch.Tensor:
 
 def decode_step(model, token: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache,
                 temperature: float, unsampled: torch.Tensor) -> tuple:
-    """(B,) ids at (B, 1) positions, (B, T) mask, a StaticCache -> sampling_distribution of the next token (compiled)."""
+    """== sampling_distribution(model(token, ..., cache).logits[:, -1], T, unsampled): StaticSampler's compiled step."""
     logits = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=position_ids,
                    past_key_values=cache, use_cache=True).logits  # (B, 1, V)
     return sampling_distribution(logits[:, -1], temperature, unsampled)
 
 
-def response_window(query_responses: torch.Tensor, pad_token_id: int, context_length: int, num_outputs: int) -> tuple:
-    """(B, T) left-padded query ++ response ids -> (B, W) ids, mask and position ids of the columns that the
-    outputs at positions context - 1 ... context + num_outputs - 2 (predicting response tokens 0 ... num_outputs - 1) read."""
-    # Columns before `start` are pads in every row (keys that no position attends to); columns
-    # from `stop` on come after the last position used (causal attention: never read). The kept
-    # columns keep their positions in the full row (which a forward without position ids numbers
-    # 0 ... T - 1), so the outputs are those of the full forward, up to the float rounding of sums
-    # over a shorter row. Padded rows cost as much as real ones: this skips what is never used.
-    start = min(int(first_true_indices(query_responses[:, :context_length] != pad_token_id).min()), context_length - 1)
-    window = query_responses[:, start:context_length + num_outputs - 1]  # (B, W)
-    attention_mask = window != pad_token_id
-    position_ids = torch.arange(start, start + window.size(1), device=window.device).expand_as(window)
-    return torch.masked_fill(window, ~attention_mask, 0), attention_mask, position_ids
+def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config) -> tuple:
+    """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores)."""
+    context_length = queries.shape[1]
+    attention_mask = queries != pad_token_id  # (B, T_q)
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    # generate() fills unset fields from the model's own generation_config: its eos id would stop
+    # early or, with min_new_tokens, forbid EOS altogether. Without eos / pad ids every row gets
+    # exactly max_new_tokens tokens and EOS is handled afterwards by truncate_response.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    # (B, T_q + T_resp): the original queries (with their pads) ++ the new tokens
+    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), torch.stack(output.scores, 1)
 
 
-def reward_indices(query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
-    """(B, T) ids -> (B,): the EOS position = first pad at or after `context_length`, minus 1 (T - 1 if none)."""
-    # Detail 12: Extract the reward at the EOS token
-    # Only the EOS position has read the whole summary, so only its output is trained (and used as
-    # the reward). Right-padded query+response rows: context 0, the first pad ends the sequence.
-    # Left-padded query ++ right-padded response (PPO's layout): the query's own pads come first,
-    # so the search starts at the response (context = query width). No pad: the last position.
-    return first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+def summary_sampler(args, pad_token_id: int, eos_token_id: int, temperature: float, unsampled: torch.Tensor):
+    """The evaluation's sampler: (policy, (B, T_q) queries) -> (B, T_q + T_resp) queries ++ ids sampled at
+    `temperature`, EOS cut later; HF generate, or StaticSampler with --fast_sampling (the same tokens)."""
+    if args.fast_sampling:
+        sampler = StaticSampler(args.local_eval_batch_size)
+        return lambda policy, queries: sampler(policy, queries, pad_token_id, eos_token_id, args.response_length,
+                                               temperature, unsampled)[0]
+    config = GenerationConfig(
+        max_new_tokens=args.response_length, min_new_tokens=args.response_length,  # always the full length
+        temperature=temperature, top_k=0, top_p=1.0, do_sample=True,  # pure temperature sampling
+        return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled.tolist())  # never [PAD] / unowned rows
+    return lambda policy, queries: generate(policy, queries, pad_token_id, config)[0]
 
 
-def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> tuple:
-    """(B, T) ids with pads -> ((B, T) per-token reward logits, (B,) reward at each row's EOS)."""
-    attention_mask = query_responses != pad_token_id  # (B, T)
-    # Pads are masked out of attention and replaced by a valid id; no position_ids are passed (the
-    # reference's convention): with left padding, positions shift by the pad count, which rotary
-    # embeddings (relative positions) do not see. Detail 14 measures what is left of it.
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    reward_logits = model(input_ids=input_ids, attention_mask=attention_mask)  # (B, T)
-    eos = reward_indices(query_responses, pad_token_id, context_length)  # (B,)
-    return reward_logits, reward_logits[torch.arange(reward_logits.size(0), device=eos.device), eos]
+# Helpers of the maths above.
+
+
+def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) temperature-scaled logits and (B, T) ids -> (B, T) log-prob of each id."""
+    return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) temperature-scaled logits -> (B, T) entropy of each softmax distribution."""
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` over the True positions of `mask` (0 when there are none)."""
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def mask_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits -> the same with the columns `token_ids` at the dtype's lowest value (probability 0)."""
+    # The lowest finite value, not -inf: softmax gives exactly 0 there and entropy's p * logit stays 0, not NaN.
+    return logits.index_fill(-1, token_ids, torch.finfo(logits.dtype).min)
+
+
+def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:
+    """Ids that sampling never emits: [PAD] and the embedding rows past the tokenizer (no token owns them)."""
+    # Pythia's embedding has 50304 rows for 50277 tokens, and the [PAD] we add is 50277: a sampled
+    # [PAD] in mid-summary would move the EOS the reward is read at, and an unowned row decodes to
+    # nothing. Their logits are masked wherever the policy samples (a departure from the reference).
+    return sorted({tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)})
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """(B, T) bool -> (B,): index of the first True of each row, T for a row without one."""
+    row_len = bools.size(-1)
+    # (B, T): a False costs T + its index, a True just its index; the minimum is the first True
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def truncate_response(responses: torch.Tensor, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
+    """(B, T_resp) ids -> (B, T_resp): ids after each row's first EOS set to pad (the EOS is kept)."""
+    eos_index = first_true_indices(responses == eos_token_id)  # (B,): T_resp where no EOS
+    positions = torch.arange(responses.size(1), device=responses.device).view(1, -1)  # (1, T_resp)
+    return torch.masked_fill(responses, positions > eos_index.unsqueeze(1), pad_token_id)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability of `model` to 0: nn.Dropout modules, float *dropout* attributes, config."""
+    # Pythia's dropout is 0 already; the tiny model's is 0.1.
+    # nn.Dropout modules are not all of it: GPT-NeoX attention copies the float
+    # `config.attention_dropout` into a module attribute and applies it functionally.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    for name, value in vars(model.config).items():  # saved with the model: later loads start at 0 too
+        if "dropout" in name and isinstance(value, float):
+            setattr(model.config, name, 0.0)
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast `model`'s parameters (not its buffers) to `dtype`, in place, as DeepSpeed casts the trained model."""
+    # A plain .to(bf16) would also round the fp32 rotary frequencies (see rotary_problem).
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
 
 
 def episode_order(num_rows: int, num_episodes: int, seed: int) -> torch.Tensor:
@@ -833,6 +942,545 @@ def episode_order(num_rows: int, num_episodes: int, seed: int) -> torch.Tensor:
     passes = -(-num_episodes // num_rows)  # ceil: the last pass may be used in part
     perms = [torch.randperm(num_rows, generator=generator) for _ in range(passes)]
     return torch.cat(perms)[:num_episodes] if perms else torch.zeros(0, dtype=torch.long)
+
+
+# Evaluation: sampling, scoring, sharding and outputs.
+
+
+@torch.no_grad()
+def ppo_evaluate(accelerator, policy, reward_model, dataset, tokenizer, sample_summaries,
+                 local_eval_batch_size: int) -> tuple:
+    """All ranks: sample (`sample_summaries(policy, (B, T_q) queries)` -> (B, T_q + T_resp)) and score `dataset`
+    -> ({score, reference_score, eos_fraction, response_length}, rows in split order)."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    policy.eval()
+    rows = []
+    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
+    for indices, real in tqdm(batches, desc="eval", disable=not accelerator.is_main_process):
+        batch = dataset[indices]
+        queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
+        references = batch["reference_response_token"].to(accelerator.device)  # (B, T_ref), right-padded
+        context_length = queries.shape[1]
+        with accelerator.autocast():
+            query_responses = sample_summaries(policy, queries)
+            responses = truncate_response(query_responses[:, context_length:], eos_id, pad_id)  # (B, T_resp)
+            _, scores = get_reward(reward_model, torch.cat((queries, responses), 1), pad_id, context_length)
+            _, reference_scores = get_reward(reward_model, torch.cat((queries, references), 1), pad_id, context_length)
+        for j, (i, query, response, reference) in enumerate(list(zip(
+                indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
+                tokenizer.batch_decode(responses, skip_special_tokens=True),
+                tokenizer.batch_decode(references, skip_special_tokens=True)))[:real]):
+            rows.append({"index": i, "query": query.strip(), "response": response.strip(),
+                         "reference": reference.strip(), "score": scores[j].item(),
+                         "reference_score": reference_scores[j].item(),
+                         "eos": bool((responses[j] == eos_id).any()), "length": int((responses[j] != pad_id).sum())})
+    policy.train()
+    rows = sorted(gather_object(rows), key=lambda row: row["index"])  # every rank's rows, in split order
+    metrics = {"score": float(np.mean([row["score"] for row in rows])),
+               "reference_score": float(np.mean([row["reference_score"] for row in rows])),
+               "eos_fraction": float(np.mean([row["eos"] for row in rows])),
+               "response_length": float(np.mean([row["length"] for row in rows]))}
+    return metrics, rows
+
+
+def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
+    """[(row indices, number of real rows)] of rank `rank`: rows rank, rank + W, ... in batches of `batch_size`;
+    every rank gets the same batches count and sizes, a rank one row short repeating its last row (not kept)."""
+    # Frozen models run as ZeRO-3 engines (--offload) gather their parameters in every forward,
+    # a collective: a rank with one batch fewer would leave the others waiting forever.
+    mine = list(range(rank, num_rows, world_size))
+    per_rank = -(-num_rows // world_size)  # ceil
+    padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
+    return [(padded[start:start + batch_size], max(0, min(batch_size, len(mine) - start)))
+            for start in range(0, per_rank, batch_size)]
+
+
+def evaluate_and_log(accelerator, args, dataset, policy, reward_model, tokenizer, sample_summaries, writer,
+                     run_name: str, splits: tuple, episode: int) -> dict:
+    """All ranks: ppo_evaluate the policy on `splits` -> {split: metrics}; rank 0 logs eval/ppo/*, writes the
+    sample tables runs/{run_name}/samples_{split}_{episode}.csv and prints the metrics."""
+    out = {}
+    for split in splits if args.num_eval_samples != 0 else ():
+        eval_set = dataset[split].with_format("torch", columns=list(REQUIRED_COLUMNS))
+        if args.num_eval_samples is not None:
+            eval_set = eval_set.select(range(min(args.num_eval_samples, len(eval_set))))
+        metrics, rows = ppo_evaluate(accelerator, policy, reward_model, eval_set, tokenizer, sample_summaries,
+                                     args.local_eval_batch_size)
+        out[split] = metrics
+        if accelerator.is_main_process:
+            for key, value in metrics.items():
+                writer.add_scalar(f"eval/ppo/{split}/{key}", value, episode)
+            if split == "validation":
+                writer.add_scalar("objective/validation_score", metrics["score"], episode)
+            table = pd.DataFrame(rows, columns=["query", "response", "reference", "score", "reference_score"])
+            write_atomic(os.path.join(f"runs/{run_name}", f"samples_{split}_{episode}.csv"),
+                         lambda partial: table.to_csv(partial, index=False))
+            if args.track:
+                import wandb
+
+                wandb.log({f"eval/ppo/{split}/samples": wandb.Table(dataframe=table)})
+            print(f"eval/{split} after {episode} episodes: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return out
+
+
+def log_update(writer, progress, episode: int, logged: dict) -> None:
+    """Rank 0 (the one with a writer): every scalar of `logged` at x = `episode`, and the progress line."""
+    if writer is None:
+        return
+    for key, value in logged.items():
+        writer.add_scalar(key, value, episode)
+    progress.set_postfix(score=f"{logged['objective/scores']:.3f}", kl=f"{logged['objective/kl']:.3f}",
+                         ratio0=f"{logged['policy/ratio_first_epoch']:.5f}",
+                         eos=f"{logged['objective/eos_fraction']:.2f}")
+
+
+
+# Run setup: flags, inputs, tokenizer, models, logging.
+# The prompts, and the human references that the evaluation scores beside the samples.
+REQUIRED_COLUMNS = ("query_token", "reference_response_token")
+RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
+POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
+NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
+AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")
+AT_LEAST_0 = (lambda value: value >= 0, "an integer >= 0")
+NONE_OR_AT_LEAST_1 = (lambda value: value is None or value >= 1, "an integer >= 1, or no flag")
+NONE_OR_AT_LEAST_0 = (lambda value: value is None or value >= 0, "an integer >= 0, or no flag")
+
+
+class SetupError(ValueError):
+    """Flags, data, tokenizer or output folder the script cannot use; raised before any compute."""
+
+
+def refuse(problem: Optional[str]) -> None:
+    """Raise SetupError(problem) when there is a problem."""
+    if problem:
+        raise SetupError(problem)
+
+
+def ppo_flag_problems(args: Args, world_size: int) -> list:
+    """One line per flag that cannot work, naming it and what to pass instead; empty if all can. Loads and writes nothing."""
+    # Every flag is checked before anything is loaded or written, and all problems are listed at once:
+    # a bad value would otherwise surface inside AdamW or the rollout, or after training.
+    unit = (lambda value: 0 <= value <= 1, "a number in [0, 1]")
+    problems = flag_range_problems(args, {
+        "seed": (lambda seed: 0 <= seed < 2 ** 32 - 100003 * world_size, f"an integer in [0, 2^32 - {100003 * world_size})"),
+        "save_every": AT_LEAST_0, "stop_after_updates": NONE_OR_AT_LEAST_1,
+        "total_episodes": (lambda n: n >= args.batch_size, f"at least one batch, --batch_size {args.batch_size}"),
+        "eval_every": AT_LEAST_0, "num_eval_samples": NONE_OR_AT_LEAST_0, "response_length": AT_LEAST_1,
+        "temperature": POSITIVE, "eval_temperature": POSITIVE, "lr": POSITIVE, "eps": POSITIVE,
+        "weight_decay": NON_NEGATIVE, "local_rollout_forward_batch_size": AT_LEAST_1, "local_eval_batch_size": AT_LEAST_1,
+        "num_ppo_epochs": AT_LEAST_1, "kl_coef": NON_NEGATIVE, "gamma": unit, "lam": unit, "cliprange": POSITIVE,
+        "cliprange_value": POSITIVE, "vf_coef": NON_NEGATIVE,
+        "penalty_reward_value": (math.isfinite, "a finite number")})
+    try:
+        ppo_batch_sizes(args.batch_size, world_size, args.num_minibatches, args.local_micro_batch_size)
+    except SetupError as error:
+        problems.append(str(error))
+    if args.output_dir is not None and os.path.isfile(args.output_dir):
+        problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
+    return problems
+
+
+def flag_range_problems(args, rules: dict) -> list:
+    """['--flag value: want ...'] for each flag of `rules` ({flag: (ok(value) -> bool, what to pass)}) whose value fails."""
+    return [f"--{flag} {getattr(args, flag)}: want {want}" for flag, (ok, want) in rules.items()
+            if not ok(getattr(args, flag))]
+
+
+def ppo_batch_sizes(batch_size: int, world_size: int, num_minibatches: int, local_micro_batch_size: int) -> dict:
+    """The derived sizes of Args (local_batch_size ... micro_batch_size), each an exact division."""
+    def exact(numerator: int, denominator: int, what: str) -> int:
+        if denominator <= 0 or numerator <= 0 or numerator % denominator:
+            raise SetupError(f"{what}: {numerator} is not a positive multiple of {denominator}")
+        return numerator // denominator
+
+    local_batch_size = exact(batch_size, world_size, "--batch_size / world size")
+    local_mini_batch_size = exact(local_batch_size, num_minibatches, "batch per rank / --num_minibatches")
+    return {"local_batch_size": local_batch_size,
+            "mini_batch_size": exact(batch_size, num_minibatches, "--batch_size / --num_minibatches"),
+            "local_mini_batch_size": local_mini_batch_size,
+            "gradient_accumulation_steps": exact(local_mini_batch_size, local_micro_batch_size,
+                                                 "minibatch per rank / --local_micro_batch_size"),
+            "micro_batch_size": local_micro_batch_size * world_size}
+
+
+def gpu_problem(environ, cuda_available: bool) -> Optional[str]:
+    """Why this launch cannot run: it asks for a GPU (DeepSpeed, bf16 / fp16) and sees none; None if it can."""
+    # A SLURM job on a node whose torch is a CPU build would otherwise train on the CPU, silently,
+    # for days. A CPU rehearsal is fine when it says so: DS_ACCELERATOR=cpu, or accelerate's --cpu.
+    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if cuda_available or not (deepspeed or precision != "no"):
+        return None
+    if deepspeed and environ.get("DS_ACCELERATOR") == "cpu":
+        return None
+    if not deepspeed and environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return None
+    asked = "DeepSpeed" if deepspeed else f"mixed precision {precision}"
+    rehearsal = "DS_ACCELERATOR=cpu" if deepspeed else "accelerate launch --cpu"
+    return (f"this launch asks for a GPU ({asked}), but torch {torch.__version__} sees no CUDA device "
+            f"(CUDA build: {torch.version.cuda or 'none, a CPU-only torch'}). Run it on a GPU node with a CUDA "
+            f"build of torch, or, for a CPU rehearsal on purpose, use {rehearsal}")
+
+
+def start_ppo_accelerator(args) -> Accelerator:
+    """The Accelerator of this launch, once the launch and every flag are checked; sets the derived sizes of `args`."""
+    problem = gpu_problem(os.environ, torch.cuda.is_available())
+    if problem:
+        raise SetupError(problem)
+    # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
+    deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
+    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
+    problems = ppo_flag_problems(args, accelerator.num_processes)
+    if problems:
+        raise SetupError("ppo.py cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
+    args.world_size = accelerator.num_processes
+    sizes = ppo_batch_sizes(args.batch_size, args.world_size, args.num_minibatches, args.local_micro_batch_size)
+    args.local_batch_size, args.mini_batch_size = sizes["local_batch_size"], sizes["mini_batch_size"]
+    args.local_mini_batch_size = sizes["local_mini_batch_size"]
+    args.gradient_accumulation_steps, args.micro_batch_size = sizes["gradient_accumulation_steps"], sizes["micro_batch_size"]
+    args.num_updates = args.total_episodes // args.batch_size
+    return accelerator
+
+
+def ppo_inputs(args, accelerator) -> tuple:
+    """(the SFT dataset, its eval splits, the SFT model's tokenizer, what args.json records of them), every one
+    checked; fills in the default paths of `args` and tidies its output folder."""
+    # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, then
+    # models/{base_model}/{sft,reward}_{seed}, and this script -> models/{base_model}/ppo_{seed}.
+    name = model_name(args.base_model) if args.base_model else None
+    make = {}  # flag -> the command that creates its default
+    for flag, stage in (("sft_model_path", "sft"), ("reward_model_path", "reward")):
+        make[flag] = f"python {stage}.py --base_model {args.base_model or 'EleutherAI/pythia-1b-deduped'} --seed {args.seed}"
+        if getattr(args, flag) is None:
+            setattr(args, flag, os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"{stage}_{args.seed}"))
+        else:
+            make[flag] += f" --output_dir {getattr(args, flag)}"
+        recorded = recorded_base_model(getattr(args, flag))
+        if name and recorded and name != recorded:
+            raise SetupError(f"--{flag} {getattr(args, flag)} was trained from {recorded}, not from --base_model "
+                             f"{args.base_model}: pass --base_model {recorded} or another --{flag}")
+        name = name or recorded  # the SFT model's record names the reward model's default too
+    name = name or "EleutherAI/pythia-1b-deduped"
+    args.base_model = args.base_model or name
+    args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
+    args.output_dir = args.output_dir or os.path.join("models", name, f"ppo_{args.seed}")
+    if accelerator.is_main_process:
+        tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
+    accelerator.wait_for_everyone()
+    refuse(input_problem(args.sft_model_path, "--sft_model_path", make["sft_model_path"])
+           or input_problem(args.reward_model_path, "--reward_model_path", make["reward_model_path"])
+           or input_problem(args.query_dataset, "--query_dataset", f"python preprocess_tldr.py --base_model {args.base_model}")
+           or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
+               "world_size", "local_batch_size", "mini_batch_size", "local_mini_batch_size",
+               "gradient_accumulation_steps", "micro_batch_size", "num_updates")))
+    local_dataset = os.path.isdir(args.query_dataset)
+    dataset = datasets.load_from_disk(args.query_dataset) if local_dataset else datasets.load_dataset(args.query_dataset)
+    eval_splits = ("validation", "test") if args.eval_test else ("validation",)
+    missing = missing_columns(dataset, ("train",) + eval_splits, REQUIRED_COLUMNS)
+    if missing:
+        raise SetupError(f"{args.query_dataset} lacks {missing}: build it with preprocess_tldr.py")
+    tokenizer, identity = ppo_tokenizer(args, accelerator, local_dataset)
+    recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+                "tokenizer_identity": identity}
+    return dataset, eval_splits, tokenizer, recorded
+
+
+def ppo_tokenizer(args, accelerator, local_dataset: bool) -> tuple:
+    """(the SFT model's tokenizer, checked against the dataset's ids and the RM's tokenizer, its tokenizer_identity)."""
+    tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")  # sft.py saved it with its [PAD]
+    built_with = os.path.join(os.path.dirname(os.path.abspath(args.query_dataset)), "args.json")
+    data_ids = None
+    if local_dataset and os.path.isfile(built_with):
+        with open(built_with) as file:
+            built = json.load(file)
+        data_ids = {key: built.get(key) for key in ("eos_token_id", "pad_token_id")}
+    else:
+        accelerator.print(f"note: no args.json beside {args.query_dataset}; its eos / pad ids are not checked")
+    if check_tokenizer(tokenizer, data_ids, f"{args.query_dataset} ({built_with})"):
+        accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
+    # The RM scores the policy's token ids: it must read them as the same tokens (its own tokenizer,
+    # saved by reward.py, with [PAD] by the same rule), and its embedding must hold every id (main).
+    reward_tokenizer = load_tokenizer(args.reward_model_path, "--reward_model_path")
+    add_pad_token(reward_tokenizer)
+    identity = tokenizer_identity(tokenizer)
+    refuse(identity_problem({
+        f"--sft_model_path {args.sft_model_path} (its tokenizer)": identity,
+        f"--sft_model_path {args.sft_model_path} (its args.json)": recorded_tokenizer_identity(args.sft_model_path),
+        f"--reward_model_path {args.reward_model_path} (its tokenizer)": tokenizer_identity(reward_tokenizer),
+        f"--reward_model_path {args.reward_model_path} (its args.json)": recorded_tokenizer_identity(args.reward_model_path),
+        f"--query_dataset {args.query_dataset} ({built_with})":
+            recorded_tokenizer_identity(os.path.dirname(built_with)) if local_dataset else None}))
+    return tokenizer, identity
+
+
+def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bool:
+    """Refuse pad == EOS, add [PAD] where there is no pad, refuse ids other than `data_ids`; True if added."""
+    # A tokenizer without any pad (Pythia) gets the [PAD] that preprocess_tldr.py added, so the ids agree.
+    # A pad that IS the EOS is refused: every mask `ids != pad` would hide the EOS, and no model would learn to stop.
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise SetupError(f"the tokenizer's pad token {tokenizer.pad_token!r} is its EOS token: "
+                         "give it a distinct pad token, or none (then [PAD] is added)")
+    added = add_pad_token(tokenizer)
+    ours = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    if data_ids is not None and data_ids != ours:
+        raise SetupError(f"{data_source} was tokenized with {data_ids}, this tokenizer has {ours}: "
+                         "preprocess the data with the same base model")
+    return added
+
+
+def model_name(base_model: str) -> str:
+    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
+    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
+    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
+    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
+
+
+def recorded_base_model(folder: str) -> Optional[str]:
+    """The base model name (`model_name`) recorded in the args.json of the stage output `folder`; None if none."""
+    path = os.path.join(folder, "args.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        return json.load(file).get("base_model_name")
+
+
+def input_problem(path: str, flag: str, make: str) -> Optional[str]:
+    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
+    # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
+    if os.path.exists(path) or hub_id:
+        return None
+    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
+
+
+def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
+    """Why `output_dir` cannot hold this run (another run's args.json, or foreign files), None if it can."""
+    path = os.path.join(output_dir, "args.json")
+    if not os.path.isfile(path):
+        if os.path.isdir(output_dir) and os.listdir(output_dir):
+            return f"--output_dir {output_dir} is not empty and has no args.json: choose an empty or new folder"
+        return None
+    if os.listdir(output_dir) == ["args.json"]:  # a start that failed before any work: nothing to lose
+        return None
+    with open(path) as file:
+        saved = json.load(file)
+    changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
+               if k not in ignored and saved.get(k) != v]
+    if changed:
+        return (f"--output_dir {output_dir} holds a different run ({'; '.join(changed)}): "
+                "choose another folder, delete it, or pass the same flags to overwrite or --resume it")
+    checkpoint = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
+    if checkpoint is not None and not flags.get("resume"):  # starting again at update 0 would discard them
+        return (f"--output_dir {output_dir} holds an unfinished run, checkpointed at update {checkpoint[0]}: "
+                "pass --resume to continue it, or choose another folder (or delete this one) to start again")
+    return None
+
+
+def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
+    """['split' or 'split.column' for each missing split or column]; empty when all are there."""
+    missing = [split for split in splits if split not in dataset_dict]
+    return missing + [f"{split}.{column}" for split in splits if split in dataset_dict
+                      for column in columns if column not in dataset_dict[split].column_names]
+
+
+def load_tokenizer(path: str, flag: str):
+    """AutoTokenizer of `path` with right padding; a SetupError naming `flag` when there is none."""
+    try:
+        return AutoTokenizer.from_pretrained(path, padding_side="right")
+    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
+        raise SetupError(f"{flag} {path}: no tokenizer at {path}, and none of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def add_pad_token(tokenizer) -> bool:
+    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return False
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return True
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """sha256 (hex) of the tokenizer's vocabulary, as sorted (token, id) pairs, and of its special tokens map."""
+    # Two tokenizers with the same EOS and [PAD] ids may still map every other id to another token: a
+    # model would then train on, or score, text it cannot read, silently. Every stage records this in
+    # its args.json (taken after add_pad_token) and compares it across everything it loads.
+    payload = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "special_tokens": tokenizer.special_tokens_map},
+                         sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def recorded_tokenizer_identity(folder: str) -> Optional[str]:
+    """The "tokenizer_identity" of `folder`/args.json (a stage's output or preprocess_tldr.py's data folder); None if none."""
+    path = os.path.join(folder, "args.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        return json.load(file).get("tokenizer_identity")
+
+
+def identity_problem(sides: dict) -> Optional[str]:
+    """{what: tokenizer identity, or None when unknown} -> why the known ones differ, each side named; None if they agree."""
+    known = {what: identity for what, identity in sides.items() if identity is not None}
+    if len(set(known.values())) <= 1:
+        return None
+    return ("these inputs come from different tokenizers (tokenizer_identity = sha256 of vocabulary and special tokens): "
+            + "; ".join(f"{what} has {identity[:16]}" for what, identity in known.items())
+            + ". Preprocess the data and train every model from one base model's tokenizer")
+
+
+def vocabulary_problem(tokenizer, rows: int, what: str) -> Optional[str]:
+    """Why `what`, a model with `rows` embedding rows, cannot read every id of `tokenizer` but [PAD]; None if it can."""
+    # [PAD] may lie past the table: it is replaced by a valid id before every forward.
+    largest = max(i for i in tokenizer.get_vocab().values() if i != tokenizer.pad_token_id)
+    if largest < rows:
+        return None
+    return (f"{what} has {rows} embedding rows, but the tokenizer has ids up to {largest}: it was not trained "
+            "with this tokenizer; use models and data made from one base model")
+
+
+def vocabulary_problems(args, tokenizer, policy, critic) -> Optional[str]:
+    """vocabulary_problem of the policy (--sft_model_path), else of the critic, the RM's copy (--reward_model_path)."""
+    return (vocabulary_problem(tokenizer, policy.get_input_embeddings().weight.size(0),
+                               f"--sft_model_path {args.sft_model_path}")
+            or vocabulary_problem(tokenizer, critic.backbone.get_input_embeddings().weight.size(0),
+                                  f"--reward_model_path {args.reward_model_path}"))
+
+
+def load_fp32(model_class, path: str, flag: str):
+    """`model_class.from_pretrained(path)` in fp32 whatever dtype it was saved in (Pythia's Hub weights are fp16)."""
+    # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
+    # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
+    # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
+    try:
+        return model_class.from_pretrained(path, dtype=torch.float32)
+    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
+        raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
+                         f"(or the Hub cannot be reached): {error}") from error
+
+
+def rotary_problem(models: dict) -> Optional[str]:
+    """{name: model} -> the rotary `inv_freq` buffers stored below fp32 (None if there are none)."""
+    # Rotary angles are position x inv_freq: rounded to bf16 (8 bits of mantissa) the angle at
+    # distance 565 of Pythia-1B is off by ~0.25 rad, and two copies of one model that disagree on
+    # it disagree on every log-prob. DeepSpeed casts parameters only; a blanket .to(bf16) does not.
+    low = [f"{name}: {module_name}.inv_freq is {buffer.dtype}" for name, model in models.items()
+           for module_name, module in model.named_modules()
+           for buffer_name, buffer in module.named_buffers(recurse=False)
+           if buffer_name == "inv_freq" and buffer.dtype != torch.float32]
+    return "; ".join(low) or None
+
+
+def offload_frozen_models(accelerator, args, ref_policy, reward_model) -> tuple:
+    """(reference policy, RM) as DeepSpeed ZeRO-3 inference engines whose parameters stay on the CPU (--offload)."""
+    # They stream their parameters to the GPU layer by layer (the paper's 6.9B runs). Needs a DeepSpeed
+    # launch (tests: 2 CPU processes, against the same launch without it). Every rank must call every
+    # forward (parameters are gathered collectively), which the rollout does; unequal eval shards would hang.
+    import deepspeed
+
+    ds_config = {"train_micro_batch_size_per_gpu": args.local_micro_batch_size,
+                 "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
+                 "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                       "stage3_param_persistence_threshold": 1e4},
+                 "prescale_gradients": False, "wall_clock_breakdown": False}
+    ref_policy = deepspeed.initialize(model=ref_policy, config=ds_config)[0]  # (an engine's .eval() returns None)
+    reward_model = deepspeed.initialize(model=reward_model, config=ds_config)[0]
+    ref_policy.eval(), reward_model.eval()
+    return ref_policy, reward_model
+
+
+def frozen_like_trained(accelerator, offload: bool, model, ref_policy, reward_model) -> tuple:
+    """(reference policy, RM) on the prepared `model`'s precision path; refused if a rotary inv_freq is below fp32."""
+    if not offload:
+        # DeepSpeed's bf16 parameters with fp32 buffers, or fp32 under accelerate's autocast.
+        # A more precise reference would make the KL start away from 0 by the rounding difference alone.
+        dtype = next(model.parameters()).dtype
+        ref_policy = cast_parameters(ref_policy.to(accelerator.device), dtype)
+        reward_model = cast_parameters(reward_model.to(accelerator.device), dtype)
+    problem = rotary_problem({"policy and critic": model, "reference": ref_policy, "reward model": reward_model})
+    refuse(problem and f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
+    return ref_policy, reward_model
+
+
+
+def start_ppo_logging(args, accelerator, resume_from: Optional[tuple], recorded: dict) -> tuple:
+    """(run name, rank 0's SummaryWriter or None); rank 0 writes args.json (flags, `recorded`, git commit) and starts W&B."""
+    start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
+    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
+    if resume_from is not None and args.run_name is None:  # a resumed run logs on into its own folder
+        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
+            run_name = json.load(file)["run_name"]
+    writer = None
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
+            **asdict(args), "run_name": run_name, **recorded,
+            "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, indent=2))
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{key}|{value}|" for key, value in asdict(args).items()))
+        if args.track:
+            import wandb  # imported here: without --track nothing touches the network
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, save_code=True)
+    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} episodes = "
+                      f"{args.local_batch_size} per rank x {args.world_size} ranks; {args.num_minibatches} "
+                      f"minibatch(es) of {args.mini_batch_size} = {args.local_micro_batch_size} x "
+                      f"{args.gradient_accumulation_steps} per rank x {args.world_size}; {args.micro_batch_size} per forward")
+    return run_name, writer
+
+
+def git_commit(folder: str) -> Optional[str]:
+    """The git commit checked out in `folder`, None outside a git checkout."""
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True)
+    except OSError:
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+# Fault handling and checkpoints.
+
+
+def check_and_checkpoint(accelerator, args, updates_done: int, losses: torch.Tensor, run_name: str, model, optimizer,
+                         scheduler) -> None:
+    """All ranks: stop all on a non-finite loss or weight; save a checkpoint every --save_every and at --stop_after_updates."""
+    checkpoints = os.path.join(args.output_dir, "checkpoints")
+    if not all_finite(accelerator, model, losses):
+        raise FloatingPointError(nonfinite_message(updates_done, args.num_updates, checkpoints))
+    if (args.save_every and updates_done % args.save_every == 0) or updates_done == args.stop_after_updates:
+        save_checkpoint(accelerator, checkpoints, updates_done, run_name, model, optimizer, scheduler)
+
+
+def all_finite(accelerator, model, losses: torch.Tensor) -> bool:
+    """All ranks: whether `losses` and every parameter of `model` are finite on every rank (one all-reduce)."""
+    # Summed over ranks, so that every rank stops at the same update (a rank stopping alone would
+    # leave the others waiting in the next collective).
+    local = torch.stack([torch.isfinite(losses).all()] + [torch.isfinite(p).all() for p in model.parameters()]).all()
+    return accelerator.reduce((~local).float().reshape(1), reduction="sum").item() == 0
+
+
+def nonfinite_message(update: int, num_updates: int, checkpoints: str) -> str:
+    """Why the run stops at `update` (counted from 1) with a nan / inf, and which checkpoint it keeps."""
+    last = latest_checkpoint(checkpoints)
+    kept = (f"the last checkpoint, {last[1]} (update {last[0]}), is kept as it was" if last else
+            "no checkpoint was written before it (--save_every N keeps one every N updates)")
+    return (f"update {update} of {num_updates}: the loss or the weights are not finite (nan or inf) on at least one "
+            f"rank, so the run stops before saving anything of it; {kept}. Try a lower --lr (or look at the data of "
+            f"update {update}) in a new --output_dir; --resume with these flags continues from the kept checkpoint")
+
+
+def resume(accelerator, args, resume_from: Optional[tuple], model, optimizer, scheduler) -> int:
+    """All ranks: the update to start at, after loading `resume_from` ((update, path) or None) when there is one."""
+    if resume_from is not None:
+        load_checkpoint(accelerator, resume_from[1], model, optimizer, scheduler)  # also the RNG states of that update
+        accelerator.print(f"resumed from {resume_from[1]} at update {resume_from[0]}")
+        return resume_from[0]
+    if args.resume:
+        accelerator.print(f"--resume: no checkpoint in {os.path.join(args.output_dir, 'checkpoints')}, starting at update 0")
+    return 0
 
 
 def latest_checkpoint(folder: str) -> Optional[tuple]:
@@ -968,22 +1616,72 @@ def load_weights_only(path: str, map_location=None):
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def all_finite(accelerator, model, losses: torch.Tensor) -> bool:
-    """All ranks: whether `losses` and every parameter of `model` are finite on every rank (one all-reduce)."""
-    # Summed over ranks, so that every rank stops at the same update (a rank stopping alone would
-    # leave the others waiting in the next collective).
-    local = torch.stack([torch.isfinite(losses).all()] + [torch.isfinite(p).all() for p in model.parameters()]).all()
-    return accelerator.reduce((~local).float().reshape(1), reduction="sum").item() == 0
+# Outputs: written beside output_dir, swapped in whole; the Hub.
 
 
-def nonfinite_message(update: int, num_updates: int, checkpoints: str) -> str:
-    """Why the run stops at `update` (counted from 1) with a nan / inf, and which checkpoint it keeps."""
-    last = latest_checkpoint(checkpoints)
-    kept = (f"the last checkpoint, {last[1]} (update {last[0]}), is kept as it was" if last else
-            "no checkpoint was written before it (--save_every N keeps one every N updates)")
-    return (f"update {update} of {num_updates}: the loss or the weights are not finite (nan or inf) on at least one "
-            f"rank, so the run stops before saving anything of it; {kept}. Try a lower --lr (or look at the data of "
-            f"update {update}) in a new --output_dir; --resume with these flags continues from the kept checkpoint")
+def save_ppo(accelerator, args, run_name: str, writer, model, tokenizer, all_metrics: dict) -> None:
+    """All ranks wait; rank 0 writes the policy (fp32), tokenizer, eval tables and eval_metrics.json to a staging
+    folder, swaps it in as output_dir and pushes it (--push_to_hub)."""
+    accelerator.wait_for_everyone()
+    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it
+    if not accelerator.is_main_process:
+        return
+    policy = accelerator.unwrap_model(model).policy
+    policy_state = {key[len("policy."):]: value for key, value in state_dict.items() if key.startswith("policy.")}
+    # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
+    policy.generation_config.eos_token_id = tokenizer.eos_token_id
+    policy.generation_config.pad_token_id = tokenizer.pad_token_id
+    staging = staging_folder(args.output_dir)  # swapped in whole once complete
+    save_fp32(policy, staging, policy_state)
+    tokenizer.save_pretrained(staging)
+    for split in all_metrics:  # the final tables, where judge.py reads them
+        shutil.copy(os.path.join(f"runs/{run_name}", f"samples_{split}_{args.num_updates * args.batch_size}.csv"),
+                    os.path.join(staging, f"eval_{split}.csv"))
+    with open(os.path.join(staging, "eval_metrics.json"), "w") as file:
+        json.dump(all_metrics, file, indent=2)
+    publish_output(staging, args.output_dir)  # the checkpoints go with the old folder: only an unfinished run needs them
+    writer.close()
+    print(f"saved {args.output_dir}")
+    if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
+        print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
+    if args.push_to_hub:
+        push_to_hub(args.output_dir, args.base_model.replace("/", "_"), args.exp_name, args.hf_entity, run_name)
+    if args.track:
+        import wandb
+
+        wandb.finish()
+
+
+def fp32_state_dict(accelerator, model) -> dict:
+    """All ranks: the model's state dict in fp32, under DeepSpeed its fp32 master weights (not the bf16 copies)."""
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
+    if accelerator.state.deepspeed_plugin is not None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, param in accelerator.unwrap_model(model).named_parameters():
+            master = safe_get_full_fp32_param(param)  # collective (all-gathers the master's shards); None if frozen
+            if master is not None:
+                state_dict[name] = master
+    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
+
+
+def save_fp32(model, output_dir: str, state_dict: dict) -> None:
+    """`model.save_pretrained` with an fp32 `state_dict`, its config saying float32 (the dtype of the weights saved)."""
+    model.save_pretrained(output_dir, state_dict=state_dict)
+    model.config.dtype = "float32"  # save_pretrained wrote the dtype of the module's bf16 compute copy under DeepSpeed
+    model.config.save_pretrained(output_dir)
+
+
+def push_to_hub(output_dir: str, repo_name: str, exp_name: str, hf_entity: Optional[str], run_name: str) -> None:
+    """Upload `output_dir` to {hf_entity}/{repo_name}__{exp_name}__tldr, on a branch named `run_name`."""
+    from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
+
+    api = HfApi()
+    repo_id = f"{hf_entity or api.whoami()['name']}/{repo_name}__{exp_name}__tldr"
+    api.create_repo(repo_id, exist_ok=True)
+    api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
+    api.upload_folder(folder_path=output_dir, repo_id=repo_id, revision=run_name)
+    print(f"pushed https://huggingface.co/{repo_id}/tree/{run_name}")
 
 
 def write_atomic(path: str, write) -> None:
@@ -1054,608 +1752,5 @@ def tidy_output_dir(output_dir: str) -> None:
                     os.remove(path)
 
 
-def fp32_state_dict(accelerator, model) -> dict:
-    """All ranks: the model's state dict in fp32, under DeepSpeed its fp32 master weights (not the bf16 copies)."""
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
-    if accelerator.state.deepspeed_plugin is not None:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        for name, param in accelerator.unwrap_model(model).named_parameters():
-            master = safe_get_full_fp32_param(param)  # collective (all-gathers the master's shards); None if frozen
-            if master is not None:
-                state_dict[name] = master
-    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
-
-
-def save_fp32(model, output_dir: str, state_dict: dict) -> None:
-    """`model.save_pretrained` with an fp32 `state_dict`, its config saying float32 (the dtype of the weights saved)."""
-    model.save_pretrained(output_dir, state_dict=state_dict)
-    model.config.dtype = "float32"  # save_pretrained wrote the dtype of the module's bf16 compute copy under DeepSpeed
-    model.config.save_pretrained(output_dir)
-
-
-def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
-    """[(row indices, number of real rows)] of rank `rank`: rows rank, rank + W, ... in batches of `batch_size`;
-    every rank gets the same batches count and sizes, a rank one row short repeating its last row (not kept)."""
-    # Frozen models run as ZeRO-3 engines (--offload) gather their parameters in every forward,
-    # a collective: a rank with one batch fewer would leave the others waiting forever.
-    mine = list(range(rank, num_rows, world_size))
-    per_rank = -(-num_rows // world_size)  # ceil
-    padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
-    return [(padded[start:start + batch_size], max(0, min(batch_size, len(mine) - start)))
-            for start in range(0, per_rank, batch_size)]
-
-
-def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) temperature-scaled logits and (B, T) ids -> (B, T) log-prob of each id."""
-    return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) temperature-scaled logits -> (B, T) entropy of each softmax distribution."""
-    logits = logits.float()
-    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
-
-
-def eos_trick(scores: torch.Tensor, contains_eos: torch.Tensor, penalty_reward_value: float) -> torch.Tensor:
-    """(B,) RM scores, (B,) bool -> (B,) scores, replaced by `penalty_reward_value` where there is no EOS."""
-    # Detail 23: EOS trick
-    # Sampling never stops early (exactly response_length tokens, then truncation after the first
-    # EOS). Without an EOS the RM's score is undefined (it is trained on the EOS logit only), so it
-    # is REPLACED by a constant (-1), not decreased: this also teaches the policy to stop in time.
-    return torch.where(contains_eos, scores, torch.full_like(scores, penalty_reward_value))
-
-
-def response_masks(postprocessed_responses: torch.Tensor, pad_token_id: int, score_after_eos: bool) -> tuple:
-    """(B, T) truncated responses -> ((B,) EOS index, (B, T) token padding mask, (B, T) value padding mask).
-
-    EOS index = first pad - 1 (T - 1 when the row has no pad, i.e. no EOS). Padding masks are True
-    where a position is NOT trained: after the EOS for tokens; after the token that carries the
-    score for values (the EOS, or EOS + 1 with score_after_eos, the reference's placement)."""
-    sequence_lengths = first_true_indices(postprocessed_responses == pad_token_id) - 1  # (B,)
-    positions = torch.arange(postprocessed_responses.size(1), device=postprocessed_responses.device)  # (T,)
-    padding_mask = positions.unsqueeze(0) > sequence_lengths.unsqueeze(1)  # (B, T)
-    value_padding_mask = positions.unsqueeze(0) > (sequence_lengths + int(score_after_eos)).unsqueeze(1)
-    return sequence_lengths, padding_mask, value_padding_mask
-
-
-def compute_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: torch.Tensor,
-                    sequence_lengths: torch.Tensor, padding_mask: torch.Tensor, kl_coef: float,
-                    score_after_eos: bool) -> tuple:
-    """(B, T) log-probs of policy and reference, (B,) scores -> (B, T) rewards, (B, T) kl, (B, T) -kl_coef * kl."""
-    kl = (logprobs - ref_logprobs).masked_fill(padding_mask, 0.0)  # (B, T): 0 after the EOS
-    non_score_reward = -kl_coef * kl
-    rewards = non_score_reward.clone()
-    # The score goes on the EOS token (paper, Figure 11) or, in the reference code, one token later
-    # when there is room. A response without EOS gets it on its last token.
-    index = sequence_lengths + int(score_after_eos)  # (B,)
-    index = torch.where(index < rewards.size(1), index, sequence_lengths)
-    rewards[torch.arange(rewards.size(0), device=rewards.device), index] += scores
-    return rewards, kl, non_score_reward
-
-
-def whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, all_reduce=None) -> torch.Tensor:
-    """(B, T) values, (B, T) bool mask of valid positions -> (B, T) whitened values, 0 where not valid.
-
-    Mean and biased variance over the valid positions of every process: `all_reduce` sums a
-    tensor over processes (None: this process alone)."""
-    all_reduce = all_reduce or (lambda tensor: tensor)
-    weights = mask.to(values.dtype)
-    total, count = all_reduce(torch.stack([(values * weights).sum(), weights.sum()]))
-    mean = total / count
-    variance = all_reduce(((values - mean) ** 2 * weights).sum()) / count
-    whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
-    if not shift_mean:  # Detail 24 keeps the rewards' mean: only their scale changes
-        whitened = whitened + mean
-    return whitened * weights
-
-
-def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple:
-    """(B, T) rewards and values (0 where not valid) -> ((B, T) GAE advantages, (B, T) returns = A + V)."""
-    advantages_reversed, last_gae = [], torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.size(1))):
-        next_value = values[:, t + 1] if t + 1 < rewards.size(1) else torch.zeros_like(values[:, t])  # V_T = 0
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last_gae = delta + gamma * lam * last_gae
-        advantages_reversed.append(last_gae)
-    advantages = torch.stack(advantages_reversed[::-1], dim=1)  # (B, T)
-    return advantages, advantages + values
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `values` over the True positions of `mask` (0 when there are none)."""
-    return (values * mask).sum() / mask.sum().clamp(min=1)
-
-
-def ppo_losses(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-               vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, token_mask: torch.Tensor,
-               value_mask: torch.Tensor, cliprange: float, cliprange_value: float) -> dict:
-    """(B, T) tensors and bool masks of valid tokens / values -> {pg_loss, vf_loss, and masked statistics}."""
-    # Value loss: the new value may move at most cliprange_value from the rollout's value, unless
-    # the unclipped error is the larger one (PPO's pessimistic max).
-    vpred_clipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
-    vf_losses1, vf_losses2 = (vpred - returns) ** 2, (vpred_clipped - returns) ** 2
-    vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), value_mask)
-    # Policy loss: the clipped surrogate objective, negated.
-    log_ratio = new_logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    pg_loss = masked_mean(torch.max(pg_losses1, pg_losses2), token_mask)
-    return {"pg_loss": pg_loss, "vf_loss": vf_loss,
-            "pg_clipfrac": masked_mean((pg_losses2 > pg_losses1).float(), token_mask),
-            "vf_clipfrac": masked_mean((vf_losses2 > vf_losses1).float(), value_mask),
-            "approxkl": 0.5 * masked_mean(log_ratio ** 2, token_mask),
-            "ratio": masked_mean(ratio, token_mask),
-            "ratio_max_deviation": ((ratio - 1).abs() * token_mask).max()}
-
-
-@torch.no_grad()
-def ppo_evaluate(accelerator, policy, reward_model, dataset, tokenizer, sample_summaries,
-                 local_eval_batch_size: int) -> tuple:
-    """All ranks: sample (`sample_summaries(policy, (B, T_q) queries)` -> (B, T_q + T_resp)) and score `dataset`
-    -> ({score, reference_score, eos_fraction, response_length}, rows)."""
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    policy.eval()
-    rows = []
-    batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
-    for indices, real in tqdm(batches, desc="eval", disable=not accelerator.is_main_process):
-        batch = dataset[indices]
-        queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
-        references = batch["reference_response_token"].to(accelerator.device)  # (B, T_ref), right-padded
-        context_length = queries.shape[1]
-        with accelerator.autocast():
-            query_responses = sample_summaries(policy, queries)
-            responses = truncate_response(query_responses[:, context_length:], eos_id, pad_id)  # (B, T_resp)
-            _, scores = get_reward(reward_model, torch.cat((queries, responses), 1), pad_id, context_length)
-            _, reference_scores = get_reward(reward_model, torch.cat((queries, references), 1), pad_id, context_length)
-        for j, (i, query, response, reference) in enumerate(list(zip(
-                indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
-                tokenizer.batch_decode(responses, skip_special_tokens=True),
-                tokenizer.batch_decode(references, skip_special_tokens=True)))[:real]):
-            rows.append({"index": i, "query": query.strip(), "response": response.strip(),
-                         "reference": reference.strip(), "score": scores[j].item(),
-                         "reference_score": reference_scores[j].item(),
-                         "eos": bool((responses[j] == eos_id).any()), "length": int((responses[j] != pad_id).sum())})
-    policy.train()
-    rows = sorted(gather_object(rows), key=lambda row: row["index"])  # every rank's rows, in split order
-    metrics = {"score": float(np.mean([row["score"] for row in rows])),
-               "reference_score": float(np.mean([row["reference_score"] for row in rows])),
-               "eos_fraction": float(np.mean([row["eos"] for row in rows])),
-               "response_length": float(np.mean([row["length"] for row in rows]))}
-    columns = ("query", "response", "reference", "score", "reference_score")
-    return metrics, [{key: row[key] for key in columns} for row in rows]
-
-
 if __name__ == "__main__":
-    # ---- args & sizes ----
-    args = tyro.cli(Args)
-    problem = gpu_problem(os.environ, torch.cuda.is_available())
-    if problem:
-        raise SetupError(problem)
-    # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
-    deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
-    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
-    problems = ppo_flag_problems(args, accelerator.num_processes)
-    if problems:
-        raise SetupError("ppo.py cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
-    args.world_size = accelerator.num_processes
-    sizes = ppo_batch_sizes(args.batch_size, args.world_size, args.num_minibatches, args.local_micro_batch_size)
-    args.local_batch_size, args.mini_batch_size = sizes["local_batch_size"], sizes["mini_batch_size"]
-    args.local_mini_batch_size = sizes["local_mini_batch_size"]
-    args.gradient_accumulation_steps, args.micro_batch_size = sizes["gradient_accumulation_steps"], sizes["micro_batch_size"]
-    args.num_updates = args.total_episodes // args.batch_size
-    # Detail 8: Tech stack
-    # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
-    # One optimizer step per minibatch: accumulate over its micro-batches. DeepSpeed cannot read the
-    # micro-batch from a DataLoader here, and the paper's runs do not clip gradients.
-    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
-    if accelerator.state.deepspeed_plugin is not None:
-        accelerator.state.deepspeed_plugin.deepspeed_config.update(
-            train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
-
-    # ---- checks: every bad input fails here, before a model is loaded or anything is written ----
-    # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, then
-    # models/{base_model}/{sft,reward}_{seed}, and this script -> models/{base_model}/ppo_{seed}.
-    name = model_name(args.base_model) if args.base_model else None
-    make = {}  # flag -> the command that creates its default
-    for flag, stage in (("sft_model_path", "sft"), ("reward_model_path", "reward")):
-        make[flag] = f"python {stage}.py --base_model {args.base_model or 'EleutherAI/pythia-1b-deduped'} --seed {args.seed}"
-        if getattr(args, flag) is None:
-            setattr(args, flag, os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"{stage}_{args.seed}"))
-        else:
-            make[flag] += f" --output_dir {getattr(args, flag)}"
-        recorded = recorded_base_model(getattr(args, flag))
-        if name and recorded and name != recorded:
-            raise SetupError(f"--{flag} {getattr(args, flag)} was trained from {recorded}, not from --base_model "
-                             f"{args.base_model}: pass --base_model {recorded} or another --{flag}")
-        name = name or recorded  # the SFT model's record names the reward model's default too
-    name = name or "EleutherAI/pythia-1b-deduped"
-    args.base_model = args.base_model or name
-    args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
-    args.output_dir = args.output_dir or os.path.join("models", name, f"ppo_{args.seed}")
-    if accelerator.is_main_process:
-        tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
-    accelerator.wait_for_everyone()
-    problem = (input_problem(args.sft_model_path, "--sft_model_path", make["sft_model_path"])
-               or input_problem(args.reward_model_path, "--reward_model_path", make["reward_model_path"])
-               or input_problem(args.query_dataset, "--query_dataset", f"python preprocess_tldr.py --base_model {args.base_model}")
-               or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
-                   "world_size", "local_batch_size", "mini_batch_size", "local_mini_batch_size",
-                   "gradient_accumulation_steps", "micro_batch_size", "num_updates")))
-    if problem:
-        raise SetupError(problem)
-    local_dataset = os.path.isdir(args.query_dataset)
-    dataset = datasets.load_from_disk(args.query_dataset) if local_dataset else datasets.load_dataset(args.query_dataset)
-    eval_splits = ("validation", "test") if args.eval_test else ("validation",)
-    missing = missing_columns(dataset, ("train",) + eval_splits, REQUIRED_COLUMNS)
-    if missing:
-        raise SetupError(f"{args.query_dataset} lacks {missing}: build it with preprocess_tldr.py")
-    tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")  # sft.py saved it with its [PAD]
-    built_with = os.path.join(os.path.dirname(os.path.abspath(args.query_dataset)), "args.json")
-    data_ids = None
-    if local_dataset and os.path.isfile(built_with):
-        with open(built_with) as file:
-            built = json.load(file)
-        data_ids = {key: built.get(key) for key in ("eos_token_id", "pad_token_id")}
-    else:
-        accelerator.print(f"note: no args.json beside {args.query_dataset}; its eos / pad ids are not checked")
-    if check_tokenizer(tokenizer, data_ids, f"{args.query_dataset} ({built_with})"):
-        accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    # The RM scores the policy's token ids: it must read them as the same tokens (its own tokenizer,
-    # saved by reward.py, with [PAD] by the same rule), and its embedding must hold every id (below).
-    reward_tokenizer = load_tokenizer(args.reward_model_path, "--reward_model_path")
-    add_pad_token(reward_tokenizer)
-    identity = tokenizer_identity(tokenizer)
-    problem = identity_problem({
-        f"--sft_model_path {args.sft_model_path} (its tokenizer)": identity,
-        f"--sft_model_path {args.sft_model_path} (its args.json)": recorded_tokenizer_identity(args.sft_model_path),
-        f"--reward_model_path {args.reward_model_path} (its tokenizer)": tokenizer_identity(reward_tokenizer),
-        f"--reward_model_path {args.reward_model_path} (its args.json)": recorded_tokenizer_identity(args.reward_model_path),
-        f"--query_dataset {args.query_dataset} ({built_with})":
-            recorded_tokenizer_identity(os.path.dirname(built_with)) if local_dataset else None})
-    if problem:
-        raise SetupError(problem)
-    train = dataset["train"].with_format("torch", columns=["query_token"])
-    checkpoints = os.path.join(args.output_dir, "checkpoints")
-    resume_from = latest_checkpoint(checkpoints) if args.resume else None
-
-    # ---- seeding & data order ----
-    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
-    random.seed(local_seed)
-    np.random.seed(local_seed)
-    torch.manual_seed(local_seed)
-    torch.backends.cudnn.deterministic = True
-    # Detail 21: Reuse the SFT prompts, reshuffle at each pass
-    # 1M episodes are ~8.6 passes over the SFT train split: each pass is a fresh permutation (no
-    # prompt twice within a pass), seeded alike on every rank; update u, rank r reads slice [u, r].
-    order = episode_order(len(train), args.num_updates * args.batch_size, args.seed)
-    local_order = order.view(args.num_updates, args.world_size, args.local_batch_size)[:, accelerator.process_index]
-
-    # ---- models ----
-    # Detail 22: Value model initialised from the RM
-    # The critic is a second, trainable copy of the RM (backbone, head and the head's bias, which
-    # carries the normalisation of Detail 15): its first values are the RM's per-token logits.
-    policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
-    ref_policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
-    critic = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
-    reward_model = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
-    for what, model in ((f"--sft_model_path {args.sft_model_path}", policy),
-                        (f"--reward_model_path {args.reward_model_path}", critic.backbone)):
-        problem = vocabulary_problem(tokenizer, model.get_input_embeddings().weight.size(0), what)
-        if problem:
-            raise SetupError(problem)
-    unsampled = torch.tensor(unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
-    for model in (policy, ref_policy, critic, reward_model):
-        disable_dropout(model)
-    for model in (ref_policy, reward_model):
-        model.eval().requires_grad_(False)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-        critic.backbone.gradient_checkpointing_enable()
-    if args.offload:
-        # ZeRO-3 inference engines keep the frozen models' parameters on the CPU and stream them to
-        # the GPU layer by layer (the paper's 6.9B runs). Needs a DeepSpeed launch (tests: 2 CPU
-        # processes, against the same launch without it). Every rank must call every forward
-        # (parameters are gathered collectively), which the rollout does; unequal eval shards would hang.
-        import deepspeed
-
-        ds_config = {"train_micro_batch_size_per_gpu": args.local_micro_batch_size,
-                     "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
-                     "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
-                                           "stage3_param_persistence_threshold": 1e4},
-                     "prescale_gradients": False, "wall_clock_breakdown": False}
-        ref_policy = deepspeed.initialize(model=ref_policy, config=ds_config)[0]  # (an engine's .eval() returns None)
-        reward_model = deepspeed.initialize(model=reward_model, config=ds_config)[0]
-        ref_policy.eval(), reward_model.eval()
-
-    # ---- run name & logging ----
-    start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
-    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
-    if resume_from is not None and args.run_name is None:  # a resumed run logs on into its own folder
-        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
-            run_name = json.load(file)["run_name"]
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
-            **asdict(args), "run_name": run_name, "base_model_name": name, "eos_token_id": eos_id, "pad_token_id": pad_id,
-            "tokenizer_identity": identity, "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))},
-            indent=2))
-        writer = SummaryWriter(f"runs/{run_name}")
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{key}|{value}|" for key, value in asdict(args).items()))
-        if args.track:
-            import wandb  # imported here: without --track nothing touches the network
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
-    accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} episodes = "
-                      f"{args.local_batch_size} per rank x {args.world_size} ranks; {args.num_minibatches} "
-                      f"minibatch(es) of {args.mini_batch_size} = {args.local_micro_batch_size} x "
-                      f"{args.gradient_accumulation_steps} per rank x {args.world_size}; {args.micro_batch_size} per forward")
-
-    # ---- optimizer ----
-    # Detail 20: PPO setup
-    # Table 7: AdamW (eps 1e-5) with lr 3e-6 decayed linearly, one optimizer over policy and critic,
-    # batch 512 in 1 minibatch, 4 epochs, KL 0.05, gamma 1, lambda 0.95, clips 0.2 / 0.2, vf 0.1, T 0.7.
-    model = PolicyAndValueWrapper(policy, critic)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    if not args.offload:
-        # The frozen models take the policy's precision path: DeepSpeed's bf16 parameters with fp32
-        # buffers, or fp32 under accelerate's autocast. A more precise reference would make the KL
-        # start away from 0 by the rounding difference alone.
-        dtype = next(model.parameters()).dtype
-        ref_policy = cast_parameters(ref_policy.to(accelerator.device), dtype)
-        reward_model = cast_parameters(reward_model.to(accelerator.device), dtype)
-    problem = rotary_problem({"policy and critic": model, "reference": ref_policy, "reward model": reward_model})
-    if problem:
-        raise SetupError(f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
-    unsampled = unsampled.to(accelerator.device)
-    start_update = 0
-    if resume_from is not None:
-        load_checkpoint(accelerator, resume_from[1], model, optimizer, None)  # also the RNG states of that update
-        start_update = resume_from[0]
-        accelerator.print(f"resumed from {resume_from[1]} at update {start_update}")
-    elif args.resume:
-        accelerator.print(f"--resume: no checkpoint in {checkpoints}, starting at update 0")
-    unwrapped = accelerator.unwrap_model(model)  # generation and rollout forwards use the plain modules
-    eval_generation_config = GenerationConfig(
-        max_new_tokens=args.response_length, min_new_tokens=args.response_length,
-        temperature=args.eval_temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,
-        return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled.tolist())  # never [PAD] / unowned rows
-    # The same samples either way: the plain loop / generate(), or the fast path (one compile per batch shape).
-    sample_responses = StaticSampler(args.local_rollout_forward_batch_size) if args.fast_sampling else sample_rollout
-    eval_sampler = StaticSampler(args.local_eval_batch_size) if args.fast_sampling else None
-
-    def sample_summaries(policy, queries: torch.Tensor) -> torch.Tensor:
-        """(B, T_q) eval queries -> (B, T_q + T_resp) queries ++ ids sampled at eval_temperature (EOS cut later)."""
-        if eval_sampler is None:
-            return generate(policy, queries, pad_id, eval_generation_config)[0]
-        return eval_sampler(policy, queries, pad_id, eos_id, args.response_length, args.eval_temperature + 1e-7,
-                            unsampled)[0]
-
-    def evaluate(splits: tuple, episode: int) -> dict:
-        """All ranks: evaluate the policy on `splits`, log eval/ppo/*, write the sample tables."""
-        out = {}
-        for split in splits if args.num_eval_samples != 0 else ():
-            eval_set = dataset[split].with_format("torch", columns=list(REQUIRED_COLUMNS))
-            if args.num_eval_samples is not None:
-                eval_set = eval_set.select(range(min(args.num_eval_samples, len(eval_set))))
-            metrics, rows = ppo_evaluate(accelerator, unwrapped.policy, reward_model, eval_set, tokenizer,
-                                         sample_summaries, args.local_eval_batch_size)
-            out[split] = metrics
-            if accelerator.is_main_process:
-                for key, value in metrics.items():
-                    writer.add_scalar(f"eval/ppo/{split}/{key}", value, episode)
-                if split == "validation":
-                    writer.add_scalar("objective/validation_score", metrics["score"], episode)
-                table = pd.DataFrame(rows, columns=["query", "response", "reference", "score", "reference_score"])
-                write_atomic(os.path.join(f"runs/{run_name}", f"samples_{split}_{episode}.csv"),
-                             lambda partial: table.to_csv(partial, index=False))
-                if args.track:
-                    wandb.log({f"eval/ppo/{split}/samples": wandb.Table(dataframe=table)})
-                print(f"eval/{split} after {episode} episodes: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        return out
-
-    # ---- training loop ----
-    context_length = train[0]["query_token"].shape[0]  # T_q: every query is left-padded to this width
-    stat_names = ("objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores",
-                  "objective/rlhf_reward", "objective/eos_fraction", "objective/response_length",
-                  "policy/approxkl", "policy/clipfrac", "policy/ratio", "policy/ratio_first_epoch",
-                  "policy/ratio_first_epoch_max_deviation", "policy/loss",
-                  "value/loss", "value/clipfrac")
-    start_clock = time.time()
-    stop_at = args.num_updates if args.stop_after_updates is None else min(args.stop_after_updates, args.num_updates)
-    progress = tqdm(range(start_update, stop_at), desc="ppo", disable=not accelerator.is_main_process)
-    for update in progress:
-        # 0. Learning rate: linear decay from lr (first update) towards 0 (last update: lr / num_updates).
-        lr = args.lr * (1.0 - update / args.num_updates)
-        optimizer.param_groups[0]["lr"] = lr
-        queries = train[local_order[update].tolist()]["query_token"].to(accelerator.device)  # (B_loc, T_q)
-
-        # 1. Rollout (no grad), in chunks: sample, then score with the frozen models and the critic.
-        clock = time.time()
-        generation_time, rollout = 0.0, {key: [] for key in ("query_responses", "logprobs", "entropy", "ref_logprobs",
-                                                             "values", "scores")}
-        unwrapped.policy.eval()  # no dropout either way; eval() lets generate keep its KV cache under checkpointing
-        with torch.no_grad(), accelerator.autocast():
-            for start in range(0, args.local_batch_size, args.local_rollout_forward_batch_size):
-                query = queries[start:start + args.local_rollout_forward_batch_size]  # (b, T_q)
-                tick = time.time()
-                # 1a. Sample response_length tokens, no stop at a row's EOS (Detail 23 below; only once every
-                # row has one); the scores are logits / (T + 1e-7): behaviour log-probs without a second forward.
-                query_response, gen_logits = sample_responses(unwrapped.policy, query, pad_id, eos_id,
-                                                              args.response_length, args.temperature + 1e-7, unsampled)
-                response = query_response[:, context_length:]  # (b, T_resp)
-                rollout["logprobs"].append(gather_logprobs(gen_logits, response))
-                rollout["entropy"].append(entropy_from_logits(gen_logits))
-                del gen_logits  # (b, T_resp, V): the largest tensor of the rollout
-                generation_time += time.time() - tick
-                # 1b. Reference log-probs on the untruncated sequence, at the same temperature.
-                # (b, T_resp, V): logits at position t predict token t + 1, so the response is predicted
-                # by the positions context - 1 ... T - 2.
-                ref_input_ids, ref_mask, ref_positions = response_window(query_response, pad_id, context_length,
-                                                                         args.response_length)
-                ref_logits = ref_policy(input_ids=ref_input_ids, attention_mask=ref_mask, position_ids=ref_positions,
-                                        logits_to_keep=args.response_length, return_dict=True).logits
-                ref_logits = mask_logits(ref_logits / (args.temperature + 1e-7), unsampled)  # the policy's support
-                rollout["ref_logprobs"].append(gather_logprobs(ref_logits, response))
-                del ref_logits
-                # 1c. Values of the states before each response token (the critic sees the untruncated
-                # sequence, as in training): (b, T_resp).
-                rollout["values"].append(get_reward(unwrapped.critic, query_response, pad_id,
-                                                    context_length)[0][:, context_length - 1:-1].float())
-                # 1d. Truncate after the first EOS and score query ++ postprocessed response.
-                # Detail 14: Left- vs right-padded reward extraction
-                # PPO scores the left-padded query followed by its right-padded response: the search
-                # for the EOS starts after the query (context_length), so the query's pads are skipped.
-                postprocessed = truncate_response(response, eos_id, pad_id)
-                _, score = get_reward(reward_model, torch.cat((query, postprocessed), 1), pad_id, context_length)
-                rollout["query_responses"].append(query_response)
-                rollout["scores"].append(score.float())
-        unwrapped.policy.train()
-        rollout = {key: torch.cat(value) for key, value in rollout.items()}
-        query_responses, logprobs, values = rollout["query_responses"], rollout["logprobs"], rollout["values"]
-        responses = query_responses[:, context_length:]  # (B_loc, T_resp)
-        postprocessed_responses = truncate_response(responses, eos_id, pad_id)
-        scoring_time = time.time() - clock - generation_time
-
-        # 2. EOS trick: a response without EOS gets penalty_reward_value as its score.
-        contains_eos = (postprocessed_responses == eos_id).any(dim=1)  # (B_loc,)
-        scores = rollout["scores"]
-        if args.non_eos_penalty:
-            scores = eos_trick(scores, contains_eos, args.penalty_reward_value)
-
-        # 3. Masks: tokens after the EOS are not trained; values also not after the scored token.
-        sequence_lengths, padding_mask, value_padding_mask = response_masks(postprocessed_responses, pad_id,
-                                                                            args.score_after_eos)
-        values = values.masked_fill(value_padding_mask, 0.0)
-
-        # 4. Per-token rewards: -kl_coef * (logp - ref_logp) everywhere, plus the score on the EOS.
-        rewards, kl, non_score_reward = compute_rewards(logprobs, rollout["ref_logprobs"], scores, sequence_lengths,
-                                                        padding_mask, args.kl_coef, args.score_after_eos)
-        sum_over_processes = lambda tensor: accelerator.reduce(tensor, reduction="sum")  # noqa: E731
-        if args.whiten_rewards:
-            # Detail 24: Reward whitening is optional
-            # Scale (not shift) the rewards by their std over all valid positions of all processes.
-            rewards = whiten(rewards, ~value_padding_mask, shift_mean=False, all_reduce=sum_over_processes)
-
-        # 5. GAE over the response positions; returns before the advantages are whitened.
-        advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
-        # Detail 25: Advantage whitening
-        # Zero mean, unit variance over every valid token of the whole batch (global statistics: the
-        # reference whitens per GPU, so its normalisation changed with the number of GPUs).
-        advantages = whiten(advantages, ~padding_mask, shift_mean=True, all_reduce=sum_over_processes)
-
-        # 6. PPO epochs: shuffle, split into minibatches (one optimizer step each) of micro-batches.
-        clock = time.time()
-        ppo_stats = {key: [] for key in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio",
-                                          "ratio_max_deviation")}
-        for epoch in range(args.num_ppo_epochs):
-            permutation = torch.randperm(args.local_batch_size, device=accelerator.device)
-            for mini_start in range(0, args.local_batch_size, args.local_mini_batch_size):
-                for micro_start in range(mini_start, mini_start + args.local_mini_batch_size,
-                                         args.local_micro_batch_size):
-                    mb = permutation[micro_start:micro_start + args.local_micro_batch_size]  # (micro,) rows
-                    # Only response positions 0 ... n - 1 are trained (later ones are masked in every row
-                    # of the micro-batch: after its EOS, and after its value target), so the forward
-                    # computes just the columns they read, and the policy's logits only there.
-                    n = trained_width(sequence_lengths[mb], responses.size(1), args.score_after_eos)
-                    window_ids, window_mask, window_positions = response_window(query_responses[mb], pad_id,
-                                                                                context_length, n)
-                    with accelerator.accumulate(model):
-                        logits, vpred = model(input_ids=window_ids, attention_mask=window_mask,
-                                              position_ids=window_positions, num_outputs=n)
-                        # (micro, n, V) and (micro, n): the positions that predict response tokens 0 ... n - 1
-                        logits = mask_logits(logits / (args.temperature + 1e-7), unsampled)
-                        # Back to (micro, T_resp): the masked positions take the rollout's values (ratio 1, no loss).
-                        new_logprobs = torch.cat((gather_logprobs(logits, responses[mb, :n]), logprobs[mb, n:]), 1)
-                        vpred = torch.cat((vpred.float(), values[mb, n:]), 1)
-                        stats = ppo_losses(new_logprobs, logprobs[mb], advantages[mb], vpred, values[mb],
-                                           returns[mb], ~padding_mask[mb], ~value_padding_mask[mb],
-                                           args.cliprange, args.cliprange_value)
-                        loss = stats["pg_loss"] + args.vf_coef * stats["vf_loss"]  # no entropy bonus
-                        accelerator.backward(loss)
-                        optimizer.step()
-                        optimizer.zero_grad()
-                    for key, value in stats.items():
-                        ppo_stats[key].append(value.detach())
-                if epoch == 0 and mini_start == 0:  # before the first optimizer step: must be 1
-                    ratio_first_epoch = torch.stack(ppo_stats["ratio"]).mean()
-                    ratio_first_epoch_max_deviation = torch.stack(ppo_stats["ratio_max_deviation"]).max()
-        training_time = time.time() - clock
-        losses = torch.stack(ppo_stats["pg_loss"] + ppo_stats["vf_loss"])  # every micro-batch's, for the check below
-        ppo_stats = {key: torch.stack(value).mean() for key, value in ppo_stats.items()}
-
-        # 7. Log: per-rank means, averaged over ranks (every rank holds local_batch_size episodes).
-        valid = (~padding_mask).float()
-        mean_kl = kl.sum(1).mean()
-        mean_non_score = non_score_reward.sum(1).mean()
-        local = torch.stack([mean_kl, (rollout["entropy"] * valid).sum(1).mean(), mean_non_score, scores.mean(),
-                             scores.mean() + mean_non_score, contains_eos.float().mean(), valid.sum(1).mean(),
-                             ppo_stats["approxkl"], ppo_stats["pg_clipfrac"], ppo_stats["ratio"], ratio_first_epoch,
-                             ratio_first_epoch_max_deviation,
-                             ppo_stats["pg_loss"], ppo_stats["vf_loss"], ppo_stats["vf_clipfrac"]]).float()
-        means = dict(zip(stat_names, accelerator.reduce(local, reduction="mean").tolist()))
-        episode = (update + 1) * args.batch_size
-        if accelerator.is_main_process:
-            timings = {"time/generation": generation_time, "time/scoring": scoring_time, "time/training": training_time,
-                       "time/episodes_per_second": (episode - start_update * args.batch_size)
-                       / (time.time() - start_clock), "policy/lr": lr}
-            for key, value in {**means, **timings}.items():
-                writer.add_scalar(key, value, episode)
-            progress.set_postfix(score=f"{means['objective/scores']:.3f}", kl=f"{means['objective/kl']:.3f}",
-                                 ratio0=f"{means['policy/ratio_first_epoch']:.5f}", eos=f"{means['objective/eos_fraction']:.2f}")
-        del rollout, query_responses, logprobs, values, rewards, advantages, returns
-        # A nan / inf stops every rank here, before anything of this update is saved (no checkpoint
-        # holding it ever replaces a good one), and before the next rollout samples from such weights.
-        if not all_finite(accelerator, model, losses):
-            raise FloatingPointError(nonfinite_message(update + 1, args.num_updates, checkpoints))
-        if (args.save_every and (update + 1) % args.save_every == 0) or update + 1 == args.stop_after_updates:
-            save_checkpoint(accelerator, checkpoints, update + 1, run_name, model, optimizer, None)
-        if args.eval_every and (update + 1) % args.eval_every == 0 and update + 1 < args.num_updates:
-            evaluate(("validation",), episode)
-    if stop_at < args.num_updates:
-        accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
-        if accelerator.is_main_process:
-            writer.close()
-        raise SystemExit(0)
-
-    # ---- evaluation ----
-    all_metrics = evaluate(eval_splits, args.num_updates * args.batch_size)
-
-    # ---- save ----
-    accelerator.wait_for_everyone()
-    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it
-    if accelerator.is_main_process:
-        policy_state = {key[len("policy."):]: value for key, value in state_dict.items() if key.startswith("policy.")}
-        # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
-        unwrapped.policy.generation_config.eos_token_id = eos_id
-        unwrapped.policy.generation_config.pad_token_id = pad_id
-        # Model and results go to a new folder beside output_dir, swapped in whole once complete.
-        staging = staging_folder(args.output_dir)
-        save_fp32(unwrapped.policy, staging, policy_state)
-        tokenizer.save_pretrained(staging)
-        for split in all_metrics:  # the final tables, where judge.py reads them
-            shutil.copy(os.path.join(f"runs/{run_name}", f"samples_{split}_{args.num_updates * args.batch_size}.csv"),
-                        os.path.join(staging, f"eval_{split}.csv"))
-        with open(os.path.join(staging, "eval_metrics.json"), "w") as file:
-            json.dump(all_metrics, file, indent=2)
-        publish_output(staging, args.output_dir)  # the checkpoints go with the old folder: only an unfinished run needs them
-        writer.close()
-        print(f"saved {args.output_dir}")
-        if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
-            print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
-        if args.push_to_hub:
-            from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
-
-            api = HfApi()
-            repo_id = f"{args.hf_entity or api.whoami()['name']}/{args.base_model.replace('/', '_')}__{args.exp_name}__tldr"
-            api.create_repo(repo_id, exist_ok=True)
-            api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
-            api.upload_folder(folder_path=args.output_dir, repo_id=repo_id, revision=run_name)
-            print(f"pushed https://huggingface.co/{repo_id}/tree/{run_name}")
-        if args.track:
-            wandb.finish()
+    main()  # here, at the end, so that every helper below the fence is defined when it runs

@@ -138,8 +138,8 @@ def forward_checks(sft_folder: str, pad_id: int, device: str) -> dict:
     """The windowed training forward vs the plain full forward (bf16), and the rollout sampler's decode speed."""
     from transformers import AutoModelForCausalLM
 
-    from ppo import (PolicyAndValueWrapper, ScalarModel, ScalarModelConfig, StaticSampler, cast_parameters,
-                     response_window, sample_rollout)
+    from ppo import PolicyAndValueWrapper, StaticSampler, cast_parameters, response_window, sample_rollout
+    from reward import ScalarModel, ScalarModelConfig  # a new RM is reward.py's: ppo.py's copy only loads one
 
     dtype = torch.bfloat16
     policy = cast_parameters(AutoModelForCausalLM.from_pretrained(sft_folder, dtype=torch.float32), dtype).to(device)

@@ -49,7 +49,7 @@ def tiny_reward_model() -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, ROOT)
-    from ppo import ScalarModel, ScalarModelConfig
+    from reward import ScalarModel, ScalarModelConfig  # a new RM is reward.py's: ppo.py's copy only loads one
 
     sft, out = os.path.join(ROOT, "models", "tiny", "sft_1"), os.path.join(ROOT, "models", "tiny", "reward_randomhead_1")
     if not os.path.exists(os.path.join(out, "config.json")):
@@ -69,7 +69,7 @@ def random_models() -> tuple:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXForCausalLM
 
     sys.path.insert(0, ROOT)
-    from ppo import ScalarModel, ScalarModelConfig
+    from reward import ScalarModel, ScalarModelConfig  # a new RM is reward.py's: ppo.py's copy only loads one
 
     out = os.path.join(ROOT, "models", "random_h256_l4")
     sft, reward = os.path.join(out, "sft"), os.path.join(out, "reward")

@@ -13,6 +13,7 @@ a checker that silently stopped checking would be noticed.
   e. importing a stage script runs nothing (subprocess)
   f. `python <script> --help` exits 0 and lists every flag (subprocess)
   g. every repository path that README.md names exists
+  h. a training stage reads as the algorithm above one fence line, its plumbing and fast paths below
 
 Tests about stage scripts are parametrized over the scripts that exist, so they grow as stages land.
 """
@@ -441,7 +442,10 @@ def test_args_checker_catches_undocumented_and_unread():
 # why-comments where its own stage acts, e.g. above or below its fence), statements may not.
 # A copy may also be cut to what its stage uses (no branch for another stage's case); such a name is
 # listed here with the test that runs its copies on the inputs they share and checks they agree.
-AGREEING_COPIES: dict[str, str] = {}  # name -> "tests/<file>.py::<test>"; none while every copy is whole
+AGREEING_COPIES: dict[str, str] = {  # name -> "tests/<file>.py::<test>"
+    # ppo.py only loads the trained RM and scores with (B, T) padding masks: no head initialisation, no 4-D masks.
+    "ScalarModel": "tests/test_ppo.py::test_scalar_model_copies_agree",
+}
 
 
 def _without_docstrings(node: ast.AST) -> ast.AST:
@@ -796,3 +800,81 @@ def test_readme_checker_catches_missing_paths(tmp_path):
         "README.md names dpo.py, which does not exist",
         "README.md names reward.py, which does not exist",
     ], problems
+
+
+# ---------------------------------------------------------------------------------------------
+# h. The algorithm above one fence, plumbing and fast paths below
+# ---------------------------------------------------------------------------------------------
+
+FENCE = "# ---- plumbing and fast paths: no Detail below ----"
+FENCED_STAGES = ("sft.py", "reward.py", "dpo.py", "ppo.py")  # the training stages (../shared/STYLE.md)
+
+
+def check_fence(source: str, filename: str) -> list[str]:
+    """One fence line; `def main()` above it and no Detail tag below it; every fast path (a top-level function or
+    class whose docstring opens with `==`, the plain expression it equals) below it; `main()` run by the last
+    statement, the `if __name__ == "__main__":` block (once every helper below the fence is defined)."""
+    lines = source.splitlines()
+    fences = [lineno for lineno, line in enumerate(lines, 1) if line == FENCE]
+    if len(fences) != 1:
+        return [f"{filename}: {len(fences)} lines `{FENCE}`, want exactly one"]
+    fence = fences[0]
+    problems = [f"{filename}:{lineno}: Detail {n} tagged below the fence (line {fence}); tag it where it acts, above"
+                for lineno, n, _ in find_tags(source) if lineno > fence]
+    body = ast.parse(source).body
+    definitions = [node for node in body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    if not any(node.name == "main" and node.lineno < fence for node in definitions):
+        problems.append(f"{filename}: no `def main()` above the fence (line {fence})")
+    for node in definitions:
+        docstring = ast.get_docstring(node) or ""
+        if docstring.startswith("==") and node.lineno < fence:
+            problems.append(f"{filename}:{node.lineno}: fast path `{node.name}` above the fence; move it below")
+    runs_main = body and has_main_guard(ast.unparse(body[-1])) and any(
+        isinstance(node, ast.Call) and getattr(node.func, "id", None) == "main" for node in ast.walk(body[-1]))
+    if not runs_main:
+        problems.append(f"{filename}: the last statement is not an `if __name__ == \"__main__\":` block that runs main()")
+    return problems
+
+
+@pytest.mark.parametrize("script", [name for name in FENCED_STAGES if (REPO / name).is_file()])
+def test_algorithm_above_the_fence(script):
+    problems = check_fence((REPO / script).read_text(), script)
+    assert not problems, "\n".join(problems)
+
+
+def test_fence_checker_catches_misplaced_code():
+    good = textwrap.dedent(f'''\
+        def step(x):
+            """One step."""
+            # Detail 1: Alpha
+            return fast(x)
+
+
+        def main():
+            step(1)
+
+
+        {FENCE}
+
+
+        def fast(x):
+            """== x + 0, faster."""
+            return x
+
+
+        if __name__ == "__main__":
+            main()
+        ''')
+    assert check_fence(good, "a.py") == []
+    assert "2 lines" in check_fence(good + FENCE + "\n", "b.py")[0]
+    misplaced = good.replace("def step(x):", "def early(x):\n    \"\"\"== x.\"\"\"\n\n\ndef step(x):")
+    misplaced = misplaced.replace("    return x\n", "    # Detail 2: Beta\n    return x\n").replace("def main", "def mane")
+    problems = "\n".join(check_fence(misplaced + "print(1)\n", "c.py"))
+    assert "Detail 2 tagged below the fence" in problems and "Detail 1" not in problems
+    assert "no `def main()` above the fence" in problems
+    assert "fast path `early` above the fence" in problems and "`fast`" not in problems
+    assert "the last statement is not an `if __name__" in problems
+    teardown = good.replace("\n    main()\n", "\n    try:\n        main()\n    finally:\n        pass\n")
+    assert teardown != good
+    assert check_fence(teardown, "d.py") == []  # main() inside a try / finally still runs last
+

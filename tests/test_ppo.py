@@ -11,11 +11,12 @@ import sys
 import pytest
 import torch
 
+import reward
 from conftest import REPO, WORLD
-from ppo import (PolicyAndValueWrapper, ScalarModel, ScalarModelConfig, compute_gae, compute_rewards, disable_dropout,
-                 eos_trick, first_true_indices, gather_logprobs, generate, get_reward, masked_mean, ppo_batch_sizes,
-                 mask_logits, ppo_losses, response_masks, response_window, sample_rollout, truncate_response,
-                 unsampled_token_ids, whiten, SetupError, StaticSampler, draw_tokens)
+from ppo import (PolicyAndValueWrapper, ScalarModel, compute_gae, compute_rewards, disable_dropout, eos_trick,
+                 first_true_indices, gather_logprobs, generate, get_reward, get_values, masked_mean, ppo_batch_sizes,
+                 mask_logits, ppo_losses, response_logits, response_logits_and_values, response_masks, response_window,
+                 sample_rollout, truncate_response, unsampled_token_ids, whiten, SetupError, StaticSampler, draw_tokens)
 
 EOS, PAD = 0, 1  # the tiny world's ids (data/tiny_tldr/args.json)
 
@@ -170,7 +171,8 @@ def test_batch_sizes_and_exact_division():
 
 
 def tiny_models(early_eos=False):
-    """The tiny base as policy (dropout off) and a ScalarModel critic on the same backbone with a random head.
+    """The tiny base as policy (dropout off) and a ScalarModel critic on the same backbone with a random head (built
+    by reward.py's class: ppo.py's copy only loads a trained RM).
     early_eos: a hook on the LM head sets the EOS logit 1 below the largest one, so samples end early."""
     from transformers import AutoModelForCausalLM
 
@@ -179,7 +181,7 @@ def tiny_models(early_eos=False):
     assert policy.config.attention_dropout > 0  # the tiny base ships with dropout: these tests see it go
     disable_dropout(policy)
     base_config = {k: v for k, v in policy.base_model.config.to_dict().items() if k != "_name_or_path"}
-    critic = ScalarModel(ScalarModelConfig(base_config=base_config))
+    critic = reward.ScalarModel(reward.ScalarModelConfig(base_config=base_config))
     critic.backbone.load_state_dict(policy.base_model.state_dict())
     disable_dropout(critic)
     if early_eos:
@@ -294,8 +296,8 @@ def test_static_sampler_compiled_step_draws_what_the_plain_loop_draws(tiny_tldr)
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])  # the last-layer shortcut, and the plain fallback
 def test_windowed_training_forward_equals_full_forward(tiny_tldr, attention):
-    """PPO's training forward (response_window + PolicyAndValueWrapper: only the columns used, logits and values
-    only at the trained positions) gives the full forward's logits and values there."""
+    """PPO's training forward (response_logits_and_values: response_window + PolicyAndValueWrapper, only the columns
+    used, logits and values only at the trained positions) gives the full forward's logits and values there."""
     policy, critic = tiny_models()
     for model in (policy, critic.backbone):
         model.set_attn_implementation(attention)
@@ -310,13 +312,52 @@ def test_windowed_training_forward_equals_full_forward(tiny_tldr, attention):
     ids, mask, positions = response_window(query_responses, PAD, context, n)
     assert ids.shape[1] < context + n - 1  # the window really drops the shared left pads
     with torch.no_grad():
-        logits, values = PolicyAndValueWrapper(policy, critic)(ids, mask, positions, n)  # (6, n, V), (6, n)
+        # (6, n, V), (6, n)
+        logits, values = response_logits_and_values(PolicyAndValueWrapper(policy, critic), query_responses, PAD, context, n)
         attention_mask = query_responses != PAD
         full_logits = policy(input_ids=query_responses.masked_fill(~attention_mask, 0),
                              attention_mask=attention_mask).logits[:, context - 1:context - 1 + n]
         full_values = get_reward(critic, query_responses, PAD, context)[0][:, context - 1:context - 1 + n]
     torch.testing.assert_close(logits, full_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(values, full_values, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_forward_and_values_equal_the_full_forward(tiny_tldr):
+    """The rollout's reference forward (response_logits: the response window only) = the full forward's
+    logits[:, context_length - 1 : -1]; get_values = the critic's per-token outputs at the same positions."""
+    policy, critic = tiny_models()
+    queries = padded_queries(tiny_tldr, 5)
+    context = queries.shape[1]
+    torch.manual_seed(3)
+    responses = torch.randint(2, 200, (5, 10))
+    responses[0, 4], responses[0, 5:] = EOS, PAD  # a truncated row beside untruncated ones
+    query_responses = torch.cat((queries, responses), 1)
+    attention_mask = query_responses != PAD
+    with torch.no_grad():
+        logits = response_logits(policy, query_responses, PAD, context)  # (5, 10, V)
+        full = policy(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask).logits
+        values = get_values(critic, query_responses, PAD, context)  # (5, 10)
+        full_values = critic(query_responses.masked_fill(~attention_mask, 0), attention_mask)
+    assert logits.shape == (5, 10, full.shape[-1]) and values.shape == (5, 10)
+    torch.testing.assert_close(logits, full[:, context - 1:-1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(values, full_values[:, context - 1:-1])
+
+
+def test_scalar_model_copies_agree(tmp_path):
+    """ppo.py's ScalarModel (cut to loading and scoring with a (B, T) padding mask) and reward.py's (which also
+    builds new heads and reads 4-D masks) load the same folder into the same weights and give the same outputs."""
+    torch.manual_seed(0)
+    make_reward_model(tmp_path / "rm")
+    ours, theirs = ScalarModel.from_pretrained(tmp_path / "rm"), reward.ScalarModel.from_pretrained(tmp_path / "rm")
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    assert all(torch.equal(value, theirs.state_dict()[key]) for key, value in ours.state_dict().items())
+    ids = torch.randint(2, 200, (3, 12))
+    ids[0, :4], ids[1, 9:] = PAD, PAD  # left- and right-padded rows, as PPO and reward.py score them
+    mask = ids != PAD
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids.masked_fill(~mask, 0), mask), theirs(ids.masked_fill(~mask, 0), mask),
+                                   rtol=0, atol=0)
+        assert torch.equal(get_reward(ours, ids, PAD, 4)[1], reward.get_reward(theirs, ids, PAD, 4)[1])
 
 
 def test_first_epoch_ratio_is_one_on_tiny_model(tiny_tldr):
@@ -345,7 +386,7 @@ def make_reward_model(path):
     disable_dropout(backbone)
     base_config = {k: v for k, v in backbone.config.to_dict().items() if k != "_name_or_path"}
     torch.manual_seed(0)
-    model = ScalarModel(ScalarModelConfig(base_config=base_config))
+    model = reward.ScalarModel(reward.ScalarModelConfig(base_config=base_config))
     model.backbone.load_state_dict(backbone.state_dict())
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(WORLD / "pythia-tiny").save_pretrained(path)

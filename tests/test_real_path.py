@@ -30,10 +30,10 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, WORLD, tiny_lengths
-from ppo import (PolicyAndValueWrapper, ScalarModel, ScalarModelConfig, cast_parameters, disable_dropout,
-                 eval_batches, first_true_indices, generate, gpu_problem, last_hidden_states, load_fp32, mask_logits,
-                 model_name, response_masks, response_window, rotary_problem, sample_rollout, trained_width,
-                 unsampled_token_ids)
+import reward
+from ppo import (PolicyAndValueWrapper, cast_parameters, disable_dropout, eval_batches, first_true_indices, generate,
+                 gpu_problem, last_hidden_states, load_fp32, mask_logits, model_name, response_masks, response_window,
+                 rotary_problem, sample_rollout, trained_width, unsampled_token_ids)
 
 EOS = 0
 NAME = "pythia-like"  # the fixture's folder name: default paths go to data/pythia-like, models/pythia-like
@@ -220,8 +220,8 @@ def test_windowed_forward_in_bf16_matches_full_forward(pythia_like):
     plain full forward under the same autocast: equal within bf16 tolerance."""
     policy, tokenizer = tiny_policy(pythia_like)
     pad = tokenizer.pad_token_id
-    critic = ScalarModel(ScalarModelConfig(base_config={k: v for k, v in policy.base_model.config.to_dict().items()
-                                                        if k != "_name_or_path"}))
+    critic = reward.ScalarModel(reward.ScalarModelConfig(base_config={k: v for k, v in policy.base_model.config.to_dict().items()
+                                                                      if k != "_name_or_path"}))
     critic.backbone.load_state_dict(policy.base_model.state_dict())
     queries = queries_of(tokenizer, 4)
     torch.manual_seed(0)
