@@ -1753,4 +1753,8 @@ def tidy_output_dir(output_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main()  # here, at the end, so that every helper below the fence is defined when it runs
+    try:
+        main()  # here, at the end, so that every helper below the fence is defined when it runs
+    finally:  # each rank leaves the process group itself: left to exit-time teardown, a rank can abort (SIGABRT)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
