@@ -13,23 +13,18 @@ updates) the RM scores the policy's summaries of validation prompts (temperature
     {output_dir}/checkpoints/       the latest --save_every checkpoint (no pickle), removed when the run ends
     runs/{run_name}/                TensorBoard; samples_{split}_{episode}.csv of every evaluation
 
-    # tiny world, offline, 2 CPU cores, ~2 min with OMP_NUM_THREADS=1 (10 updates; RM score of the
-    # validation samples -0.13 for the SFT model -> 0.60, measured with sft.py / reward.py tiny models)
+    # tiny world, offline, ~2 min on 2 CPU cores (10 updates; RM score of validation samples -0.13 -> 0.60)
     OMP_NUM_THREADS=1 python ppo.py --base_model assets/tiny_world/pythia-tiny --query_dataset data/tiny_tldr/sft \
         --sft_model_path models/tiny/sft_1 --reward_model_path models/tiny/reward_1 \
         --output_dir models/tiny/ppo_1 --total_episodes 640 --batch_size 64 --local_micro_batch_size 16 \
         --lr 1e-4 --response_length 44 --local_eval_batch_size 128 --num_eval_samples 256
-    # one GPU, Pythia 1B, bf16 autocast (global batch 512 = 4 x 128 accumulation steps, 1 minibatch):
-    # reads models/EleutherAI/pythia-1b-deduped/{sft_1,reward_1} and data/..., writes .../ppo_1
+    # one GPU, Pythia 1B, bf16 (512 = 4 x 128 accumulation steps): models/EleutherAI/pythia-1b-deduped/{sft,reward}_1
     accelerate launch --num_processes 1 --mixed_precision bf16 ppo.py \
         --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 4
     # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (512 = 1 x 64 x 8 processes); 6.9B adds --offload
     accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml ppo.py \
         --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_rollout_forward_batch_size 16 --track
 
-Details: 3 a distinct [PAD]; 7 dropout off in all four models; 8 accelerate / DeepSpeed / bf16, ZeRO-3 offload of the
-frozen models; 12 and 14 the score at the EOS of left-padded query ++ response; 20 the paper's hyperparameters; 21
-prompts reshuffled at each pass; 22 critic = the RM; 23 the EOS trick; 24 and 25 whitening (global statistics).
 Logged (TensorBoard, and W&B with --track; x-axis = episodes seen; t runs over a response's valid tokens):
   objective/kl                mean over responses of sum_t (logp - ref_logp)
   objective/entropy           mean over responses of sum_t of the sampling entropy
@@ -42,8 +37,7 @@ Logged (TensorBoard, and W&B with --track; x-axis = episodes seen; t runs over a
   policy/approxkl             mean over PPO steps of the masked 0.5 * (logp_new - logp_old)^2
   policy/clipfrac             fraction of valid tokens whose ratio was clipped
   policy/ratio                mean ratio exp(logp_new - logp_old) over valid tokens, all epochs
-  policy/ratio_first_epoch    the same before the first optimizer step (1 up to noise, else the log-probs are wrong)
-  policy/ratio_first_epoch_max_deviation  max over its valid tokens of |ratio - 1| (bf16 noise shows here)
+  policy/ratio_first_epoch[_max_deviation]  its mean (max |ratio - 1|) before the first step: 1 up to (bf16) noise
   policy/loss                 clipped policy loss
   policy/lr                   learning rate of the update
   value/loss                  0.5 * clipped squared error of the values
