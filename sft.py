@@ -44,6 +44,7 @@ import random
 import re
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -323,7 +324,7 @@ def main() -> None:
         accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
         if accelerator.is_main_process:
             writer.close()
-        raise SystemExit(0)
+        return
 
     # ---- evaluation ----
     staging = staging_folder(args.output_dir) if accelerator.is_main_process else None  # swapped in once complete
@@ -1095,9 +1096,26 @@ def tidy_output_dir(output_dir: str) -> None:
                     os.remove(path)
 
 
+def leave_process_group(finished: bool) -> None:
+    """Every rank, last: leave the process group; after a finished run of several processes, exit at once.
+
+    gloo's worker threads still run after destroy_process_group under DeepSpeed (4 run loops and 2 TCP loops per
+    rank), and the interpreter's teardown of them aborted a rank now and then after its outputs were saved (SIGABRT,
+    "terminate called without an active exception"; twice in CI). Everything is written and closed by then, so
+    os._exit skips that teardown."""
+    if not torch.distributed.is_initialized():
+        return
+    torch.distributed.destroy_process_group()
+    if finished:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 if __name__ == "__main__":
+    finished = False
     try:
         main()  # here, at the end, so that every helper below the fence is defined when it runs
-    finally:  # each rank leaves the process group itself: left to exit-time teardown, a rank can abort (SIGABRT)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        finished = True
+    finally:
+        leave_process_group(finished)
