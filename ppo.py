@@ -416,11 +416,7 @@ def main() -> None:
     resume_from = latest_checkpoint(os.path.join(args.output_dir, "checkpoints")) if args.resume else None
 
     # ---- seeding & data order ----
-    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
-    random.seed(local_seed)
-    np.random.seed(local_seed)
-    torch.manual_seed(local_seed)
-    torch.backends.cudnn.deterministic = True
+    seed_everything(args.seed + accelerator.process_index * 100003)  # sampling differs per rank
     # Detail 21: Reuse the SFT prompts, reshuffle at each pass
     # 1M episodes are ~8.6 passes over the SFT train split, each pass a fresh permutation.
     # Seeded alike on every rank: update u, rank r reads the slice [u, r], and no prompt repeats within a pass.
@@ -436,7 +432,7 @@ def main() -> None:
     critic = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
     reward_model = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
     refuse(vocabulary_problems(args, tokenizer, policy, critic))
-    unsampled = torch.tensor(unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
+    unsampled = torch.tensor(unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)), device=accelerator.device)
     # Detail 7: Disable dropout
     # With dropout on, two forwards of the same ids differ: the first PPO ratio would not be 1, the scores noisy.
     for model in (policy, ref_policy, critic, reward_model):
@@ -458,7 +454,6 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
     ref_policy, reward_model = frozen_like_trained(accelerator, args.offload, model, ref_policy, reward_model)
-    unsampled = unsampled.to(accelerator.device)
     start_update = resume(accelerator, args, resume_from, model, optimizer, None)
     unwrapped = accelerator.unwrap_model(model)  # sampling and the rollout's forwards use the plain modules
     # HF generate's sampling (softmax(logits / T), [PAD] and unowned rows masked), as a loop that stops once every
@@ -543,11 +538,8 @@ def main() -> None:
         check_and_checkpoint(accelerator, args, update + 1, losses, run_name, model, optimizer, None)
         if args.eval_every and (update + 1) % args.eval_every == 0 and update + 1 < args.num_updates:
             evaluate(("validation",), episode)
-    if stop_at < args.num_updates:
-        accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
-        if accelerator.is_main_process:
-            writer.close()
-        return
+    if stop_at < args.num_updates:  # a time-limited job: the checkpoint is written, continue with --resume
+        return stop_early(accelerator, writer, stop_at, args.num_updates)
 
     # ---- evaluation: summaries sampled at eval_temperature, scored by the RM beside the references ----
     all_metrics = evaluate(eval_splits, args.num_updates * args.batch_size)
@@ -1745,6 +1737,21 @@ def tidy_output_dir(output_dir: str) -> None:
                     shutil.rmtree(path)
                 else:
                     os.remove(path)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's generators, and ask cuDNN for deterministic kernels."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = True
+
+
+def stop_early(accelerator, writer, stop_at: int, num_updates: int) -> None:
+    """--stop_after_updates: the checkpoint is written; close the log (rank 0's writer) and say how to continue."""
+    accelerator.print(f"stopped after update {stop_at} of {num_updates}; continue with --resume")
+    if writer is not None:
+        writer.close()
 
 
 def leave_process_group(finished: bool) -> None:

@@ -396,9 +396,8 @@ def main() -> None:
             progress.set_postfix(loss=f"{logged['loss']:.4f}", accuracy=f"{logged['accuracy']:.3f}", lr=f"{lr:.2e}")
         # A nan / inf stops every rank here, before this update is saved; then the --save_every checkpoint.
         check_and_checkpoint(accelerator, args, update + 1, stats["loss"], run_name, model, optimizer, scheduler)
-    if stop_at < args.num_updates:
-        accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
-        return
+    if stop_at < args.num_updates:  # a time-limited job: the checkpoint is written, continue with --resume
+        return stop_early(accelerator, writer, stop_at, args.num_updates)
     staging = staging_folder(args.output_dir) if accelerator.is_main_process else None  # swapped in once complete
 
     # ---- normalisation ----
@@ -1455,6 +1454,13 @@ def tidy_output_dir(output_dir: str) -> None:
                     shutil.rmtree(path)
                 else:
                     os.remove(path)
+
+
+def stop_early(accelerator, writer, stop_at: int, num_updates: int) -> None:
+    """--stop_after_updates: the checkpoint is written; close the log (rank 0's writer) and say how to continue."""
+    accelerator.print(f"stopped after update {stop_at} of {num_updates}; continue with --resume")
+    if writer is not None:
+        writer.close()
 
 
 def leave_process_group(finished: bool) -> None:

@@ -274,11 +274,7 @@ def main() -> None:
     resume_from = latest_checkpoint(os.path.join(args.output_dir, "checkpoints")) if args.resume else None
 
     # ---- seeding & data order ----
-    local_seed = args.seed + accelerator.process_index * 100003  # eval sampling differs per rank
-    random.seed(local_seed)
-    np.random.seed(local_seed)
-    torch.manual_seed(local_seed)
-    torch.backends.cudnn.deterministic = True
+    seed_everything(args.seed + accelerator.process_index * 100003)  # eval sampling differs per rank
     # One permutation per pass, seeded alike on every rank: ranks read disjoint rows, each once per pass.
     # Indexed by the update counter: a resumed run reads what an uninterrupted one would.
     local_order = local_episode_order(len(train), args.num_updates, args.gradient_accumulation_steps, args.world_size,
@@ -320,11 +316,8 @@ def main() -> None:
             progress.set_postfix(loss=f"{logged['loss']:.4f}", lr=f"{lr:.2e}")
         # A nan / inf stops every rank here, before this update is saved; then the --save_every checkpoint.
         check_and_checkpoint(accelerator, args, update + 1, losses, run_name, model, optimizer, scheduler)
-    if stop_at < args.num_updates:
-        accelerator.print(f"stopped after update {stop_at} of {args.num_updates}; continue with --resume")
-        if accelerator.is_main_process:
-            writer.close()
-        return
+    if stop_at < args.num_updates:  # a time-limited job: the checkpoint is written, continue with --resume
+        return stop_early(accelerator, writer, stop_at, args.num_updates)
 
     # ---- evaluation ----
     staging = staging_folder(args.output_dir) if accelerator.is_main_process else None  # swapped in once complete
@@ -1094,6 +1087,21 @@ def tidy_output_dir(output_dir: str) -> None:
                     shutil.rmtree(path)
                 else:
                     os.remove(path)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's generators, and ask cuDNN for deterministic kernels."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = True
+
+
+def stop_early(accelerator, writer, stop_at: int, num_updates: int) -> None:
+    """--stop_after_updates: the checkpoint is written; close the log (rank 0's writer) and say how to continue."""
+    accelerator.print(f"stopped after update {stop_at} of {num_updates}; continue with --resume")
+    if writer is not None:
+        writer.close()
 
 
 def leave_process_group(finished: bool) -> None:
