@@ -1,0 +1,184 @@
+"""Can the reward model steer PPO? The RM against the gold judge on the SFT policy's own samples.
+
+An RM's accuracy on the labelled validation pairs (Figure 4) compares summaries of other policies, which differ in
+easy ways (rambling, loops, filler). PPO asks something else of it: to rank samples of ONE policy, the SFT model at
+the rollout temperature, which differ in what that policy gets wrong. This script measures that, on the tiny world
+(the gold judge is the truth), after benchmark/tiny.sh:
+
+- on-policy agreement: for each validation post, N samples of the SFT policy at temperature 0.7; over every pair of
+  samples of a post that both the RM and the gold judge separate, how often they prefer the same one
+  (0.5 = the RM ranks a policy's samples at random; PPO can only climb where it is above 0.5);
+- best-of-N (Gao et al. 2023): the gold win rate against the references of the sample the RM picks among the first
+  n, beside a random sample and the sample the gold judge would pick (the headroom);
+- probes with hand-made summaries of each post (its facts written out): the RM's preference for the true summary
+  over the same summary with one actor swapped for one the post never names, with its last fact dropped, with a
+  fact the post never states added; and the SFT model's own likelihood on the swap (does the policy know the facts).
+
+    python benchmark/rm_diagnostics.py                      # models/tiny, data/tiny_tldr, seed 1; ~2 min on 2 cores
+    python benchmark/rm_diagnostics.py --models /tmp/m --data /tmp/d --seed 2 --world /tmp/w
+
+Writes {models}/rm_diagnostics.md (and prints it).
+"""
+
+import argparse
+import itertools
+import os
+import random
+import re
+import sys
+
+import torch
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, ROOT)
+
+FACT = re.compile(r"my (\w+) (\w+) my (\w+)")  # how the tiny world's posts state a fact ("my landlord cancelled my lease")
+
+
+def pairwise_agreement(rm_scores: list, gold_scores: list) -> tuple:
+    """Scores of one prompt's samples by the RM and by the gold judge -> (agreeing pairs, pairs both separate)."""
+    agree = total = 0
+    for i, j in itertools.combinations(range(len(rm_scores)), 2):
+        if rm_scores[i] != rm_scores[j] and gold_scores[i] != gold_scores[j]:
+            total += 1
+            agree += (rm_scores[i] > rm_scores[j]) == (gold_scores[i] > gold_scores[j])
+    return agree, total
+
+
+def win(score: float, reference_score: float) -> float:
+    """1 if the sample beats the reference by the gold judge, 0.5 for a tie, else 0."""
+    return 1.0 if score > reference_score else 0.5 if score == reference_score else 0.0
+
+
+def best_of_n(rm_scores: list, gold_scores: list, reference_score: float, n: int) -> dict:
+    """One prompt, its first n samples -> {first, rm_best, gold_best}: the win against the reference of the first
+    sample, of the one the RM scores highest (the first of equals), of the one the gold judge scores highest."""
+    rm_pick = max(range(n), key=lambda k: rm_scores[k])
+    return {"first": win(gold_scores[0], reference_score), "rm_best": win(gold_scores[rm_pick], reference_score),
+            "gold_best": win(max(gold_scores[:n]), reference_score)}
+
+
+def post_facts(post: str) -> list:
+    """The (actor, verb, object) facts a tiny-world post states, in order, each once."""
+    facts = []
+    for fact in FACT.findall(post):
+        if fact not in facts:
+            facts.append(fact)
+    return facts
+
+
+def probe_summaries(post: str, rng: random.Random, world) -> dict:
+    """Hand-made summaries of a post with at least 2 facts: {true, swapped, dropped, added}; None for fewer facts."""
+    facts = post_facts(post)
+    if len(facts) < 2:
+        return None
+    in_post = set(world.words(post))
+    strangers = [actor for actor in world.ACTORS if actor not in in_post]
+    write = lambda fs: "; ".join(" ".join(fact) for fact in fs)  # noqa: E731  telegraphic, as the writers do
+    k = rng.randrange(len(facts))
+    swapped = facts[:k] + [(rng.choice(strangers),) + facts[k][1:]] + facts[k + 1:]
+    added = facts + [(rng.choice(strangers), rng.choice(world.VERBS), rng.choice(world.OBJECTS))]
+    return {"true": write(facts), "swapped": write(swapped), "dropped": write(facts[:-1]), "added": write(added)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="models/tiny", help="benchmark/tiny.sh's MODELS: sft_{seed}, reward_{seed}")
+    parser.add_argument("--data", default="data/tiny_tldr", help="benchmark/tiny.sh's DATA: sft/ (validation queries)")
+    parser.add_argument("--seed", type=int, default=1, help="the run's seed (names the model folders)")
+    parser.add_argument("--world", default=os.path.join(ROOT, "assets", "tiny_world"), help="the world (gold judge)")
+    parser.add_argument("--num_prompts", type=int, default=64, help="validation posts")
+    parser.add_argument("--samples", type=int, default=16, help="SFT samples per post (N of best-of-N)")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (ppo.py's rollouts: 0.7)")
+    parser.add_argument("--response_length", type=int, default=44, help="tokens sampled (benchmark/tiny.sh: 44)")
+    args = parser.parse_args()
+
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tqdm.auto import tqdm
+
+    import ppo
+    import tiny_world as world
+
+    torch.manual_seed(args.seed)
+    sft_path, rm_path = (os.path.join(args.models, f"{stage}_{args.seed}") for stage in ("sft", "reward"))
+    tokenizer = AutoTokenizer.from_pretrained(sft_path)
+    policy = AutoModelForCausalLM.from_pretrained(sft_path, dtype=torch.float32).eval()
+    reward_model = ppo.ScalarModel.from_pretrained(rm_path, dtype=torch.float32).eval()
+    rows = datasets.load_from_disk(os.path.join(args.data, "sft"))["validation"]
+    rows = rows.select(range(min(args.num_prompts, len(rows))))
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    unsampled = torch.tensor(ppo.unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
+
+    def rm_scores(query: list, texts: list) -> list:
+        """The RM's scores of summaries (leading space, EOS) of one query, as ppo.py scores a rollout."""
+        ids = [tokenizer.encode(" " + text + tokenizer.eos_token) for text in texts]
+        width = max(map(len, ids))
+        responses = torch.tensor([row + [pad] * (width - len(row)) for row in ids])
+        queries = torch.tensor(query).repeat(len(texts), 1)
+        return ppo.get_reward(reward_model, torch.cat((queries, responses), 1), pad, queries.shape[1])[1].tolist()
+
+    def lm_logprob(query: list, text: str) -> float:
+        """The SFT model's log-probability of a summary (leading space, EOS) after its query."""
+        context = [token for token in query if token != pad]
+        ids = tokenizer.encode(" " + text + tokenizer.eos_token)
+        logits = policy(torch.tensor([context + ids])).logits[0, len(context) - 1:-1]
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).sum().item()
+
+    agree = total = 0
+    picks = {n: [] for n in (1, 2, 4, 8, 16, 32) if n <= args.samples}
+    probes = {"swapped": [], "dropped": [], "added": [], "policy_swapped": []}
+    rng = random.Random(args.seed)
+    with torch.no_grad():
+        for row in tqdm(rows, desc="rm diagnostics"):
+            queries = torch.tensor(row["query_token"]).repeat(args.samples, 1)
+            context_length = queries.shape[1]
+            query_responses, _ = ppo.sample_rollout(policy, queries, pad, eos, args.response_length,
+                                                    args.temperature + 1e-7, unsampled)
+            responses = ppo.truncate_response(query_responses[:, context_length:], eos, pad)
+            scores = ppo.get_reward(reward_model, torch.cat((queries, responses), 1), pad, context_length)[1]
+            scores = ppo.eos_trick(scores, (responses == eos).any(1), -1.0).tolist()  # as PPO scores them
+            texts = [tokenizer.decode([t for t in response.tolist() if t != pad], skip_special_tokens=True)
+                     for response in responses]
+            post = row["query"]  # the gold judge reads the query, as judge.py gives it
+            gold = [world.gold_score(post, text) for text in texts]
+            reference = world.gold_score(post, row["summary"])
+            a, t = pairwise_agreement(scores, gold)
+            agree, total = agree + a, total + t
+            for n in picks:
+                picks[n].append(best_of_n(scores, gold, reference, n))
+            made = probe_summaries(row["post"], rng, world)
+            if made:
+                true, swapped, dropped, added = rm_scores(row["query_token"], list(made.values()))
+                probes["swapped"].append(true > swapped)
+                probes["dropped"].append(true > dropped)
+                probes["added"].append(true > added)
+                probes["policy_swapped"].append(lm_logprob(row["query_token"], made["true"])
+                                                > lm_logprob(row["query_token"], made["swapped"]))
+
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    lines = [f"# Can the RM steer PPO? ({rm_path} on {sft_path}'s samples)", "",
+             f"{len(rows)} validation posts, {args.samples} samples each at temperature {args.temperature}, "
+             f"{torch.get_num_threads()} torch threads.", "",
+             f"On-policy agreement of the RM with the gold judge: **{agree / max(1, total):.3f}** over {total} pairs "
+             "of samples of the same post that both separate (0.5: the RM ranks the policy's samples at random).", "",
+             "| n | gold win rate vs references: first sample | the RM's pick of n | the gold judge's pick of n |",
+             "|---|---|---|---|"]
+    for n, results in picks.items():
+        lines.append(f"| {n} | {mean([r['first'] for r in results]):.3f} | {mean([r['rm_best'] for r in results]):.3f}"
+                     f" | {mean([r['gold_best'] for r in results]):.3f} |")
+    names = {"swapped": "the RM prefers it to the same facts with one actor the post never names",
+             "dropped": "the RM prefers it to the same facts less the last one",
+             "added": "the RM prefers it to the same facts plus one the post never states",
+             "policy_swapped": "the SFT model gives it more likelihood than the one with a swapped actor"}
+    lines += ["", f"Probes: the post's facts written out ({len(probes['swapped'])} posts with 2 or more facts).", "",
+              "| the true summary: | share |", "|---|---|"]
+    lines += [f"| {names[key]} | {mean(values):.3f} |" for key, values in probes.items()]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(os.path.join(args.models, "rm_diagnostics.md"), "w") as file:
+        file.write(text)
+
+
+if __name__ == "__main__":
+    main()

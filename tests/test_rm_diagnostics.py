@@ -1,0 +1,62 @@
+"""benchmark/rm_diagnostics.py: its counting helpers by hand, its probe summaries, and a smoke run on the tiny world."""
+
+import random
+import shutil
+import subprocess
+import sys
+
+from conftest import REPO, WORLD
+
+sys.path.insert(0, str(REPO / "benchmark"))
+import rm_diagnostics as diag  # noqa: E402
+import tiny_world  # noqa: E402
+
+
+def test_pairwise_agreement_by_hand():
+    # pairs (0,1): rm 0 > 1, gold 0 > 1 agree; (0,2): rm 0 < 2, gold 0 > 2 disagree; (1,2): gold tie, not counted
+    assert diag.pairwise_agreement([2.0, 1.0, 3.0], [1.0, 0.0, 0.0]) == (1, 2)
+    assert diag.pairwise_agreement([1.0, 1.0], [0.0, 1.0]) == (0, 0)  # an RM tie is not counted either
+    assert diag.pairwise_agreement([0.0, 1.0, 2.0], [0.0, 1.0, 2.0]) == (3, 3)
+
+
+def test_best_of_n_by_hand():
+    rm, gold = [0.1, 0.9, 0.5, 2.0], [1.0, -1.0, 3.0, 0.5]
+    assert diag.best_of_n(rm, gold, reference_score=0.5, n=1) == {"first": 1.0, "rm_best": 1.0, "gold_best": 1.0}
+    # of the first 3: the RM picks sample 1 (gold -1 loses), the gold judge sample 2 (3 wins)
+    assert diag.best_of_n(rm, gold, reference_score=0.5, n=3) == {"first": 1.0, "rm_best": 0.0, "gold_best": 1.0}
+    # of 4: the RM picks sample 3, whose gold 0.5 ties the reference
+    assert diag.best_of_n(rm, gold, reference_score=0.5, n=4)["rm_best"] == 0.5
+
+
+def test_probe_summaries_change_one_thing_each():
+    post = ("So last week my landlord cancelled my lease. It was rainy.\n\nThen my sister borrowed my car without "
+            "even asking.\n\nEdit: to sum up, my landlord cancelled my lease and my sister borrowed my car.")
+    made = diag.probe_summaries(post, random.Random(0), tiny_world)
+    assert made["true"] == "landlord cancelled lease; sister borrowed car"  # each fact once, in order
+    assert made["dropped"] == "landlord cancelled lease"
+    assert made["added"].startswith(made["true"] + "; ")
+    true_score = tiny_world.gold_score(post, made["true"])
+    for name in ("swapped", "dropped", "added"):  # each variant is worse by the gold judge
+        assert tiny_world.gold_score(post, made[name]) < true_score, name
+    swapped_words = set(made["swapped"].split()) - set(made["true"].split())
+    assert len(swapped_words) == 1 and swapped_words <= set(tiny_world.ACTORS)
+    assert diag.probe_summaries("My landlord cancelled my lease.", random.Random(0), tiny_world) is None
+
+
+def test_smoke_run_writes_the_tables(tiny_tldr, tmp_path):
+    """The untuned base model as the policy and a fresh RM from it: the script samples, scores and writes its tables."""
+    import reward
+
+    models = tmp_path / "models"
+    shutil.copytree(WORLD / "pythia-tiny", models / "sft_1")
+    reward.reward_model_from_sft(str(WORLD / "pythia-tiny")).save_pretrained(models / "reward_1")
+    result = subprocess.run([sys.executable, str(REPO / "benchmark" / "rm_diagnostics.py"), "--models", str(models),
+                             "--data", str(tiny_tldr), "--num_prompts", "3", "--samples", "4", "--response_length", "8"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = (models / "rm_diagnostics.md").read_text()
+    assert "On-policy agreement of the RM with the gold judge" in report
+    assert [line.split(" |")[0] for line in report.splitlines() if line[:3] in ("| 1", "| 2", "| 4")] == ["| 1", "| 2",
+                                                                                                        "| 4"]
+    assert "3 validation posts, 4 samples each" in report
+
