@@ -342,8 +342,10 @@ def test_interrupted_run_writes_results_and_counts_calls_in_flight(tmp_path, ser
     table = write_table(tmp_path / "sft.csv", llm_rows(8))
     out = tmp_path / "out"
     flags = flags_for(server.url, table, out, "--max_concurrency", "2", "--timeout", "10")
+    # Ctrl-C reaches a foreground process whose SIGINT is the default; a test run from a background job inherits
+    # SIGINT ignored (bash ignores it in `&` jobs without job control), and so would the judge: give it the default.
     process = subprocess.Popen(judge_cmd(*flags), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=judge_env())
+                               env=judge_env(), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     while len(server.requests) < 4 and time.time() < deadline:  # two judged, two more in flight
         time.sleep(0.01)
