@@ -16,7 +16,11 @@ same tokens: the script stops if they do not. Configurations:
 
 Roofline: the FLOPs of a call (2 x matmul parameters x tokens through them + the attention products, pads included,
 the same count for every side: what generate computes) per second, against the best of a few 2048^3 fp32 matmuls
-timed in the same process at the same thread count.
+timed in the same process at the same thread count. A one-token step also has to read the whole KV cache and the
+weights (at 5M with batch 64: ~80 MB of cache and ~17 MB of weights against ~0.5 GFLOP). One thread runs its kernels
+one after another, so the floor of a call is the FLOPs at the matmul peak plus, per step, the attention's KV-cache
+bytes at the read bandwidth (the best sum over a 256 MB fp32 tensor, far larger than the caches, in the same process)
+where they take longer than its FLOPs. The report gives each side's share of that floor.
 
     OMP_NUM_THREADS=1 python benchmark/sampling.py                  # both configurations, ~5 min on 2 cores
     OMP_NUM_THREADS=1 python benchmark/sampling.py --configs tiny --rounds 3
@@ -44,6 +48,34 @@ def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
         a @ b
         best = min(best, time.perf_counter() - start)
     return 2 * size ** 3 / best
+
+
+def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes/s of the fastest of `repeats` sums over a `megabytes` fp32 tensor (streamed from memory, not the caches)."""
+    data = torch.ones(megabytes * 2 ** 20 // 4)
+    data.sum()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
+
+
+def sampling_floor(config, rows: int, context_length: int, response_length: int, peak: float, bandwidth: float) -> dict:
+    """Seconds of a sampling call at the roofline of one thread, whose kernels run one after another: the prefill's
+    FLOPs at `peak`; then per one-token step, the projections' and unembedding's FLOPs at `peak` (their weights are
+    read once per step, alongside far more FLOPs) plus the attention's own floor, the larger of its FLOPs at `peak`
+    and the bytes of the KV cache it reads (pads included, fp32) at `bandwidth`. Also the attention's bytes alone."""
+    hidden, layers, inner = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    prefill = sampling_flops(config, rows, context_length, 1)
+    matmuls = rows * (2 * layers * (4 * hidden * hidden + 2 * hidden * inner) + 2 * hidden * config.vocab_size)
+    attention = [(2 * 2 * layers * hidden * rows * columns, 4 * 2 * layers * rows * hidden * columns)  # (FLOPs, bytes)
+                 for columns in range(context_length + 1, context_length + response_length)]
+    seconds = (prefill + matmuls * len(attention)) / peak + sum(max(flops / peak, size / bandwidth)
+                                                                 for flops, size in attention)
+    return {"seconds": seconds, "cache_seconds": sum(size for _, size in attention) / bandwidth,
+            "cache_bytes": sum(size for _, size in attention) / len(attention)}
 
 
 def sampling_flops(config, rows: int, context_length: int, response_length: int) -> float:
@@ -134,7 +166,8 @@ def measure(name: str, rounds: int, response_length: int, temperature: float) ->
                   + f"; load {os.getloadavg()[0]:.2f}", flush=True)
     flops = sampling_flops(policy.config, queries.shape[0], queries.shape[1], response_length)
     return {"label": label, "seconds": seconds, "compile_seconds": compile_seconds, "flops": flops,
-            "tokens": queries.shape[0] * response_length}
+            "tokens": queries.shape[0] * response_length,
+            "shape": (policy.config, queries.shape[0], queries.shape[1], response_length)}
 
 
 def main():
@@ -147,9 +180,9 @@ def main():
     args = parser.parse_args()
     threads = torch.get_num_threads()
     started, load_before = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), os.getloadavg()[0]
-    peak = matmul_peak()
+    peak, bandwidth = matmul_peak(), read_bandwidth()
     results = {name: measure(name, args.rounds, args.response_length, args.temperature) for name in args.configs}
-    peak_after = matmul_peak()
+    peak_after, bandwidth_after = matmul_peak(), read_bandwidth()
     lines = [f"# Sampling: ppo.py's fast path vs HF generate vs the plain loop ({started})", "",
              f"fp32 on CPU, {threads} thread(s) (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}), "
              f"batch 64, {args.response_length} response tokens all sampled on every side, temperature "
@@ -157,18 +190,23 @@ def main():
              f"each call timed alone (time.perf_counter, no grad), the same tokens on every side (checked). "
              f"Load average (1 min) {load_before:.2f} before, {os.getloadavg()[0]:.2f} after, on a 2-core machine "
              f"shared with other jobs. Matmul peak (best 2048^3 fp32 matmul, same process and threads): "
-             f"{peak / 1e9:.1f} GFLOP/s before, {peak_after / 1e9:.1f} after.", ""]
-    peak = max(peak, peak_after)
+             f"{peak / 1e9:.1f} GFLOP/s before, {peak_after / 1e9:.1f} after. Read bandwidth (best sum over a 256 MB "
+             f"fp32 tensor): {bandwidth / 1e9:.1f} GB/s before, {bandwidth_after / 1e9:.1f} after.", ""]
+    peak, bandwidth = max(peak, peak_after), max(bandwidth, bandwidth_after)
     for name, result in results.items():
         seconds = {side: sorted(values)[len(values) // 2] for side, values in result["seconds"].items()}
         generate_seconds = seconds["HF generate"]
+        floor = sampling_floor(*result["shape"], peak, bandwidth)
         lines += [f"## {result['label']}", "",
-                  "| sampler | median s per call | tokens/s | ratio vs HF generate | GFLOP/s | of matmul peak |",
-                  "|---|---|---|---|---|---|"]
+                  "| sampler | median s per call | tokens/s | ratio vs HF generate | GFLOP/s | of matmul peak | of the floor |",
+                  "|---|---|---|---|---|---|---|"]
         for side, value in seconds.items():
             achieved = result["flops"] / value
             lines.append(f"| {side} | {value:.3f} | {result['tokens'] / value:.0f} | {generate_seconds / value:.2f}x | "
-                         f"{achieved / 1e9:.1f} | {achieved / peak:.0%} |")
+                         f"{achieved / 1e9:.1f} | {achieved / peak:.0%} | {floor['seconds'] / value:.0%} |")
+        lines += ["", f"Floor of a call: {floor['seconds']:.3f} s (FLOPs at the matmul peak, the attention's KV-cache reads "
+                  f"at the read bandwidth: {floor['cache_bytes'] / 1e6:.0f} MB per step, {floor['cache_seconds']:.3f} s in all). Half of HF generate's time ({generate_seconds / 2:.3f} s, the 2x target) asks for "
+                  f"{floor['seconds'] / (generate_seconds / 2):.0%} of the floor's speed."]
         per_round = [g / f for g, f in zip(result["seconds"]["HF generate"], result["seconds"]["fast path (StaticSampler)"])]
         lines += ["", f"Fast path vs HF generate per round: {', '.join(f'{r:.2f}x' for r in per_round)}. "
                   f"First call of the fast path (compiling its step): {result['compile_seconds']:.1f} s. "
