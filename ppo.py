@@ -221,9 +221,9 @@ def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_
 
 
 def get_values(critic, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
-    """(B, T) query ++ response ids -> (B, T_resp) values V(s_t) of the states before each response token."""
+    """(B, T) ids -> (B, T_resp) values V(s_t) before each response token: get_reward(critic, ...)[0][:, T_q - 1:-1]."""
     # The critic is a trained copy of the RM (Detail 22): its output at t, having read the tokens up to t, is V(s_t).
-    return get_reward(critic, query_responses, pad_token_id, context_length)[0][:, context_length - 1:-1]
+    return response_outputs(critic, query_responses, pad_token_id, context_length)[:, :-1]
 
 
 def eos_trick(scores: torch.Tensor, contains_eos: torch.Tensor, penalty_reward_value: float) -> torch.Tensor:
@@ -343,7 +343,7 @@ def rollout(args, policy, ref_policy, critic, reward_model, queries: torch.Tenso
         # PPO scores the left-padded query followed by its right-padded (truncated) response.
         # The RM was trained on right-padded rows: the two layouts give the same reward (reward.py measures it).
         postprocessed = truncate_response(response, eos_token_id, pad_token_id)
-        _, score = get_reward(reward_model, torch.cat((query, postprocessed), 1), pad_token_id, context_length)
+        score = get_score(reward_model, torch.cat((query, postprocessed), 1), pad_token_id, context_length)
         out["query_responses"].append(query_response)
         out["scores"].append(score.float())
     return {key: torch.cat(value) for key, value in out.items()}, generation_time
@@ -584,12 +584,42 @@ def response_logits(model, query_responses: torch.Tensor, pad_token_id: int, con
     """== model(input_ids=ids, pads as 0, attention_mask=ids != pad).logits[:, context_length - 1 : -1]
 
     (B, T) query ++ response ids -> (B, T_resp, V): the logits that predict the response tokens, from a forward of
-    the response window only (response_window; tests/test_ppo.py checks the equality)."""
+    the response window only (response_window) whose last layer runs at the response positions only
+    (last_hidden_states); tests/test_ppo.py checks the equality."""
     response_length = query_responses.shape[1] - context_length
     input_ids, attention_mask, position_ids = response_window(query_responses, pad_token_id, context_length,
                                                               response_length)
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                 logits_to_keep=response_length, return_dict=True).logits
+    if not isinstance(model, PreTrainedModel):  # a DeepSpeed engine (--offload) runs its own forward
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     logits_to_keep=response_length, return_dict=True).logits
+    hidden = last_hidden_states(model.base_model, input_ids, attention_mask, position_ids, response_length)
+    return model.get_output_embeddings()(hidden)  # (B, T_resp, V): what logits_to_keep computes, bit for bit
+
+
+def response_outputs(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+    """== get_reward(model, query_responses, pad_token_id, context_length)[0][:, context_length - 1:]
+
+    (B, T) query ++ response ids -> (B, T_resp + 1): a ScalarModel's outputs from the last query position on, from a
+    forward whose last layer runs there only (last_hidden_states: bit for bit on CPU, tests/test_ppo.py)."""
+    if not isinstance(model, PreTrainedModel):  # a DeepSpeed engine (--offload) runs its own forward
+        return get_reward(model, query_responses, pad_token_id, context_length)[0][:, context_length - 1:]
+    attention_mask = query_responses != pad_token_id  # (B, T)
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    # get_reward passes no position ids: the model numbers the columns 0 ... T - 1, as these do.
+    position_ids = torch.arange(query_responses.size(1), device=query_responses.device).expand_as(input_ids)
+    num_positions = query_responses.size(1) - context_length + 1
+    hidden = last_hidden_states(model.backbone, input_ids, attention_mask, position_ids, num_positions)
+    # The head runs on get_reward's (B, T, d) shape: on (B, n, d) the matmul may round its sums otherwise (~1e-7).
+    full = hidden.new_zeros(*input_ids.shape, hidden.size(-1)).index_copy_(
+        1, torch.arange(context_length - 1, input_ids.size(1), device=hidden.device), hidden)  # (B, T, d)
+    return model.head(full).squeeze(-1)[:, context_length - 1:]
+
+
+def get_score(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+    """== get_reward(model, query_responses, pad_token_id, context_length)[1]: (B,) the RM's output at each row's EOS."""
+    outputs = response_outputs(model, query_responses, pad_token_id, context_length)  # (B, T_resp + 1)
+    eos = reward_indices(query_responses, pad_token_id, context_length) - (context_length - 1)  # (B,) in outputs
+    return outputs[torch.arange(outputs.size(0), device=eos.device), eos]
 
 
 def response_logits_and_values(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int,
@@ -951,8 +981,8 @@ def ppo_evaluate(accelerator, policy, reward_model, dataset, tokenizer, sample_s
         with accelerator.autocast():
             query_responses = sample_summaries(policy, queries)
             responses = truncate_response(query_responses[:, context_length:], eos_id, pad_id)  # (B, T_resp)
-            _, scores = get_reward(reward_model, torch.cat((queries, responses), 1), pad_id, context_length)
-            _, reference_scores = get_reward(reward_model, torch.cat((queries, references), 1), pad_id, context_length)
+            scores = get_score(reward_model, torch.cat((queries, responses), 1), pad_id, context_length)
+            reference_scores = get_score(reward_model, torch.cat((queries, references), 1), pad_id, context_length)
         for j, (i, query, response, reference) in enumerate(list(zip(
                 indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
                 tokenizer.batch_decode(responses, skip_special_tokens=True),

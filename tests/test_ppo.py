@@ -14,7 +14,8 @@ import torch
 import reward
 from conftest import REPO, WORLD
 from ppo import (PolicyAndValueWrapper, ScalarModel, compute_gae, compute_rewards, disable_dropout, eos_trick,
-                 first_true_indices, gather_logprobs, generate, get_reward, get_values, masked_mean, ppo_batch_sizes,
+                 first_true_indices, gather_logprobs, generate, get_reward, get_score, get_values, masked_mean,
+                 ppo_batch_sizes, response_outputs,
                  mask_logits, ppo_losses, response_logits, response_logits_and_values, response_masks, response_window,
                  sample_rollout, truncate_response, unsampled_token_ids, whiten, SetupError, StaticSampler, draw_tokens)
 
@@ -341,6 +342,31 @@ def test_reference_forward_and_values_equal_the_full_forward(tiny_tldr):
     assert logits.shape == (5, 10, full.shape[-1]) and values.shape == (5, 10)
     torch.testing.assert_close(logits, full[:, context - 1:-1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(values, full_values[:, context - 1:-1])
+
+
+def test_rollout_scoring_runs_the_last_layer_at_the_response_only_and_changes_no_bit(tiny_tldr, monkeypatch):
+    """get_score / response_outputs / get_values (the RM's and critic's last layer at the response positions only)
+    and response_logits (the reference's) equal, bit for bit, the plain forwards they stand for."""
+    import ppo
+
+    policy, critic = tiny_models()
+    queries = padded_queries(tiny_tldr, 5)
+    context = queries.shape[1]
+    torch.manual_seed(4)
+    responses = torch.randint(2, 200, (5, 10))
+    responses[0, 4], responses[0, 5:] = EOS, PAD  # a truncated row beside untruncated ones
+    responses[1, :] = PAD  # an empty response: the score is read at the last query token
+    query_responses = torch.cat((queries, responses), 1)
+    with torch.no_grad():
+        per_token, scores = get_reward(critic, query_responses, PAD, context)
+        ids, mask, positions = response_window(query_responses, PAD, context, 10)
+        plain = policy(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=10).logits
+        monkeypatch.setattr(ppo, "get_reward", None)  # the fast paths must not fall back to the plain forward
+        monkeypatch.setattr(policy, "forward", None)
+        assert torch.equal(get_score(critic, query_responses, PAD, context), scores)
+        assert torch.equal(response_outputs(critic, query_responses, PAD, context), per_token[:, context - 1:])
+        assert torch.equal(get_values(critic, query_responses, PAD, context), per_token[:, context - 1:-1])
+        assert torch.equal(response_logits(policy, query_responses, PAD, context), plain)
 
 
 def test_scalar_model_copies_agree(tmp_path):
