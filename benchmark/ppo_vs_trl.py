@@ -12,7 +12,7 @@ for every side: the work of the algorithm, pads included, see phase_flops) per s
 best fp32 matmul timed by this process at the same thread count, before and after the runs.
 Prints and writes a markdown table.
 
-Configurations (--config): tiny, the tiny world's SFT policy and reward model (264k parameters,
+Configurations (--config): tiny, the tiny world's SFT policy and reward model (0.58M parameters,
 192-token queries, 44 response tokens); 5m, a random-init GPT-NeoX of 5.3M parameters on 128-token
 queries with 53 response tokens (benchmark/random_world.py builds both on first use).
 """
@@ -217,7 +217,7 @@ def main():
             args.reward_model_path = random_world.tiny_reward_model()
             reward_note = "models/tiny/reward_1 missing: the SFT backbone with a random scalar head as reward model"
         args.response_length = args.response_length or 44
-        label = (f"Tiny world (pythia-tiny SFT policy, 264k parameters, 192-token queries; {reward_note}; "
+        label = (f"Tiny world (pythia-tiny SFT policy, {{shape}}, 192-token queries; {reward_note}; "
                  f"ScalarModel RM/critic)")
     else:
         args.sft_model_path, args.reward_model_path = random_world.random_models()
@@ -228,6 +228,8 @@ def main():
     args.out = args.out or os.path.join(ROOT, "benchmark", "results",
                                         "ppo_vs_trl.md" if args.config == "tiny" else "ppo_vs_trl_5m.md")
     config = json.load(open(os.path.join(args.sft_model_path, "config.json")))
+    label = label.replace("{shape}", f"hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
+                                     f"{config['vocab_size']} embedding rows")
     query_length = len(__import__("datasets").load_from_disk(args.query_dataset)["train"][0]["query_token"])
     flops = phase_flops(config, args.batch_size, query_length, args.response_length, args.num_ppo_epochs)
 
