@@ -610,8 +610,7 @@ def response_outputs(model, query_responses: torch.Tensor, pad_token_id: int, co
     num_positions = query_responses.size(1) - context_length + 1
     hidden = last_hidden_states(model.backbone, input_ids, attention_mask, position_ids, num_positions)
     # The head runs on get_reward's (B, T, d) shape: on (B, n, d) the matmul may round its sums otherwise (~1e-7).
-    full = hidden.new_zeros(*input_ids.shape, hidden.size(-1)).index_copy_(
-        1, torch.arange(context_length - 1, input_ids.size(1), device=hidden.device), hidden)  # (B, T, d)
+    full = torch.cat((hidden.new_zeros(hidden.size(0), context_length - 1, hidden.size(-1)), hidden), 1)  # (B, T, d)
     return model.head(full).squeeze(-1)[:, context_length - 1:]
 
 
