@@ -12,10 +12,14 @@ the rollout temperature, which differ in what that policy gets wrong. This scrip
   n, beside a random sample and the sample the gold judge would pick (the headroom);
 - probes with hand-made summaries of each post (its facts written out): the RM's preference for the true summary
   over the same summary with one actor swapped for one the post never names, with its last fact dropped, with a
-  fact the post never states added; and the SFT model's own likelihood on the swap (does the policy know the facts).
+  fact the post never states added; and the SFT model's own likelihood on the swap (does the policy know the facts);
+- with --learnability_updates N: can an RM of this architecture, from this SFT model, learn the swap at all? A fresh
+  RM trained on nothing but (true, swapped) probe pairs of the SFT train posts, its accuracy on those of the
+  validation posts every 50 updates (the world's own pairs teach it the swap, or not, among everything else).
 
     python benchmark/rm_diagnostics.py                      # models/tiny, data/tiny_tldr, seed 1; ~2 min on 2 cores
     python benchmark/rm_diagnostics.py --models /tmp/m --data /tmp/d --seed 2 --world /tmp/w
+    python benchmark/rm_diagnostics.py --learnability_updates 300      # + the swap-only RM (~2.5 min more)
 
 Writes {models}/rm_diagnostics.md (and prints it).
 """
@@ -81,6 +85,49 @@ def probe_summaries(post: str, rng: random.Random, world) -> dict:
     return {"true": write(facts), "swapped": write(swapped), "dropped": write(facts[:-1]), "added": write(added)}
 
 
+def swap_learnability(sft_path: str, train_rows, eval_rows, tokenizer, world, updates: int, seed: int,
+                      batch_size: int = 32, lr: float = 1e-3, every: int = 50) -> list:
+    """A fresh RM from the SFT model (reward.py's init) trained with the Bradley-Terry loss on (true, swapped) probe
+    pairs of `train_rows` only -> [(updates done, accuracy on the probe pairs of `eval_rows`)], every `every` updates."""
+    import reward
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    make = lambda rows: [(row["query_token"], made["true"], made["swapped"])  # noqa: E731
+                         for row in rows if (made := probe_summaries(row["post"], rng, world))]
+    train, held_out = make(train_rows), make(eval_rows)
+    pad = tokenizer.pad_token_id
+
+    def rewards(pairs: list) -> tuple:
+        """(true rewards, swapped rewards) of pairs: left-padded query ++ right-padded summary, as PPO scores."""
+        ids = [tokenizer.encode(" " + text + tokenizer.eos_token) for _, true, swapped in pairs for text in (true, swapped)]
+        width = max(map(len, ids))
+        responses = torch.tensor([row + [pad] * (width - len(row)) for row in ids])
+        queries = torch.tensor([query for query, _, _ in pairs]).repeat_interleave(2, 0)
+        scores = reward.get_reward(model, torch.cat((queries, responses), 1), pad, queries.shape[1])[1]
+        return scores[0::2], scores[1::2]
+
+    def accuracy() -> float:
+        model.eval()
+        with torch.no_grad():
+            right = sum(int((t > s).sum()) for i in range(0, len(held_out), 64) for t, s in [rewards(held_out[i:i + 64])])
+        model.train()
+        return right / len(held_out)
+
+    model = reward.reward_model_from_sft(sft_path)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-5, weight_decay=0.01)
+    curve = [(0, accuracy())]
+    for update in range(1, updates + 1):
+        true, swapped = rewards(rng.sample(train, batch_size))
+        loss = -torch.nn.functional.logsigmoid(true - swapped).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if update % every == 0 or update == updates:
+            curve.append((update, accuracy()))
+    return curve
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="models/tiny", help="benchmark/tiny.sh's MODELS: sft_{seed}, reward_{seed}")
@@ -91,6 +138,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16, help="SFT samples per post (N of best-of-N)")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (ppo.py's rollouts: 0.7)")
     parser.add_argument("--response_length", type=int, default=44, help="tokens sampled (benchmark/tiny.sh: 44)")
+    parser.add_argument("--learnability_updates", type=int, default=0,
+                        help="updates of a swap-only RM (0: skip; 300 show whether the architecture can learn the swap)")
     args = parser.parse_args()
 
     import datasets
@@ -174,6 +223,12 @@ def main() -> None:
     lines += ["", f"Probes: the post's facts written out ({len(probes['swapped'])} posts with 2 or more facts).", "",
               "| the true summary: | share |", "|---|---|"]
     lines += [f"| {names[key]} | {mean(values):.3f} |" for key, values in probes.items()]
+    if args.learnability_updates:
+        sft_rows = datasets.load_from_disk(os.path.join(args.data, "sft"))
+        curve = swap_learnability(sft_path, sft_rows["train"], sft_rows["validation"], tokenizer, world, args.learnability_updates, args.seed)
+        lines += ["", "Learnability: a fresh RM from the SFT model trained on nothing but (true, swapped) probe pairs of the "
+                  "SFT train posts (32 per update, lr 1e-3); its accuracy on those of the validation posts.", "",
+                  "| updates | swap accuracy |", "|---|---|"] + [f"| {u} | {a:.3f} |" for u, a in curve]
     text = "\n".join(lines) + "\n"
     print(text)
     with open(os.path.join(args.models, "rm_diagnostics.md"), "w") as file:

@@ -51,12 +51,17 @@ def test_smoke_run_writes_the_tables(tiny_tldr, tmp_path):
     shutil.copytree(WORLD / "pythia-tiny", models / "sft_1")
     reward.reward_model_from_sft(str(WORLD / "pythia-tiny")).save_pretrained(models / "reward_1")
     result = subprocess.run([sys.executable, str(REPO / "benchmark" / "rm_diagnostics.py"), "--models", str(models),
-                             "--data", str(tiny_tldr), "--num_prompts", "3", "--samples", "4", "--response_length", "8"],
+                             "--data", str(tiny_tldr), "--num_prompts", "3", "--samples", "4", "--response_length", "8",
+                             "--learnability_updates", "2"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = (models / "rm_diagnostics.md").read_text()
     assert "On-policy agreement of the RM with the gold judge" in report
-    assert [line.split(" |")[0] for line in report.splitlines() if line[:3] in ("| 1", "| 2", "| 4")] == ["| 1", "| 2",
-                                                                                                        "| 4"]
+    best_of_n = report.split("Probes:")[0]  # the best-of-n table: a row per n up to --samples
+    assert [line.split(" |")[0] for line in best_of_n.splitlines() if line[:3] in ("| 1", "| 2", "| 4")] == [
+        "| 1", "| 2", "| 4"]
     assert "3 validation posts, 4 samples each" in report
+    curve = report.split("| updates | swap accuracy |\n|---|---|\n")[1].splitlines()
+    assert [row.split(" |")[0] for row in curve] == ["| 0", "| 2"]  # before training, and after the last update
+    assert all(0.0 <= float(row.split("|")[2]) <= 1.0 for row in curve)
 
