@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (ppo.py's rollouts: 0.7)")
     parser.add_argument("--response_length", type=int, default=44, help="tokens sampled (benchmark/tiny.sh: 44)")
     parser.add_argument("--learnability_updates", type=int, default=0,
-                        help="updates of a swap-only RM (0: skip; 300 show whether the architecture can learn the swap)")
+                        help="updates of a swap-only RM (0: skip; 300: enough to show whether the architecture learns it)")
     args = parser.parse_args()
 
     import datasets
@@ -225,7 +225,8 @@ def main() -> None:
     lines += [f"| {names[key]} | {mean(values):.3f} |" for key, values in probes.items()]
     if args.learnability_updates:
         sft_rows = datasets.load_from_disk(os.path.join(args.data, "sft"))
-        curve = swap_learnability(sft_path, sft_rows["train"], sft_rows["validation"], tokenizer, world, args.learnability_updates, args.seed)
+        curve = swap_learnability(sft_path, sft_rows["train"], sft_rows["validation"], tokenizer, world,
+                                  args.learnability_updates, args.seed)
         lines += ["", "Learnability: a fresh RM from the SFT model trained on nothing but (true, swapped) probe pairs of the "
                   "SFT train posts (32 per update, lr 1e-3); its accuracy on those of the validation posts.", "",
                   "| updates | swap accuracy |", "|---|---|"] + [f"| {u} | {a:.3f} |" for u, a in curve]
