@@ -88,7 +88,8 @@ def probe_summaries(post: str, rng: random.Random, world) -> dict:
 def swap_learnability(sft_path: str, train_rows, eval_rows, tokenizer, world, updates: int, seed: int,
                       batch_size: int = 32, lr: float = 1e-3, every: int = 50) -> list:
     """A fresh RM from the SFT model (reward.py's init) trained with the Bradley-Terry loss on (true, swapped) probe
-    pairs of `train_rows` only -> [(updates done, accuracy on the probe pairs of `eval_rows`)], every `every` updates."""
+    pairs of `train_rows` only -> [(updates done, accuracy on the probe pairs of `eval_rows`)], every `every`
+    updates."""
     import reward
 
     rng = random.Random(seed)
@@ -100,7 +101,8 @@ def swap_learnability(sft_path: str, train_rows, eval_rows, tokenizer, world, up
 
     def rewards(pairs: list) -> tuple:
         """(true rewards, swapped rewards) of pairs: left-padded query ++ right-padded summary, as PPO scores."""
-        ids = [tokenizer.encode(" " + text + tokenizer.eos_token) for _, true, swapped in pairs for text in (true, swapped)]
+        texts = [text for _, true, swapped in pairs for text in (true, swapped)]
+        ids = [tokenizer.encode(" " + text + tokenizer.eos_token) for text in texts]
         width = max(map(len, ids))
         responses = torch.tensor([row + [pad] * (width - len(row)) for row in ids])
         queries = torch.tensor([query for query, _, _ in pairs]).repeat_interleave(2, 0)
@@ -110,7 +112,8 @@ def swap_learnability(sft_path: str, train_rows, eval_rows, tokenizer, world, up
     def accuracy() -> float:
         model.eval()
         with torch.no_grad():
-            right = sum(int((t > s).sum()) for i in range(0, len(held_out), 64) for t, s in [rewards(held_out[i:i + 64])])
+            scored = [rewards(held_out[i:i + 64]) for i in range(0, len(held_out), 64)]
+        right = sum(int((true > swapped).sum()) for true, swapped in scored)
         model.train()
         return right / len(held_out)
 
@@ -139,7 +142,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (ppo.py's rollouts: 0.7)")
     parser.add_argument("--response_length", type=int, default=44, help="tokens sampled (benchmark/tiny.sh: 44)")
     parser.add_argument("--learnability_updates", type=int, default=0,
-                        help="updates of a swap-only RM (0: skip; 300: enough to show whether the architecture learns it)")
+                        help="updates of a swap-only RM (0: skip; 300 show whether the architecture learns it)")
     args = parser.parse_args()
 
     import datasets
@@ -227,8 +230,8 @@ def main() -> None:
         sft_rows = datasets.load_from_disk(os.path.join(args.data, "sft"))
         curve = swap_learnability(sft_path, sft_rows["train"], sft_rows["validation"], tokenizer, world,
                                   args.learnability_updates, args.seed)
-        lines += ["", "Learnability: a fresh RM from the SFT model trained on nothing but (true, swapped) probe pairs of the "
-                  "SFT train posts (32 per update, lr 1e-3); its accuracy on those of the validation posts.", "",
+        lines += ["", "Learnability: a fresh RM from the SFT model trained on nothing but (true, swapped) probe pairs "
+                  "of the SFT train posts (32 per update, lr 1e-3); its accuracy on those of the validation posts.", "",
                   "| updates | swap accuracy |", "|---|---|"] + [f"| {u} | {a:.3f} |" for u, a in curve]
     text = "\n".join(lines) + "\n"
     print(text)
