@@ -85,6 +85,19 @@ def probe_summaries(post: str, rng: random.Random, world) -> dict:
     return {"true": write(facts), "swapped": write(swapped), "dropped": write(facts[:-1]), "added": write(added)}
 
 
+def summary_scores(reward_model, tokenizer, queries: list, texts: list) -> torch.Tensor:
+    """The RM's scores of summaries (leading space, EOS), one per (query ids, text), as ppo.py scores a rollout:
+    the left-padded query followed by the right-padded summary."""
+    import ppo
+
+    pad = tokenizer.pad_token_id
+    ids = [tokenizer.encode(" " + text + tokenizer.eos_token) for text in texts]
+    width = max(map(len, ids))
+    responses = torch.tensor([row + [pad] * (width - len(row)) for row in ids])
+    queries = torch.tensor(queries)
+    return ppo.get_reward(reward_model, torch.cat((queries, responses), 1), pad, queries.shape[1])[1]
+
+
 def swap_learnability(sft_path: str, train_rows, eval_rows, tokenizer, world, updates: int, seed: int,
                       batch_size: int = 32, lr: float = 1e-3, every: int = 50) -> list:
     """A fresh RM from the SFT model (reward.py's init) trained with the Bradley-Terry loss on (true, swapped) probe
@@ -97,16 +110,11 @@ def swap_learnability(sft_path: str, train_rows, eval_rows, tokenizer, world, up
     make = lambda rows: [(row["query_token"], made["true"], made["swapped"])  # noqa: E731
                          for row in rows if (made := probe_summaries(row["post"], rng, world))]
     train, held_out = make(train_rows), make(eval_rows)
-    pad = tokenizer.pad_token_id
 
     def rewards(pairs: list) -> tuple:
-        """(true rewards, swapped rewards) of pairs: left-padded query ++ right-padded summary, as PPO scores."""
-        texts = [text for _, true, swapped in pairs for text in (true, swapped)]
-        ids = [tokenizer.encode(" " + text + tokenizer.eos_token) for text in texts]
-        width = max(map(len, ids))
-        responses = torch.tensor([row + [pad] * (width - len(row)) for row in ids])
-        queries = torch.tensor([query for query, _, _ in pairs]).repeat_interleave(2, 0)
-        scores = reward.get_reward(model, torch.cat((queries, responses), 1), pad, queries.shape[1])[1]
+        """(true rewards, swapped rewards) of pairs."""
+        scores = summary_scores(model, tokenizer, [query for query, _, _ in pairs for _ in range(2)],
+                                [text for _, true, swapped in pairs for text in (true, swapped)])
         return scores[0::2], scores[1::2]
 
     def accuracy() -> float:
@@ -162,14 +170,6 @@ def main() -> None:
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     unsampled = torch.tensor(ppo.unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
 
-    def rm_scores(query: list, texts: list) -> list:
-        """The RM's scores of summaries (leading space, EOS) of one query, as ppo.py scores a rollout."""
-        ids = [tokenizer.encode(" " + text + tokenizer.eos_token) for text in texts]
-        width = max(map(len, ids))
-        responses = torch.tensor([row + [pad] * (width - len(row)) for row in ids])
-        queries = torch.tensor(query).repeat(len(texts), 1)
-        return ppo.get_reward(reward_model, torch.cat((queries, responses), 1), pad, queries.shape[1])[1].tolist()
-
     def lm_logprob(query: list, text: str) -> float:
         """The SFT model's log-probability of a summary (leading space, EOS) after its query."""
         context = [token for token in query if token != pad]
@@ -201,7 +201,8 @@ def main() -> None:
                 picks[n].append(best_of_n(scores, gold, reference, n))
             made = probe_summaries(row["post"], rng, world)
             if made:
-                true, swapped, dropped, added = rm_scores(row["query_token"], list(made.values()))
+                scores = summary_scores(reward_model, tokenizer, [row["query_token"]] * len(made), list(made.values()))
+                true, swapped, dropped, added = scores.tolist()
                 probes["swapped"].append(true > swapped)
                 probes["dropped"].append(true > dropped)
                 probes["added"].append(true > added)

@@ -201,6 +201,16 @@ def padded_queries(tiny_tldr, n):
     return queries[(queries == PAD).sum(1).argsort(descending=True)[:n]]
 
 
+def scored_batch(tiny_tldr, seed):
+    """5 left-padded validation queries ++ 10 random response tokens each, row 0 truncated at an EOS (the others
+    untruncated) -> (query_responses, context_length)."""
+    queries = padded_queries(tiny_tldr, 5)
+    torch.manual_seed(seed)
+    responses = torch.randint(2, 200, (5, 10))
+    responses[0, 4], responses[0, 5:] = EOS, PAD  # a truncated row beside untruncated ones
+    return torch.cat((queries, responses), 1), queries.shape[1]
+
+
 def test_sample_rollout_draws_what_generate_draws(tiny_tldr):
     """The rollout's KV-cache loop = generate()'s temperature sampling: the same tokens up to each row's EOS,
     the same scores (logits / T), pads after the last row's EOS, and the random stream left where generate leaves it."""
@@ -327,12 +337,7 @@ def test_reference_forward_and_values_equal_the_full_forward(tiny_tldr):
     """The rollout's reference forward (response_logits: the response window only) = the full forward's
     logits[:, context_length - 1 : -1]; get_values = the critic's per-token outputs at the same positions."""
     policy, critic = tiny_models()
-    queries = padded_queries(tiny_tldr, 5)
-    context = queries.shape[1]
-    torch.manual_seed(3)
-    responses = torch.randint(2, 200, (5, 10))
-    responses[0, 4], responses[0, 5:] = EOS, PAD  # a truncated row beside untruncated ones
-    query_responses = torch.cat((queries, responses), 1)
+    query_responses, context = scored_batch(tiny_tldr, seed=3)
     attention_mask = query_responses != PAD
     with torch.no_grad():
         logits = response_logits(policy, query_responses, PAD, context)  # (5, 10, V)
@@ -350,13 +355,8 @@ def test_rollout_scoring_runs_the_last_layer_at_the_response_only_and_changes_no
     import ppo
 
     policy, critic = tiny_models()
-    queries = padded_queries(tiny_tldr, 5)
-    context = queries.shape[1]
-    torch.manual_seed(4)
-    responses = torch.randint(2, 200, (5, 10))
-    responses[0, 4], responses[0, 5:] = EOS, PAD  # a truncated row beside untruncated ones
-    responses[1, :] = PAD  # an empty response: the score is read at the last query token
-    query_responses = torch.cat((queries, responses), 1)
+    query_responses, context = scored_batch(tiny_tldr, seed=4)
+    query_responses[1, context:] = PAD  # an empty response: the score is read at the last query token
     with torch.no_grad():
         per_token, scores = get_reward(critic, query_responses, PAD, context)
         ids, mask, positions = response_window(query_responses, PAD, context, 10)
