@@ -544,8 +544,10 @@ class Args:
     """Depth of the tiny GPT-NeoX (2 is the least that can learn to copy from its context; 3 copies far better)"""
     num_heads: int = 4
     """Attention heads of the tiny GPT-NeoX"""
-    pretrain_steps: int = 3000
-    """Steps of next-token pretraining (0: random weights; the committed world used the default)"""
+    pretrain_steps: int = 6000
+    """Steps of next-token pretraining (0: random weights; the committed world used the default). Copying
+    from the context comes late: after 3000 steps the model recapped 55% of a post's facts right, after
+    6000 71% (real base models copy well, and the summaries of a poor copier are full of invented facts)"""
     pretrain_documents: int = 8192
     """Documents (posts and articles) in the pretraining corpus"""
     pretrain_news_fraction: float = 0.5
