@@ -79,7 +79,7 @@ stage "sft" python sft.py "${SFT_TINY[@]}" --output_dir "$MODELS/sft_$SEED" \
 # Reward model (reward.py), initialised from the SFT model. Scale knobs only (lr, batch, epochs):
 # 3 passes over the 16,384 pairs in updates of 32 at lr 1e-3. On a 96x3 model a pass over 4,096 pairs
 # was not enough: 5 passes over 4,096 gave 0.648 against the labels, 1 pass over 16,384 0.648 and 3
-# passes 0.713 (world seed 1, noise ceiling 0.822; see the README for this world's numbers).
+# passes 0.713 (world seed 1 with its 3,000-step base model; see the README for today's numbers).
 stage "reward" python reward.py --sft_model_path "$MODELS/sft_$SEED" --label_dataset "$DATA/preference" \
   --query_dataset "$DATA/sft" --output_dir "$MODELS/reward_$SEED" --seed "$SEED" --lr 1e-3 \
   --batch_size 32 --local_micro_batch_size 32 --num_train_epochs 3 --local_eval_batch_size 64 --gold_judge "$WORLD"
