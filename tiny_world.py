@@ -439,6 +439,30 @@ def pretrain(model, documents, pad_id, steps, batch_size, lr, seed):
     return losses
 
 
+def recap_skill(model, tokenizer, seed, n=200):
+    """How well a base model copies from its context: greedy recaps of n fresh pretraining-style posts.
+
+    Returns {"facts_right": share of the posts' facts recapped word for word ("my a v my o"),
+    "invented_per_recap": key words per recap that the post does not contain}."""
+    import torch
+
+    rng = random.Random(seed + 2)  # fresh posts: seed is the datasets', seed + 1 the pretraining corpus'
+    right = facts = invented = 0
+    for _ in range(n):
+        _, title, text, post_facts, _ = make_post(rng, long_tail=False, recap_probability=1.0)
+        document = f"{title}\n\n{text}"
+        prefix = document[: document.index("Edit: to sum up,") + len("Edit: to sum up,")]
+        ids = tokenizer(prefix, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        recap = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split(".")[0]
+        right += sum(f"my {a} {v} my {o}" in recap for a, v, o in post_facts)
+        facts += len(post_facts)
+        invented += gold_breakdown(f"{title}\n{text}", recap)["invented"]
+    return {"facts_right": right / facts, "invented_per_recap": invented / n}
+
+
 # ------------------------------------------------------------------------------------------------
 # The world card.
 # ------------------------------------------------------------------------------------------------
@@ -488,6 +512,10 @@ def world_card(meta):
         "articles, each ending with a recap (\"Edit: to sum up, ...\", \"In short, ...\"); never a dataset row, "
         "a TL;DR, a reference summary or a label. Predicting the recap teaches it to copy facts from its "
         "context; the articles let a reward model trained on Reddit posts transfer to CNN/DM. "
+        f"Recapping {meta['args']['recap_posts']} fresh posts greedily, it gets "
+        f"{meta['model']['recap_facts_right']:.0%} of their facts right word for word and adds "
+        f"{meta['model']['recap_invented']:.3f} key words per recap that the post does not "
+        "contain (`recap_skill`): a poor copier's summaries are full of invented facts. "
         "Dropout is 0.1 (Pythia's is 0), so Detail 7 (disable dropout) has a visible effect.",
     ]
     return "\n".join(lines) + "\n"
@@ -546,8 +574,8 @@ class Args:
     """Attention heads of the tiny GPT-NeoX"""
     pretrain_steps: int = 6000
     """Steps of next-token pretraining (0: random weights; the committed world used the default). Copying
-    from the context comes late: after 3000 steps the model recapped 55% of a post's facts right, after
-    6000 71% (real base models copy well, and the summaries of a poor copier are full of invented facts)"""
+    from the context comes late: after 3000 steps the model recapped 56% of a post's facts right, after 6000
+    69% (`recap_skill`; real base models copy well, and a poor copier's summaries are full of invented facts)"""
     pretrain_documents: int = 8192
     """Documents (posts and articles) in the pretraining corpus"""
     pretrain_news_fraction: float = 0.5
@@ -558,6 +586,8 @@ class Args:
     """Longest pretraining document in tokens (longer ones are cut)"""
     pretrain_lr: float = 5e-3
     """Peak learning rate of the pretraining"""
+    recap_posts: int = 200
+    """Fresh posts the base model recaps to measure how well it copies (recap_skill, on the card)"""
 
 
 def build_world(args, with_model=True):
@@ -618,6 +648,7 @@ def build_world(args, with_model=True):
     losses = pretrain(model, documents, tokenizer.pad_token_id, args.pretrain_steps,
                       args.pretrain_batch_size, args.pretrain_lr, args.seed) or [float("nan")]
     model.save_pretrained(model_dir)
+    recap = recap_skill(model, tokenizer, args.seed, args.recap_posts)
 
     meta = {
         # where the world was written is not part of what it is (same seed, same bytes anywhere)
@@ -631,12 +662,13 @@ def build_world(args, with_model=True):
                           "validation_cnndm": sum(news_p) / len(news_p)},
         "model": {"parameters": sum(p.numel() for p in model.parameters()),
                   "vocab_size": config.vocab_size, "tokenizer_size": len(tokenizer),
-                  "pretrain_loss_first": losses[0], "pretrain_loss_last": losses[-1]},
+                  "pretrain_loss_first": losses[0], "pretrain_loss_last": losses[-1],
+                  "recap_facts_right": recap["facts_right"], "recap_invented": recap["invented_per_recap"]},
     }
     with open(os.path.join(args.out_dir, "world.json"), "w") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
     with open(os.path.join(args.out_dir, "WORLD.md"), "w") as f:
-        f.write(world_card(meta))
+        f.write(world_card(json.loads(json.dumps(meta, sort_keys=True))))  # the card of world.json as read back
     print(f"tiny world written to {args.out_dir} in {time.time() - start:.1f}s; noise ceiling "
           + ", ".join(f"{k} {v:.3f}" for k, v in meta["noise_ceiling"].items()))
     return meta

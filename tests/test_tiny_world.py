@@ -40,7 +40,7 @@ def load_world(path, cache):
 def small_args(out_dir, seed=1):
     """A world small enough to build twice in a test."""
     return tw.Args(out_dir=str(out_dir), seed=seed, sft_sizes=(64, 8, 8), preference_sizes=(64, 16, 4),
-                   pretrain_steps=3, pretrain_documents=32)
+                   pretrain_steps=3, pretrain_documents=32, recap_posts=4)
 
 
 def tree_bytes(root):
@@ -224,3 +224,35 @@ def test_preprocess_runs_on_the_committed_world_with_the_tiny_lengths(tiny_tldr)
     # the long-tail posts really were cut to fit (Detail 2), and only those
     truncated = sum(not r["query"].endswith(r["post"] + "\n\nTL;DR:") for r in sft["train"])
     assert 0 < truncated < 0.2 * sft["train"].num_rows
+
+
+class RecapStub:
+    """A stand-in base model for recap_skill: recaps the post's fact sentences, the first actor wrong if asked."""
+
+    def __init__(self, tokenizer, swap_first_actor):
+        self.tokenizer, self.swap_first_actor = tokenizer, swap_first_actor
+
+    def generate(self, ids, **kwargs):
+        import torch
+
+        text = self.tokenizer.decode(ids[0])
+        facts = re.findall(r"\bmy (\w+) (\w+) my (\w+)", text.split("\n", 1)[1])  # the body, in order
+        if self.swap_first_actor:
+            actor = next(a for a in tw.ACTORS if a not in text.lower())
+            facts[0] = (actor, *facts[0][1:])
+        recap = " " + " and ".join(f"my {a} {v} my {o}" for a, v, o in facts) + "."
+        return torch.cat((ids, self.tokenizer(recap, return_tensors="pt").input_ids), dim=1)
+
+
+def test_recap_skill_counts_facts_copied_and_invented_against_a_naive_count():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(WORLD / "pythia-tiny")
+    assert tw.recap_skill(RecapStub(tokenizer, False), tokenizer, seed=5, n=20) == {
+        "facts_right": 1.0, "invented_per_recap": 0.0}
+    # Naive count: every post loses exactly its first fact, and that recap names one actor the post never does.
+    rng = random.Random(5 + 2)
+    fact_counts = [len(tw.make_post(rng, long_tail=False, recap_probability=1.0)[3]) for _ in range(20)]
+    skill = tw.recap_skill(RecapStub(tokenizer, True), tokenizer, seed=5, n=20)
+    assert skill["facts_right"] == pytest.approx(1 - 20 / sum(fact_counts))
+    assert skill["invented_per_recap"] == pytest.approx(1.0)
