@@ -272,7 +272,10 @@ def assert_same_samples(sampler, policy, queries, length, temperature, unsampled
         sampled, scores = sampler(policy, queries, PAD, EOS, length, temperature, unsampled)
         after = torch.rand(4)
     assert torch.equal(sampled, expected) and torch.equal(after, expected_after)
-    torch.testing.assert_close(scores, expected_scores, rtol=1e-5, atol=1e-5)
+    # Float rounding grows with the logits' size (the compiled step sums in another order): the tolerance is ~16
+    # fp32 epsilons (1.2e-7) of the largest score, 7.5e-5 for the committed base model's largest, 37.5.
+    scale = expected_scores[expected_scores > torch.finfo(torch.float32).min].abs().max()
+    torch.testing.assert_close(scores, expected_scores, rtol=1e-5, atol=2e-6 * float(scale))
     sampled_steps = scores.ne(0).any(-1)  # (B, T_resp): False at the zero scores of the steps skipped after every EOS
     assert (scores[sampled_steps][:, unsampled] == torch.finfo(torch.float32).min).all()
     assert not torch.isin(sampled[:, queries.shape[1]:], unsampled).any()
@@ -538,8 +541,11 @@ def test_deepspeed_offload_matches_deepspeed(tiny_tldr, tmp_path):
     assert json.loads((tmp_path / "offload" / "args.json").read_text())["offload"] is True
     plain, offload = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("plain", "offload"))
     start = load_file(str(WORLD / "pythia-tiny" / "model.safetensors"))
-    assert max((plain[k] - start[k]).abs().max().item() for k in plain) > 1e-4  # an update happened
-    assert max((plain[k] - offload[k]).abs().max().item() for k in plain) < 1e-5
+    moved = max((plain[k] - start[k]).abs().max().item() for k in plain)
+    apart = max((plain[k] - offload[k]).abs().max().item() for k in plain)
+    # An update happened, and the two launches end within float rounding of each other: the ZeRO-3 engines sum
+    # in another order, and Adam's normalised steps carry that to the weights (1.0e-5 apart after a 4.0e-3 move).
+    assert moved > 1e-4 and apart < 0.01 * moved, (moved, apart)
     rows = []
     for name in ("plain", "offload"):
         with open(tmp_path / name / "eval_validation.csv") as file:
