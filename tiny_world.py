@@ -185,13 +185,20 @@ def make_post(rng, long_tail, recap_probability=0.3):
             paragraphs.append(" ".join(filler_sentence(rng, FILLER_SENTENCES) for _ in range(3)))
     if rng.random() < recap_probability:  # an edit that restates the facts: Reddit posts repeat
         # themselves, and copying from earlier in the context is what the base model must learn
-        recap = " and ".join(f"my {a} {v} my {o}" for a, v, o in facts)
-        paragraphs.append(f"Edit: to sum up, {recap}.")
+        paragraphs.append(f"{RECAP_OPENER} {recap_text(facts)}.")
     paragraphs.append(rng.choice(QUESTIONS))
     a, v, o = facts[0]
     question = rng.choice(QUESTIONS)
     title = f"My {a} {v} my {o}, {question[0].lower()}{question[1:]}"
     return rng.choice(SUBREDDITS), title, "\n\n".join(paragraphs), facts, feeling
+
+
+RECAP_OPENER = "Edit: to sum up,"  # opens a post's recap paragraph (recap_skill prompts with it)
+
+
+def recap_text(facts):
+    """A post's facts as its recap states them: "my a v my o and my a v my o"."""
+    return " and ".join(f"my {a} {v} my {o}" for a, v, o in facts)
 
 
 def make_article(rng, recap_probability=0.0):
@@ -442,7 +449,7 @@ def pretrain(model, documents, pad_id, steps, batch_size, lr, seed):
 def recap_skill(model, tokenizer, seed, n=200):
     """How well a base model copies from its context: greedy recaps of n fresh pretraining-style posts.
 
-    Returns {"facts_right": share of the posts' facts recapped word for word ("my a v my o"),
+    Returns {"facts_right": share of the posts' facts recapped word for word (as recap_text writes them),
     "invented_per_recap": key words per recap that the post does not contain}."""
     import torch
 
@@ -451,13 +458,13 @@ def recap_skill(model, tokenizer, seed, n=200):
     for _ in range(n):
         _, title, text, post_facts, _ = make_post(rng, long_tail=False, recap_probability=1.0)
         document = f"{title}\n\n{text}"
-        prefix = document[: document.index("Edit: to sum up,") + len("Edit: to sum up,")]
+        prefix = document[: document.index(RECAP_OPENER) + len(RECAP_OPENER)]
         ids = tokenizer(prefix, return_tensors="pt").input_ids
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
         recap = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split(".")[0]
-        right += sum(f"my {a} {v} my {o}" in recap for a, v, o in post_facts)
+        right += sum(recap_text([fact]) in recap for fact in post_facts)
         facts += len(post_facts)
         invented += gold_breakdown(f"{title}\n{text}", recap)["invented"]
     return {"facts_right": right / facts, "invented_per_recap": invented / n}

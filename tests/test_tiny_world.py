@@ -240,7 +240,7 @@ class RecapStub:
         if self.swap_first_actor:
             actor = next(a for a in tw.ACTORS if a not in text.lower())
             facts[0] = (actor, *facts[0][1:])
-        recap = " " + " and ".join(f"my {a} {v} my {o}" for a, v, o in facts) + "."
+        recap = " " + tw.recap_text(facts) + "."
         return torch.cat((ids, self.tokenizer(recap, return_tensors="pt").input_ids), dim=1)
 
 
