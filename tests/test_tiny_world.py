@@ -90,6 +90,20 @@ def test_the_card_describes_the_committed_world_and_its_reference_writer():
     # the references it wrote leave room above them (RLHF beats human TL;DRs in the paper)
     assert 0.5 < meta["references"]["gold_score"] < 2.5
     assert meta["references"]["with_wrong_or_invented"] > 0.05
+    # the card states how the preferred summary's length differs from the real data's (Detail 4)
+    assert "median 32 against 30 tokens" in card
+    assert f"{meta['preference_lengths']['chosen_longer']:.0%} of the pairs whose lengths differ" in card
+
+
+def test_preference_length_statistics_by_hand():
+    """Medians of the chosen and rejected word counts, and the chosen's share of the longer side where they differ."""
+    def row(chosen, other, choice):
+        texts = [chosen, other] if choice == 0 else [other, chosen]
+        return {"summaries": [{"text": t} for t in texts], "choice": choice}
+    rows = [row("a b c", "a", 0), row("a", "a b", 1), row("a b", "c d", 0), row("a b c d", "a b", 1)]
+    # chosen words 3, 1, 2, 4 (upper median 3); rejected 1, 2, 2, 2 (upper median 2); 3 pairs differ, 2 with the chosen longer
+    assert tw.preference_length_statistics(rows) == {"n": 4, "chosen_median_words": 3, "rejected_median_words": 2,
+                                                     "chosen_longer": 2 / 3}
 
 
 def test_schemas_match_the_hub_datasets(world):
