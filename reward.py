@@ -463,7 +463,7 @@ def pair_rewards(model, queries: torch.Tensor, chosen: torch.Tensor, rejected: t
     # Both summaries take the positions right after the query.
     # The three parts sit back to back, pads only at the row's end: the row is as wide as the longest
     # pair, not as the longest query plus twice the longest summary (~12% fewer tokens in the tiny world).
-    # ~2/3 of the time of two rows on the tiny world (benchmark/reward_pair_rows.py).
+    # 1/1.7 of the time of two rows on the tiny world (benchmark/reward_pair_rows.py).
     query_width, response_width = queries.shape[1], chosen.shape[1]
     lengths = [(part != pad_token_id).sum(1, keepdim=True) for part in (queries, chosen, rejected)]  # 3 x (B, 1)
     query_length, chosen_length, rejected_length = lengths
