@@ -465,8 +465,9 @@ def pair_rewards(model, queries: torch.Tensor, chosen: torch.Tensor, rejected: t
     # pair, not as the longest query plus twice the longest summary (~12% fewer tokens in the tiny world).
     # 1/1.7 of the time of two rows on the tiny world (benchmark/reward_pair_rows.py).
     query_width, response_width = queries.shape[1], chosen.shape[1]
-    lengths = [(part != pad_token_id).sum(1, keepdim=True) for part in (queries, chosen, rejected)]  # 3 x (B, 1)
-    query_length, chosen_length, rejected_length = lengths
+    # (B, 1) each: the tokens of each part (the queries' pads are on the left, the summaries' on the right)
+    query_length, chosen_length, rejected_length = [(ids != pad_token_id).sum(1, keepdim=True)
+                                                    for ids in (queries, chosen, rejected)]
     chosen_end = query_length + chosen_length  # (B, 1): first column after the chosen summary
     row_end = chosen_end + rejected_length  # (B, 1): first pad of the row
     column = torch.arange(int(row_end.max()), device=queries.device)[None, :]  # (1, T)
