@@ -473,11 +473,10 @@ def pair_rewards(model, queries: torch.Tensor, chosen: torch.Tensor, rejected: t
     column = torch.arange(int(row_end.max()), device=queries.device)[None, :]  # (1, T)
     # (B, T): 0 query, 1 chosen, 2 rejected, 3 pad
     part = (column >= query_length).long() + (column >= chosen_end).long() + (column >= row_end).long()
-    # (B, T): where each column's token is in query ++ chosen ++ rejected as they came (queries left-padded)
-    source = torch.where(part == 0, query_width - query_length + column,
-                         torch.where(part == 1, query_width + column - query_length,
-                                     query_width + response_width + column - chosen_end))
-    source = torch.where(part == 3, 0, source)
+    # (B, T): where each column's token is in query ++ chosen ++ rejected as they came. The query's tokens end
+    # where the chosen summary starts (column T_q there), so one offset serves both; pads read column 0.
+    source = (column + torch.where(part == 2, query_width + response_width - chosen_end, query_width - query_length)
+              ).masked_fill(part == 3, 0)
     input_ids = torch.cat((queries, chosen, rejected), dim=1).gather(1, source)  # (B, T)
     is_token = part < 3  # (B, T)
     position_ids = torch.where(part == 2, column - chosen_length, column).masked_fill(~is_token, 0)  # (B, T)
