@@ -1,0 +1,269 @@
+"""Does PPO work, and is the reward model what holds it back? ppo.py with the gold judge as its reward.
+
+The main job's PPO does not beat SFT on the tiny world (README). Two things could be at fault: PPO itself
+(the implementation, or the main job's budget of 20 updates), or the reward model PPO climbs. This script
+tells them apart, after benchmark/tiny.sh, on the tiny world, where the gold judge is the truth:
+
+- the gold reward: ppo.py, unchanged but for one function. The score of a query and its response
+  (`ppo.get_score`: the RM's output at the EOS, Detail 14) becomes `tiny_world.gold_score` of the decoded post
+  and summary, as Gao et al. (2023) call a gold reward model. Everything else is ppo.py's: the critic still
+  starts from the RM (Detail 22), the KL penalty, the EOS trick, GAE, whitening and the PPO epochs;
+- beside it, ppo.py with the RM, for as many updates.
+
+Every run uses the main job's PPO settings (read from {models}/ppo_{seed}/args.json); only the number of
+updates and the output folders differ. This is a diagnostic, not RLHF: it reads the gold judge, which nothing on
+the pipeline's path does.
+
+    python benchmark/ppo_gold_reward.py          # after tiny.sh: gold reward at 20 and 80 updates, RM at 80 (~11 min)
+    python benchmark/ppo_gold_reward.py --models /tmp/m --seed 2 --gold_updates 20 --rm_updates 40
+
+Writes {models}/ppo_gold_reward/: report.md (and prints it), curves.png, a folder per run. The other mode,
+
+    python benchmark/ppo_gold_reward.py ppo <ppo.py's flags>
+
+is ppo.py itself with the gold reward (what the runs above call).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+
+# The main job's PPO settings that every run here repeats (paths, seed, scale knobs, every algorithm setting).
+# The rest of args.json is either what this script sets (updates, folders, evaluations) or derived by ppo.py.
+SAME_AS_MAIN_JOB = ("base_model", "query_dataset", "sft_model_path", "reward_model_path", "seed", "response_length",
+                    "temperature", "eval_temperature", "num_eval_samples", "lr", "eps", "weight_decay", "batch_size",
+                    "num_minibatches", "local_micro_batch_size", "local_rollout_forward_batch_size",
+                    "local_eval_batch_size", "num_ppo_epochs", "kl_coef", "gamma", "lam", "cliprange",
+                    "cliprange_value", "vf_coef", "whiten_rewards", "non_eos_penalty", "penalty_reward_value",
+                    "score_after_eos")
+
+
+def gold_scores(tokenizer, query_responses, pad_token_id: int, context_length: int) -> list:
+    """(B, T) left-padded query ++ response ids -> [B] tiny_world.gold_score(decoded query, decoded response).
+
+    The judge reads what judge.py reads: the whole query (SUBREDDIT, TITLE, POST, TL;DR:) and the summary without
+    its pads and EOS."""
+    import tiny_world
+
+    scores = []
+    for row in query_responses.tolist():
+        query = tokenizer.decode([t for t in row[:context_length] if t != pad_token_id], skip_special_tokens=True)
+        response = tokenizer.decode([t for t in row[context_length:] if t != pad_token_id], skip_special_tokens=True)
+        scores.append(tiny_world.gold_score(query.strip(), response.strip()))
+    return scores
+
+
+def ppo_with_gold_reward(ppo_argv: list) -> None:
+    """Run ppo.py's main() with `get_score` replaced by the gold judge (decoding with ppo.py's own tokenizer)."""
+    import torch
+
+    import ppo
+
+    tokenizers = []
+    ppo_inputs = ppo.ppo_inputs
+
+    def inputs_keeping_the_tokenizer(args, accelerator):
+        loaded = ppo_inputs(args, accelerator)  # (dataset, eval splits, tokenizer, recorded)
+        tokenizers.append(loaded[2])
+        return loaded
+
+    def gold_score(model, query_responses, pad_token_id: int, context_length: int):
+        scores = gold_scores(tokenizers[0], query_responses, pad_token_id, context_length)
+        return torch.tensor(scores, dtype=torch.float32, device=query_responses.device)
+
+    ppo.ppo_inputs, ppo.get_score = inputs_keeping_the_tokenizer, gold_score
+    sys.argv = ["ppo.py", *ppo_argv]
+    finished = False
+    try:  # as ppo.py's own __main__
+        ppo.main()
+        finished = True
+    finally:
+        ppo.leave_process_group(finished)
+
+
+def ppo_flags(main_job: dict, updates: int, output_dir: str, run_name: str, eval_every: int) -> list:
+    """ppo.py's flags for a run like the main job's (its args.json), with `updates` updates."""
+    flags = []
+    for key in SAME_AS_MAIN_JOB:
+        value = main_job[key]
+        if isinstance(value, bool):
+            flags.append(f"--{'' if value else 'no-'}{key.replace('_', '-')}")
+        elif value is not None:
+            # A path relative to where tiny.sh ran (the repository root); a Hub id stays as it is.
+            at_root = os.path.join(ROOT, str(value))
+            flags += [f"--{key}", at_root if not os.path.isabs(str(value)) and os.path.exists(at_root) else str(value)]
+    return flags + ["--total_episodes", str(updates * main_job["batch_size"]), "--output_dir", output_dir,
+                    "--run_name", run_name, "--eval_every", str(eval_every)]
+
+
+def judge(rows: list, other_rows: list = None) -> dict:
+    """Gold win rate of `rows` (query, response, reference) against their references, or against `other_rows`
+    matched by query: {wins, judged (ties left out, as judge.py does), win_rate, ci, gold, words}."""
+    import tiny_world
+    from tiny_report import wilson_interval
+
+    others = {row["query"].strip(): row["response"] for row in other_rows} if other_rows is not None else None
+    wins = judged = 0
+    gold, words = [], []
+    for row in rows:
+        post = row["query"].strip()
+        ours = tiny_world.gold_score(post, row["response"].strip())
+        gold.append(ours)
+        words.append(len(tiny_world.words(row["response"])))
+        if others is not None and post not in others:
+            continue
+        theirs = tiny_world.gold_score(post, (others[post] if others is not None else row["reference"]).strip())
+        wins += ours > theirs
+        judged += ours != theirs
+    return {"wins": wins, "judged": judged, "win_rate": wins / judged if judged else float("nan"),
+            "ci": wilson_interval(wins, judged), "gold": sum(gold) / len(gold), "words": sum(words) / len(words)}
+
+
+def run_curve(folder: str, batch_size: int) -> list:
+    """[{update, score, gold, gold_win_rate, words}] of a run's periodic evaluations (samples_validation_*.csv)."""
+    from tiny_report import read_csv
+
+    points = []
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    episodes = sorted(int(n[len("samples_validation_"):-4]) for n in names
+                      if n.startswith("samples_validation_") and n.endswith(".csv"))
+    for episode in episodes:
+        rows = read_csv(os.path.join(folder, f"samples_validation_{episode}.csv"))
+        judged = judge(rows)
+        points.append({"update": episode // batch_size, "gold_win_rate": judged["win_rate"], "gold": judged["gold"],
+                       "words": judged["words"], "score": sum(float(r["score"]) for r in rows) / len(rows)})
+    return points
+
+
+def updates_text(updates: int) -> str:
+    """'1 update', '20 updates'."""
+    return f"{updates} update{'' if updates == 1 else 's'}"
+
+
+def render(entries: list, curves: dict, header: str) -> str:
+    """The report: a row per policy (final evaluation), then each run's curve."""
+    fmt_ci = lambda ci: f"[{ci[0]:.3f}, {ci[1]:.3f}]"  # noqa: E731
+    lines = [header, "",
+             "| policy | reward | updates | win rate vs the references [95% CI] | win rate vs SFT [95% CI] | mean gold score | words |",
+             "|---|---|---|---|---|---|---|"]
+    for e in entries:
+        ref, sft = e["vs_references"], e.get("vs_sft")
+        vs_sft = f"{sft['win_rate']:.3f} {fmt_ci(sft['ci'])}" if sft else "-"
+        lines.append(f"| {e['label']} | {e['reward']} | {e['updates']} | {ref['win_rate']:.3f} {fmt_ci(ref['ci'])} | "
+                     f"{vs_sft} | {ref['gold']:.3f} | {ref['words']:.1f} |")
+    for label, curve in curves.items():
+        lines += ["", f"**{label}**: each periodic evaluation of the validation posts (the score is the run's reward: "
+                  "the RM's or the gold judge's).", "",
+                  "| update | reward score | mean gold score | gold win rate vs the references | words |", "|---|---|---|---|---|"]
+        lines += [f"| {p['update']} | {p['score']:.3f} | {p['gold']:.3f} | {p['gold_win_rate']:.3f} | {p['words']:.1f} |"
+                  for p in curve]
+    return "\n".join(lines) + "\n"
+
+
+def plot(curves: dict, start: float, path: str) -> None:
+    """Gold win rate against the references over PPO updates, a line per run, from SFT's (update 0)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.4, 4.0))
+    for label, curve in curves.items():
+        axis.plot([0] + [p["update"] for p in curve], [start] + [p["gold_win_rate"] for p in curve], marker="o",
+                  markersize=3, label=label)
+    axis.axhline(0.5, color="grey", linewidth=0.8, linestyle="--")
+    axis.set_xlabel("PPO update")
+    axis.set_ylabel("gold win rate vs the references")
+    axis.set_title("PPO with a perfect reward and with the RM (tiny world)")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="models/tiny", help="tiny.sh's $MODELS: sft_{seed}, reward_{seed}, ppo_{seed}")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--gold_updates", type=int, nargs="*", default=[20, 80],
+                        help="a gold-reward run of each length (20: the main job's)")
+    parser.add_argument("--rm_updates", type=int, nargs="*", default=[80],
+                        help="an RM-reward run of each length (the main job's own PPO run is shown too)")
+    parser.add_argument("--eval_every", type=int, default=5, help="updates between the evaluations of a run's curve")
+    parser.add_argument("--runs_dir", default="runs",
+                        help="where the main job's ppo.py wrote runs/<run_name>/ (its working directory's runs/)")
+    args = parser.parse_args()
+
+    from tiny_report import read_csv
+
+    main_dir, sft_dir = os.path.join(args.models, f"ppo_{args.seed}"), os.path.join(args.models, f"sft_{args.seed}")
+    main_job = json.load(open(os.path.join(main_dir, "args.json"))) if os.path.isfile(
+        os.path.join(main_dir, "args.json")) else None
+    sft_rows = read_csv(os.path.join(sft_dir, "eval_validation.csv"))
+    if main_job is None or sft_rows is None:
+        sys.exit(f"ppo_gold_reward.py: {main_dir}/args.json or {sft_dir}/eval_validation.csv is missing: "
+                 "run `bash benchmark/tiny.sh` first (or pass --models and --seed of such a run)")
+    out = os.path.join(args.models, "ppo_gold_reward")
+    os.makedirs(out, exist_ok=True)
+
+    entries = [{"label": "SFT", "reward": "-", "updates": 0, "vs_references": judge(sft_rows)}]
+    main_rows = read_csv(os.path.join(main_dir, "eval_validation.csv"))
+    if main_rows is not None:
+        entries.append({"label": "PPO, the main job", "reward": "RM", "updates": main_job["num_updates"],
+                        "vs_references": judge(main_rows), "vs_sft": judge(main_rows, sft_rows)})
+    curves, started = {}, time.time()
+    main_curve = run_curve(os.path.join(args.runs_dir, main_job["run_name"]), main_job["batch_size"])
+    if main_curve:
+        curves[f"RM reward, {updates_text(main_job['num_updates'])} (the main job)"] = main_curve
+    runs = [("gold", u) for u in args.gold_updates] + [("RM", u) for u in args.rm_updates]
+    for reward, updates in runs:
+        name = f"{reward.lower()}_{updates}"
+        run_dir = os.path.join(out, name)
+        shutil.rmtree(run_dir, ignore_errors=True)  # a run starts afresh (ppo.py refuses a used output folder)
+        os.makedirs(run_dir)
+        flags = ppo_flags(main_job, updates, os.path.abspath(os.path.join(run_dir, "ppo")), f"ppo_{name}",
+                          args.eval_every)
+        command = ([sys.executable, os.path.abspath(__file__), "ppo"] if reward == "gold"
+                   else [sys.executable, os.path.join(ROOT, "ppo.py")]) + flags
+        print(f"=== PPO, {reward} reward, {updates_text(updates)} ({time.time() - started:.0f} s so far)", flush=True)
+        with open(os.path.join(run_dir, "ppo.log"), "w") as log:  # its runs/ folder lands in run_dir
+            failed = subprocess.run(command, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT).returncode != 0
+        if failed:
+            with open(os.path.join(run_dir, "ppo.log")) as log:
+                tail = "".join(log.readlines()[-15:])
+            sys.exit(f"{tail}\nppo_gold_reward.py: the run failed (its last lines above); its log: {run_dir}/ppo.log")
+        rows = read_csv(os.path.join(run_dir, "ppo", "eval_validation.csv"))
+        entries.append({"label": f"PPO, {reward} reward", "reward": reward, "updates": updates,
+                        "vs_references": judge(rows), "vs_sft": judge(rows, sft_rows)})
+        curves[f"{reward} reward, {updates_text(updates)}"] = run_curve(os.path.join(run_dir, "runs", f"ppo_{name}"),
+                                                                  main_job["batch_size"])
+
+    import torch
+
+    header = (f"# PPO with the gold judge as its reward, beside the RM ({args.models}, seed {args.seed})\n\n"
+              f"Every run uses the main job's PPO settings (batch {main_job['batch_size']}, lr {main_job['lr']}, "
+              f"KL coefficient {main_job['kl_coef']}, {main_job['response_length']} response tokens), evaluated on "
+              f"the validation posts at temperature {main_job['eval_temperature']}; win rates by the gold judge "
+              f"(ties left out), Wilson 95% CIs. {torch.get_num_threads()} torch threads; "
+              f"{time.time() - started:.0f} s of PPO runs.")
+    report = render(entries, curves, header)
+    with open(os.path.join(out, "report.md"), "w") as file:
+        file.write(report)
+    if curves:
+        plot(curves, entries[0]["vs_references"]["win_rate"], os.path.join(out, "curves.png"))
+    print(report)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["ppo"]:
+        ppo_with_gold_reward(sys.argv[2:])
+    else:
+        main()

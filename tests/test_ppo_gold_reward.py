@@ -1,0 +1,92 @@
+"""benchmark/ppo_gold_reward.py: the gold score of token rows, its judge by hand, and a smoke run of both rewards."""
+
+import csv
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, WORLD
+
+sys.path.insert(0, str(REPO / "benchmark"))
+import ppo_gold_reward as gold_reward  # noqa: E402
+import tiny_world  # noqa: E402
+
+POST = ("SUBREDDIT: r/relationships\n\nTITLE: My landlord cancelled my lease\n\nPOST: So last week my landlord "
+        "cancelled my lease. It was rainy.\n\nThen my sister borrowed my car without even asking.\n\nTL;DR:")
+
+
+def test_gold_scores_of_left_padded_rows_are_the_judges_scores_of_the_texts():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(WORLD / "pythia-tiny")
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    query = tokenizer(POST).input_ids
+    good, invented = " landlord cancelled lease; sister borrowed car", " landlord cancelled lease; my uncle sold my boat"
+    rows = []
+    for summary in (good, invented):
+        response = tokenizer(summary).input_ids + [eos]
+        rows.append([pad] * 3 + query + response + [pad] * (12 - len(response)))  # left-padded query, padded response
+    import torch
+
+    scores = gold_reward.gold_scores(tokenizer, torch.tensor(rows), pad, 3 + len(query))
+    assert scores == [tiny_world.gold_score(POST, good.strip()), tiny_world.gold_score(POST, invented.strip())]
+    assert scores[0] > scores[1]  # the invented fact costs: the judge did read the post
+
+
+def test_judge_counts_wins_and_leaves_ties_out():
+    good, worse = "landlord cancelled lease; sister borrowed car", "landlord cancelled lease"
+    rows = [{"query": POST, "response": good, "reference": worse},  # win
+            {"query": POST, "response": worse, "reference": worse},  # tie: not judged
+            {"query": POST + " ", "response": worse, "reference": good}]  # loss
+    judged = gold_reward.judge(rows)
+    assert (judged["wins"], judged["judged"], judged["win_rate"]) == (1, 2, 0.5)
+    assert judged["words"] == pytest.approx((6 + 3 + 3) / 3)
+    # against another table, matched by the stripped query: `good` against `good` ties, `worse` against `good` loses
+    other = [{"query": POST, "response": good}]
+    assert gold_reward.judge(rows[:1], other)["judged"] == 0
+    assert (gold_reward.judge(rows[1:], other)["wins"], gold_reward.judge(rows[1:], other)["judged"]) == (0, 2)
+    assert gold_reward.judge(rows, [])["judged"] == 0  # no post in common: nothing judged
+
+
+def test_smoke_run_with_both_rewards(tiny_tldr, tmp_path):
+    """The untuned base model as SFT, a fresh RM from it, one update of each reward: the gold run's scores are the
+    gold judge's, the RM run's are not, and the report lists both."""
+    import ppo
+    import reward
+
+    models = tmp_path / "models"
+    shutil.copytree(WORLD / "pythia-tiny", models / "sft_1")
+    reward.reward_model_from_sft(str(WORLD / "pythia-tiny")).save_pretrained(models / "reward_1")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # reward.py saves the SFT tokenizer beside the RM
+        shutil.copy(WORLD / "pythia-tiny" / name, models / "reward_1" / name)
+    main_job = {f.name: f.default for f in dataclasses.fields(ppo.Args) if f.default is not dataclasses.MISSING}
+    main_job.update(base_model=str(WORLD / "pythia-tiny"), query_dataset=str(tiny_tldr / "sft"),
+                    sft_model_path=str(models / "sft_1"), reward_model_path=str(models / "reward_1"), seed=1,
+                    response_length=8, batch_size=8, local_micro_batch_size=4, local_rollout_forward_batch_size=8,
+                    local_eval_batch_size=16, num_eval_samples=16, num_updates=1, run_name="no_such_run")
+    (models / "ppo_1").mkdir()
+    (models / "ppo_1" / "args.json").write_text(json.dumps(main_job))
+    with open(models / "sft_1" / "eval_validation.csv", "w", newline="") as file:
+        writer = csv.DictWriter(file, ["query", "response", "reference"])
+        writer.writeheader()
+        writer.writerow({"query": POST, "response": "landlord cancelled lease", "reference": "sister borrowed car"})
+    result = subprocess.run([sys.executable, str(REPO / "benchmark" / "ppo_gold_reward.py"), "--models", str(models),
+                             "--gold_updates", "1", "--rm_updates", "1", "--eval_every", "1"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    out = models / "ppo_gold_reward"
+    for name, is_gold in (("gold_1", True), ("rm_1", False)):
+        rows = list(csv.DictReader(open(out / name / "ppo" / "eval_validation.csv")))
+        assert len(rows) == 16
+        gold = [tiny_world.gold_score(row["query"].strip(), row["response"].strip()) for row in rows]
+        matches = [abs(float(row["score"]) - g) < 1e-5 for row, g in zip(rows, gold)]
+        assert all(matches) if is_gold else not all(matches), name
+    report = (out / "report.md").read_text()
+    assert "| PPO, gold reward | gold | 1 |" in report and "| PPO, RM reward | RM | 1 |" in report
+    assert "| SFT | - | 0 |" in report
+    assert report.count("| update | reward score |") == 2  # a curve per run here (the main job's run is not there)
+    assert (out / "curves.png").stat().st_size > 0
