@@ -14,7 +14,7 @@ Every run uses the main job's PPO settings (read from {models}/ppo_{seed}/args.j
 updates and the output folders differ. This is a diagnostic, not RLHF: it reads the gold judge, which nothing on
 the pipeline's path does.
 
-    python benchmark/ppo_gold_reward.py          # after tiny.sh: gold reward at 20 and 80 updates, RM at 80 (~11 min)
+    python benchmark/ppo_gold_reward.py          # after tiny.sh: gold reward at 20 and 80 updates, RM at 80 (~12 min)
     python benchmark/ppo_gold_reward.py --models /tmp/m --seed 2 --gold_updates 20 --rm_updates 40
 
 Writes {models}/ppo_gold_reward/: report.md (and prints it), curves.png, a folder per run. The other mode,
