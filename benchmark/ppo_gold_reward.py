@@ -6,7 +6,7 @@ tells them apart, after benchmark/tiny.sh, on the tiny world, where the gold jud
 
 - the gold reward: ppo.py, unchanged but for one function. The score of a query and its response
   (`ppo.get_score`: the RM's output at the EOS, Detail 14) becomes `tiny_world.gold_score` of the decoded post
-  and summary, as Gao et al. (2023) call a gold reward model. Everything else is ppo.py's: the critic still
+  and summary: the gold reward model of Gao et al. (2023). Everything else is ppo.py's: the critic still
   starts from the RM (Detail 22), the KL penalty, the EOS trick, GAE, whitening and the PPO epochs;
 - beside it, ppo.py with the RM, for as many updates.
 
@@ -17,7 +17,8 @@ the pipeline's path does.
     python benchmark/ppo_gold_reward.py          # after tiny.sh: gold reward at 20 and 80 updates, RM at 80 (~12 min)
     python benchmark/ppo_gold_reward.py --models /tmp/m --seed 2 --gold_updates 20 --rm_updates 40
 
-Writes {models}/ppo_gold_reward/: report.md (and prints it), curves.png, a folder per run. The other mode,
+Writes {models}/ppo_gold_reward/: report.md (and prints it), curves.png, a folder per run with its ppo.log (follow
+a run with `tail -f`). Each call starts its runs afresh. The other mode,
 
     python benchmark/ppo_gold_reward.py ppo <ppo.py's flags>
 
@@ -205,8 +206,10 @@ def main() -> None:
     from tiny_report import read_csv
 
     main_dir, sft_dir = os.path.join(args.models, f"ppo_{args.seed}"), os.path.join(args.models, f"sft_{args.seed}")
-    main_job = json.load(open(os.path.join(main_dir, "args.json"))) if os.path.isfile(
-        os.path.join(main_dir, "args.json")) else None
+    main_job = None
+    if os.path.isfile(os.path.join(main_dir, "args.json")):
+        with open(os.path.join(main_dir, "args.json")) as file:
+            main_job = json.load(file)
     sft_rows = read_csv(os.path.join(sft_dir, "eval_validation.csv"))
     if main_job is None or sft_rows is None:
         sys.exit(f"ppo_gold_reward.py: {main_dir}/args.json or {sft_dir}/eval_validation.csv is missing: "
@@ -233,7 +236,8 @@ def main() -> None:
                           args.eval_every)
         command = ([sys.executable, os.path.abspath(__file__), "ppo"] if reward == "gold"
                    else [sys.executable, os.path.join(ROOT, "ppo.py")]) + flags
-        print(f"=== PPO, {reward} reward, {updates_text(updates)} ({time.time() - started:.0f} s so far)", flush=True)
+        print(f"=== PPO, {reward} reward, {updates_text(updates)} ({time.time() - started:.0f} s so far; "
+              f"log: {run_dir}/ppo.log)", flush=True)
         with open(os.path.join(run_dir, "ppo.log"), "w") as log:  # its runs/ folder lands in run_dir
             failed = subprocess.run(command, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT).returncode != 0
         if failed:
