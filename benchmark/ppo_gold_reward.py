@@ -199,8 +199,8 @@ def main() -> None:
     parser.add_argument("--rm_updates", type=int, nargs="*", default=[80],
                         help="an RM-reward run of each length (the main job's own PPO run is shown too)")
     parser.add_argument("--eval_every", type=int, default=5, help="updates between the evaluations of a run's curve")
-    parser.add_argument("--runs_dir", default="runs",
-                        help="where the main job's ppo.py wrote runs/<run_name>/ (its working directory's runs/)")
+    parser.add_argument("--runs_dir", default=os.path.join(ROOT, "runs"),
+                        help="where the main job's ppo.py wrote <run_name>/ (tiny.sh runs it at the repository root)")
     args = parser.parse_args()
 
     from tiny_report import read_csv
