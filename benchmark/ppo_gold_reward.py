@@ -27,6 +27,7 @@ is ppo.py itself with the gold reward (what the runs above call).
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -129,18 +130,18 @@ def judge(rows: list, other_rows: list = None) -> dict:
 
 
 def run_curve(folder: str, batch_size: int) -> list:
-    """[{update, score, gold, gold_win_rate, words}] of a run's periodic evaluations (samples_validation_*.csv)."""
-    from tiny_report import read_csv
+    """The main job report's over-optimisation curve (tiny_report.overoptimisation_curve: update, rm = the run's
+    reward, gold, gold_win_rate ...) of a run's periodic evaluations (samples_validation_*.csv), with the mean words."""
+    import tiny_world
+    from tiny_report import gold_judge, overoptimisation_curve, read_csv
 
-    points = []
     names = os.listdir(folder) if os.path.isdir(folder) else []
-    episodes = sorted(int(n[len("samples_validation_"):-4]) for n in names
-                      if n.startswith("samples_validation_") and n.endswith(".csv"))
-    for episode in episodes:
-        rows = read_csv(os.path.join(folder, f"samples_validation_{episode}.csv"))
-        judged = judge(rows)
-        points.append({"update": episode // batch_size, "gold_win_rate": judged["win_rate"], "gold": judged["gold"],
-                       "words": judged["words"], "score": sum(float(r["score"]) for r in rows) / len(rows)})
+    tables = {int(name[len("samples_validation_"):-4]): read_csv(os.path.join(folder, name)) for name in names
+              if name.startswith("samples_validation_") and name.endswith(".csv")}
+    points = overoptimisation_curve(tables, batch_size, gold_judge())
+    for point in points:
+        rows = tables[point["episode"]]
+        point["words"] = sum(len(tiny_world.words(row["response"])) for row in rows) / len(rows)
     return points
 
 
@@ -164,7 +165,8 @@ def render(entries: list, curves: dict, header: str) -> str:
         lines += ["", f"**{label}**: each periodic evaluation of the validation posts (the score is the run's reward: "
                   "the RM's or the gold judge's).", "",
                   "| update | reward score | mean gold score | gold win rate vs the references | words |", "|---|---|---|---|---|"]
-        lines += [f"| {p['update']} | {p['score']:.3f} | {p['gold']:.3f} | {p['gold_win_rate']:.3f} | {p['words']:.1f} |"
+        lines += [f"| {p['update']} | {p['rm']:.3f} | {p['gold']:.3f} | "
+                  f"{'-' if p['gold_win_rate'] is None else format(p['gold_win_rate'], '.3f')} | {p['words']:.1f} |"
                   for p in curve]
     return "\n".join(lines) + "\n"
 
@@ -178,8 +180,8 @@ def plot(curves: dict, start: float, path: str) -> None:
 
     figure, axis = plt.subplots(figsize=(6.4, 4.0))
     for label, curve in curves.items():
-        axis.plot([0] + [p["update"] for p in curve], [start] + [p["gold_win_rate"] for p in curve], marker="o",
-                  markersize=3, label=label)
+        win_rates = [math.nan if p["gold_win_rate"] is None else p["gold_win_rate"] for p in curve]  # None: all ties
+        axis.plot([0] + [p["update"] for p in curve], [start] + win_rates, marker="o", markersize=3, label=label)
     axis.axhline(0.5, color="grey", linewidth=0.8, linestyle="--")
     axis.set_xlabel("PPO update")
     axis.set_ylabel("gold win rate vs the references")
