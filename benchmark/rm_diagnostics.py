@@ -13,6 +13,10 @@ the rollout temperature, which differ in what that policy gets wrong. This scrip
 - probes with hand-made summaries of each post (its facts written out): the RM's preference for the true summary
   over the same summary with one actor swapped for one the post never names, with its last fact dropped, with a
   fact the post never states added; and the SFT model's own likelihood on the swap (does the policy know the facts);
+  the post's facts with its feeling against the same with another feeling, and, for a post that states no feeling,
+  the facts alone against the facts plus a feeling;
+- what the SFT policy's samples get wrong: key words the post does not contain (the gold judge's `invented`), by
+  kind (actor, verb, object, feeling), and how often a sample states a feeling and the post's one;
 - with --learnability_updates N: can an RM of this architecture, from this SFT model, learn the swap at all? A fresh
   RM trained on nothing but (true, swapped) probe pairs of the SFT train posts, its accuracy on those of the
   validation posts every 50 updates (the world's own pairs teach it the swap, or not, among everything else).
@@ -54,6 +58,17 @@ def win(score: float, reference_score: float) -> float:
     return 1.0 if score > reference_score else 0.5 if score == reference_score else 0.0
 
 
+def invented_by_kind(post: str, text: str, world) -> dict:
+    """Key words of a summary that its post does not contain, counted by kind: {actor, verb, object, feeling}
+    (the gold judge's `invented` term, 0.8 off the score each), plus whether the summary states a feeling and
+    whether that is the post's."""
+    kinds = {"actor": world.ACTORS, "verb": world.VERBS, "object": world.OBJECTS, "feeling": world.FEELINGS}
+    post_words, text_words = set(world.words(post)), set(world.words(text))
+    counts = {kind: len((text_words & set(vocabulary)) - post_words) for kind, vocabulary in kinds.items()}
+    stated = text_words & set(world.FEELINGS)
+    return {**counts, "states_feeling": bool(stated), "feeling_right": bool(stated & post_words)}
+
+
 def best_of_n(rm_scores: list, gold_scores: list, reference_score: float, n: int) -> dict:
     """One prompt, its first n samples -> {first, rm_best, gold_best}: the win against the reference of the first
     sample, of the one the RM scores highest (the first of equals), of the one the gold judge scores highest."""
@@ -83,6 +98,21 @@ def probe_summaries(post: str, rng: random.Random, world) -> dict:
     swapped = facts[:k] + [(rng.choice(strangers),) + facts[k][1:]] + facts[k + 1:]
     added = facts + [(rng.choice(strangers), rng.choice(world.VERBS), rng.choice(world.OBJECTS))]
     return {"true": write(facts), "swapped": write(swapped), "dropped": write(facts[:-1]), "added": write(added)}
+
+
+def feeling_probe(post: str, rng: random.Random, world) -> tuple:
+    """(kind, the post's facts with what the post says of its feeling, the same with a feeling it does not state):
+    kind "wrong" for a post with a feeling (the other names another), "unstated" for one without (the other adds one);
+    None for a post with no fact."""
+    facts = post_facts(post)
+    if not facts:
+        return None
+    write = lambda fs: "; ".join(" ".join(fact) for fact in fs)  # noqa: E731
+    stated = [w for w in world.FEELINGS if w in set(world.words(post))]
+    if stated:
+        other = rng.choice([w for w in world.FEELINGS if w not in stated])
+        return "wrong", f"{write(facts)}; i feel {stated[0]}", f"{write(facts)}; i feel {other}"
+    return "unstated", write(facts), f"{write(facts)}; i feel {rng.choice(world.FEELINGS)}"
 
 
 def summary_scores(reward_model, tokenizer, queries: list, texts: list) -> torch.Tensor:
@@ -178,9 +208,10 @@ def main() -> None:
         return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).sum().item()
 
     agree = total = 0
+    mistakes = []  # invented_by_kind of every sample, with whether its post states a feeling
     picks = {n: [] for n in (1, 2, 4, 8, 16, 32) if n <= args.samples}
-    probes = {"swapped": [], "dropped": [], "added": [], "policy_swapped": []}
-    rng = random.Random(args.seed)
+    probes = {"swapped": [], "dropped": [], "added": [], "policy_swapped": [], "wrong": [], "unstated": []}
+    rng, feeling_rng = random.Random(args.seed), random.Random(args.seed + 1)
     with torch.no_grad():
         for row in tqdm(rows, desc="rm diagnostics"):
             queries = torch.tensor(row["query_token"]).repeat(args.samples, 1)
@@ -197,6 +228,8 @@ def main() -> None:
             reference = world.gold_score(post, row["summary"])
             a, t = pairwise_agreement(scores, gold)
             agree, total = agree + a, total + t
+            post_feels = bool(set(world.words(post)) & set(world.FEELINGS))
+            mistakes += [{**invented_by_kind(post, text, world), "post_feels": post_feels} for text in texts]
             for n in picks:
                 picks[n].append(best_of_n(scores, gold, reference, n))
             made = probe_summaries(row["post"], rng, world)
@@ -208,6 +241,10 @@ def main() -> None:
                 probes["added"].append(true > added)
                 probes["policy_swapped"].append(lm_logprob(row["query_token"], made["true"])
                                                 > lm_logprob(row["query_token"], made["swapped"]))
+            if made := feeling_probe(row["post"], feeling_rng, world):
+                kind, true, other = made
+                true, other = summary_scores(reward_model, tokenizer, [row["query_token"]] * 2, [true, other]).tolist()
+                probes[kind].append(true > other)
 
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     lines = [f"# Can the RM steer PPO? ({rm_path} on {sft_path}'s samples)", "",
@@ -220,11 +257,23 @@ def main() -> None:
     for n, results in picks.items():
         lines.append(f"| {n} | {mean([r['first'] for r in results]):.3f} | {mean([r['rm_best'] for r in results]):.3f}"
                      f" | {mean([r['gold_best'] for r in results]):.3f} |")
+    feels = [m for m in mistakes if m["post_feels"]]
+    unfelt = [m for m in mistakes if not m["post_feels"]]
+    lines += ["", f"What the SFT policy's samples get wrong ({len(mistakes)} samples): key words the post does not contain, "
+              "per sample (the gold judge takes 0.8 off for each).", "",
+              "| actor | verb | object | feeling | of the posts with a feeling: the sample states one / the post's | "
+              "of the posts without: the sample states one |", "|---|---|---|---|---|---|",
+              "| " + " | ".join(f"{mean([m[kind] for m in mistakes]):.3f}" for kind in ("actor", "verb", "object", "feeling"))
+              + f" | {mean([m['states_feeling'] for m in feels]):.3f} / {mean([m['feeling_right'] for m in feels]):.3f}"
+              f" | {mean([m['states_feeling'] for m in unfelt]):.3f} |"]
     names = {"swapped": "the RM prefers it to the same facts with one actor the post never names",
              "dropped": "the RM prefers it to the same facts less the last one",
              "added": "the RM prefers it to the same facts plus one the post never states",
-             "policy_swapped": "the SFT model gives it more likelihood than the one with a swapped actor"}
-    lines += ["", f"Probes: the post's facts written out ({len(probes['swapped'])} posts with 2 or more facts).", "",
+             "policy_swapped": "the SFT model gives it more likelihood than the one with a swapped actor",
+             "wrong": "with the post's feeling, the RM prefers it to the same with another feeling",
+             "unstated": "without a feeling (the post states none), the RM prefers it to the same plus one"}
+    lines += ["", f"Probes: the post's facts written out ({len(probes['swapped'])} posts with 2 or more facts; the feeling "
+              f"probes: {len(probes['wrong'])} posts with a feeling, {len(probes['unstated'])} without).", "",
               "| the true summary: | share |", "|---|---|"]
     lines += [f"| {names[key]} | {mean(values):.3f} |" for key, values in probes.items()]
     if args.learnability_updates:

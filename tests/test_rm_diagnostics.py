@@ -43,6 +43,32 @@ def test_probe_summaries_change_one_thing_each():
     assert diag.probe_summaries("My landlord cancelled my lease.", random.Random(0), tiny_world) is None
 
 
+def test_feeling_probe_changes_only_the_feeling():
+    facts = "So last week my landlord cancelled my lease.\n\nThen my sister borrowed my car without even asking."
+    kind, true, other = diag.feeling_probe(facts + "\n\nI am so angry right now.", random.Random(0), tiny_world)
+    assert kind == "wrong" and true == "landlord cancelled lease; sister borrowed car; i feel angry"
+    assert other.rsplit(" ", 1)[0] == true.rsplit(" ", 1)[0] and other.split()[-1] in set(tiny_world.FEELINGS) - {"angry"}
+    kind, true, other = diag.feeling_probe(facts, random.Random(0), tiny_world)  # the post states no feeling
+    assert kind == "unstated" and true == "landlord cancelled lease; sister borrowed car"
+    assert other.startswith(true + "; i feel ") and other.split()[-1] in tiny_world.FEELINGS
+    for post in (facts + "\n\nI am so angry right now.", facts):  # the other is worse by the gold judge
+        _, true, other = diag.feeling_probe(post, random.Random(1), tiny_world)
+        assert tiny_world.gold_score(post, other) < tiny_world.gold_score(post, true)
+    assert diag.feeling_probe("I am so angry right now.", random.Random(0), tiny_world) is None
+
+
+def test_invented_by_kind_by_hand():
+    post = "So last week my landlord cancelled my lease.\n\nI am so angry right now."
+    # "sister" and "car" are not in the post (actor, object); "hurt" is a feeling it does not state
+    made = diag.invented_by_kind(post, "landlord cancelled car; sister cancelled lease; i feel hurt", tiny_world)
+    assert made == {"actor": 1, "verb": 0, "object": 1, "feeling": 1, "states_feeling": True, "feeling_right": False}
+    assert sum(made[k] for k in ("actor", "verb", "object", "feeling")) == tiny_world.gold_breakdown(
+        post, "landlord cancelled car; sister cancelled lease; i feel hurt")["invented"]
+    assert diag.invented_by_kind(post, "landlord cancelled lease; i feel angry", tiny_world) == {
+        "actor": 0, "verb": 0, "object": 0, "feeling": 0, "states_feeling": True, "feeling_right": True}
+    assert diag.invented_by_kind(post, "landlord cancelled lease", tiny_world)["states_feeling"] is False
+
+
 def test_smoke_run_writes_the_tables(tiny_tldr, tmp_path):
     """The untuned base model as the policy and a fresh RM from it: the script samples, scores and writes its tables."""
     import reward
@@ -61,6 +87,7 @@ def test_smoke_run_writes_the_tables(tiny_tldr, tmp_path):
     assert [line.split(" |")[0] for line in best_of_n.splitlines() if line[:3] in ("| 1", "| 2", "| 4")] == [
         "| 1", "| 2", "| 4"]
     assert "3 validation posts, 4 samples each" in report
+    assert "What the SFT policy's samples get wrong (12 samples)" in report
     curve = report.split("| updates | swap accuracy |\n|---|---|\n")[1].splitlines()
     assert [row.split(" |")[0] for row in curve] == ["| 0", "| 2"]  # before training, and after the last update
     assert all(0.0 <= float(row.split("|")[2]) <= 1.0 for row in curve)
