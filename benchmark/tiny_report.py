@@ -12,6 +12,8 @@ missing is reported as "not run" (so the report also works on a partial run).
     {models}/ppo_{seed}/eval_metrics.json      RM score of the samples and of the references, EOS fraction
     {models}/ppo_{seed}/args.json              run_name: runs/{run_name}/samples_validation_{episode}.csv
                                                are the periodic evaluations (ppo.py --eval_every)
+    {models}/<stage>_{seed}/eval_validation.csv  each stage's validation summaries (query, response, reference):
+                                               what they get wrong, term by term of the gold judge
     {models}/judge_{seed}/results.json         win rates vs the references and vs SFT, Wilson 95% CIs (judge.py)
     {models}/judge_{seed}/judged/<run>.csv     every gold comparison with both lengths in words (judge.py)
     {models}/timings.tsv                       `stage<TAB>seconds` rows, appended by tiny.sh's `stage`
@@ -141,6 +143,21 @@ def overoptimisation_curve(tables: dict, batch_size: int, gold: Callable[[str, s
     return points
 
 
+def mistake_profile(pairs: list, world) -> dict:
+    """(post, summary) pairs -> the gold judge's terms per summary, averaged: coverage, invented key words (and those
+    of them that are feelings the post never states), irrelevant, repetition, rambling, words ({} for no pairs).
+    `world`: the tiny_world module (gold_breakdown, words, FEELINGS)."""
+    if not pairs:
+        return {}
+    rows = []
+    for post, summary in pairs:
+        terms = world.gold_breakdown(post, summary)
+        guessed = {w for w in world.words(summary) if w in world.FEELINGS} - set(world.words(post))
+        rows.append({**{k: terms[k] for k in ("coverage", "invented", "irrelevant", "repetition", "rambling")},
+                     "invented_feelings": len(guessed), "words": terms["n_words"]})
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+
+
 def token_shift(before_logits, after_logits, tokens) -> list:
     """Table 8: per token of a summary, its probability before (SFT) and after (PPO) and its rank before.
 
@@ -205,11 +222,16 @@ def ppo_sample_tables(models: str, seed: int, runs_dir: str) -> tuple:
 
 def gold_judge():
     """tiny_world.gold_score (the report runs from anywhere; the module sits at the repository root)."""
+    return tiny_world_module().gold_score
+
+
+def tiny_world_module():
+    """The tiny_world module (the gold judge and its lexicon), imported from the repository root."""
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     import tiny_world
 
-    return tiny_world.gold_score
+    return tiny_world
 
 
 def load_artifacts(models: str, seed: int, world: Optional[str], runs_dir: str = "runs") -> dict:
@@ -231,7 +253,15 @@ def load_artifacts(models: str, seed: int, world: Optional[str], runs_dir: str =
         start = overoptimisation_curve({0: [dict(r, score="nan", reference_score="nan") for r in sft_samples]},
                                        batch_size, gold_judge())[0]
         curve.insert(0, dict(start, rm=None, rm_reference=None))
-    return {"models": models, "seed": seed,
+    world_module, mistakes = tiny_world_module(), {}
+    for method in METHODS:  # each stage's validation summaries (and, from SFT's table, the references)
+        rows = read_csv(os.path.join(models, f"{method}_{seed}", "eval_validation.csv"))
+        if rows:
+            pairs = [(r["query"], r["response"]) for r in rows]
+            mistakes[method] = mistake_profile(pairs, world_module)
+            if method == "sft":
+                mistakes["reference"] = mistake_profile([(r["query"], r["reference"]) for r in rows], world_module)
+    return {"models": models, "seed": seed, "mistakes": mistakes,
             "environment": read_json(os.path.join(models, "environment.json")),
             "rouge": {method: (stage(method) or {}).get("validation") for method in ("base", "sft")},
             "rm": stage("reward"), "dpo": stage("dpo"), "ppo": (stage("ppo") or {}).get("validation"),
@@ -337,6 +367,24 @@ def render_markdown(art: dict) -> str:
             lines.append(f"| {METHODS[method]} | {fmt(run['win_rate'])} | [{fmt(run['ci_low'])}, {fmt(run['ci_high'])}] | "
                          f"{run['wins']} / {run['n']} | {run.get('ties', 0)} | "
                          f"{fmt(run.get('mean_words'), 1)} ({fmt(run.get('mean_other_words'), 1)}) |")
+
+    lines += ["", "## What the summaries get wrong (the gold judge's terms, per summary)", "",
+              "The gold score is 3 x coverage - 0.8 x invented - 0.4 x irrelevant - 0.3 x repetition - 0.1 x rambling "
+              "(- 2 for an empty summary). "
+              "Invented key words are words of the world's lexicon the post does not contain (a wrong name, a fact out "
+              "of nowhere, a feeling the post never states: the tiny base model cannot restate a post's feeling, so "
+              "its summaries guess one; benchmark/README.md).", ""]
+    shown = [m for m in (*METHODS, "reference") if art.get("mistakes", {}).get(m)]
+    if shown:
+        lines += ["| summaries | coverage | invented key words | of which guessed feelings | irrelevant | "
+                  "repetition | rambling words | words |", "|---|---|---|---|---|---|---|---|"]
+        for m in shown:
+            p = art["mistakes"][m]
+            lines.append(f"| {METHODS.get(m, 'the references')} | {fmt(p['coverage'])} | {fmt(p['invented'], 2)} | "
+                         f"{fmt(p['invented_feelings'], 2)} | {fmt(p['irrelevant'], 2)} | "
+                         f"{fmt(p['repetition'], 2)} | {fmt(p['rambling'], 2)} | {fmt(p['words'], 1)} |")
+    else:
+        lines.append("not run (no <stage>_<seed>/eval_validation.csv)")
 
     lines += ["", "## Figure 8: win rate against the references by log(summary length / reference length)", "",
               "Lengths in words; a bucket's win rate is over its decided comparisons (n). The paper's finding: "

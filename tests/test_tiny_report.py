@@ -12,8 +12,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmark"))
+sys.path.insert(0, str(REPO))
 
 import tiny_report  # noqa: E402
+import tiny_world  # noqa: E402
 
 
 def write(path: Path, payload) -> None:
@@ -91,6 +93,19 @@ def test_overoptimisation_curve_by_hand():
     assert first["gold_win_rate"] == 1.0  # one win, one tie (not counted)
     assert (second["rm"], second["rm_reference"], second["gold"], second["gold_reference"]) == (0.5, 0.25, 1.0, 1.5)
     assert second["gold_win_rate"] == 0.5 and second["n"] == 2
+
+
+def test_mistake_profile_by_hand():
+    post = "My landlord cancelled my lease. I am so angry right now. I ate tacos."
+    pairs = [(post, "landlord cancelled lease, i feel hurt"),  # all 3 facts' words + a feeling it never states
+             (post, "sister cancelled lease, tacos tacos, i feel angry")]  # a wrong actor, a filler twice
+    # summary 1: post keys {landlord, cancelled, lease, angry}: coverage 3/4, invented {hurt} 1 (a feeling), 6 words
+    # summary 2: coverage {cancelled, lease, angry} 3/4, invented {sister} 1 (not a feeling), irrelevant 2,
+    #            repetition 1 (tacos twice), 8 words; budget 6 + 2 x 4 = 14: no rambling
+    profile = tiny_report.mistake_profile(pairs, tiny_world)
+    assert profile == pytest.approx({"coverage": 0.75, "invented": 1.0, "invented_feelings": 0.5, "irrelevant": 1.0,
+                                     "repetition": 0.5, "rambling": 0.0, "words": 7.0})
+    assert tiny_report.mistake_profile([], tiny_world) == {}
 
 
 def test_token_shift_by_hand():
@@ -171,6 +186,10 @@ def test_report_has_every_finding_and_the_figure(tmp_path):
                 "| DPO | 0.188 | [0.140, 0.240] | 48 / 256 | 0 | 15.0 (14.0) |",
                 "| PPO | 0.781 | [0.700, 0.800] | 200 / 256 | 0 | 15.0 (14.0) |",
                 # Figure 8: 3 of 5 SFT wins at log ratio 0, its 2 losses at log 2; PPO 4 and 1
+                # what the summaries get wrong: SFT keeps the 3 key words and copies 1 filler word (4 words); the
+                # reference keeps them in 5 words
+                "| SFT | 1.000 | 0.00 | 0.00 | 1.00 | 0.00 | 0.00 | 4.0 |",
+                "| the references | 1.000 | 0.00 | 0.00 | 0.00 | 0.00 | 0.00 | 5.0 |",
                 "| [-0.15, +0.15) | 1.000 (3) | 1.000 (4) |", "| [+0.45, +0.75) | 0.000 (2) | 0.000 (1) |",
                 # over-optimisation: update 0 = SFT's samples (all 3 key words, 1 filler: 3 - 0.4), then PPO's:
                 # a tie with the reference (3.0), then 1 of 3 key words, 2 fillers, 1 repeat: 1 - 0.8 - 0.3
@@ -209,7 +228,8 @@ def test_a_stage_that_did_not_run_reads_not_run(tmp_path):
     # nothing at all: every finding reads "not run" or "not computed", and the figure is still drawn
     empty = tiny_report.load_artifacts(str(tmp_path / "nothing"), 1, world=None, runs_dir=str(tmp_path / "none"))
     markdown = tiny_report.render_markdown(empty)
-    assert markdown.count("not run") == 4 + 1 + 1 + 1 + 1 + 1 + 3  # win rates, Fig. 8, curve, 4, 5, 6, other results
+    # win rates, what they get wrong, Fig. 8, curve, 4, 5, 6, other results
+    assert markdown.count("not run") == 4 + 1 + 1 + 1 + 1 + 1 + 1 + 3
     assert "Environment: not recorded" in markdown and "not computed" in markdown
     tiny_report.plot_report(empty, str(tmp_path / "empty.png"))
 
