@@ -108,9 +108,10 @@ def ppo_flags(main_job: dict, updates: int, output_dir: str, run_name: str, eval
 
 def judge(rows: list, other_rows: list = None) -> dict:
     """Gold win rate of `rows` (query, response, reference) against their references, or against `other_rows`
-    matched by query: {wins, judged (ties left out, as judge.py does), win_rate, ci, gold, words}."""
+    matched by query: {wins, judged (ties left out, as judge.py does), win_rate, ci, gold, words, mistakes}, where
+    mistakes is tiny_report.mistake_profile of the rows (the gold judge's terms per summary)."""
     import tiny_world
-    from tiny_report import wilson_interval
+    from tiny_report import mistake_profile, wilson_interval
 
     others = {row["query"].strip(): row["response"] for row in other_rows} if other_rows is not None else None
     wins = judged = 0
@@ -126,7 +127,8 @@ def judge(rows: list, other_rows: list = None) -> dict:
         wins += ours > theirs
         judged += ours != theirs
     return {"wins": wins, "judged": judged, "win_rate": wins / judged if judged else float("nan"),
-            "ci": wilson_interval(wins, judged), "gold": sum(gold) / len(gold), "words": sum(words) / len(words)}
+            "ci": wilson_interval(wins, judged), "gold": sum(gold) / len(gold), "words": sum(words) / len(words),
+            "mistakes": mistake_profile([(row["query"].strip(), row["response"].strip()) for row in rows], tiny_world)}
 
 
 def run_curve(folder: str, batch_size: int) -> list:
@@ -154,13 +156,15 @@ def render(entries: list, curves: dict, header: str) -> str:
     """The report: a row per policy (final evaluation), then each run's curve."""
     fmt_ci = lambda ci: f"[{ci[0]:.3f}, {ci[1]:.3f}]"  # noqa: E731
     lines = [header, "",
-             "| policy | reward | updates | win rate vs the references [95% CI] | win rate vs SFT [95% CI] | mean gold score | words |",
-             "|---|---|---|---|---|---|---|"]
+             "| policy | reward | updates | win rate vs the references [95% CI] | win rate vs SFT [95% CI] | mean gold score | "
+             "coverage | invented key words (guessed feelings) | words |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         ref, sft = e["vs_references"], e.get("vs_sft")
         vs_sft = f"{sft['win_rate']:.3f} {fmt_ci(sft['ci'])}" if sft else "-"
         lines.append(f"| {e['label']} | {e['reward']} | {e['updates']} | {ref['win_rate']:.3f} {fmt_ci(ref['ci'])} | "
-                     f"{vs_sft} | {ref['gold']:.3f} | {ref['words']:.1f} |")
+                     f"{vs_sft} | {ref['gold']:.3f} | {ref['mistakes']['coverage']:.3f} | {ref['mistakes']['invented']:.2f} "
+                     f"({ref['mistakes']['invented_feelings']:.2f}) | {ref['words']:.1f} |")
     for label, curve in curves.items():
         lines += ["", f"**{label}**: each periodic evaluation of the validation posts (the score is the run's reward: "
                   "the RM's or the gold judge's).", "",

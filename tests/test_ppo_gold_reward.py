@@ -13,6 +13,7 @@ from conftest import REPO, WORLD
 
 sys.path.insert(0, str(REPO / "benchmark"))
 import ppo_gold_reward as gold_reward  # noqa: E402
+import tiny_report  # noqa: E402
 import tiny_world  # noqa: E402
 
 POST = ("SUBREDDIT: r/relationships\n\nTITLE: My landlord cancelled my lease\n\nPOST: So last week my landlord "
@@ -45,6 +46,8 @@ def test_judge_counts_wins_and_leaves_ties_out():
     judged = gold_reward.judge(rows)
     assert (judged["wins"], judged["judged"], judged["win_rate"]) == (1, 2, 0.5)
     assert judged["words"] == pytest.approx((6 + 3 + 3) / 3)
+    assert judged["mistakes"] == tiny_report.mistake_profile([(r["query"].strip(), r["response"]) for r in rows],
+                                                              tiny_world)
     # against another table, matched by the stripped query: `good` against `good` ties, `worse` against `good` loses
     other = [{"query": POST, "response": good}]
     assert gold_reward.judge(rows[:1], other)["judged"] == 0
