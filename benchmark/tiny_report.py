@@ -372,8 +372,8 @@ def render_markdown(art: dict) -> str:
               "The gold score is 3 x coverage - 0.8 x invented - 0.4 x irrelevant - 0.3 x repetition - 0.1 x rambling "
               "(- 2 for an empty summary). "
               "Invented key words are words of the world's lexicon the post does not contain (a wrong name, a fact out "
-              "of nowhere, a feeling the post never states: the tiny base model cannot restate a post's feeling, so "
-              "its summaries guess one; benchmark/README.md).", ""]
+              "of nowhere, a feeling the post never states: the tiny base model never learned to restate a post's "
+              "feeling, so the models trained from it guess one; benchmark/README.md).", ""]
     shown = [m for m in (*METHODS, "reference") if art.get("mistakes", {}).get(m)]
     if shown:
         lines += ["| summaries | coverage | invented key words | of which guessed feelings | irrelevant | "
