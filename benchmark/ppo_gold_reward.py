@@ -115,20 +115,20 @@ def judge(rows: list, other_rows: list = None) -> dict:
 
     others = {row["query"].strip(): row["response"] for row in other_rows} if other_rows is not None else None
     wins = judged = 0
-    gold, words = [], []
+    gold = []
     for row in rows:
         post = row["query"].strip()
         ours = tiny_world.gold_score(post, row["response"].strip())
         gold.append(ours)
-        words.append(len(tiny_world.words(row["response"])))
         if others is not None and post not in others:
             continue
         theirs = tiny_world.gold_score(post, (others[post] if others is not None else row["reference"]).strip())
         wins += ours > theirs
         judged += ours != theirs
+    mistakes = mistake_profile([(row["query"].strip(), row["response"].strip()) for row in rows], tiny_world)
     return {"wins": wins, "judged": judged, "win_rate": wins / judged if judged else float("nan"),
-            "ci": wilson_interval(wins, judged), "gold": sum(gold) / len(gold), "words": sum(words) / len(words),
-            "mistakes": mistake_profile([(row["query"].strip(), row["response"].strip()) for row in rows], tiny_world)}
+            "ci": wilson_interval(wins, judged), "gold": sum(gold) / len(gold), "words": mistakes["words"],
+            "mistakes": mistakes}
 
 
 def run_curve(folder: str, batch_size: int) -> list:

@@ -255,7 +255,7 @@ def load_artifacts(models: str, seed: int, world: Optional[str], runs_dir: str =
         curve.insert(0, dict(start, rm=None, rm_reference=None))
     world_module, mistakes = tiny_world_module(), {}
     for method in METHODS:  # each stage's validation summaries (and, from SFT's table, the references)
-        rows = read_csv(os.path.join(models, f"{method}_{seed}", "eval_validation.csv"))
+        rows = sft_samples if method == "sft" else read_csv(os.path.join(models, f"{method}_{seed}", "eval_validation.csv"))
         if rows:
             pairs = [(r["query"], r["response"]) for r in rows]
             mistakes[method] = mistake_profile(pairs, world_module)
