@@ -533,8 +533,7 @@ def main() -> None:
         timings = {"time/generation": generation_time, "time/scoring": scoring_time, "time/training": training_time,
                    "time/episodes_per_second": (episode - start_update * args.batch_size) / (time.time() - start_clock)}
         log_update(writer, progress, episode, {**means, **timings, "policy/lr": lr})
-        # A nan / inf stops every rank here, before anything of this update is saved (no checkpoint
-        # holding it ever replaces a good one), and before the next rollout samples from such weights.
+        # A nan / inf stops every rank here: no checkpoint of it replaces a good one, no rollout samples from it.
         check_and_checkpoint(accelerator, args, update + 1, losses, run_name, model, optimizer, None)
         if args.eval_every and (update + 1) % args.eval_every == 0 and update + 1 < args.num_updates:
             evaluate(("validation",), episode)
