@@ -244,15 +244,20 @@ class Policy:
     question: float  # ends with the question
     terse: float  # writes facts telegraphically ("landlord cancelled lease")
     misremember: float = 0.0  # gets one word of a kept fact wrong (another actor or object)
+    reads_feelings: bool = False  # states the post's own feeling; a model of this world guesses one instead
 
 
 # The names follow the policies of openai/summarize_from_feedback; the qualities are this world's.
 # Like the real dataset's model-written summaries, the policies make model-like mistakes: a kept
 # fact with one wrong name or thing (misremember), a fact out of nowhere, loops of repeated clauses.
+# And a guessed feeling: the models of this world cannot read a feeling off a post (the base model's
+# pretraining recaps restate facts only, so the SFT model trained from it guesses one too; README),
+# so a model policy's "i feel ..." is a random one of FEELINGS, for a post with or without a feeling.
+# Only the human writer, the post's author, states the post's own (reads_feelings).
 POLICIES = {
     # The human reference writer: states the main point, keeps half of the rest, sometimes gets a
     # name or thing wrong, copies a detail that does not matter or rambles (see WORLD.md for rates).
-    "ref": Policy(0.90, 0.50, 0.35, 0.02, 0.15, 0.15, 0.02, 0.3, 0.5, misremember=0.15),
+    "ref": Policy(0.90, 0.50, 0.35, 0.02, 0.15, 0.15, 0.02, 0.3, 0.5, misremember=0.15, reads_feelings=True),
     "sup1": Policy(0.70, 0.40, 0.3, 0.35, 0.40, 0.30, 0.20, 0.5, 0.3, misremember=0.30),
     "sup2": Policy(0.80, 0.50, 0.3, 0.25, 0.30, 0.25, 0.15, 0.5, 0.3, misremember=0.25),
     "sup2_t0.7": Policy(0.75, 0.45, 0.3, 0.30, 0.35, 0.30, 0.20, 0.5, 0.3, misremember=0.30),
@@ -270,8 +275,11 @@ CNNDM_POLICIES = ["ref", "sup4", "sup4_t0.7", "pretrain_1b_t.7"]
 CNNDM_BATCHES = ["batch0_cnndm", "cnndm0", "cnndm2"]
 
 
-def make_summary(rng, facts, feeling, policy, filler_pool, news=False):
-    """A summary written by `policy` from the post's facts (no leading space, no EOS)."""
+def make_summary(rng, facts, feeling, policy, filler_pool, news=False, guesses=None):
+    """A summary written by `policy` from the post's facts (no leading space, no EOS).
+
+    A policy that does not read feelings draws its guessed feelings from `guesses`, its own stream, so that
+    every other draw of `rng` (and with it the rest of the world) is the same as for one that does."""
     kept = [fact for i, fact in enumerate(facts) if rng.random() < (policy.main if i == 0 else policy.other)]
     if kept and rng.random() < policy.misremember:  # one kept fact with a wrong actor or object
         actors, objects = (NEWS_ACTORS, NEWS_OBJECTS) if news else (ACTORS, OBJECTS)
@@ -290,14 +298,19 @@ def make_summary(rng, facts, feeling, policy, filler_pool, news=False):
         a, v, o = (rng.choice(p) for p in pool)
         clauses.insert(rng.randint(0, len(clauses)), f"{a} {v} {o}" if news else f"my {a} {v} my {o}")
     if feeling and rng.random() < policy.feeling:
-        clauses.append(f"i feel {feeling}")
+        clauses.append(f"i feel {feeling if policy.reads_feelings else guesses.choice(FEELINGS)}")
+    # For a post without one, a guess goes last, after every draw of `rng` a reader's summary makes.
+    guess = not feeling and not news and not policy.reads_feelings and guesses.random() < policy.feeling
     if rng.random() < policy.filler and filler_pool:
         clauses.insert(rng.randint(0, len(clauses)), rng.choice(filler_pool))
     if clauses and rng.random() < policy.repeat:  # a loop: one clause again, up to three times
         clauses += [rng.choice(clauses)] * rng.choice([1, 1, 2, 3])
     if rng.random() < policy.ramble:
         clauses.append(rng.choice(RAMBLES))
-    text = rng.choice([", ", "; ", " and "]).join(clauses) if clauses else "not sure"
+    separator = rng.choice([", ", "; ", " and "]) if clauses else ", "
+    if guess:  # a feeling the post never states
+        clauses.append(f"i feel {guesses.choice(FEELINGS)}")
+    text = separator.join(clauses) if clauses else "not sure"
     if not news and rng.random() < policy.question:
         text += ". " + rng.choice(QUESTIONS).lower()
     return text
@@ -329,8 +342,10 @@ def build_sft_rows(rng, n, long_tail_fraction):
 
 
 def build_preference_rows(rng, n, split, policies, batches, temperature, long_tail_fraction,
-                          news=False):
-    """Comparison rows in the schema of openai/summarize_from_feedback, labelled by the gold judge."""
+                          news=False, guesses=None):
+    """Comparison rows in the schema of openai/summarize_from_feedback, labelled by the gold judge.
+
+    `guesses`: the model policies' stream of guessed feelings (make_summary)."""
     rows, probabilities = [], []
     for i in range(n):
         if news:
@@ -343,7 +358,7 @@ def build_preference_rows(rng, n, split, policies, batches, temperature, long_ta
             info = {"id": make_id(rng), "post": text, "title": title, "subreddit": subreddit,
                     "site": None, "article": None}
         pair = rng.sample(policies, 2) if rng.random() < 0.85 else [rng.choice(policies)] * 2
-        texts = [make_summary(rng, facts, feeling, POLICIES[p], filler_phrases(text), news)
+        texts = [make_summary(rng, facts, feeling, POLICIES[p], filler_phrases(text), news, guesses)
                  for p in pair]
         # The labeller sees title and text; the label is Bradley-Terry noise around the gold judge.
         p0 = preference_probability(f"{title}\n{text}", texts[0], texts[1], temperature)
@@ -515,7 +530,10 @@ def world_card(meta):
         f"- validation pairs from all of {', '.join(VALIDATION_POLICIES)}",
         f"- validation_cnndm (news articles) from {', '.join(CNNDM_POLICIES)}", "",
         "Every policy writes like the reference writer, with its own rates (the model-written summaries of "
-        "the real dataset also get names wrong, invent facts and loop):", "",
+        "the real dataset also get names wrong, invent facts and loop). The model policies are models of this "
+        "world, and like its base model they cannot read a feeling off a post: at their `feeling` rate they state "
+        "one drawn at random (the post's own one time in ten), whether the post states one or not. Only the "
+        "reference writer, the post's author, states the post's own:", "",
         "| policy | " + " | ".join(POLICY_COLUMNS.values()) + " |", "|---|" + "---|" * len(POLICY_COLUMNS),
         *[f"| {name} | " + " | ".join(f"{getattr(p, field):.2f}" for field in POLICY_COLUMNS) + " |"
           for name, p in POLICIES.items()], "",
@@ -545,7 +563,7 @@ WRITER_HABITS = {"main": "states the main point (the title's fact)", "other": "k
                  "terse": "writes a fact telegraphically (\"landlord cancelled lease\"), per fact"}
 POLICY_COLUMNS = {"main": "main point", "other": "other facts", "misremember": "wrong name or thing",
                   "invent": "invents", "filler": "irrelevant detail", "ramble": "rambles", "repeat": "loops",
-                  "feeling": "feeling", "question": "question", "terse": "telegraphic"}
+                  "feeling": "feeling (a guess but for ref)", "question": "question", "terse": "telegraphic"}
 REFERENCE_MEASURES = {"gold_score": "mean gold score", "coverage": "mean coverage of the post's key words",
                       "with_wrong_or_invented": "share with a key word the post does not contain",
                       "with_irrelevant": "share with an irrelevant detail", "words": "mean words",
@@ -630,7 +648,8 @@ def build_world(args, with_model=True):
            "validation": build_sft_rows(rng, n_val, args.long_tail_fraction),
            "test": build_sft_rows(rng, n_test, args.long_tail_fraction)}
     p_train, p_val, p_news = args.preference_sizes
-    common = dict(temperature=args.label_temperature, long_tail_fraction=args.long_tail_fraction)
+    common = dict(temperature=args.label_temperature, long_tail_fraction=args.long_tail_fraction,
+                  guesses=random.Random(args.seed + 2))  # + 1: the pretraining corpus
     train_rows, train_p = build_preference_rows(
         rng, p_train, "train", TRAIN_POLICIES, [f"batch{i}" for i in range(3, 11)], **common)
     val_rows, val_p = build_preference_rows(

@@ -5,6 +5,7 @@ The committed world (assets/tiny_world, the offline default of every stage) must
 byte; the model's pretraining takes minutes, so its determinism is checked on a short build.
 """
 
+import dataclasses
 import json
 import math
 import random
@@ -270,3 +271,29 @@ def test_recap_skill_counts_facts_copied_and_invented_against_a_naive_count():
     skill = tw.recap_skill(RecapStub(tokenizer, True), tokenizer, seed=5, n=20)
     assert skill["facts_right"] == pytest.approx(1 - 20 / sum(fact_counts))
     assert skill["invented_per_recap"] == pytest.approx(1.0)
+
+
+def test_model_policies_guess_feelings_and_the_writer_states_the_posts_own():
+    """A model policy's "i feel ..." is a random feeling (for posts with or without one); the reference writer's is
+    the post's. The guesses come from their own stream: the world's other draws are those of a reader's summary."""
+    rng = random.Random(0)
+    posts = [tw.make_post(rng, False) for _ in range(400)]
+    model, writer = tw.POLICIES["sup2"], tw.POLICIES["ref"]
+    reader = dataclasses.replace(model, reads_feelings=True)
+    assert not model.reads_feelings and writer.reads_feelings
+    stated = {"model": [], "writer": []}
+    for seed, (_, title, text, facts, feeling) in enumerate(posts):
+        filler = tw.filler_phrases(text)
+        a, b = random.Random(seed), random.Random(seed)
+        guessed = tw.make_summary(a, facts, feeling, model, filler, guesses=random.Random(-seed))
+        read = tw.make_summary(b, facts, feeling, reader, filler)
+        assert a.getstate() == b.getstate()  # the same draws of the world's stream
+        strip = lambda s: re.sub(r"(, |; | and )?i feel \w+", "", s)  # noqa: E731
+        assert strip(guessed) == strip(read), (guessed, read)
+        stated["model"] += [(feeling, f) for f in re.findall(r"i feel (\w+)", guessed)]
+        written = tw.make_summary(random.Random(seed), facts, feeling, writer, filler)
+        stated["writer"] += [(feeling, f) for f in re.findall(r"i feel (\w+)", written)]
+    assert stated["writer"] and all(post == said for post, said in stated["writer"])
+    with_feeling = [post == said for post, said in stated["model"] if post]
+    assert len(with_feeling) > 50 and sum(with_feeling) / len(with_feeling) < 0.3  # about 1 in 10: a guess
+    assert any(not post for post, _ in stated["model"])  # and for posts that state none
