@@ -649,7 +649,7 @@ def build_world(args, with_model=True):
            "test": build_sft_rows(rng, n_test, args.long_tail_fraction)}
     p_train, p_val, p_news = args.preference_sizes
     common = dict(temperature=args.label_temperature, long_tail_fraction=args.long_tail_fraction,
-                  guesses=random.Random(args.seed + 2))  # + 1: the pretraining corpus
+                  guesses=random.Random(args.seed + 2))  # the guessed feelings' own stream (seed + 1: the corpus')
     train_rows, train_p = build_preference_rows(
         rng, p_train, "train", TRAIN_POLICIES, [f"batch{i}" for i in range(3, 11)], **common)
     val_rows, val_p = build_preference_rows(
