@@ -282,7 +282,7 @@ def test_model_policies_guess_feelings_and_the_writer_states_the_posts_own():
     reader = dataclasses.replace(model, reads_feelings=True)
     assert not model.reads_feelings and writer.reads_feelings
     stated = {"model": [], "writer": []}
-    for seed, (_, title, text, facts, feeling) in enumerate(posts):
+    for seed, (_, _, text, facts, feeling) in enumerate(posts):
         filler = tw.filler_phrases(text)
         a, b = random.Random(seed), random.Random(seed)
         guessed = tw.make_summary(a, facts, feeling, model, filler, guesses=random.Random(-seed))
