@@ -299,8 +299,6 @@ def make_summary(rng, facts, feeling, policy, filler_pool, news=False, guesses=N
         clauses.insert(rng.randint(0, len(clauses)), f"{a} {v} {o}" if news else f"my {a} {v} my {o}")
     if feeling and rng.random() < policy.feeling:
         clauses.append(f"i feel {feeling if policy.reads_feelings else guesses.choice(FEELINGS)}")
-    # For a post without one, a guess goes last, after every draw of `rng` a reader's summary makes.
-    guess = not feeling and not news and not policy.reads_feelings and guesses.random() < policy.feeling
     if rng.random() < policy.filler and filler_pool:
         clauses.insert(rng.randint(0, len(clauses)), rng.choice(filler_pool))
     if clauses and rng.random() < policy.repeat:  # a loop: one clause again, up to three times
@@ -308,7 +306,8 @@ def make_summary(rng, facts, feeling, policy, filler_pool, news=False, guesses=N
     if rng.random() < policy.ramble:
         clauses.append(rng.choice(RAMBLES))
     separator = rng.choice([", ", "; ", " and "]) if clauses else ", "
-    if guess:  # a feeling the post never states
+    # For a post without a feeling, a guess goes last, after every draw of `rng` a reader's summary makes.
+    if not feeling and not news and not policy.reads_feelings and guesses.random() < policy.feeling:
         clauses.append(f"i feel {guesses.choice(FEELINGS)}")
     text = separator.join(clauses) if clauses else "not sure"
     if not news and rng.random() < policy.question:
