@@ -12,7 +12,8 @@ the rollout temperature, which differ in what that policy gets wrong. This scrip
   n, beside a random sample and the sample the gold judge would pick (the headroom);
 - probes with hand-made summaries of each post (its facts written out): the RM's preference for the true summary
   over the same summary with one actor swapped for one the post never names, with its last fact dropped, with a
-  fact the post never states added; and the SFT model's own likelihood on the swap (does the policy know the facts);
+  fact the post never states added, with its last fact written twice (a loop); and the SFT model's own likelihood
+  on the swap (does the policy know the facts);
   the post's facts with its feeling against the same with another feeling, and, for a post that states no feeling,
   the facts alone against the facts plus a feeling;
 - what the SFT policy's samples get wrong: key words the post does not contain (the gold judge's `invented`), by
@@ -87,7 +88,7 @@ def post_facts(post: str) -> list:
 
 
 def probe_summaries(post: str, rng: random.Random, world) -> dict:
-    """Hand-made summaries of a post with at least 2 facts: {true, swapped, dropped, added}; None for fewer facts."""
+    """Hand-made summaries of a post with at least 2 facts: {true, swapped, dropped, added, looped}; None for fewer."""
     facts = post_facts(post)
     if len(facts) < 2:
         return None
@@ -97,7 +98,8 @@ def probe_summaries(post: str, rng: random.Random, world) -> dict:
     k = rng.randrange(len(facts))
     swapped = facts[:k] + [(rng.choice(strangers),) + facts[k][1:]] + facts[k + 1:]
     added = facts + [(rng.choice(strangers), rng.choice(world.VERBS), rng.choice(world.OBJECTS))]
-    return {"true": write(facts), "swapped": write(swapped), "dropped": write(facts[:-1]), "added": write(added)}
+    return {"true": write(facts), "swapped": write(swapped), "dropped": write(facts[:-1]), "added": write(added),
+            "looped": write(facts + facts[-1:])}  # the last fact once more: a writer's loop
 
 
 def feeling_probe(post: str, rng: random.Random, world) -> tuple:
@@ -210,7 +212,7 @@ def main() -> None:
     agree = total = 0
     mistakes = []  # invented_by_kind of every sample, with whether its post states a feeling
     picks = {n: [] for n in (1, 2, 4, 8, 16, 32) if n <= args.samples}
-    probes = {"swapped": [], "dropped": [], "added": [], "policy_swapped": [], "wrong": [], "unstated": []}
+    probes = {"swapped": [], "dropped": [], "added": [], "looped": [], "policy_swapped": [], "wrong": [], "unstated": []}
     rng, feeling_rng = random.Random(args.seed), random.Random(args.seed + 1)
     with torch.no_grad():
         for row in tqdm(rows, desc="rm diagnostics"):
@@ -235,10 +237,9 @@ def main() -> None:
             made = probe_summaries(row["post"], rng, world)
             if made:
                 scores = summary_scores(reward_model, tokenizer, [row["query_token"]] * len(made), list(made.values()))
-                true, swapped, dropped, added = scores.tolist()
-                probes["swapped"].append(true > swapped)
-                probes["dropped"].append(true > dropped)
-                probes["added"].append(true > added)
+                true, *others = scores.tolist()
+                for name, other in zip(list(made)[1:], others):  # swapped, dropped, added, looped
+                    probes[name].append(true > other)
                 probes["policy_swapped"].append(lm_logprob(row["query_token"], made["true"])
                                                 > lm_logprob(row["query_token"], made["swapped"]))
             if made := feeling_probe(row["post"], feeling_rng, world):
@@ -269,6 +270,7 @@ def main() -> None:
     names = {"swapped": "the RM prefers it to the same facts with one actor the post never names",
              "dropped": "the RM prefers it to the same facts less the last one",
              "added": "the RM prefers it to the same facts plus one the post never states",
+             "looped": "the RM prefers it to the same with its last fact written twice (a loop)",
              "policy_swapped": "the SFT model gives it more likelihood than the one with a swapped actor",
              "wrong": "with the post's feeling, the RM prefers it to the same with another feeling",
              "unstated": "without a feeling (the post states none), the RM prefers it to the same plus one"}

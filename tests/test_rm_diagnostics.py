@@ -35,8 +35,9 @@ def test_probe_summaries_change_one_thing_each():
     assert made["true"] == "landlord cancelled lease; sister borrowed car"  # each fact once, in order
     assert made["dropped"] == "landlord cancelled lease"
     assert made["added"].startswith(made["true"] + "; ")
+    assert made["looped"] == made["true"] + "; sister borrowed car"
     true_score = tiny_world.gold_score(post, made["true"])
-    for name in ("swapped", "dropped", "added"):  # each variant is worse by the gold judge
+    for name in ("swapped", "dropped", "added", "looped"):  # each variant is worse by the gold judge
         assert tiny_world.gold_score(post, made[name]) < true_score, name
     swapped_words = set(made["swapped"].split()) - set(made["true"].split())
     assert len(swapped_words) == 1 and swapped_words <= set(tiny_world.ACTORS)
