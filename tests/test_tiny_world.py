@@ -67,6 +67,18 @@ def test_same_seed_same_bytes(tmp_path):
     assert a["tldr_3_filtered/data/train.parquet"] != c["tldr_3_filtered/data/train.parquet"]
 
 
+def test_pretraining_dropout_is_its_own_and_the_saved_config_keeps_the_worlds(tmp_path):
+    """--pretrain_dropout changes the pretraining (other weights) but not the saved config's dropout (Detail 7)."""
+    tw.build_world(small_args(tmp_path / "with"))
+    tw.build_world(dataclasses.replace(small_args(tmp_path / "without"), pretrain_dropout=0.0))
+    with_, without = tree_bytes(tmp_path / "with"), tree_bytes(tmp_path / "without")
+    assert with_["pythia-tiny/model.safetensors"] != without["pythia-tiny/model.safetensors"]
+    for files in (with_, without):
+        config = json.loads(files["pythia-tiny/config.json"])
+        assert config["hidden_dropout"] == config["attention_dropout"] == 0.1
+    assert "pretrained with dropout 0.0 (Pythia pretrains without)" in without["WORLD.md"].decode()
+
+
 def test_committed_world_is_what_the_generator_builds(tmp_path):
     committed = sorted(p.relative_to(WORLD).as_posix() for p in WORLD.rglob("*") if p.is_file())
     assert committed == WORLD_FILES, "assets/tiny_world holds files tiny_world.py does not write (a cache?)"
