@@ -26,6 +26,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import re  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
@@ -44,8 +45,29 @@ def tiny_lengths():
 def tiny_tldr(tmp_path_factory):
     """The tiny world preprocessed exactly as benchmark/tiny.sh does it, once per test session.
 
-    Returns the output folder: sft/, preference/ (load_from_disk), args.json, visuals/."""
-    out = tmp_path_factory.mktemp("tiny_tldr")
+    Returns the output folder: sft/, preference/ (load_from_disk), args.json, visuals/. Under pytest-xdist
+    (`.ci/run`) the workers share one: the first builds it in the run's common temporary folder while the
+    others wait on a lock, so it is built once per run, not once per worker. Tests only read it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        out = tmp_path_factory.mktemp("tiny_tldr")
+        preprocess_tiny_world(out)
+        return out
+    from filelock import FileLock
+
+    out = tmp_path_factory.getbasetemp().parent / "tiny_tldr"  # the same folder for every worker of this run
+    built = out.parent / "tiny_tldr.built"
+    with FileLock(str(out) + ".lock"):
+        if not built.is_file():
+            shutil.rmtree(out, ignore_errors=True)  # a worker that failed halfway left it
+            out.mkdir()
+            preprocess_tiny_world(out)
+            built.write_text(worker)
+    return out
+
+
+def preprocess_tiny_world(out):
+    """preprocess_tldr.py on the committed world into `out`, with tiny.sh's length flags."""
     result = subprocess.run(
         [sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(WORLD / "pythia-tiny"),
          "--sft_dataset", str(WORLD / "tldr_3_filtered"),
@@ -53,4 +75,3 @@ def tiny_tldr(tmp_path_factory):
          "--output_dir", str(out), "--num_proc", "2", *tiny_lengths()],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out
