@@ -48,21 +48,18 @@ def tiny_tldr(tmp_path_factory):
     Returns the output folder: sft/, preference/ (load_from_disk), args.json, visuals/. Under pytest-xdist
     (`.ci/run`) the workers share one: the first builds it in the run's common temporary folder while the
     others wait on a lock, so it is built once per run, not once per worker. Tests only read it."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker is None:
-        out = tmp_path_factory.mktemp("tiny_tldr")
-        preprocess_tiny_world(out)
-        return out
     from filelock import FileLock
 
-    out = tmp_path_factory.getbasetemp().parent / "tiny_tldr"  # the same folder for every worker of this run
-    built = out.parent / "tiny_tldr.built"
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above every worker's own
+    out, built = root / "tiny_tldr", root / "tiny_tldr.built"
     with FileLock(str(out) + ".lock"):
         if not built.is_file():
             shutil.rmtree(out, ignore_errors=True)  # a worker that failed halfway left it
             out.mkdir()
             preprocess_tiny_world(out)
-            built.write_text(worker)
+            built.touch()
     return out
 
 
