@@ -1216,6 +1216,9 @@ def ppo_tokenizer(args, accelerator, local_dataset: bool) -> tuple:
         accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
     # The RM scores the policy's token ids: it must read them as the same tokens (its own tokenizer,
     # saved by reward.py, with [PAD] by the same rule), and its embedding must hold every id (main).
+    # AutoTokenizer reads the folder's config.json too: known by its model_type, it loads without
+    # transformers' "model of type `scalar_model`" warning.
+    AutoConfig.register(ScalarModelConfig.model_type, ScalarModelConfig, exist_ok=True)
     reward_tokenizer = load_tokenizer(args.reward_model_path, "--reward_model_path")
     add_pad_token(reward_tokenizer)
     identity = tokenizer_identity(tokenizer)

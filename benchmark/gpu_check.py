@@ -1,9 +1,9 @@
 """The real path on a GPU, in one command: a Pythia-1B-shaped model through SFT, RM and PPO updates.
 
-One SFT, one RM and two PPO updates at the paper's per-GPU batch (SFT 16 samples in micro-batches of
-1, RM 8 pairs in micro-batches of 1, PPO 64 episodes in micro-batches of 16 with rollouts of 64:
-benchmark/knobs.sh at 1B), each through `accelerate launch` with the paper's DeepSpeed ZeRO-2 bf16
-config on one process, each stage loading the previous one's output. No Hub needed: the model is
+One SFT, one RM and two PPO updates (twice: HF generate, then --fast_sampling) at the paper's
+per-GPU batch (SFT 16 samples in micro-batches of 1, RM 8 pairs in micro-batches of 1, PPO 64
+episodes in micro-batches of 16 with rollouts of 64: benchmark/knobs.sh at 1B), each through
+`accelerate launch` with the paper's DeepSpeed ZeRO-2 bf16 config on one process, each stage loading the previous one's output. No Hub needed: the model is
 Pythia-1B's architecture (hidden 2048, 16 layers, 8 heads, rotary 25%, 50304 embedding rows) with
 random weights saved in fp16 as the Hub's are, the tokenizer the tiny world's (its [PAD] appended
 after the last token, as for Pythia), the data the tiny world's posts joined into queries that fill
@@ -178,10 +178,46 @@ def forward_checks(sft_folder: str, pad_id: int, device: str) -> dict:
             torch.cuda.synchronize()
         seconds[name] = min(seconds.get(name, float("inf")), time.time() - start)  # the faster of two, alternating
     same = (samples["plain"] == samples["fast"])[:, context:].float().mean().item()
-    return {"window_max_abs_diff": difference.max().item(), "window_mean_abs_diff": difference.mean().item(),
+    floor = training_floor(policy, pad_id, device)
+    return {**floor, "window_max_abs_diff": difference.max().item(), "window_mean_abs_diff": difference.mean().item(),
             "logit_scale": full.float().abs().mean().item(), "same_tokens": same,
             **{f"{name}_tokens_per_second": 64 * response_length / value for name, value in seconds.items()},
             **{f"{name}_seconds": value for name, value in seconds.items()}}
+
+
+def training_floor(policy, pad_id: int, device: str) -> dict:
+    """The matmul peak and one plain forward + backward of `policy` (bf16) at a PPO micro-batch: the floor of training."""
+    def seconds(step, repeats: int) -> float:  # mean of `repeats` after 2 warm-ups
+        for _ in range(2):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.time()
+        for _ in range(repeats):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.time() - start) / repeats
+
+    size = 8192 if device == "cuda" else 512
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    peak = 2 * size ** 3 / seconds(lambda: a @ a, 10)
+    rows, context, response_length = 16, 512, 53
+    ids = torch.randint(2, 1000, (rows, context + response_length), device=device)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    for i in range(rows):  # left padding of 0 ... 150 tokens, as in forward_checks
+        mask[i, :10 * i] = False
+
+    def step():
+        with torch.enable_grad():
+            logits = policy(input_ids=ids.masked_fill(~mask, 0), attention_mask=mask).logits
+            logits[:, context - 1:-1].float().mean().backward()
+        policy.zero_grad(set_to_none=True)
+
+    step_seconds = seconds(step, 5)
+    weights = sum(p.numel() for name, p in policy.named_parameters() if "embed_in" not in name)  # LM head counted
+    return {"peak_flops": peak, "step_seconds": step_seconds, "step_flops": 6 * weights * ids.numel(),
+            "weights": weights}
 
 
 def main() -> None:
@@ -234,19 +270,31 @@ def main() -> None:
                                    log, env)
         memory[script[:-3]] = peak_memory(log)
         print(f"{script}: {timings[script[:-3]]:.0f} s, peak GPU memory {memory[script[:-3]]}", flush=True)
-    ppo_runs = [run_name for run_name in os.listdir(os.path.join(args.work, "runs")) if run_name.startswith("ppo")]
-    stats = scalars_of(os.path.join(args.work, "runs", ppo_runs[0]))
     model_name = os.path.basename(model) if not args.hub else model
+    # The same two PPO updates with the fast sampler (--fast_sampling), its own run name and output folder.
+    log = os.path.join(args.work, "ppo_fast.log")
+    timings["ppo_fast"] = run([*launch, os.path.join(REPO, "ppo.py"), "--base_model", model, *STAGE_FLAGS["ppo.py"],
+                               "--fast_sampling", "--run_name", "ppo_fast",
+                               "--output_dir", os.path.join(args.work, "models", model_name, "ppo_fast")], log, env)
+    memory["ppo_fast"] = peak_memory(log)
+    print(f"ppo.py --fast_sampling: {timings['ppo_fast']:.0f} s, peak GPU memory {memory['ppo_fast']}", flush=True)
+    ppo_runs = [name for name in os.listdir(os.path.join(args.work, "runs")) if name.startswith("ppo_")]
+    stats = scalars_of(os.path.join(args.work, "runs", next(name for name in ppo_runs if name != "ppo_fast")))
+    stats_fast = scalars_of(os.path.join(args.work, "runs", "ppo_fast"))
     pad_id = json.load(open(os.path.join(args.work, "models", model_name, "sft_1", "args.json")))["pad_token_id"]
     checks = forward_checks(os.path.join(args.work, "models", model_name, "sft_1"), pad_id, device)
 
     # the second update's split: the first one's generation includes compiling the fast path's decode step
-    split = {phase: stats[f"time/{phase}"][-1] for phase in ("generation", "scoring", "training")}
+    def update_split(stats: dict, sampler: str) -> str:
+        split = {phase: stats[f"time/{phase}"][-1] for phase in ("generation", "scoring", "training")}
+        total = sum(split.values())
+        return (f"| {sampler} | {total:.2f} | " + " | ".join(f"{split[phase]:.2f} ({split[phase] / total:.0%})"
+                                                           for phase in ("generation", "scoring", "training")) + " |")
+
     precision = "bf16" if args.launcher == "deepspeed" else "fp32"
     from ppo import Args
 
     defaults_fast = Args.fast_sampling
-    total = sum(split.values())
     lines = [
         "# benchmark/gpu_check.sh", "",
         f"- device: **{name}**", f"- {versions}",
@@ -256,13 +304,17 @@ def main() -> None:
         "| stage | per-GPU batch | wall time (s, loading and eval included) | peak GPU memory |", "|---|---|---|---|",
         f"| SFT, 1 update | 16 x 1 | {timings['sft']:.0f} | {memory['sft']} |",
         f"| RM, 1 update | 8 pairs x 1 | {timings['reward']:.0f} | {memory['reward']} |",
-        f"| PPO, 2 updates | 64 episodes, micro 16, rollout 64 | {timings['ppo']:.0f} | {memory['ppo']} |", "",
-        f"PPO update (the second; ppo.py's default sampler, --fast_sampling {defaults_fast}): {total:.2f} s = generation {split['generation']:.2f} s ({split['generation'] / total:.0%}) + "
-        f"scoring {split['scoring']:.2f} s ({split['scoring'] / total:.0%}) + training {split['training']:.2f} s "
-        f"({split['training'] / total:.0%}).", "",
+        f"| PPO, 2 updates | 64 episodes, micro 16, rollout 64 | {timings['ppo']:.0f} | {memory['ppo']} |",
+        f"| PPO, 2 updates, --fast_sampling | the same | {timings['ppo_fast']:.0f} | {memory['ppo_fast']} |", "",
+        f"PPO update, the second of each run (the first one's generation includes compiling the fast sampler's step; "
+        f"ppo.py's default is --fast_sampling {defaults_fast}), seconds:", "",
+        "| sampler | update | generation | scoring | training |", "|---|---|---|---|---|",
+        update_split(stats, "HF generate (default)" if not defaults_fast else "HF generate (--no-fast_sampling)"),
+        update_split(stats_fast, "StaticSampler (--fast_sampling)"), "",
         f"First-epoch ratio ({precision} sampling loop vs {precision} training forward): mean "
         f"{stats['policy/ratio_first_epoch'][0]:.5f}, max |ratio - 1| {stats['policy/ratio_first_epoch_max_deviation'][0]:.4f}; "
         f"KL to the reference at the first update {stats['objective/kl'][0]:.5f}.", "",
+        training_line(stats, stats_fast, checks), "",
         f"Windowed training forward vs the plain full forward (bf16, 16 rows of 512 + 53): max |logit difference| "
         f"{checks['window_max_abs_diff']:.4f}, mean {checks['window_mean_abs_diff']:.5f} (mean |logit| "
         f"{checks['logit_scale']:.2f}).", "",
@@ -276,6 +328,22 @@ def main() -> None:
     with open(args.out, "w") as file:
         file.write("\n".join(lines))
     print("\n".join(lines))
+
+
+def training_line(stats: dict, stats_fast: dict, checks: dict) -> str:
+    """The PPO training phase against its floor: 4 epochs x 4 micro-batches x 2 models of plain forward + backward."""
+    passes = 4 * 4 * 2  # --num_ppo_epochs 4, 64 / --local_micro_batch_size 16, policy and critic (the same backbone)
+    floor = passes * checks["step_seconds"]
+    training = min(stats["time/training"][-1], stats_fast["time/training"][-1])
+    achieved = passes * checks["step_flops"] / training
+    return (f"Training phase against its floor (bf16, the same run): a plain forward + backward of the policy at a "
+            f"micro-batch of 16 x 565 tokens takes {checks['step_seconds'] * 1e3:.0f} ms, "
+            f"{checks['step_flops'] / checks['step_seconds'] / 1e12:.0f} TFLOP/s, "
+            f"{checks['step_flops'] / checks['step_seconds'] / checks['peak_flops']:.0%} of the measured bf16 matmul "
+            f"peak ({checks['peak_flops'] / 1e12:.0f} TFLOP/s; 6 x {checks['weights'] / 1e9:.2f} B non-embedding "
+            f"weights x tokens). PPO's training phase is {passes} such passes (4 epochs x 4 micro-batches x policy "
+            f"and critic): floor {floor:.2f} s; measured {training:.2f} s = {training / floor:.2f}x the floor, "
+            f"{achieved / 1e12:.0f} TFLOP/s = {achieved / checks['peak_flops']:.0%} of the matmul peak.")
 
 
 def scalars_of(folder: str) -> dict:

@@ -231,6 +231,16 @@ def test_offload_exactly_for_6_9b_ppo_and_every_rank_evaluates_the_same_number_o
                     assert len(batches) == 1, f"{split}: ranks run {sorted(batches)} eval batches: {command['line']}"
 
 
+def test_ppo_samples_with_the_fast_path_at_every_size(dry_runs):
+    """knobs.sh's FAST_SAMPLING=1 (measured on a GPU: benchmark/results/gpu_check.md) reaches every PPO task."""
+    assert dry_runs["ppo"]
+    for command in dry_runs["ppo"]:
+        assert "fast_sampling" in command["flags"], command["line"]
+    for stage in TRAINING:
+        if stage != "ppo":
+            assert not any("fast_sampling" in command["flags"] for command in dry_runs[stage])
+
+
 def test_accelerate_config_is_the_papers():
     config = yaml.safe_load((REPO / "benchmark" / "accelerate" / "deepspeed_zero2.yaml").read_text())
     assert config["distributed_type"] == "DEEPSPEED" and config["deepspeed_config"]["zero_stage"] == 2

@@ -442,6 +442,7 @@ def test_smoke_run_saves_policy_and_samples(tiny_tldr, tmp_path):
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "2 updates of 16 episodes" in result.stdout and "stopped after update 1 of 2" in result.stdout
+    assert "model of type `scalar_model`" not in result.stdout + result.stderr  # the RM folder's tokenizer loads quietly
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["update_1"]
     result = subprocess.run(cmd + ["--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
