@@ -21,6 +21,13 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
+# Under pytest-xdist each worker gets its share of the cores (1 each for `.ci/run`'s 2 workers on 2
+# cores), and so do the stage scripts it launches: two workers with 2 torch threads each would run 4
+# busy threads on 2 cores, and oversubscribed OpenMP threads spin and wait on each other.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 # The stage scripts live at the repository root and are imported by the unit tests.
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -50,9 +57,7 @@ def tiny_tldr(tmp_path_factory):
     others wait on a lock, so it is built once per run, not once per worker. Tests only read it."""
     from filelock import FileLock
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the run's folder, above every worker's own
+    root = run_folder(tmp_path_factory)
     out, built = root / "tiny_tldr", root / "tiny_tldr.built"
     with FileLock(str(out) + ".lock"):
         if not built.is_file():
@@ -61,6 +66,46 @@ def tiny_tldr(tmp_path_factory):
             preprocess_tiny_world(out)
             built.touch()
     return out
+
+
+def run_folder(tmp_path_factory):
+    """The test run's temporary folder: under pytest-xdist the one above every worker's own (shared)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+HELP_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "300", "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="session")
+def script_help(tmp_path_factory):
+    """script_help(path) -> `python <path> --help` as {returncode, stdout, stderr}, run once per test run (under
+    pytest-xdist the workers share the results through files, as for `tiny_tldr`): each run costs seconds
+    of imports, and test_conventions.py and test_launchers.py both read every stage's help. Wide and
+    colourless, so that each flag prints whole; run in an empty folder."""
+    import hashlib
+    import json
+
+    from filelock import FileLock
+
+    root = run_folder(tmp_path_factory) / "script_help"
+    root.mkdir(exist_ok=True)
+
+    def run(path):
+        path = Path(path)
+        key = hashlib.sha256(str(path.resolve()).encode() + path.read_bytes()).hexdigest()[:16]
+        saved = root / f"{path.stem}-{key}.json"
+        with FileLock(str(saved) + ".lock"):
+            if not saved.is_file():
+                workdir = root / f"{path.stem}-{key}.cwd"
+                workdir.mkdir(exist_ok=True)
+                result = subprocess.run([sys.executable, str(path), "--help"], cwd=workdir, capture_output=True,
+                                        text=True, timeout=300, env={**os.environ, **HELP_ENV})
+                saved.write_text(json.dumps({"returncode": result.returncode, "stdout": result.stdout,
+                                             "stderr": result.stderr}))
+        return json.loads(saved.read_text())
+
+    return run
 
 
 def preprocess_tiny_world(out):

@@ -650,14 +650,17 @@ def expected_flags(source: str) -> list[str]:
     return [flag for name, cls in classes.items() if name not in nested_in for flag in flags(cls, "")]
 
 
-def check_help_lists_flags(script: Path, workdir: Path) -> list[str]:
-    """`python <script> --help` exits 0 and shows `--<flag>` (underscores or dashes) for each field."""
-    proc = _run([sys.executable, str(script), "--help"], workdir)
-    if proc is None:
-        return [f"{script.name} --help did not finish in {SUBPROCESS_TIMEOUT_S} s"]
-    if proc.returncode != 0:
-        return [f"{script.name} --help exited {proc.returncode}:\n{proc.stderr[-3000:]}"]
-    text = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)  # drop colour codes, if any
+def check_help_lists_flags(script: Path, workdir: Path, result: dict | None = None) -> list[str]:
+    """`python <script> --help` exits 0 and shows `--<flag>` (underscores or dashes) for each field.
+    `result`: that run's {returncode, stdout, stderr} if already made (conftest's `script_help`)."""
+    if result is None:
+        proc = _run([sys.executable, str(script), "--help"], workdir)
+        if proc is None:
+            return [f"{script.name} --help did not finish in {SUBPROCESS_TIMEOUT_S} s"]
+        result = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+    if result["returncode"] != 0:
+        return [f"{script.name} --help exited {result['returncode']}:\n{result['stderr'][-3000:]}"]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", result["stdout"] + result["stderr"])  # drop colour codes, if any
     problems = []
     for flag in expected_flags(script.read_text()):
         pattern = "--" + r"\.".join(re.escape(part).replace("_", "[-_]") for part in flag.split(".")) + r"(?![\w.-])"
@@ -667,8 +670,8 @@ def check_help_lists_flags(script: Path, workdir: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("script", CLI_SCRIPTS)
-def test_help_lists_every_flag(script, tmp_path):
-    problems = check_help_lists_flags(REPO / script, tmp_path)
+def test_help_lists_every_flag(script, tmp_path, script_help):
+    problems = check_help_lists_flags(REPO / script, tmp_path, script_help(REPO / script))
     assert not problems, "\n".join(problems)
 
 

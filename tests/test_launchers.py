@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -78,18 +77,17 @@ def args_defaults(path: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def helps():
-    """{stage: flags of its script's --help, or None when the script does not exist}, run in parallel."""
+def helps(script_help):
+    """{stage: flags of its script's --help, or None when the script does not exist} (conftest's `script_help`:
+    each script's --help runs once per test run, shared with test_conventions.py)."""
     def run(stage):
         script = REPO / SCRIPTS[stage]
         if not script.is_file():
             return stage, None
-        result = subprocess.run([sys.executable, str(script), "--help"], cwd=REPO, capture_output=True, text=True,
-                                timeout=300, env={**ENV, "OMP_NUM_THREADS": "1"})
-        assert result.returncode == 0, f"{SCRIPTS[stage]} --help failed:\n{result.stderr[-2000:]}"
-        return stage, help_flags(result.stdout)
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        return dict(pool.map(run, STAGES))
+        result = script_help(script)
+        assert result["returncode"] == 0, f"{SCRIPTS[stage]} --help failed:\n{result['stderr'][-2000:]}"
+        return stage, help_flags(result["stdout"])
+    return dict(run(stage) for stage in STAGES)
 
 
 def parse_dry_run(text: str) -> list:
