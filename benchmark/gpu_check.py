@@ -3,15 +3,18 @@
 One SFT, one RM and two PPO updates (twice: HF generate, then --fast_sampling) at the paper's
 per-GPU batch (SFT 16 samples in micro-batches of 1, RM 8 pairs in micro-batches of 1, PPO 64
 episodes in micro-batches of 16 with rollouts of 64: benchmark/knobs.sh at 1B), each through
-`accelerate launch` with the paper's DeepSpeed ZeRO-2 bf16 config on one process, each stage loading the previous one's output. No Hub needed: the model is
-Pythia-1B's architecture (hidden 2048, 16 layers, 8 heads, rotary 25%, 50304 embedding rows) with
-random weights saved in fp16 as the Hub's are, the tokenizer the tiny world's (its [PAD] appended
-after the last token, as for Pythia), the data the tiny world's posts joined into queries that fill
-the paper's 512 tokens. With --hub, the real EleutherAI/pythia-1b-deduped checkpoint instead.
+`accelerate launch` with the paper's DeepSpeed ZeRO-2 bf16 config on one process, each stage
+loading the previous one's output. No Hub needed: the model is Pythia-1B's architecture (hidden
+2048, 16 layers, 8 heads, rotary 25%, 50304 embedding rows) with random weights saved in fp16 as
+the Hub's are, the tokenizer the tiny world's (its [PAD] appended after the last token, as for
+Pythia), the data the tiny world's posts joined into queries that fill the paper's 512 tokens.
+With --hub, the real EleutherAI/pythia-1b-deduped checkpoint instead.
 
 Printed and written to benchmark/results/gpu_check.md: the device and versions; per stage its wall
-time and peak GPU memory; the second PPO update's time split (generation / scoring / training; the
-first one's includes compiling the fast sampler's step) and the first-epoch ratio (mean, and max
+time and peak GPU memory; the second PPO update's time split with each sampler (generation /
+scoring / training; the first one's includes compiling the fast sampler's step); the training
+phase against its floor (plain forward + backward passes, and the bf16 matmul peak measured in the
+same run); the first-epoch ratio (mean, and max
 |ratio - 1| over tokens); the windowed training forward against the plain full forward (max
 |difference| of the logits, bf16); decode tokens/s at the paper's rollout batch of the fast path
 (StaticSampler) and of the plain loop (sample_rollout), and how many of their tokens agree.
