@@ -14,12 +14,12 @@ Printed and written to benchmark/results/gpu_check.md: the device and versions; 
 time and peak GPU memory; the second PPO update's time split with each sampler (generation /
 scoring / training; the first one's includes compiling the fast sampler's step); the training
 phase against its floor (plain forward + backward passes, and the bf16 matmul peak measured in the
-same run); the first-epoch ratio (mean, and max
-|ratio - 1| over tokens); the windowed training forward against the plain full forward (max
-|difference| of the logits, bf16); decode tokens/s at the paper's rollout batch of the fast path
-(StaticSampler) and of the plain loop (sample_rollout), and how many of their tokens agree.
+same run); the first-epoch ratio (mean, and max |ratio - 1| over tokens); the windowed training
+forward against the plain full forward (max |difference| of the logits, bf16); decode tokens/s at
+the paper's rollout batch of the fast path (StaticSampler) and of the plain loop (sample_rollout),
+and how many of their tokens agree.
 
-    bash benchmark/gpu_check.sh                       # any CUDA machine, ~5 min on one H100
+    bash benchmark/gpu_check.sh                       # any CUDA machine, ~5 min on one H200
     python benchmark/gpu_check.py --size tiny --launcher plain --allow_cpu --out /tmp/check.md   # CPU smoke
 """
 
