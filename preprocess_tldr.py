@@ -42,6 +42,7 @@ split and row id.
 import atexit
 import ctypes
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -233,7 +234,14 @@ def encode_text(tokenizer, text: str) -> list:
     # at the first EOS), nor "[PAD]" hide a token from every loss. Special ids are placed by this file
     # only (add_special_tokens=False: no template adds any); other added tokens (Pythia's runs of
     # spaces) still match, so normal text gets exactly the ids a plain `encode` gives.
-    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    return list(recent_encodings(tokenizer, text))
+
+
+@functools.lru_cache(maxsize=4)
+def recent_encodings(tokenizer, text: str) -> tuple:
+    """tuple(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)), remembered for the
+    last few texts: a row's prompt is the query text it just tokenized, so it is not tokenized twice."""
+    return tuple(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
 def data_file_problem(path: str) -> Optional[str]:

@@ -301,6 +301,23 @@ def test_special_token_strings_stay_text(any_tok, field):
         assert TYPED in tok.decode(ids) and TYPED in out[text_column]
 
 
+def test_encode_text_remembers_recent_texts_and_equals_a_plain_encode(any_tok):
+    """encode_text's cache (recent_encodings) returns what tokenizer.encode(..., split_special_tokens=True)
+    returns, for texts seen before or not, and hands out a new list each time (a caller may change it)."""
+    texts = [f"the cat {TYPED}", "  two  spaces", "the cat", f"the cat {TYPED}", "", "the cat"]
+    for text in texts:
+        plain = any_tok.encode(text, add_special_tokens=False, split_special_tokens=True)
+        ids = pre.encode_text(any_tok, text)
+        assert ids == plain
+        ids.append(-1)
+        assert pre.encode_text(any_tok, text) == plain
+    row = preference_row("c1", texts=(" a cat", " a dog"))  # the prompt is the query just tokenized: a hit
+    pre.recent_encodings.cache_clear()
+    pre.process_preference_row(row, any_tok, EOS, any_tok.pad_token_id, cnndm=False, query_length=120,
+                               response_length=40, query_response_length=160, split="train")
+    assert pre.recent_encodings.cache_info().hits >= 1
+
+
 # ---- Detail 2 at speed: the reference's cut rule, without re-tokenizing every prefix ----
 
 def test_truncation_cuts_follow_the_reference_rule():
