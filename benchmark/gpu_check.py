@@ -266,24 +266,20 @@ def main() -> None:
     launch = ([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                os.path.join(REPO, "benchmark", "accelerate", "deepspeed_zero2.yaml"), "--num_processes", "1"]
               if args.launcher == "deepspeed" else [sys.executable])
-    memory = {}
-    for script in ("sft.py", "reward.py", "ppo.py"):  # each finds the last one's output at its default path
-        log = os.path.join(args.work, script.replace(".py", ".log"))
-        timings[script[:-3]] = run([*launch, os.path.join(REPO, script), "--base_model", model, *STAGE_FLAGS[script]],
-                                   log, env)
-        memory[script[:-3]] = peak_memory(log)
-        print(f"{script}: {timings[script[:-3]]:.0f} s, peak GPU memory {memory[script[:-3]]}", flush=True)
     model_name = os.path.basename(model) if not args.hub else model
-    # The same two PPO updates with the fast sampler (--fast_sampling), its own run name and output folder.
-    log = os.path.join(args.work, "ppo_fast.log")
-    timings["ppo_fast"] = run([*launch, os.path.join(REPO, "ppo.py"), "--base_model", model, *STAGE_FLAGS["ppo.py"],
-                               "--fast_sampling", "--run_name", "ppo_fast",
-                               "--output_dir", os.path.join(args.work, "models", model_name, "ppo_fast")], log, env)
-    memory["ppo_fast"] = peak_memory(log)
-    print(f"ppo.py --fast_sampling: {timings['ppo_fast']:.0f} s, peak GPU memory {memory['ppo_fast']}", flush=True)
-    ppo_runs = [name for name in os.listdir(os.path.join(args.work, "runs")) if name.startswith("ppo_")]
-    stats = scalars_of(os.path.join(args.work, "runs", next(name for name in ppo_runs if name != "ppo_fast")))
-    stats_fast = scalars_of(os.path.join(args.work, "runs", "ppo_fast"))
+    memory = {}
+    # Each stage finds the last one's output at its default path; PPO runs twice, the second time with the
+    # fast sampler (its own run name and output folder).
+    stages = {"sft": ("sft.py", []), "reward": ("reward.py", []), "ppo": ("ppo.py", ["--run_name", "ppo"]),
+              "ppo_fast": ("ppo.py", ["--fast_sampling", "--run_name", "ppo_fast",
+                                      "--output_dir", os.path.join(args.work, "models", model_name, "ppo_fast")])}
+    for stage, (script, extra) in stages.items():
+        log = os.path.join(args.work, f"{stage}.log")
+        timings[stage] = run([*launch, os.path.join(REPO, script), "--base_model", model, *STAGE_FLAGS[script], *extra],
+                             log, env)
+        memory[stage] = peak_memory(log)
+        print(f"{stage}: {timings[stage]:.0f} s, peak GPU memory {memory[stage]}", flush=True)
+    stats, stats_fast = (scalars_of(os.path.join(args.work, "runs", name)) for name in ("ppo", "ppo_fast"))
     pad_id = json.load(open(os.path.join(args.work, "models", model_name, "sft_1", "args.json")))["pad_token_id"]
     checks = forward_checks(os.path.join(args.work, "models", model_name, "sft_1"), pad_id, device)
 
@@ -334,8 +330,12 @@ def main() -> None:
 
 
 def training_line(stats: dict, stats_fast: dict, checks: dict) -> str:
-    """The PPO training phase against its floor: 4 epochs x 4 micro-batches x 2 models of plain forward + backward."""
-    passes = 4 * 4 * 2  # --num_ppo_epochs 4, 64 / --local_micro_batch_size 16, policy and critic (the same backbone)
+    """The PPO training phase against its floor: epochs x micro-batches x 2 models of plain forward + backward."""
+    from ppo import Args
+
+    flags = STAGE_FLAGS["ppo.py"]
+    micro_batches = int(flags[flags.index("--batch_size") + 1]) // int(flags[flags.index("--local_micro_batch_size") + 1])
+    passes = Args.num_ppo_epochs * micro_batches * 2  # policy and critic (the same backbone)
     floor = passes * checks["step_seconds"]
     training = min(stats["time/training"][-1], stats_fast["time/training"][-1])
     achieved = passes * checks["step_flops"] / training
@@ -344,8 +344,8 @@ def training_line(stats: dict, stats_fast: dict, checks: dict) -> str:
             f"{checks['step_flops'] / checks['step_seconds'] / 1e12:.0f} TFLOP/s, "
             f"{checks['step_flops'] / checks['step_seconds'] / checks['peak_flops']:.0%} of the measured bf16 matmul "
             f"peak ({checks['peak_flops'] / 1e12:.0f} TFLOP/s; 6 x {checks['weights'] / 1e9:.2f} B non-embedding "
-            f"weights x tokens). PPO's training phase is {passes} such passes (4 epochs x 4 micro-batches x policy "
-            f"and critic): floor {floor:.2f} s; measured {training:.2f} s = {training / floor:.2f}x the floor, "
+            f"weights x tokens). PPO's training phase is {passes} such passes ({Args.num_ppo_epochs} epochs x "
+            f"{micro_batches} micro-batches x policy and critic): floor {floor:.2f} s; measured {training:.2f} s = {training / floor:.2f}x the floor, "
             f"{achieved / 1e12:.0f} TFLOP/s = {achieved / checks['peak_flops']:.0%} of the matmul peak.")
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HELP_ENV  # the environment of every --help run (wide, colourless, no bytecode)
+
 REPO = Path(__file__).resolve().parent.parent
 REGISTRY = REPO / "docs" / "details.md"
 README = REPO / "README.md"
@@ -574,7 +576,7 @@ def _run(cmd: list[str], workdir: Path) -> subprocess.CompletedProcess | None:
 
     Wide and colourless so that --help prints each flag whole; no bytecode written beside the scripts.
     """
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "300", "NO_COLOR": "1"}
+    env = {**os.environ, **HELP_ENV}
     try:
         return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     except subprocess.TimeoutExpired:
