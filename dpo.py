@@ -739,11 +739,18 @@ def scheduler_problem(name: str) -> Optional[str]:
     if name == "reduce_lr_on_plateau":  # steps on a metric, which the stages do not pass
         return f"--scheduler {name}: it needs a metric at every step; want e.g. cosine, linear or constant"
     try:
-        get_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), num_warmup_steps=0,
-                      num_training_steps=1)
+        get_scheduler(name, SchedulerProbe(), num_warmup_steps=0, num_training_steps=1)
     except (ValueError, TypeError) as error:
         return f"--scheduler {name}: {str(error).splitlines()[0]}; want e.g. cosine, linear or constant"
     return None
+
+
+class SchedulerProbe(torch.optim.Optimizer):
+    """An optimizer with one parameter group and nothing to step, for `scheduler_problem` to build a schedule on.
+    Torch's own optimizers import torch._dynamo when built (~2 s): every failed start would pay it."""
+
+    def __init__(self):  # Optimizer.__init__ left out on purpose (above); this is all a schedule reads
+        self.defaults, self.param_groups, self.state = {"lr": 1.0}, [{"lr": 1.0, "params": []}], {}
 
 
 def gpu_problem(environ, cuda_available: bool) -> Optional[str]:

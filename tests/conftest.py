@@ -117,3 +117,26 @@ def preprocess_tiny_world(out):
          "--output_dir", str(out), "--num_proc", "2", *tiny_lengths()],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def failed_starts(cases, env=None, timeout=600):
+    """[(cwd, script, [args...]), ...] -> one subprocess.CompletedProcess per case, as if each were
+    `python script args...` run in its cwd, but all run in ONE fresh interpreter (tests/failed_starts.py): for
+    starts that must stop before a model is loaded, whose cost is the ~6-8 s of imports of each interpreter."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        listed = [{"script": str(script), "argv": [str(arg) for arg in argv], "cwd": str(cwd),
+                   "stdout": str(scratch / f"{i}.out"), "stderr": str(scratch / f"{i}.err")}
+                  for i, (cwd, script, argv) in enumerate(cases)]
+        (scratch / "cases.json").write_text(json.dumps(listed))
+        driver = subprocess.run([sys.executable, str(REPO / "tests" / "failed_starts.py"),
+                                 str(scratch / "cases.json"), str(scratch / "results.json")],
+                                env=env, capture_output=True, text=True, timeout=timeout)
+        assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]
+        statuses = json.loads((scratch / "results.json").read_text())
+        return [subprocess.CompletedProcess([sys.executable, case["script"], *case["argv"]], status,
+                                            Path(case["stdout"]).read_text(), Path(case["stderr"]).read_text())
+                for case, status in zip(listed, statuses)]

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import dpo
-from conftest import REPO, WORLD
+from conftest import REPO, WORLD, failed_starts
 
 ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
 EOS, PAD = 0, 1  # the tiny world's ids (data/tiny_tldr/args.json)
@@ -232,8 +232,7 @@ def test_two_processes_match_one_process(resumed_run, small_world, tmp_path):
 
 def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
     """A dataset without the pair columns, an occupied output folder, a bad beta, other token ids (Detail 3)."""
-    base = [sys.executable, str(REPO / "dpo.py"), "--sft_model_path", str(BASE), "--query_dataset",
-            str(small_world / "sft"), "--batch_size", "8"]
+    base = ["--sft_model_path", str(BASE), "--query_dataset", str(small_world / "sft"), "--batch_size", "8"]
     cases = [(["--label_dataset", str(small_world / "sft"), "--output_dir", str(tmp_path / "a")], "lacks ['train'"),
              (["--label_dataset", str(small_world / "preference"), "--output_dir", str(tmp_path / "b")],
               "holds a different run"),
@@ -247,8 +246,8 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
     (other_ids / "args.json").write_text(json.dumps({"pad_token_id": 5, "eos_token_id": EOS}))
     cases.append((["--label_dataset", str(other_ids / "preference"), "--output_dir", str(tmp_path / "d")],
                   "was tokenized with {'eos_token_id': 0, 'pad_token_id': 5}"))
-    for flags, message in cases:
-        result = subprocess.run(base + flags, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    results = failed_starts([(tmp_path, REPO / "dpo.py", base + flags) for flags, _ in cases], env=ENV)
+    for (_, message), result in zip(cases, results):
         assert result.returncode != 0 and "SetupError" in result.stderr and message in result.stderr, result.stderr[-2000:]
         assert "Loading weights" not in result.stdout + result.stderr
     assert not any((tmp_path / name).exists() for name in "acd")

@@ -3,14 +3,13 @@ lists all problems at once (each names its flag and what to pass instead), and l
 that would block the corrected command.
 
 The flag checks are pure functions (`<stage>_flag_problems(args, world_size)`), tested in process;
-one subprocess per stage shows they run first: no model loaded, and no folder or file made, so the
-corrected command finds the folder as the bad one did.
+a start of each stage's script (all four in one fresh interpreter, conftest.failed_starts) shows they
+run first: no model loaded, and no folder or file made, so the corrected command finds the folder as
+the bad one did.
 """
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -18,7 +17,7 @@ import dpo
 import ppo
 import reward
 import sft
-from conftest import REPO, WORLD
+from conftest import REPO, WORLD, failed_starts
 
 BASE = str(WORLD / "pythia-tiny")
 STAGES = {"sft.py": (sft, sft.sft_flag_problems), "reward.py": (reward, reward.reward_flag_problems),
@@ -74,18 +73,28 @@ def test_a_missing_model_folder_is_named():
             module.load_tokenizer("/no/such/folder", "--sft_model_path")
 
 
+@pytest.fixture(scope="module")
+def bad_flag_starts(tiny_tldr, tmp_path_factory):
+    """{script: (its working folder, the CompletedProcess of its start with every bad flag)}: the four stages'
+    starts in one interpreter (conftest.failed_starts), each in an empty folder of its own."""
+    starts = {}
+    for script in STAGES:
+        cwd = tmp_path_factory.mktemp("bad_flags")
+        _, bad = bad_args(script)
+        typed = [token for flag, value in bad.items() for token in (f"--{flag}", str(value))]
+        inputs = {"sft.py": ["--base_model", BASE, "--query_dataset", tiny_tldr / "sft"],
+                  "ppo.py": ["--query_dataset", tiny_tldr / "sft", "--sft_model_path", BASE, "--reward_model_path", BASE]}
+        starts[script] = (cwd, [*inputs.get(script, ["--sft_model_path", BASE]), "--output_dir", cwd / "out", *typed])
+    results = failed_starts([(cwd, REPO / script, flags) for script, (cwd, flags) in starts.items()],
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+    return {script: (cwd, result) for (script, (cwd, _)), result in zip(starts.items(), results)}
+
+
 @pytest.mark.parametrize("script", list(STAGES))
-def test_bad_flags_stop_before_anything_is_loaded_or_written(script, tiny_tldr, tmp_path):
+def test_bad_flags_stop_before_anything_is_loaded_or_written(script, bad_flag_starts):
     """The real command line: every bad flag in one message, no model loaded, no folder created."""
     _, bad = bad_args(script)
-    typed = [token for flag, value in bad.items() for token in (f"--{flag}", str(value))]
-    inputs = {"sft.py": ["--base_model", BASE, "--query_dataset", tiny_tldr / "sft"],
-              "ppo.py": ["--query_dataset", tiny_tldr / "sft", "--sft_model_path", BASE, "--reward_model_path", BASE]}
-    cmd = [sys.executable, str(REPO / script), *inputs.get(script, ["--sft_model_path", BASE]),
-           "--output_dir", tmp_path / "out", *typed]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    result = subprocess.run([str(part) for part in cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
+    tmp_path, result = bad_flag_starts[script]
     assert result.returncode != 0
     assert f"{script} cannot start (nothing was loaded or written)" in result.stderr, result.stderr[-3000:]
     for flag, value in bad.items():  # each named with its value, as typed
@@ -93,3 +102,27 @@ def test_bad_flags_stop_before_anything_is_loaded_or_written(script, tiny_tldr, 
     assert "Loading weights" not in result.stdout + result.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == []  # no output folder, no runs/
 
+
+def test_scheduler_check_judges_as_a_real_optimizer_would():
+    """scheduler_problem builds each schedule on SchedulerProbe (no torch optimizer: building one imports
+    torch._dynamo, ~2 s of every failed start): the same verdict as on a real torch optimizer, for names that
+    build, that need extra arguments and that do not exist."""
+    import torch
+    from transformers import get_scheduler
+
+    def on_real_optimizer(name):
+        try:
+            get_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), num_warmup_steps=0,
+                          num_training_steps=1)
+        except (ValueError, TypeError) as error:
+            return str(error).splitlines()[0]
+        return None
+
+    names = ("cosine", "linear", "constant", "constant_with_warmup", "polynomial", "inverse_sqrt",
+             "cosine_with_min_lr", "warmup_stable_decay", "cosine_sometimes")
+    verdicts = {name: on_real_optimizer(name) for name in names}
+    assert verdicts["cosine"] is None and verdicts["warmup_stable_decay"] and verdicts["cosine_sometimes"]
+    for module in (sft, reward, dpo):
+        for name, error in verdicts.items():
+            problem = module.scheduler_problem(name)
+            assert (problem is None) == (error is None) and (error is None or error in problem), (module, name)

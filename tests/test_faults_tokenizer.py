@@ -10,8 +10,6 @@ same EOS and [PAD] ids, so the old id check passed and every stage trained silen
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 from transformers import AutoTokenizer
@@ -20,7 +18,7 @@ import dpo
 import ppo
 import reward
 import sft
-from conftest import REPO, WORLD
+from conftest import REPO, WORLD, failed_starts
 from test_ppo import make_reward_model
 
 BASE = WORLD / "pythia-tiny"
@@ -87,52 +85,68 @@ def test_vocabulary_problem_counts_every_id_but_pad():
     assert sft.vocabulary_problem(tokenizer, n, "m") is None
 
 
-def refused(cwd, script, *flags):
-    """Run `script` in `cwd`; it must stop with a SetupError before writing anything. Its stderr."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    before = sorted(os.listdir(cwd))
-    result = subprocess.run([sys.executable, str(REPO / script), *map(str, flags), "--output_dir", cwd / "out"],
-                            cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0 and "SetupError" in result.stderr, result.stdout[-2000:] + result.stderr[-3000:]
-    assert sorted(os.listdir(cwd)) == before  # no output folder, no runs/
-    return result.stderr.strip().splitlines()[-1]
-
-
-@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py"])
-def test_a_model_of_another_vocabulary_is_refused(script, tiny_tldr, tmp_path):
-    model = other_vocabulary(tmp_path / "model")
-    data = data_of(tiny_tldr, tmp_path / "data", BASE)
-    flags = (["--base_model", model, "--query_dataset", data / "sft", "--response_length", "4"] if script == "sft.py" else
-             ["--sft_model_path", model, "--label_dataset", data / "preference", "--query_dataset", data / "sft"])
-    message = refused(tmp_path, script, *flags, *TINY)
-    flag = "--base_model" if script == "sft.py" else "--sft_model_path"
-    assert f"{flag} {model} (its tokenizer) has {identity(model)[:16]}" in message
-    assert f"--query_dataset {data / 'sft'} ({data}/args.json) has {identity(BASE)[:16]}" in message
-
-
 def ppo_flags(tiny_tldr, rm):
     return ["--query_dataset", tiny_tldr / "sft", "--sft_model_path", BASE, "--reward_model_path", rm,
             "--local_rollout_forward_batch_size", "8", "--response_length", "4", *TINY]
 
 
-def test_ppo_refuses_a_reward_model_of_another_vocabulary(tiny_tldr, tmp_path):
-    make_reward_model(tmp_path / "rm")
-    other = AutoTokenizer.from_pretrained(other_vocabulary(tmp_path / "other"))
-    other.save_pretrained(tmp_path / "rm")  # the RM's own tokenizer: same special ids, other vocabulary
-    message = refused(tmp_path, "ppo.py", *ppo_flags(tiny_tldr, tmp_path / "rm"))
+@pytest.fixture(scope="module")
+def refusals(tiny_tldr, tmp_path_factory):
+    """{case: (its folder, what it held before, its CompletedProcess)}: five starts that must stop before writing
+    anything, each in a folder of its own, all run in one interpreter (conftest.failed_starts)."""
+    starts = {}
+    for script in ("sft.py", "reward.py", "dpo.py"):  # a model of another vocabulary than the data's
+        cwd = tmp_path_factory.mktemp("vocabulary")
+        model = other_vocabulary(cwd / "model")
+        data = data_of(tiny_tldr, cwd / "data", BASE)
+        flags = (["--base_model", model, "--query_dataset", data / "sft", "--response_length", "4"] if script == "sft.py"
+                 else ["--sft_model_path", model, "--label_dataset", data / "preference", "--query_dataset", data / "sft"])
+        starts[script] = (cwd, script, flags + TINY)
+    cwd = tmp_path_factory.mktemp("ppo_vocabulary")  # the RM's own tokenizer: same special ids, other vocabulary
+    make_reward_model(cwd / "rm")
+    AutoTokenizer.from_pretrained(other_vocabulary(cwd / "other")).save_pretrained(cwd / "rm")
+    starts["ppo.py, another vocabulary"] = (cwd, "ppo.py", ppo_flags(tiny_tldr, cwd / "rm"))
+    cwd = tmp_path_factory.mktemp("ppo_small")  # same tokenizer, an RM embedding of 1000 rows
+    make_reward_model(cwd / "rm")
+    small = ppo.ScalarModel.from_pretrained(cwd / "rm")
+    small.backbone.resize_token_embeddings(1000)
+    small.config.base_config["vocab_size"] = 1000
+    small.save_pretrained(cwd / "rm")
+    assert ppo.ScalarModel.from_pretrained(cwd / "rm").backbone.get_input_embeddings().weight.shape[0] == 1000
+    starts["ppo.py, small embedding"] = (cwd, "ppo.py", ppo_flags(tiny_tldr, cwd / "rm"))
+    before = {case: sorted(os.listdir(cwd)) for case, (cwd, _, _) in starts.items()}
+    results = failed_starts([(cwd, REPO / script, [*flags, "--output_dir", cwd / "out"])
+                             for cwd, script, flags in starts.values()],
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+    return {case: (cwd, before[case], result) for (case, (cwd, _, _)), result in zip(starts.items(), results)}
+
+
+def refused(refusals, case):
+    """The start of `case` stopped with a SetupError and wrote nothing: (its folder, the last line of its stderr)."""
+    cwd, before, result = refusals[case]
+    assert result.returncode != 0 and "SetupError" in result.stderr, result.stdout[-2000:] + result.stderr[-3000:]
+    assert sorted(os.listdir(cwd)) == before  # no output folder, no runs/
+    return cwd, result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py"])
+def test_a_model_of_another_vocabulary_is_refused(script, refusals):
+    tmp_path, message = refused(refusals, script)
+    model, data = tmp_path / "model", tmp_path / "data"
+    flag = "--base_model" if script == "sft.py" else "--sft_model_path"
+    assert f"{flag} {model} (its tokenizer) has {identity(model)[:16]}" in message
+    assert f"--query_dataset {data / 'sft'} ({data}/args.json) has {identity(BASE)[:16]}" in message
+
+
+def test_ppo_refuses_a_reward_model_of_another_vocabulary(refusals):
+    tmp_path, message = refused(refusals, "ppo.py, another vocabulary")
     assert f"--reward_model_path {tmp_path / 'rm'} (its tokenizer) has {identity(tmp_path / 'rm')[:16]}" in message
     assert f"--sft_model_path {BASE} (its tokenizer) has {identity(BASE)[:16]}" in message
 
 
-def test_ppo_refuses_a_reward_model_too_small_for_the_policys_ids(tiny_tldr, tmp_path):
+def test_ppo_refuses_a_reward_model_too_small_for_the_policys_ids(refusals):
     """Same tokenizer, an embedding of 1000 rows: the first rollout's ids past row 999 used to raise an
     IndexError inside the RM after the first rollout; now it stops before anything is written."""
-    make_reward_model(tmp_path / "rm")
-    small = ppo.ScalarModel.from_pretrained(tmp_path / "rm")
-    small.backbone.resize_token_embeddings(1000)
-    small.config.base_config["vocab_size"] = 1000
-    small.save_pretrained(tmp_path / "rm")
-    assert ppo.ScalarModel.from_pretrained(tmp_path / "rm").backbone.get_input_embeddings().weight.shape[0] == 1000
-    message = refused(tmp_path, "ppo.py", *ppo_flags(tiny_tldr, tmp_path / "rm"))
+    tmp_path, message = refused(refusals, "ppo.py, small embedding")
     last_id = len(AutoTokenizer.from_pretrained(BASE)) - 1  # the world's [PAD] is id 1, so the last id is a real token
     assert f"--reward_model_path {tmp_path / 'rm'} has 1000 embedding rows, but the tokenizer has ids up to {last_id}" in message

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, WORLD, tiny_lengths
+from conftest import REPO, WORLD, failed_starts, tiny_lengths
 import reward
 from ppo import (PolicyAndValueWrapper, cast_parameters, disable_dropout, eval_batches, first_true_indices, generate,
                  gpu_problem, last_hidden_states, load_fp32, mask_logits, model_name, response_masks, response_window,
@@ -371,32 +371,35 @@ def test_missing_inputs_stop_before_anything_is_written(chained, pythia_like, tm
                 "dpo.py": ("--sft_model_path", f"models/{NAME}/sft_1", f"python sft.py --base_model {pythia_like} --seed 1"),
                 "ppo.py": ("--sft_model_path", f"models/{NAME}/sft_1", f"python sft.py --base_model {pythia_like} --seed 1")}
     shutil.copytree(chained / "data", tmp_path / "data")  # the data is there, the models are not
-    for script, (flag, path, command) in expected.items():
-        if script == "sft.py":
-            cwd = tmp_path / "empty"
-            cwd.mkdir()
-        else:
-            cwd = tmp_path
-        result = stage(cwd, script, "--base_model", pythia_like, check=False)
+    (tmp_path / "empty").mkdir()  # sft.py starts in an empty folder
+    with_sft = tmp_path / "with_sft"  # PPO with the SFT model there but not the reward model
+    shutil.copytree(chained / "data", with_sft / "data")
+    shutil.copytree(chained / "models" / NAME / "sft_1", with_sft / "models" / NAME / "sft_1")
+    starts = [(tmp_path / "empty" if script == "sft.py" else tmp_path, REPO / script, ["--base_model", pythia_like])
+              for script in expected] + [(with_sft, REPO / "ppo.py", ["--base_model", pythia_like])]
+    # one interpreter for the five starts (conftest.failed_starts), each in its folder
+    results = failed_starts(starts, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+    for (flag, path, command), result in zip(expected.values(), results):
         assert result.returncode != 0 and "SetupError" in result.stderr, result.stderr[-2000:]
         message = result.stderr.strip().splitlines()[-1]
         assert f"{flag} {path}: no such folder" in message and f"`{command}`" in message and f"pass {flag}" in message
-        assert sorted(p.name for p in cwd.iterdir()) == ([] if script == "sft.py" else ["data", "empty"])
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "empty", "with_sft"]
     # PPO with the SFT model there but not the reward model: the reward model is named.
-    shutil.copytree(chained / "models" / NAME / "sft_1", tmp_path / "models" / NAME / "sft_1")
-    result = stage(tmp_path, "ppo.py", "--base_model", pythia_like, check=False)
-    assert f"--reward_model_path models/{NAME}/reward_1: no such folder" in result.stderr
-    assert f"`python reward.py --base_model {pythia_like} --seed 1`" in result.stderr
-    assert sorted(p.name for p in (tmp_path / "models" / NAME).iterdir()) == ["sft_1"]
+    assert f"--reward_model_path models/{NAME}/reward_1: no such folder" in results[-1].stderr
+    assert f"`python reward.py --base_model {pythia_like} --seed 1`" in results[-1].stderr
+    assert sorted(p.name for p in (with_sft / "models" / NAME).iterdir()) == ["sft_1"]
+    assert sorted(p.name for p in with_sft.iterdir()) == ["data", "models"]
 
 
 def test_a_model_of_another_base_is_never_picked_up(chained, tmp_path):
     """A run for another base model looks in its own folders, and refuses an SFT model trained from another base."""
-    result = stage(chained, "ppo.py", "--base_model", "EleutherAI/pythia-2.8b-deduped", check=False)
-    assert "--sft_model_path models/EleutherAI/pythia-2.8b-deduped/sft_1: no such folder" in result.stderr
-    result = stage(chained, "reward.py", "--base_model", "EleutherAI/pythia-2.8b-deduped",
-                   "--sft_model_path", chained / "models" / NAME / "sft_1", check=False)
-    assert f"was fine-tuned from {NAME}, not from --base_model EleutherAI/pythia-2.8b-deduped" in result.stderr
+    other = ["--base_model", "EleutherAI/pythia-2.8b-deduped"]
+    ppo, rm = failed_starts([(chained, REPO / "ppo.py", other),  # one interpreter for both (conftest.failed_starts)
+                             (chained, REPO / "reward.py", other + ["--sft_model_path", chained / "models" / NAME / "sft_1"])],
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+    assert "--sft_model_path models/EleutherAI/pythia-2.8b-deduped/sft_1: no such folder" in ppo.stderr
+    assert f"was fine-tuned from {NAME}, not from --base_model EleutherAI/pythia-2.8b-deduped" in rm.stderr
     assert not (chained / "models" / "EleutherAI").exists()
 
 

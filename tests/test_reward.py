@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import REPO, WORLD
+from conftest import REPO, WORLD, failed_starts
 
 import reward
 
@@ -314,25 +314,23 @@ def test_two_processes_read_each_pair_once_and_match_one_process(resumed_run, sm
 
 def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
     """A dataset without the pair columns, an output folder holding another run, other token ids (Detail 3)."""
-    base = [sys.executable, str(REPO / "reward.py"), "--sft_model_path", str(WORLD / "pythia-tiny"),
-            "--query_dataset", str(small_world / "sft"), "--batch_size", "8"]
-    wrong = subprocess.run(base + ["--label_dataset", str(small_world / "sft"), "--output_dir", str(tmp_path / "a")],
-                           cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
-    assert wrong.returncode != 0 and "SetupError" in wrong.stderr and "lacks ['validation'" in wrong.stderr
+    base = ["--sft_model_path", str(WORLD / "pythia-tiny"), "--query_dataset", str(small_world / "sft"),
+            "--batch_size", "8"]
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "args.json").write_text(json.dumps({"lr": 0.5}))
     (tmp_path / "b" / "eval_metrics.json").write_text("{}")  # that run's work (an args.json alone is a failed start)
-    taken = subprocess.run(base + ["--label_dataset", str(small_world / "preference"), "--output_dir", str(tmp_path / "b")],
-                           cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
-    assert taken.returncode != 0 and "holds a different run" in taken.stderr
     other_ids = tmp_path / "other_ids"  # Detail 3: data tokenized with other pad / eos ids than the model's
     shutil.copytree(small_world, other_ids)
     (other_ids / "args.json").write_text(json.dumps({"pad_token_id": 5, "eos_token_id": 0}))
-    mismatch = subprocess.run(base + ["--label_dataset", str(other_ids / "preference"), "--output_dir",
-                                      str(tmp_path / "c")], cwd=tmp_path, env=ENV, capture_output=True, text=True,
-                              timeout=300)
+    starts = [(small_world / "sft", "a"), (small_world / "preference", "b"), (other_ids / "preference", "c")]
+    wrong, taken, mismatch = failed_starts([  # one interpreter for the three starts (conftest.failed_starts)
+        (tmp_path, REPO / "reward.py", base + ["--label_dataset", labels, "--output_dir", tmp_path / out])
+        for labels, out in starts], env=ENV)
+    assert wrong.returncode != 0 and "SetupError" in wrong.stderr and "lacks ['validation'" in wrong.stderr
+    assert taken.returncode != 0 and "holds a different run" in taken.stderr
     assert mismatch.returncode != 0 and "was tokenized with {'pad_token_id': 5, 'eos_token_id': 0}" in mismatch.stderr
-    assert "Loading weights" not in mismatch.stdout + mismatch.stderr
+    for result in (wrong, taken, mismatch):
+        assert "Loading weights" not in result.stdout + result.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
     assert sorted(os.listdir(tmp_path / "b")) == ["args.json", "eval_metrics.json"]  # untouched
 

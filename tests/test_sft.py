@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import sft
-from conftest import REPO, WORLD
+from conftest import REPO, WORLD, failed_starts
 
 BASE = WORLD / "pythia-tiny"
 TINY_RUN = ["--base_model", str(BASE), "--lr", "1e-3", "--batch_size", "8", "--local_micro_batch_size", "4",
@@ -241,10 +241,26 @@ def bad_input(case, tiny_tldr, single_run, tmp_path):
     return flags + ["--batch_size", "10"], "--batch_size 10 is not a positive multiple of --local_micro_batch_size 4"
 
 
-@pytest.mark.parametrize("case", ["missing column", "different run", "pad is eos", "batch does not divide"])
-def test_bad_input_fails_before_training(case, tiny_tldr, single_run, tmp_path):
-    flags, message = bad_input(case, tiny_tldr, single_run, tmp_path)
-    result = run_sft(tmp_path, *flags, check=False)
+BAD_INPUTS = ["missing column", "different run", "pad is eos", "batch does not divide"]
+
+
+@pytest.fixture(scope="module")
+def bad_input_starts(tiny_tldr, single_run, tmp_path_factory):
+    """{case: (its working folder, the error it must raise, the start's CompletedProcess)}: the four starts run in one
+    interpreter (conftest.failed_starts), each in a folder of its own."""
+    cases = {}
+    for case in BAD_INPUTS:
+        cwd = tmp_path_factory.mktemp("bad_input")
+        flags, message = bad_input(case, tiny_tldr, single_run, cwd)
+        cases[case] = (cwd, flags, message)
+    results = failed_starts([(cwd, REPO / "sft.py", flags) for cwd, flags, _ in cases.values()],
+                            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    return {case: (cwd, message, result) for (case, (cwd, _, message)), result in zip(cases.items(), results)}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_fails_before_training(case, bad_input_starts):
+    tmp_path, message, result = bad_input_starts[case]
     assert result.returncode != 0
     assert "SetupError" in result.stderr and message in result.stderr, result.stderr[-2000:]
     assert "Loading weights" not in result.stdout + result.stderr  # failed before any model was loaded

@@ -1,0 +1,54 @@
+"""Run several failing starts of stage scripts in ONE fresh interpreter (not pytest's): tests/conftest.py's
+`failed_starts` calls it as `python tests/failed_starts.py CASES_JSON RESULTS_JSON`.
+
+Each case is a start that must stop before it loads a model (a bad flag, a bad input folder). Every
+interpreter start of a stage pays ~6-8 s of imports (torch, transformers, datasets) before its first
+check; here a test pays them once for all its cases. Each case runs as `python SCRIPT ARGS...` would,
+in its own working folder: the script is executed as __main__ (runpy), its stdout and stderr go to
+files at the file-descriptor level (so library loggers and progress bars are caught too), and an
+uncaught exception prints its traceback and counts as exit status 1, as the interpreter would do.
+What a case cannot share with the others (its environment, a second process) needs its own launch.
+"""
+
+import json
+import os
+import runpy
+import sys
+import traceback
+
+
+def run_case(script: str, argv: list, cwd: str, stdout_path: str, stderr_path: str) -> int:
+    """One start of `script` with `argv` in `cwd`, its output in the two files -> its exit status."""
+    saved_fds = os.dup(1), os.dup(2)
+    saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
+    with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        try:
+            os.chdir(cwd)
+            sys.argv, sys.path[0] = [script, *argv], os.path.dirname(os.path.abspath(script))
+            runpy.run_path(script, run_name="__main__")
+            status = 0
+        except SystemExit as stop:  # sys.exit(code): None is 0, a message is printed and is 1
+            if stop.code is None or isinstance(stop.code, int):
+                status = stop.code or 0
+            else:
+                print(stop.code, file=sys.stderr)
+                status = 1
+        except BaseException:  # what the interpreter does with an uncaught exception
+            traceback.print_exc()
+            status = 1
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved_fds[0], 1), os.dup2(saved_fds[1], 2)
+            sys.argv, sys.path[:] = saved_argv, saved_path
+            os.chdir(saved_cwd)
+    return status
+
+
+if __name__ == "__main__":
+    cases_path, results_path = sys.argv[1:]
+    cases = json.loads(open(cases_path).read())
+    statuses = [run_case(case["script"], case["argv"], case["cwd"], case["stdout"], case["stderr"]) for case in cases]
+    with open(results_path, "w") as file:
+        json.dump(statuses, file)
