@@ -77,12 +77,19 @@ def run_folder(tmp_path_factory):
 HELP_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "300", "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
 
 
+# The scripts whose --help the tests read (test_conventions.py, test_launchers.py): script_help runs them all
+# in one interpreter the first time it is asked for one of them.
+HELP_SCRIPTS = [REPO / name for name in ("preprocess_tldr.py", "sft.py", "reward.py", "dpo.py", "ppo.py", "judge.py",
+                                         "tiny_world.py")]
+
+
 @pytest.fixture(scope="session")
 def script_help(tmp_path_factory):
     """script_help(path) -> `python <path> --help` as {returncode, stdout, stderr}, run once per test run (under
-    pytest-xdist the workers share the results through files, as for `tiny_tldr`): each run costs seconds
-    of imports, and test_conventions.py and test_launchers.py both read every stage's help. Wide and
-    colourless, so that each flag prints whole; run in an empty folder."""
+    pytest-xdist the workers share the results through files, as for `tiny_tldr`): each interpreter start costs
+    seconds of imports, and test_conventions.py and test_launchers.py both read every stage's help, so the
+    first call runs the --help of every HELP_SCRIPTS script in one interpreter (`failed_starts`), each in an
+    empty folder of its own. Wide and colourless, so that each flag prints whole."""
     import hashlib
     import json
 
@@ -91,19 +98,25 @@ def script_help(tmp_path_factory):
     root = run_folder(tmp_path_factory) / "script_help"
     root.mkdir(exist_ok=True)
 
+    def saved_path(path):
+        key = hashlib.sha256(str(path.resolve()).encode() + path.read_bytes()).hexdigest()[:16]
+        return root / f"{path.stem}-{key}.json"
+
     def run(path):
         path = Path(path)
-        key = hashlib.sha256(str(path.resolve()).encode() + path.read_bytes()).hexdigest()[:16]
-        saved = root / f"{path.stem}-{key}.json"
-        with FileLock(str(saved) + ".lock"):
-            if not saved.is_file():
-                workdir = root / f"{path.stem}-{key}.cwd"
-                workdir.mkdir(exist_ok=True)
-                result = subprocess.run([sys.executable, str(path), "--help"], cwd=workdir, capture_output=True,
-                                        text=True, timeout=300, env={**os.environ, **HELP_ENV})
-                saved.write_text(json.dumps({"returncode": result.returncode, "stdout": result.stdout,
-                                             "stderr": result.stderr}))
-        return json.loads(saved.read_text())
+        with FileLock(str(root / "help.lock")):
+            if not saved_path(path).is_file():
+                scripts = [script for script in HELP_SCRIPTS if script.is_file() and not saved_path(script).is_file()]
+                scripts += [] if path in scripts else [path]
+                workdirs = [root / f"{saved_path(script).stem}.cwd" for script in scripts]
+                for workdir in workdirs:
+                    workdir.mkdir(exist_ok=True)
+                results = failed_starts([(workdir, script, ["--help"]) for script, workdir in zip(scripts, workdirs)],
+                                        env={**os.environ, **HELP_ENV}, timeout=900)
+                for script, result in zip(scripts, results):
+                    saved_path(script).write_text(json.dumps({"returncode": result.returncode, "stdout": result.stdout,
+                                                              "stderr": result.stderr}))
+        return json.loads(saved_path(path).read_text())
 
     return run
 

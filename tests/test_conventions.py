@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HELP_ENV  # the environment of every --help run (wide, colourless, no bytecode)
+# HELP_ENV: the environment of every --help run (wide, colourless, no bytecode)
+from conftest import HELP_ENV, failed_starts
 
 REPO = Path(__file__).resolve().parent.parent
 REGISTRY = REPO / "docs" / "details.md"
@@ -583,26 +584,43 @@ def _run(cmd: list[str], workdir: Path) -> subprocess.CompletedProcess | None:
         return None
 
 
-def check_import_is_inert(script: Path, workdir: Path) -> list[str]:
-    """`import <module>` from an empty `workdir` succeeds, prints nothing, writes nothing there."""
-    problems = [] if has_main_guard(script.read_text()) else [f'{script.name}: no `if __name__ == "__main__":` block']
-    code = f"import sys; sys.path.insert(0, {str(script.parent)!r}); import {script.stem}"
-    proc = _run([sys.executable, "-c", code], workdir)
-    if proc is None:
-        return problems + [f"{script.name}: import did not finish in {SUBPROCESS_TIMEOUT_S} s"]
-    if proc.returncode != 0:
-        problems.append(f"{script.name}: import failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    if proc.stdout:
-        problems.append(f"{script.name}: import printed to stdout: {proc.stdout[:500]!r}")
-    created = sorted(p.name for p in workdir.iterdir())
-    if created:
-        problems.append(f"{script.name}: import created {created} in the working directory")
-    return problems
+def check_imports_are_inert(scripts: list[Path], workdirs: list[Path]) -> list[list[str]]:
+    """For each script: `import <module>` from its empty workdir succeeds, prints nothing, writes nothing there.
+    All imports run in one fresh interpreter (conftest.failed_starts), one after the other."""
+    shim = workdirs[0].parent / "import_module.py"  # `python import_module.py FOLDER MODULE`: beside the workdirs
+    shim.write_text("import importlib, sys\nsys.path.insert(0, sys.argv[1])\nimportlib.import_module(sys.argv[2])\n")
+    try:
+        starts = [(workdir, shim, [script.parent, script.stem]) for script, workdir in zip(scripts, workdirs)]
+        results = failed_starts(starts, env={**os.environ, **HELP_ENV}, timeout=SUBPROCESS_TIMEOUT_S)
+    finally:
+        shim.unlink()
+    all_problems = []
+    for script, workdir, proc in zip(scripts, workdirs, results):
+        problems = [] if has_main_guard(script.read_text()) else [f'{script.name}: no `if __name__ == "__main__":` block']
+        if proc.returncode != 0:
+            problems.append(f"{script.name}: import failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        if proc.stdout:
+            problems.append(f"{script.name}: import printed to stdout: {proc.stdout[:500]!r}")
+        created = sorted(p.name for p in workdir.iterdir())
+        if created:
+            problems.append(f"{script.name}: import created {created} in the working directory")
+        all_problems.append(problems)
+    return all_problems
+
+
+@pytest.fixture(scope="module")
+def import_problems(tmp_path_factory):
+    """{script: its problems from check_imports_are_inert}, for every CLI script, in one interpreter."""
+    root = tmp_path_factory.mktemp("imports")
+    workdirs = [root / script for script in CLI_SCRIPTS]
+    for workdir in workdirs:
+        workdir.mkdir()
+    return dict(zip(CLI_SCRIPTS, check_imports_are_inert([REPO / script for script in CLI_SCRIPTS], workdirs)))
 
 
 @pytest.mark.parametrize("script", CLI_SCRIPTS)
-def test_import_runs_nothing(script, tmp_path):
-    problems = check_import_is_inert(REPO / script, tmp_path)
+def test_import_runs_nothing(script, import_problems):
+    problems = import_problems[script]
     assert not problems, "\n".join(problems)
 
 
@@ -612,17 +630,18 @@ def test_import_checker_catches_side_effects(tmp_path):
         (tmp_path / cwd).mkdir()
     noisy = tmp_path / "src" / "noisy_stage.py"
     noisy.write_text('print("loading")\nopen("cache.txt", "w").write("x")\n')
-    problems = check_import_is_inert(noisy, tmp_path / "cwd1")
+    broken = tmp_path / "src" / "broken_stage.py"
+    broken.write_text('raise RuntimeError("boom")\nif __name__ == "__main__":\n    pass\n')
+    quiet = tmp_path / "src" / "quiet_stage.py"
+    quiet.write_text('import os\n\nif __name__ == "__main__":\n    print("run")\n')
+    problems, broken_problems, quiet_problems = check_imports_are_inert(
+        [noisy, broken, quiet], [tmp_path / "cwd1", tmp_path / "cwd2", tmp_path / "cwd3"])
     assert len(problems) == 3, problems
     assert "no `if __name__" in problems[0]
     assert "printed to stdout" in problems[1]
     assert "created ['cache.txt']" in problems[2]
-    broken = tmp_path / "src" / "broken_stage.py"
-    broken.write_text('raise RuntimeError("boom")\nif __name__ == "__main__":\n    pass\n')
-    assert "RuntimeError: boom" in "\n".join(check_import_is_inert(broken, tmp_path / "cwd2"))
-    quiet = tmp_path / "src" / "quiet_stage.py"
-    quiet.write_text('import os\n\nif __name__ == "__main__":\n    print("run")\n')
-    assert check_import_is_inert(quiet, tmp_path / "cwd3") == []
+    assert "RuntimeError: boom" in "\n".join(broken_problems)
+    assert quiet_problems == []
 
 
 # ---------------------------------------------------------------------------------------------
