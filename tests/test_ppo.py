@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import reward
-from conftest import REPO, WORLD
+from conftest import REPO, WORLD, multi_process_slot
 from ppo import (PolicyAndValueWrapper, ScalarModel, compute_gae, compute_rewards, disable_dropout, eos_trick,
                  first_true_indices, gather_logprobs, generate, get_reward, get_score, get_values, masked_mean,
                  ppo_batch_sizes, response_outputs,
@@ -500,7 +500,8 @@ def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
            "--output_dir", str(tmp_path / "ppo"), "--run_name", "ppo_two", "--total_episodes", "32",
            "--batch_size", "16", "--local_micro_batch_size", "4", "--local_rollout_forward_batch_size", "8",
            "--response_length", "16", "--num_eval_samples", "10", "--local_eval_batch_size", "4", "--whiten_rewards"]
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    with multi_process_slot(2):
+        result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     saved = json.loads((tmp_path / "ppo" / "args.json").read_text())
     assert (saved["world_size"], saved["local_batch_size"], saved["gradient_accumulation_steps"]) == (2, 8, 2)
@@ -537,7 +538,8 @@ def test_deepspeed_offload_matches_deepspeed(tiny_tldr, tmp_path):
                "--local_eval_batch_size", "2", "--lr", "1e-3", *extra]
         # 5 eval rows on 2 ranks in batches of 2: rank 0 has 3 rows (2 batches), rank 1 two (1 batch). The
         # ZeRO-3 engines gather parameters in every forward, so unequal batch counts would hang here.
-        result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        with multi_process_slot(2):
+            result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert json.loads((tmp_path / "offload" / "args.json").read_text())["offload"] is True
     plain, offload = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("plain", "offload"))

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, WORLD, failed_starts, tiny_lengths
+from conftest import REPO, WORLD, failed_starts, multi_process_slot, tiny_lengths
 import reward
 from ppo import (PolicyAndValueWrapper, cast_parameters, disable_dropout, eval_batches, first_true_indices, generate,
                  gpu_problem, last_hidden_states, load_fp32, mask_logits, model_name, response_masks, response_window,
@@ -308,8 +308,9 @@ def stage(cwd, script, *flags, processes=1, bf16=False, check=True):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(REPO / "benchmark/accelerate/deepspeed_zero2.yaml"), "--num_processes", str(processes),
                "--mixed_precision", "bf16" if bf16 else "no", "--main_process_port", str(port), str(REPO / script)]
-    result = subprocess.run(cmd + [str(flag) for flag in flags], cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=600)
+    with multi_process_slot(processes):
+        result = subprocess.run(cmd + [str(flag) for flag in flags], cwd=cwd, env=env, capture_output=True, text=True,
+                                timeout=600)
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import REPO, WORLD, failed_starts
+from conftest import REPO, WORLD, failed_starts, multi_process_slot
 
 import reward
 
@@ -224,7 +224,8 @@ def run_reward(small_world, output_dir, *extra, processes=1, deepspeed=False):
                "--mixed_precision", "no", "--main_process_port", str(port), str(REPO / "reward.py"), *flags]
     env = {key: value for key, value in ENV.items() if key != "ACCELERATE_USE_CPU"}
     env.update({"ACCELERATE_USE_CPU": "1"} if processes > 1 and not deepspeed else {})
-    result = subprocess.run(cmd, cwd=output_dir.parent, env=env, capture_output=True, text=True, timeout=600)
+    with multi_process_slot(processes):
+        result = subprocess.run(cmd, cwd=output_dir.parent, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout + result.stderr
 

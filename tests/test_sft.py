@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import sft
-from conftest import REPO, WORLD, failed_starts
+from conftest import REPO, WORLD, failed_starts, multi_process_slot
 
 BASE = WORLD / "pythia-tiny"
 TINY_RUN = ["--base_model", str(BASE), "--lr", "1e-3", "--batch_size", "8", "--local_micro_batch_size", "4",
@@ -53,8 +53,9 @@ def run_sft(cwd, *flags, processes=1, deepspeed=False, check=True):
         env.update({} if deepspeed else {"ACCELERATE_USE_CPU": "1"})
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *backend, "--num_processes", str(processes),
                "--mixed_precision", "no", "--main_process_port", str(port), str(REPO / "sft.py")]
-    result = subprocess.run(cmd + [str(flag) for flag in flags], cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=300)
+    with multi_process_slot(processes):
+        result = subprocess.run(cmd + [str(flag) for flag in flags], cwd=cwd, env=env, capture_output=True, text=True,
+                                timeout=300)
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
