@@ -108,7 +108,7 @@ def script_help(tmp_path_factory):
     """script_help(path) -> `python <path> --help` as {returncode, stdout, stderr}, run once per test run (under
     pytest-xdist the workers share the results through files, as for `tiny_tldr`): each interpreter start costs
     seconds of imports, and test_conventions.py and test_launchers.py both read every stage's help, so the
-    first call runs the --help of every HELP_SCRIPTS script in one interpreter (`failed_starts`), each in an
+    first call runs the --help of every HELP_SCRIPTS script in one interpreter (`early_exits`), each in an
     empty folder of its own. Wide and colourless, so that each flag prints whole."""
     import hashlib
     import json
@@ -131,7 +131,7 @@ def script_help(tmp_path_factory):
                 workdirs = [root / f"{saved_path(script).stem}.cwd" for script in scripts]
                 for workdir in workdirs:
                     workdir.mkdir(exist_ok=True)
-                results = failed_starts([(workdir, script, ["--help"]) for script, workdir in zip(scripts, workdirs)],
+                results = early_exits([(workdir, script, ["--help"]) for script, workdir in zip(scripts, workdirs)],
                                         env={**os.environ, **HELP_ENV}, timeout=900)
                 for script, result in zip(scripts, results):
                     saved_path(script).write_text(json.dumps({"returncode": result.returncode, "stdout": result.stdout,
@@ -152,10 +152,11 @@ def preprocess_tiny_world(out):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-def failed_starts(cases, env=None, timeout=600):
+def early_exits(cases, env=None, timeout=600):
     """[(cwd, script, [args...]), ...] -> one subprocess.CompletedProcess per case, as if each were
-    `python script args...` run in its cwd, but all run in ONE fresh interpreter (tests/failed_starts.py): for
-    starts that must stop before a model is loaded, whose cost is the ~6-8 s of imports of each interpreter."""
+    `python script args...` run in its cwd, but all run in ONE fresh interpreter (tests/early_exits.py): for
+    starts that stop before a model is loaded (bad flags or inputs, --help, imports), whose cost is the
+    ~6-8 s of imports of each interpreter."""
     import json
     import tempfile
 
@@ -165,7 +166,7 @@ def failed_starts(cases, env=None, timeout=600):
                    "stdout": str(scratch / f"{i}.out"), "stderr": str(scratch / f"{i}.err")}
                   for i, (cwd, script, argv) in enumerate(cases)]
         (scratch / "cases.json").write_text(json.dumps(listed))
-        driver = subprocess.run([sys.executable, str(REPO / "tests" / "failed_starts.py"),
+        driver = subprocess.run([sys.executable, str(REPO / "tests" / "early_exits.py"),
                                  str(scratch / "cases.json"), str(scratch / "results.json")],
                                 env=env, capture_output=True, text=True, timeout=timeout)
         assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]

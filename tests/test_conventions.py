@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 # HELP_ENV: the environment of every --help run (wide, colourless, no bytecode)
-from conftest import HELP_ENV, failed_starts
+from conftest import HELP_ENV, early_exits
 
 REPO = Path(__file__).resolve().parent.parent
 REGISTRY = REPO / "docs" / "details.md"
@@ -586,12 +586,12 @@ def _run(cmd: list[str], workdir: Path) -> subprocess.CompletedProcess | None:
 
 def check_imports_are_inert(scripts: list[Path], workdirs: list[Path]) -> list[list[str]]:
     """For each script: `import <module>` from its empty workdir succeeds, prints nothing, writes nothing there.
-    All imports run in one fresh interpreter (conftest.failed_starts), one after the other."""
+    All imports run in one fresh interpreter (conftest.early_exits), one after the other."""
     shim = workdirs[0].parent / "import_module.py"  # `python import_module.py FOLDER MODULE`: beside the workdirs
     shim.write_text("import importlib, sys\nsys.path.insert(0, sys.argv[1])\nimportlib.import_module(sys.argv[2])\n")
     try:
         starts = [(workdir, shim, [script.parent, script.stem]) for script, workdir in zip(scripts, workdirs)]
-        results = failed_starts(starts, env={**os.environ, **HELP_ENV}, timeout=SUBPROCESS_TIMEOUT_S)
+        results = early_exits(starts, env={**os.environ, **HELP_ENV}, timeout=SUBPROCESS_TIMEOUT_S)
     finally:
         shim.unlink()
     all_problems = []

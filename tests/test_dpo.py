@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import dpo
-from conftest import REPO, WORLD, failed_starts, multi_process_slot
+from conftest import REPO, WORLD, early_exits, multi_process_slot
 
 ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
 EOS, PAD = 0, 1  # the tiny world's ids (data/tiny_tldr/args.json)
@@ -247,7 +247,7 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
     (other_ids / "args.json").write_text(json.dumps({"pad_token_id": 5, "eos_token_id": EOS}))
     cases.append((["--label_dataset", str(other_ids / "preference"), "--output_dir", str(tmp_path / "d")],
                   "was tokenized with {'eos_token_id': 0, 'pad_token_id': 5}"))
-    results = failed_starts([(tmp_path, REPO / "dpo.py", base + flags) for flags, _ in cases], env=ENV)
+    results = early_exits([(tmp_path, REPO / "dpo.py", base + flags) for flags, _ in cases], env=ENV)
     for (_, message), result in zip(cases, results):
         assert result.returncode != 0 and "SetupError" in result.stderr and message in result.stderr, result.stderr[-2000:]
         assert "Loading weights" not in result.stdout + result.stderr

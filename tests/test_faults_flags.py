@@ -3,7 +3,7 @@ lists all problems at once (each names its flag and what to pass instead), and l
 that would block the corrected command.
 
 The flag checks are pure functions (`<stage>_flag_problems(args, world_size)`), tested in process;
-a start of each stage's script (all four in one fresh interpreter, conftest.failed_starts) shows they
+a start of each stage's script (all four in one fresh interpreter, conftest.early_exits) shows they
 run first: no model loaded, and no folder or file made, so the corrected command finds the folder as
 the bad one did.
 """
@@ -17,7 +17,7 @@ import dpo
 import ppo
 import reward
 import sft
-from conftest import REPO, WORLD, failed_starts
+from conftest import REPO, WORLD, early_exits
 
 BASE = str(WORLD / "pythia-tiny")
 STAGES = {"sft.py": (sft, sft.sft_flag_problems), "reward.py": (reward, reward.reward_flag_problems),
@@ -76,7 +76,7 @@ def test_a_missing_model_folder_is_named():
 @pytest.fixture(scope="module")
 def bad_flag_starts(tiny_tldr, tmp_path_factory):
     """{script: (its working folder, the CompletedProcess of its start with every bad flag)}: the four stages'
-    starts in one interpreter (conftest.failed_starts), each in an empty folder of its own."""
+    starts in one interpreter (conftest.early_exits), each in an empty folder of its own."""
     starts = {}
     for script in STAGES:
         cwd = tmp_path_factory.mktemp("bad_flags")
@@ -85,7 +85,7 @@ def bad_flag_starts(tiny_tldr, tmp_path_factory):
         inputs = {"sft.py": ["--base_model", BASE, "--query_dataset", tiny_tldr / "sft"],
                   "ppo.py": ["--query_dataset", tiny_tldr / "sft", "--sft_model_path", BASE, "--reward_model_path", BASE]}
         starts[script] = (cwd, [*inputs.get(script, ["--sft_model_path", BASE]), "--output_dir", cwd / "out", *typed])
-    results = failed_starts([(cwd, REPO / script, flags) for script, (cwd, flags) in starts.items()],
+    results = early_exits([(cwd, REPO / script, flags) for script, (cwd, flags) in starts.items()],
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
     return {script: (cwd, result) for (script, (cwd, _)), result in zip(starts.items(), results)}
 

@@ -18,7 +18,7 @@ import dpo
 import ppo
 import reward
 import sft
-from conftest import REPO, WORLD, failed_starts
+from conftest import REPO, WORLD, early_exits
 from test_ppo import make_reward_model
 
 BASE = WORLD / "pythia-tiny"
@@ -93,7 +93,7 @@ def ppo_flags(tiny_tldr, rm):
 @pytest.fixture(scope="module")
 def refusals(tiny_tldr, tmp_path_factory):
     """{case: (its folder, what it held before, its CompletedProcess)}: five starts that must stop before writing
-    anything, each in a folder of its own, all run in one interpreter (conftest.failed_starts)."""
+    anything, each in a folder of its own, all run in one interpreter (conftest.early_exits)."""
     starts = {}
     for script in ("sft.py", "reward.py", "dpo.py"):  # a model of another vocabulary than the data's
         cwd = tmp_path_factory.mktemp("vocabulary")
@@ -115,7 +115,7 @@ def refusals(tiny_tldr, tmp_path_factory):
     assert ppo.ScalarModel.from_pretrained(cwd / "rm").backbone.get_input_embeddings().weight.shape[0] == 1000
     starts["ppo.py, small embedding"] = (cwd, "ppo.py", ppo_flags(tiny_tldr, cwd / "rm"))
     before = {case: sorted(os.listdir(cwd)) for case, (cwd, _, _) in starts.items()}
-    results = failed_starts([(cwd, REPO / script, [*flags, "--output_dir", cwd / "out"])
+    results = early_exits([(cwd, REPO / script, [*flags, "--output_dir", cwd / "out"])
                              for cwd, script, flags in starts.values()],
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
     return {case: (cwd, before[case], result) for (case, (cwd, _, _)), result in zip(starts.items(), results)}

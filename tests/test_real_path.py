@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, WORLD, failed_starts, multi_process_slot, tiny_lengths
+from conftest import REPO, WORLD, early_exits, multi_process_slot, tiny_lengths
 import reward
 from ppo import (PolicyAndValueWrapper, cast_parameters, disable_dropout, eval_batches, first_true_indices, generate,
                  gpu_problem, last_hidden_states, load_fp32, mask_logits, model_name, response_masks, response_window,
@@ -378,8 +378,8 @@ def test_missing_inputs_stop_before_anything_is_written(chained, pythia_like, tm
     shutil.copytree(chained / "models" / NAME / "sft_1", with_sft / "models" / NAME / "sft_1")
     starts = [(tmp_path / "empty" if script == "sft.py" else tmp_path, REPO / script, ["--base_model", pythia_like])
               for script in expected] + [(with_sft, REPO / "ppo.py", ["--base_model", pythia_like])]
-    # one interpreter for the five starts (conftest.failed_starts), each in its folder
-    results = failed_starts(starts, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+    # one interpreter for the five starts (conftest.early_exits), each in its folder
+    results = early_exits(starts, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
     for (flag, path, command), result in zip(expected.values(), results):
         assert result.returncode != 0 and "SetupError" in result.stderr, result.stderr[-2000:]
         message = result.stderr.strip().splitlines()[-1]
@@ -396,7 +396,7 @@ def test_missing_inputs_stop_before_anything_is_written(chained, pythia_like, tm
 def test_a_model_of_another_base_is_never_picked_up(chained, tmp_path):
     """A run for another base model looks in its own folders, and refuses an SFT model trained from another base."""
     other = ["--base_model", "EleutherAI/pythia-2.8b-deduped"]
-    ppo, rm = failed_starts([(chained, REPO / "ppo.py", other),  # one interpreter for both (conftest.failed_starts)
+    ppo, rm = early_exits([(chained, REPO / "ppo.py", other),  # one interpreter for both (conftest.early_exits)
                              (chained, REPO / "reward.py", other + ["--sft_model_path", chained / "models" / NAME / "sft_1"])],
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
     assert "--sft_model_path models/EleutherAI/pythia-2.8b-deduped/sft_1: no such folder" in ppo.stderr

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import REPO, WORLD, failed_starts, multi_process_slot
+from conftest import REPO, WORLD, early_exits, multi_process_slot
 
 import reward
 
@@ -324,7 +324,7 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
     shutil.copytree(small_world, other_ids)
     (other_ids / "args.json").write_text(json.dumps({"pad_token_id": 5, "eos_token_id": 0}))
     starts = [(small_world / "sft", "a"), (small_world / "preference", "b"), (other_ids / "preference", "c")]
-    wrong, taken, mismatch = failed_starts([  # one interpreter for the three starts (conftest.failed_starts)
+    wrong, taken, mismatch = early_exits([  # one interpreter for the three starts (conftest.early_exits)
         (tmp_path, REPO / "reward.py", base + ["--label_dataset", labels, "--output_dir", tmp_path / out])
         for labels, out in starts], env=ENV)
     assert wrong.returncode != 0 and "SetupError" in wrong.stderr and "lacks ['validation'" in wrong.stderr

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import sft
-from conftest import REPO, WORLD, failed_starts, multi_process_slot
+from conftest import REPO, WORLD, early_exits, multi_process_slot
 
 BASE = WORLD / "pythia-tiny"
 TINY_RUN = ["--base_model", str(BASE), "--lr", "1e-3", "--batch_size", "8", "--local_micro_batch_size", "4",
@@ -248,13 +248,13 @@ BAD_INPUTS = ["missing column", "different run", "pad is eos", "batch does not d
 @pytest.fixture(scope="module")
 def bad_input_starts(tiny_tldr, single_run, tmp_path_factory):
     """{case: (its working folder, the error it must raise, the start's CompletedProcess)}: the four starts run in one
-    interpreter (conftest.failed_starts), each in a folder of its own."""
+    interpreter (conftest.early_exits), each in a folder of its own."""
     cases = {}
     for case in BAD_INPUTS:
         cwd = tmp_path_factory.mktemp("bad_input")
         flags, message = bad_input(case, tiny_tldr, single_run, cwd)
         cases[case] = (cwd, flags, message)
-    results = failed_starts([(cwd, REPO / "sft.py", flags) for cwd, flags, _ in cases.values()],
+    results = early_exits([(cwd, REPO / "sft.py", flags) for cwd, flags, _ in cases.values()],
                             env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
     return {case: (cwd, message, result) for (case, (cwd, _, message)), result in zip(cases.items(), results)}
 

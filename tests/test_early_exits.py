@@ -1,11 +1,11 @@
-"""conftest.failed_starts runs several starts in one interpreter: each must look exactly as its own
+"""conftest.early_exits runs several starts in one interpreter: each must look exactly as its own
 `python script args...` would (exit status, stdout, stderr, working folder), or the tests that use it
 would pass on starts that did not fail."""
 
 import subprocess
 import sys
 
-from conftest import failed_starts
+from conftest import early_exits
 
 SCRIPT = '''import os, sys
 print("out", sys.argv[1:], os.path.basename(os.getcwd()))
@@ -26,7 +26,7 @@ def test_each_start_looks_as_its_own_interpreter_would(tmp_path):
     for arg in ("ok", "raise", "exit3", "message"):
         (tmp_path / arg).mkdir()
         cases.append((tmp_path / arg, tmp_path / "script.py", [arg]))
-    batched = failed_starts(cases)
+    batched = early_exits(cases)
     for (cwd, script, argv), result in zip(cases, batched):
         alone = subprocess.run([sys.executable, str(script), *argv], cwd=cwd, capture_output=True, text=True)
         assert (result.returncode, result.stdout) == (alone.returncode, alone.stdout)

@@ -1,9 +1,9 @@
-"""Run several failing starts of stage scripts in ONE fresh interpreter (not pytest's): tests/conftest.py's
-`failed_starts` calls it as `python tests/failed_starts.py CASES_JSON RESULTS_JSON`.
+"""Run several early-exiting starts of stage scripts in ONE fresh interpreter (not pytest's): tests/conftest.py's
+`early_exits` calls it as `python tests/early_exits.py CASES_JSON RESULTS_JSON`.
 
-Each case is a start that must stop before it loads a model (a bad flag, a bad input folder). Every
-interpreter start of a stage pays ~6-8 s of imports (torch, transformers, datasets) before its first
-check; here a test pays them once for all its cases. Each case runs as `python SCRIPT ARGS...` would,
+Each case is a start that stops before it loads a model (a bad flag, a bad input folder, --help, an
+import). Every interpreter start of a stage pays ~6-8 s of imports (torch, transformers, datasets)
+before its first check; here a test pays them once for all its cases. Each case runs as `python SCRIPT ARGS...` would,
 in its own working folder: the script is executed as __main__ (runpy), its stdout and stderr go to
 files at the file-descriptor level (so library loggers and progress bars are caught too), and an
 uncaught exception prints its traceback and counts as exit status 1, as the interpreter would do.
