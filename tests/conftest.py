@@ -4,9 +4,11 @@ The environment variables are set here (and not only in `.ci/run`) so that a bar
 behaves like CI: a Hub id fails at once instead of retrying for ~30 s (../shared/ENV_NOTES.md).
 """
 
+import atexit
 import contextlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,6 +23,11 @@ for _key, _value in {
     "NO_PROXY": "127.0.0.1,localhost",
 }.items():
     os.environ.setdefault(_key, _value)
+# And for every script the tests start: no bytecode written into the repository, no `datasets` cache written
+# into ~/.cache. One environment for all (the tests add to it only what a test is about), so that their starts
+# share one fork server (`run_python`).
+os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="rlhf-tests-datasets-cache-")  # deleted at exit
 
 # Under pytest-xdist each worker gets its share of the cores (1 each for `.ci/run`'s 2 workers on 2
 # cores), and so do the stage scripts it launches: two workers with 2 torch threads each would run 4
@@ -80,7 +87,6 @@ def multi_process_slot(processes: int = 2):
     if processes < 2 or not run:
         yield
         return
-    import tempfile
 
     from filelock import FileLock
 
@@ -158,7 +164,6 @@ def early_exits(cases, env=None, timeout=600):
     starts that stop before a model is loaded (bad flags or inputs, --help, imports), whose cost is the
     ~6-8 s of imports of each interpreter."""
     import json
-    import tempfile
 
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
@@ -174,3 +179,73 @@ def early_exits(cases, env=None, timeout=600):
         return [subprocess.CompletedProcess([sys.executable, case["script"], *case["argv"]], status,
                                             Path(case["stdout"]).read_text(), Path(case["stderr"]).read_text())
                 for case, status in zip(listed, statuses)]
+
+
+_FORK_SERVERS = {}  # environment -> (server process, its folder): this pytest process's fork servers
+
+
+def run_python(cmd, cwd=None, env=None, timeout=None):
+    """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout) for a start of
+    `python SCRIPT ARGS...` (cmd[0] is sys.executable), run as a forked copy of an interpreter that has imported
+    the libraries already (tests/forkserver.py, which says how the copy equals a fresh start; one server per
+    environment, started on first use and kept for the test run): each start's ~10 s of imports are paid once.
+    Other commands (`python -c`, `python -m`, a launcher) run as subprocess.run runs them."""
+    import json
+    import socket
+
+    cmd = [str(part) for part in cmd]
+    if len(cmd) < 2 or cmd[0] != sys.executable or cmd[1].startswith("-") or not cmd[1].endswith(".py"):
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    folder = fork_server(dict(os.environ if env is None else env))
+    with tempfile.TemporaryDirectory() as scratch:
+        outputs = Path(scratch) / "stdout", Path(scratch) / "stderr"
+        request = {"script": cmd[1], "argv": cmd[2:], "cwd": str(cwd or os.getcwd()), "stdout": str(outputs[0]),
+                   "stderr": str(outputs[1])}
+        with socket.socket(socket.AF_UNIX) as connection:
+            connection.connect(str(folder / "socket"))
+            stream = connection.makefile("rw")
+            stream.write(json.dumps(request) + "\n")
+            stream.flush()
+            pid = json.loads(stream.readline())["pid"]
+            connection.settimeout(timeout)
+            try:
+                status = json.loads(stream.readline())["status"]
+            except BaseException as stop:  # timed out (or interrupted): kill it and what it started, as subprocess.run
+                try:
+                    os.killpg(pid, 9)  # the start leads its own process group
+                except ProcessLookupError:
+                    os.kill(pid, 9)  # killed before it made its group
+                if isinstance(stop, TimeoutError):
+                    raise subprocess.TimeoutExpired(cmd, timeout, outputs[0].read_text(), outputs[1].read_text())
+                raise
+        return subprocess.CompletedProcess(cmd, status, outputs[0].read_text(), outputs[1].read_text())
+
+
+def fork_server(env: dict) -> Path:
+    """The folder (socket, log) of this pytest process's fork server for `env`, started if there is none yet."""
+    import time
+
+    key = tuple(sorted(env.items()))
+    if key in _FORK_SERVERS and _FORK_SERVERS[key][0].poll() is None:
+        return _FORK_SERVERS[key][1]
+    folder = Path(tempfile.mkdtemp(prefix="rlhf-tests-forkserver-"))
+    with open(folder / "log", "w") as log:
+        process = subprocess.Popen([sys.executable, str(REPO / "tests" / "forkserver.py"), str(folder / "socket")],
+                                   env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    _FORK_SERVERS[key] = process, folder
+    deadline = time.monotonic() + 600
+    while not (folder / "log").read_text().startswith("ready"):
+        assert process.poll() is None and time.monotonic() < deadline, (
+            f"the fork server did not start:\n{(folder / 'log').read_text()[-3000:]}")
+        time.sleep(0.1)
+    return folder
+
+
+@atexit.register
+def _clean_up():
+    """Stop the fork servers, delete their folders and the tests' datasets cache."""
+    for process, folder in _FORK_SERVERS.values():
+        process.kill()
+        process.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(os.environ["HF_DATASETS_CACHE"], ignore_errors=True)

@@ -16,7 +16,6 @@ import math
 import os
 import shutil
 import socket
-import subprocess
 import sys
 
 import datasets
@@ -27,7 +26,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import dpo
-from conftest import REPO, WORLD, early_exits, multi_process_slot
+from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python
 
 ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
 EOS, PAD = 0, 1  # the tiny world's ids (data/tiny_tldr/args.json)
@@ -164,7 +163,7 @@ def run_dpo(small_world, output_dir, *extra, processes=1):
                "--main_process_port", str(port), str(REPO / "dpo.py"), *flags]
         env["ACCELERATE_USE_CPU"] = "1"  # ENV_NOTES: CPU DDP needs --multi_gpu with ACCELERATE_USE_CPU
     with multi_process_slot(processes):
-        result = subprocess.run(cmd, cwd=output_dir.parent, env=env, capture_output=True, text=True, timeout=600)
+        result = run_python(cmd, cwd=output_dir.parent, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout + result.stderr
 

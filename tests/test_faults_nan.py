@@ -9,7 +9,6 @@ of the last finite update must survive, hold finite weights and load; no model m
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import ppo
 import reward
-from conftest import REPO, WORLD
+from conftest import REPO, WORLD, run_python
 from test_ppo import make_reward_model
 
 BASE = str(WORLD / "pythia-tiny")
@@ -48,8 +47,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(script, tiny_tldr,
     cmd = [sys.executable, str(REPO / script), *stage_command(script, tiny_tldr, tmp_path), "--output_dir", out,
            *HUGE_LR]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    result = subprocess.run([str(part) for part in cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = run_python(cmd, cwd=tmp_path, env=env, timeout=600)
     assert result.returncode != 0
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("FloatingPointError: update "), result.stderr[-3000:]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import reward
-from conftest import REPO, WORLD, multi_process_slot
+from conftest import REPO, WORLD, multi_process_slot, run_python
 from ppo import (PolicyAndValueWrapper, ScalarModel, compute_gae, compute_rewards, disable_dropout, eos_trick,
                  first_true_indices, gather_logprobs, generate, get_reward, get_score, get_values, masked_mean,
                  ppo_batch_sizes, response_outputs,
@@ -438,13 +438,12 @@ def test_smoke_run_saves_policy_and_samples(tiny_tldr, tmp_path):
            "--local_rollout_forward_batch_size", "8", "--response_length", "20", "--lr", "1e-4",
            "--eval_every", "1", "--num_eval_samples", "8", "--local_eval_batch_size", "8"]
     # Interrupted after update 1 (as a time-limited job), then resumed from its checkpoint.
-    result = subprocess.run(cmd + ["--stop_after_updates", "1"], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=600)
+    result = run_python(cmd + ["--stop_after_updates", "1"], cwd=tmp_path, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "2 updates of 16 episodes" in result.stdout and "stopped after update 1 of 2" in result.stdout
     assert "model of type `scalar_model`" not in result.stdout + result.stderr  # the RM folder's tokenizer loads quietly
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["update_1"]
-    result = subprocess.run(cmd + ["--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    result = run_python(cmd + ["--resume"], cwd=tmp_path, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "at update 1" in result.stdout
     policy = AutoModelForCausalLM.from_pretrained(out)  # a standard causal-LM folder

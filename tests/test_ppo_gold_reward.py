@@ -4,12 +4,11 @@ import csv
 import dataclasses
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, WORLD
+from conftest import REPO, WORLD, run_python
 
 sys.path.insert(0, str(REPO / "benchmark"))
 import ppo_gold_reward as gold_reward  # noqa: E402
@@ -77,9 +76,8 @@ def test_smoke_run_with_both_rewards(tiny_tldr, tmp_path):
         writer = csv.DictWriter(file, ["query", "response", "reference"])
         writer.writeheader()
         writer.writerow({"query": POST, "response": "landlord cancelled lease", "reference": "sister borrowed car"})
-    result = subprocess.run([sys.executable, str(REPO / "benchmark" / "ppo_gold_reward.py"), "--models", str(models),
-                             "--gold_updates", "1", "--rm_updates", "1", "--eval_every", "1"],
-                            capture_output=True, text=True, timeout=600)
+    result = run_python([sys.executable, str(REPO / "benchmark" / "ppo_gold_reward.py"), "--models", str(models),
+                         "--gold_updates", "1", "--rm_updates", "1", "--eval_every", "1"], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     out = models / "ppo_gold_reward"
     for name, is_gold in (("gold_1", True), ("rm_1", False)):

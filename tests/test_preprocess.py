@@ -11,13 +11,13 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import datasets
 import pytest
+from conftest import run_python
 import tyro
 from datasets import Features, List, Value
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -640,8 +640,7 @@ def test_script_smoke(tmp_path, tok):
     out = tmp_path / "out"
     command = write_world(tmp_path, sft, preference) + ["--output_dir", str(out), "--num_proc", "2"]
     command += flag_args(flags)
-    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")}  # keep ~/.cache clean
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    result = run_python(command, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "added the pad token '[PAD]'" in result.stdout
     # the outputs and nothing else: the scratch folder is gone when the script returns

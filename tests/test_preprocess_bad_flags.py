@@ -2,8 +2,6 @@
 failed start leaves no folder behind and the outputs of an earlier run as they were."""
 
 import hashlib
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +10,7 @@ import pytest
 import tyro
 
 import preprocess_tldr as pre
-from conftest import REPO, WORLD, tiny_lengths
+from conftest import REPO, WORLD, run_python, tiny_lengths
 
 
 def problems_of(*argv: str) -> list:
@@ -67,8 +65,7 @@ def test_failed_start_leaves_nothing_behind(tmp_path, case):
                "--sft_dataset", str(WORLD / "tldr_3_filtered"),
                "--preference_dataset", str(WORLD / "summarize_from_feedback"), "--output_dir", str(out),
                *tiny_lengths(), *flags]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")})
+    result = run_python(command, timeout=300)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     if case.startswith("bad flag"):
         assert "SetupError: bad flags:\n  --num_proc 0: pass a number of worker processes >= 1" in result.stderr

@@ -3,13 +3,13 @@ file and line or the split and row id, and leaves the outputs of an earlier run 
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import datasets
 import pytest
+from conftest import run_python
 
 import preprocess_tldr as pre
 from test_preprocess import (EOS, flag_args, make_tokenizer, preference_row, reference_flags, sft_row,
@@ -23,8 +23,7 @@ def fingerprint(folder: Path) -> dict:
 
 
 def run(command: list, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")}  # keep ~/.cache clean
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    return run_python(command, timeout=300)
 
 
 @pytest.fixture(scope="module")

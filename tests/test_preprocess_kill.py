@@ -13,6 +13,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+from conftest import run_python
 
 import preprocess_tldr as pre
 from test_preprocess import flag_args, make_tokenizer, reference_flags, smoke_sources, write_world
@@ -76,8 +77,7 @@ def runs(tmp_path_factory):
     outputs = {}
     for version, command in commands.items():
         outputs[version] = folder / f"{version}_out"
-        result = subprocess.run(command + ["--output_dir", str(outputs[version])], capture_output=True, text=True,
-                                timeout=300, env={**os.environ, "HF_DATASETS_CACHE": str(folder / "cache")})
+        result = run_python(command + ["--output_dir", str(outputs[version])], timeout=300)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return commands, {version: fingerprint(out) for version, out in outputs.items()}, outputs
 
@@ -108,8 +108,7 @@ def test_kill_at_a_chosen_call_leaves_old_or_new_outputs(tmp_path, runs, functio
     out = tmp_path / "out"
     shutil.copytree(outputs["old"], out)
     command = [sys.executable, "-c", KILLER, function, str(count)] + commands["new"][1:] + ["--output_dir", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")})
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == -signal.SIGKILL, result.stdout[-2000:] + result.stderr[-2000:]
     wait_for_clean_up(out)
     assert sorted(os.listdir(out)) == OUTPUTS  # no scratch, no half-moved folder
@@ -120,8 +119,7 @@ def test_kill_at_a_chosen_call_leaves_old_or_new_outputs(tmp_path, runs, functio
     else:
         assert found["sft"] == {"new"} and found["args.json"] == {"old"}
     if moved == 1:  # and the next run finds nothing in its way
-        result = subprocess.run(commands["new"] + ["--output_dir", str(out)], capture_output=True, text=True,
-                                timeout=300, env={**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")})
+        result = run_python(commands["new"] + ["--output_dir", str(out)], timeout=300)
         assert result.returncode == 0, result.stderr[-2000:]
         assert fingerprint(out) == fingerprints["new"] and not scratch_left(out)
 
@@ -133,8 +131,7 @@ def test_kill_after_a_delay_leaves_old_or_new_outputs(tmp_path, runs, delay):
     out = tmp_path / "out"
     shutil.copytree(outputs["old"], out)
     process = subprocess.Popen(commands["new"] + ["--output_dir", str(out)], stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True,
-                               env={**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")})
+                               stderr=subprocess.DEVNULL, text=True)
     for line in process.stdout:  # printed once every row is validated, before any tokenization
         if line.startswith("rows:"):
             break
@@ -150,8 +147,7 @@ def test_kill_during_a_first_run_leaves_no_folder(tmp_path, runs):
     commands, _, _ = runs
     out = tmp_path / "data" / "tldr"
     command = [sys.executable, "-c", KILLER, "save_to_disk", "3"] + commands["new"][1:] + ["--output_dir", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")})
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
     deadline = time.time() + 30
     while (tmp_path / "data").exists() and time.time() < deadline:

@@ -21,7 +21,6 @@ import math
 import os
 import shutil
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -29,7 +28,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, WORLD, early_exits, multi_process_slot, tiny_lengths
+from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python, tiny_lengths
 import reward
 from ppo import (PolicyAndValueWrapper, cast_parameters, disable_dropout, eval_batches, first_true_indices, generate,
                  gpu_problem, last_hidden_states, load_fp32, mask_logits, model_name, response_masks, response_window,
@@ -288,11 +287,10 @@ def source(tmp_path_factory):
 def preprocess(cwd, source, base_model, *flags):
     """preprocess_tldr.py on `source` (a cut of the tiny world) with the tokenizer of `base_model`, run in `cwd`.
     The world's length flags are budgets here (the cut's longest rows may be shorter)."""
-    return subprocess.run([sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(base_model),
-                           "--sft_dataset", str(source / "tldr_3_filtered"),
-                           "--preference_dataset", str(source / "summarize_from_feedback"), "--num_proc", "1",
-                           *tiny_lengths(), "--no-check_length_correctness", *flags],
-                          cwd=cwd, capture_output=True, text=True, timeout=600)
+    return run_python([sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(base_model),
+                       "--sft_dataset", str(source / "tldr_3_filtered"),
+                       "--preference_dataset", str(source / "summarize_from_feedback"), "--num_proc", "1",
+                       *tiny_lengths(), "--no-check_length_correctness", *flags], cwd=cwd, timeout=600)
 
 
 def stage(cwd, script, *flags, processes=1, bf16=False, check=True):
@@ -309,8 +307,7 @@ def stage(cwd, script, *flags, processes=1, bf16=False, check=True):
                str(REPO / "benchmark/accelerate/deepspeed_zero2.yaml"), "--num_processes", str(processes),
                "--mixed_precision", "bf16" if bf16 else "no", "--main_process_port", str(port), str(REPO / script)]
     with multi_process_slot(processes):
-        result = subprocess.run(cmd + [str(flag) for flag in flags], cwd=cwd, env=env, capture_output=True, text=True,
-                                timeout=600)
+        result = run_python(cmd + [str(flag) for flag in flags], cwd=cwd, env=env, timeout=600)
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result

@@ -15,7 +15,6 @@ import math
 import os
 import shutil
 import socket
-import subprocess
 import sys
 
 import datasets
@@ -23,7 +22,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import REPO, WORLD, early_exits, multi_process_slot
+from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python
 
 import reward
 
@@ -225,7 +224,7 @@ def run_reward(small_world, output_dir, *extra, processes=1, deepspeed=False):
     env = {key: value for key, value in ENV.items() if key != "ACCELERATE_USE_CPU"}
     env.update({"ACCELERATE_USE_CPU": "1"} if processes > 1 and not deepspeed else {})
     with multi_process_slot(processes):
-        result = subprocess.run(cmd, cwd=output_dir.parent, env=env, capture_output=True, text=True, timeout=600)
+        result = run_python(cmd, cwd=output_dir.parent, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout + result.stderr
 

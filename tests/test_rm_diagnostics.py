@@ -2,10 +2,9 @@
 
 import random
 import shutil
-import subprocess
 import sys
 
-from conftest import REPO, WORLD
+from conftest import REPO, WORLD, run_python
 
 sys.path.insert(0, str(REPO / "benchmark"))
 import rm_diagnostics as diag  # noqa: E402
@@ -77,10 +76,9 @@ def test_smoke_run_writes_the_tables(tiny_tldr, tmp_path):
     models = tmp_path / "models"
     shutil.copytree(WORLD / "pythia-tiny", models / "sft_1")
     reward.reward_model_from_sft(str(WORLD / "pythia-tiny")).save_pretrained(models / "reward_1")
-    result = subprocess.run([sys.executable, str(REPO / "benchmark" / "rm_diagnostics.py"), "--models", str(models),
-                             "--data", str(tiny_tldr), "--num_prompts", "3", "--samples", "4", "--response_length", "8",
-                             "--learnability_updates", "2"],
-                            capture_output=True, text=True, timeout=600)
+    result = run_python([sys.executable, str(REPO / "benchmark" / "rm_diagnostics.py"), "--models", str(models),
+                         "--data", str(tiny_tldr), "--num_prompts", "3", "--samples", "4", "--response_length", "8",
+                         "--learnability_updates", "2"], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = (models / "rm_diagnostics.md").read_text()
     assert "On-policy agreement of the RM with the gold judge" in report

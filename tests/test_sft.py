@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 
 import datasets
@@ -22,7 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import sft
-from conftest import REPO, WORLD, early_exits, multi_process_slot
+from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python
 
 BASE = WORLD / "pythia-tiny"
 TINY_RUN = ["--base_model", str(BASE), "--lr", "1e-3", "--batch_size", "8", "--local_micro_batch_size", "4",
@@ -54,8 +53,7 @@ def run_sft(cwd, *flags, processes=1, deepspeed=False, check=True):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *backend, "--num_processes", str(processes),
                "--mixed_precision", "no", "--main_process_port", str(port), str(REPO / "sft.py")]
     with multi_process_slot(processes):
-        result = subprocess.run(cmd + [str(flag) for flag in flags], cwd=cwd, env=env, capture_output=True, text=True,
-                                timeout=300)
+        result = run_python(cmd + [str(flag) for flag in flags], cwd=cwd, env=env, timeout=300)
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result

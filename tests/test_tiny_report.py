@@ -4,11 +4,11 @@ artifacts (the numbers land in report.md, a stage that did not run reads "not ru
 import csv
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_python
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmark"))
@@ -174,9 +174,8 @@ def test_report_has_every_finding_and_the_figure(tmp_path):
     models, world, runs = tmp_path / "models", tmp_path / "world", tmp_path / "runs"
     make_run(models, runs, with_dpo=True)
     write(world / "world.json", {"noise_ceiling": {"validation": 0.8355, "validation_cnndm": 0.8427}})
-    result = subprocess.run([sys.executable, str(REPO / "benchmark" / "tiny_report.py"), "--models", str(models),
-                             "--seed", "3", "--world", str(world), "--runs_dir", str(runs), "--no-tokens"],
-                            capture_output=True, text=True, timeout=300)
+    result = run_python([sys.executable, str(REPO / "benchmark" / "tiny_report.py"), "--models", str(models),
+                         "--seed", "3", "--world", str(world), "--runs_dir", str(runs), "--no-tokens"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = (models / "report.md").read_text()
     assert report in result.stdout

@@ -1,0 +1,94 @@
+"""conftest.run_python starts `python script args...` as a fork of an interpreter that has imported the libraries
+(tests/forkserver.py): each start must look exactly as its own fresh interpreter would (exit status, output, working
+folder, environment, random state, shutdown), or the tests that use it would pass on runs a user could not repeat."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import run_python
+
+SCRIPT = '''import atexit, os, sys, threading, time
+print("out", sys.argv[1:], os.path.basename(os.getcwd()), os.environ.get("FORK_TEST_VALUE"))
+print("err", file=sys.stderr)
+print("repo modules loaded:", sorted({"ppo", "sft", "reward", "dpo", "tiny_world"} & set(sys.modules)))
+print("path[0]:", sys.path[0])
+if sys.argv[1] == "raise":
+    raise ValueError("boom")
+if sys.argv[1] == "exit3":
+    sys.exit(3)
+if sys.argv[1] == "message":
+    sys.exit("bye")
+if sys.argv[1] == "shutdown":  # the interpreter waits for threads, then runs atexit handlers
+    threading.Thread(target=lambda: (time.sleep(0.5), open("thread_done", "w").close())).start()
+    atexit.register(lambda: open("atexit_ran", "w").write(str(os.path.exists("thread_done"))))
+open("written", "w").close()
+'''
+
+RANDOM = '''import random, sys
+import numpy, torch
+print(random.random(), numpy.random.rand(), torch.rand(1).item(), torch.get_num_threads())
+torch.manual_seed(0), numpy.random.seed(0), random.seed(0)
+print(random.random(), numpy.random.rand(), torch.rand(1).item())
+'''
+
+
+def test_each_start_looks_as_its_own_interpreter_would(tmp_path):
+    (tmp_path / "script.py").write_text(SCRIPT)
+    env = {**os.environ, "FORK_TEST_VALUE": "42"}
+    for arg in ("ok", "raise", "exit3", "message", "shutdown"):
+        results = []
+        for how, run in (("forked", run_python), ("fresh", subprocess.run)):
+            cwd = tmp_path / how / arg
+            cwd.mkdir(parents=True)
+            extra = {} if how == "forked" else {"capture_output": True, "text": True}
+            results.append(run([sys.executable, str(tmp_path / "script.py"), arg], cwd=cwd, env=env, timeout=120,
+                               **extra))
+            written = sorted(path.name for path in cwd.iterdir())
+            assert written == {"ok": ["written"], "shutdown": ["atexit_ran", "thread_done", "written"]}.get(arg, []), how
+            if arg == "shutdown":
+                assert (cwd / "atexit_ran").read_text() == "True"  # the thread had ended when atexit ran
+        forked, fresh = results
+        assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout), arg
+        assert forked.stderr.splitlines()[-1] == fresh.stderr.splitlines()[-1]  # a traceback's last line
+        assert f"out ['{arg}'] {arg} 42" in forked.stdout and "repo modules loaded: []" in forked.stdout
+    assert [run_python([sys.executable, str(tmp_path / "script.py"), arg], cwd=tmp_path, env=env).returncode
+            for arg in ("ok", "raise", "exit3", "message")] == [0, 1, 3, 1]
+
+
+def test_random_state_and_threads_are_a_fresh_interpreters(tmp_path):
+    """Unseeded draws differ from start to start (each fresh interpreter seeds from the OS), seeded ones are the same
+    as a fresh interpreter's, and the thread count comes from the environment."""
+    (tmp_path / "random_state.py").write_text(RANDOM)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(tmp_path / "random_state.py")]
+    forked = [run_python(cmd, cwd=tmp_path, env=env).stdout.splitlines() for _ in range(2)]
+    fresh = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True).stdout.splitlines()
+    first, second = ([float(x) for x in lines[0].split()] for lines in forked)
+    assert all(a != b for a, b in zip(first[:3], second[:3])), (first, second)
+    assert first[3] == second[3] == float(fresh[0].split()[3]) == 1
+    assert forked[0][1] == forked[1][1] == fresh[1]
+
+
+def test_a_start_past_its_timeout_is_killed_with_what_it_started(tmp_path):
+    (tmp_path / "slow.py").write_text('import subprocess, sys, time\n'
+                                     'child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])\n'
+                                     'open("child_pid", "w").write(str(child.pid))\n'
+                                     'time.sleep(60)\n')
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_python([sys.executable, str(tmp_path / "slow.py")], cwd=tmp_path, timeout=5)
+    assert time.monotonic() - start < 30
+    child = int((tmp_path / "child_pid").read_text())
+    for _ in range(50):  # killed with its process group; reaped by its parent's parent
+        if not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the start's own child {child} outlived the timeout")
+    # The server goes on serving after a timed-out start.
+    assert run_python([sys.executable, "-c", "print(1)"]).stdout == "1\n"
+    (tmp_path / "quick.py").write_text("print('quick')\n")
+    assert run_python([sys.executable, str(tmp_path / "quick.py")], cwd=tmp_path, timeout=60).stdout == "quick\n"
