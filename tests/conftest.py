@@ -234,7 +234,7 @@ def fork_server(env: dict) -> Path:
                                    env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     _FORK_SERVERS[key] = process, folder
     deadline = time.monotonic() + 600
-    while not (folder / "log").read_text().startswith("ready"):
+    while "ready" not in (folder / "log").read_text().splitlines():  # after any warning its imports printed
         assert process.poll() is None and time.monotonic() < deadline, (
             f"the fork server did not start:\n{(folder / 'log').read_text()[-3000:]}")
         time.sleep(0.1)

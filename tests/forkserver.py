@@ -1,5 +1,5 @@
-"""Start stage scripts as forked copies of one interpreter that has already imported their libraries: tests/conftest.py's
-`run_python` starts it as `python tests/forkserver.py SOCKET` and sends it `python SCRIPT ARGS...` starts.
+"""Start stage scripts as forked copies of one interpreter that has already imported their libraries: the
+`run_python` of tests/conftest.py starts it as `python tests/forkserver.py SOCKET` and sends it the starts.
 
 Every interpreter start of a stage script pays ~10 s of imports on CI's machine (torch, transformers, datasets,
 accelerate, DeepSpeed) before its first line runs, and the tests start ~100 of them: most of CI's time. This server
@@ -13,10 +13,13 @@ are imported to find the libraries they need, then forgotten). The random state 
 from the OS, anew in every child (Python's `random` reseeds itself after a fork; numpy and torch are reseeded here).
 
 Fork safety: the server forks only while it runs no Python thread but its main one (checked at start) and has run
-no torch parallel region, so no child inherits a half-made thread pool. The native threads that numpy's OpenBLAS and
-pyarrow's jemalloc start on import have fork handlers; datasets' own `num_proc` workers are forks of such a process. Protocol: one connection per start; the client sends one JSON line {script, argv, cwd, stdout, stderr}
-and reads back {"pid": N}, then {"status": S} (S < 0: killed by signal -S, as subprocess reports it). A client that
-times out kills the child's process group (the child leads one) and still reads the status.
+no torch parallel region, so no child inherits a half-made thread pool. The native threads that numpy's OpenBLAS
+and pyarrow's jemalloc start on import have fork handlers; datasets' own `num_proc` workers are forks of such a
+process too.
+
+Protocol: one connection per start; the client sends one JSON line {script, argv, cwd, stdout, stderr} and reads
+back {"pid": N}, then {"status": S} (S < 0: killed by signal -S, as subprocess reports it). A client that times out
+kills the child's process group (the child leads one) and hangs up; the server goes on with the next start.
 """
 
 import importlib
@@ -32,7 +35,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # in every library the stage scripts and benchmark scripts use at the top of the file.
 PRELOAD_SCRIPTS = ["preprocess_tldr", "sft", "reward", "dpo", "ppo", "judge", "tiny_world"]
 # ... and these, imported inside functions of the scripts (plots, DeepSpeed runs, the tiny world's tokenizer).
-PRELOAD_LIBRARIES = ["matplotlib", "matplotlib.pyplot", "deepspeed", "tokenizers", "tensorboard.backend.event_processing.event_accumulator"]
+PRELOAD_LIBRARIES = ["matplotlib", "matplotlib.pyplot", "deepspeed", "tokenizers",
+                     "tensorboard.backend.event_processing.event_accumulator"]
 
 
 def preload():
@@ -78,7 +82,7 @@ def child(request) -> int:
     except BaseException:  # what the interpreter does with an uncaught exception
         traceback.print_exc()
         status = 1
-    # The interpreter's shutdown: wait for non-daemon threads, run atexit handlers, flush.
+    # The interpreter's shutdown (Py_FinalizeEx): wait for non-daemon threads, run atexit handlers, flush.
     import atexit
     import threading
 
@@ -116,7 +120,7 @@ def serve(path: str):
             sys.stdout.flush(), sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                listener.close()
+                listener.close(), connection.close()
                 status = 1
                 try:
                     status = child(request)

@@ -47,7 +47,8 @@ def test_each_start_looks_as_its_own_interpreter_would(tmp_path):
             results.append(run([sys.executable, str(tmp_path / "script.py"), arg], cwd=cwd, env=env, timeout=120,
                                **extra))
             written = sorted(path.name for path in cwd.iterdir())
-            assert written == {"ok": ["written"], "shutdown": ["atexit_ran", "thread_done", "written"]}.get(arg, []), how
+            expected = {"ok": ["written"], "shutdown": ["atexit_ran", "thread_done", "written"]}.get(arg, [])
+            assert written == expected, how
             if arg == "shutdown":
                 assert (cwd / "atexit_ran").read_text() == "True"  # the thread had ended when atexit ran
         forked, fresh = results
