@@ -149,12 +149,11 @@ def script_help(tmp_path_factory):
 
 def preprocess_tiny_world(out):
     """preprocess_tldr.py on the committed world into `out`, with tiny.sh's length flags."""
-    result = subprocess.run(
+    result = run_python(
         [sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(WORLD / "pythia-tiny"),
          "--sft_dataset", str(WORLD / "tldr_3_filtered"),
          "--preference_dataset", str(WORLD / "summarize_from_feedback"),
-         "--output_dir", str(out), "--num_proc", "2", *tiny_lengths()],
-        capture_output=True, text=True, timeout=600)
+         "--output_dir", str(out), "--num_proc", "2", *tiny_lengths()], timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
