@@ -17,6 +17,24 @@ import sys
 import traceback
 
 
+def run_as_main(script: str, argv: list, cwd: str) -> int:
+    """`python SCRIPT ARGV...` in `cwd`, in this interpreter -> its exit status, as the interpreter gives it. Leaves
+    sys.argv, sys.path[0] and the working folder as the script had them (the caller restores them if it goes on)."""
+    try:
+        os.chdir(cwd)
+        sys.argv, sys.path[0] = [script, *argv], os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+        return 0
+    except SystemExit as stop:  # sys.exit(code): None is 0, a message is printed and is 1
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException:  # what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        return 1
+
+
 def run_case(script: str, argv: list, cwd: str, stdout_path: str, stderr_path: str) -> int:
     """One start of `script` with `argv` in `cwd`, its output in the two files -> its exit status."""
     saved_fds = os.dup(1), os.dup(2)
@@ -25,25 +43,12 @@ def run_case(script: str, argv: list, cwd: str, stdout_path: str, stderr_path: s
         sys.stdout.flush(), sys.stderr.flush()
         os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
         try:
-            os.chdir(cwd)
-            sys.argv, sys.path[0] = [script, *argv], os.path.dirname(os.path.abspath(script))
-            runpy.run_path(script, run_name="__main__")
-            status = 0
-        except SystemExit as stop:  # sys.exit(code): None is 0, a message is printed and is 1
-            if stop.code is None or isinstance(stop.code, int):
-                status = stop.code or 0
-            else:
-                print(stop.code, file=sys.stderr)
-                status = 1
-        except BaseException:  # what the interpreter does with an uncaught exception
-            traceback.print_exc()
-            status = 1
+            return run_as_main(script, argv, cwd)
         finally:
             sys.stdout.flush(), sys.stderr.flush()
             os.dup2(saved_fds[0], 1), os.dup2(saved_fds[1], 2)
             sys.argv, sys.path[:] = saved_argv, saved_path
             os.chdir(saved_cwd)
-    return status
 
 
 if __name__ == "__main__":

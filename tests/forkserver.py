@@ -25,10 +25,11 @@ kills the child's process group (the child leads one) and hangs up; the server g
 import importlib
 import json
 import os
-import runpy
 import socket
 import sys
 import traceback
+
+from early_exits import run_as_main  # tests/ is sys.path[0] of `python tests/forkserver.py`
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Importing these (they import nothing of each other's and run nothing on import: test_conventions checks) brings
@@ -67,21 +68,7 @@ def child(request) -> int:
     # Seeded from the OS at import, as in a fresh interpreter: reseed, or every child would draw the same numbers.
     sys.modules["numpy"].random.seed()
     sys.modules["torch"].seed()
-    script = request["script"]
-    try:
-        os.chdir(request["cwd"])
-        sys.argv, sys.path[0] = [script, *request["argv"]], os.path.dirname(os.path.abspath(script))
-        runpy.run_path(script, run_name="__main__")
-        status = 0
-    except SystemExit as stop:  # sys.exit(code): None is 0, a message is printed and is 1
-        if stop.code is None or isinstance(stop.code, int):
-            status = stop.code or 0
-        else:
-            print(stop.code, file=sys.stderr)
-            status = 1
-    except BaseException:  # what the interpreter does with an uncaught exception
-        traceback.print_exc()
-        status = 1
+    status = run_as_main(request["script"], request["argv"], request["cwd"])
     # The interpreter's shutdown (Py_FinalizeEx): wait for non-daemon threads, run atexit handlers, flush.
     import atexit
     import threading
