@@ -19,7 +19,7 @@ forward against the plain full forward (max |difference| of the logits, bf16); d
 the paper's rollout batch of the fast path (StaticSampler) and of the plain loop (sample_rollout),
 and how many of their tokens agree.
 
-    bash benchmark/gpu_check.sh                       # any CUDA machine, ~5 min on one H200
+    bash benchmark/gpu_check.sh                       # any CUDA machine, ~5 min on one H100 or H200
     python benchmark/gpu_check.py --size tiny --launcher plain --allow_cpu --out /tmp/check.md   # CPU smoke
 """
 
