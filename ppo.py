@@ -13,7 +13,7 @@ updates) the RM scores the policy's summaries of validation prompts (temperature
     {output_dir}/checkpoints/       the latest --save_every checkpoint (no pickle), removed when the run ends
     runs/{run_name}/                TensorBoard; samples_{split}_{episode}.csv of every evaluation
 
-    # tiny world, offline, ~1.5 min on 2 CPU cores (as benchmark/tiny.sh): win rate vs the references 0.450 (SFT 0.343)
+    # tiny world, offline, 1.5-2.7 min on 2 CPU cores (as benchmark/tiny.sh): win rate vs the references 0.505 (SFT 0.343)
     python ppo.py --base_model assets/tiny_world/pythia-tiny --query_dataset data/tiny_tldr/sft \
         --sft_model_path models/tiny/sft_1 --reward_model_path models/tiny/reward_1 \
         --output_dir models/tiny/ppo_1 --total_episodes 1280 --batch_size 64 --local_micro_batch_size 16 \
@@ -136,7 +136,7 @@ class Args:
     eval_temperature: float = 0.01
     """Sampling temperature of the evaluation (paper: 0.01)"""
     fast_sampling: bool = False
-    """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop, 1.4-1.75x faster than HF generate on CPU; its compile (25-60 s per process and rank, cold) pays off after ~20-200 updates, and it has not run on a GPU yet, hence off by default (benchmark/README.md); not with ZeRO-3"""
+    """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop, 1.4-1.75x faster than HF generate on CPU, 1.8-2.1x the plain loop at 1B on one H100 / H200; its compile (25-60 s per process and rank, cold) pays off only after ~20-200 updates on a CPU, hence off by default (the SLURM launchers turn it on; benchmark/README.md); not with ZeRO-3"""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of policy and critic (memory for compute)"""
     offload: bool = False
