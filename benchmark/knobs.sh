@@ -54,8 +54,9 @@ export ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-benchmark/accelerate/deepspeed_zer
 
 # PPO's sampler: ppo.py --fast_sampling (a static KV cache and a compiled one-token step; the same
 # tokens as HF generate). On one H100 at 1B it took a PPO update from 5.42 to 5.10 s (generation
-# 0.84 -> 0.49 s; 5.23 -> 4.79 s on one H200) for ~30 s of compiling per process (benchmark/results/gpu_check.md): 1953 updates
-# repay that many times over. Measured at 1B only. FAST_SAMPLING=0 samples with HF generate.
+# 0.84 -> 0.49 s; 5.23 -> 4.79 s on one H200) for ~30 s of compiling per process
+# (benchmark/results/gpu_check.md): 1953 updates repay that many times over. Measured at 1B only.
+# FAST_SAMPLING=0 samples with HF generate.
 export FAST_SAMPLING=${FAST_SAMPLING:-1}
 
 # Tracking: the paper's runs log to W&B (TRACK=0 turns it off); PUSH=1 also pushes each model.

@@ -27,7 +27,8 @@ import tiny_world
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET = "sk-test-DO-NOT-WRITE-ME-0123456789"
-FAST = ["--timeout", "0.5", "--retry_base_delay", "0.01", "--retry_max_delay", "0.1"]
+QUICK_RETRIES = ["--retry_base_delay", "0.01", "--retry_max_delay", "0.1"]
+FAST = ["--timeout", "0.5", *QUICK_RETRIES]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -359,7 +360,7 @@ def test_killed_run_resumes_without_repeats(tmp_path, server_factory):
     table = write_table(tmp_path / "ppo.csv", llm_rows(n, malformed={7}))
     out = tmp_path / "out"
     flags = ["--base_url", server.url, "--tables", f"ppo={table}", "--output_dir", str(out),
-             "--max_concurrency", "2", *FAST[2:], "--timeout", "30"]
+             "--max_concurrency", "2", *QUICK_RETRIES, "--timeout", "30"]
     # A long request timeout: on a busy machine a 0.5 s one can expire and be retried, and the checks below count
     # every ask (a retry is not a repeat of cached work, but it would be counted as one).
 
