@@ -180,6 +180,7 @@ def early_exits(cases, env=None, timeout=600):
                 for case, status in zip(listed, statuses)]
 
 
+LAUNCHER = "accelerate.commands.launch"  # `accelerate launch` as `python -m` runs it
 _FORK_SERVERS = {}  # environment -> (server process, its folder): this pytest process's fork servers
 
 
@@ -188,18 +189,27 @@ def run_python(cmd, cwd=None, env=None, timeout=None):
     `python SCRIPT ARGS...` (cmd[0] is sys.executable), run as a forked copy of an interpreter that has imported
     the libraries already (tests/forkserver.py, which says how the copy equals a fresh start; one server per
     environment, started on first use and kept for the test run): each start's ~10 s of imports are paid once.
-    Other commands (`python -c`, `python -m`, a launcher) run as subprocess.run runs them."""
+    So is a launch, `python -m accelerate.commands.launch ... SCRIPT.py ARGS...`: the launcher is forked, and each
+    of its ranks too (tests/rank.py). Other commands (`python -c`, other modules, shell scripts) run as subprocess.run
+    runs them."""
     import json
     import socket
 
     cmd = [str(part) for part in cmd]
-    if len(cmd) < 2 or cmd[0] != sys.executable or cmd[1].startswith("-") or not cmd[1].endswith(".py"):
+    if cmd[1:3] == ["-m", LAUNCHER]:
+        # The first .py argument is the script (option values are numbers, names and .yaml files): torchrun starts
+        # tests/rank.py SCRIPT ARGS for each rank instead of python SCRIPT ARGS.
+        script = next(i for i, part in enumerate(cmd) if part.endswith(".py"))
+        request = {"module": LAUNCHER, "argv": [*cmd[3:script], "--no_python", str(REPO / "tests" / "rank.py"),
+                                               *cmd[script:]]}
+    elif len(cmd) < 2 or cmd[0] != sys.executable or cmd[1].startswith("-") or not cmd[1].endswith(".py"):
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    else:
+        request = {"script": cmd[1], "argv": cmd[2:]}
     folder = fork_server(dict(os.environ if env is None else env))
     with tempfile.TemporaryDirectory() as scratch:
         outputs = Path(scratch) / "stdout", Path(scratch) / "stderr"
-        request = {"script": cmd[1], "argv": cmd[2:], "cwd": str(cwd or os.getcwd()), "stdout": str(outputs[0]),
-                   "stderr": str(outputs[1])}
+        request.update(cwd=str(cwd or os.getcwd()), stdout=str(outputs[0]), stderr=str(outputs[1]))
         with socket.socket(socket.AF_UNIX) as connection:
             connection.connect(str(folder / "socket"))
             stream = connection.makefile("rw")

@@ -17,14 +17,28 @@ no torch parallel region, so no child inherits a half-made thread pool. The nati
 and pyarrow's jemalloc start on import have fork handlers; datasets' own `num_proc` workers are forks of such a
 process too.
 
-Protocol: one connection per start; the client sends one JSON line {script, argv, cwd, stdout, stderr} and reads
-back {"pid": N}, then {"status": S} (S < 0: killed by signal -S, as subprocess reports it). A client that times out
-kills the child's process group (the child leads one) and hangs up; the server goes on with the next start.
+Launches: `python -m accelerate.commands.launch ... SCRIPT ARGS` is forked the same way (the launcher runs as
+__main__ by runpy.run_module), and so are its ranks: conftest.run_python adds `--no_python tests/rank.py` in front of
+SCRIPT, so that torchrun starts tests/rank.py (standard library only, ~30 ms) for each rank, which asks this server
+for a fork running `python SCRIPT ARGS` with the rank's environment (torchrun's RANK, MASTER_PORT, ...), working
+folder and standard streams, waits for it and exits with its status. Each rank then pays no imports either: a 2-rank
+launch costs ~1 s instead of ~12 s of interpreter starts. A rank's environment differs from the server's only in
+what the launcher adds; libraries read those variables when a run starts, not on import, and the thread count is set
+from the rank's OMP_NUM_THREADS as a fresh interpreter would take it.
+
+Protocol: one connection per start; the client sends one JSON line {script or module, argv, cwd, stdout, stderr}, or
+{script, argv, cwd, env} with its stdin, stdout and stderr passed as file descriptors (SCM_RIGHTS; tests/rank.py),
+and reads back {"pid": N}, then {"status": S} (S < 0: killed by signal -S, as subprocess reports it). The server
+serves starts side by side (a launch's ranks run at the same time). A client that hangs up before its start ends
+(it timed out, or torchrun stopped the rank) gets the start killed with its process group (the child leads one).
 """
 
 import importlib
 import json
 import os
+import runpy
+import select
+import signal
 import socket
 import sys
 import traceback
@@ -56,19 +70,30 @@ def preload():
     assert threading.active_count() == 1, f"threads after the imports: {threading.enumerate()}; forking is not safe"
 
 
-def child(request) -> int:
+def child(request, fds: list, socket_path: str) -> int:
     """In the forked child: run one start -> its exit status (the caller exits with it)."""
     os.setsid()  # its own process group, so a timed-out start is killed with everything it started
-    null = os.open(os.devnull, os.O_RDONLY)
-    out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(null, 0), os.dup2(out, 1), os.dup2(err, 2)
-    for fd in (null, out, err):
+    if not fds:  # output into the files the client named
+        fds = [os.open(os.devnull, os.O_RDONLY), os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644),
+               os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)]
+    for target, fd in enumerate(fds):  # stdin, stdout, stderr
+        os.dup2(fd, target)
         os.close(fd)
+    torch = sys.modules["torch"]
+    if "env" in request:  # a rank: the launcher's environment and torchrun's variables
+        threads = request["env"].get("OMP_NUM_THREADS")
+        if threads and threads != os.environ.get("OMP_NUM_THREADS"):
+            torch.set_num_threads(int(threads))  # what a fresh interpreter reads from it at start
+        os.environ.clear()
+        os.environ.update(request["env"])
     # Seeded from the OS at import, as in a fresh interpreter: reseed, or every child would draw the same numbers.
     sys.modules["numpy"].random.seed()
-    sys.modules["torch"].seed()
-    status = run_as_main(request["script"], request["argv"], request["cwd"])
+    torch.seed()
+    if "module" in request:  # a launcher, whose ranks tests/rank.py asks this server for
+        os.environ["RLHF_TESTS_FORK_SERVER"] = socket_path
+        status = run_module_as_main(request["module"], request["argv"], request["cwd"])
+    else:
+        status = run_as_main(request["script"], request["argv"], request["cwd"])
     # The interpreter's shutdown (Py_FinalizeEx): wait for non-daemon threads, run atexit handlers, flush.
     import atexit
     import threading
@@ -86,36 +111,81 @@ def child(request) -> int:
     return status
 
 
+def run_module_as_main(module: str, argv: list, cwd: str) -> int:
+    """`python -m MODULE ARGV...` in `cwd`, in this interpreter -> its exit status (as run_as_main for a script)."""
+    try:
+        os.chdir(cwd)
+        sys.argv, sys.path[0] = [module, *argv], cwd
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return 0
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+
+def read_request(connection) -> tuple:
+    """One JSON line, and the file descriptors sent with it (none, or stdin / stdout / stderr) -> (request, fds)."""
+    data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
+    while data and not data.endswith(b"\n"):
+        more = connection.recv(1 << 16)
+        if not more:
+            break
+        data += more
+    return json.loads(data), list(fds)
+
+
 def serve(path: str):
     preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
-    listener.listen(4)
-    listener.settimeout(5.0)
+    listener.listen(16)
     parent = os.getppid()
     print("ready", flush=True)
-    while True:
-        try:
-            connection, _ = listener.accept()
-        except socket.timeout:
-            if os.getppid() != parent:  # the tests ended without closing us
-                return
-            continue
-        connection.settimeout(None)
-        with connection:
-            request = json.loads(connection.makefile().readline())
-            sys.stdout.flush(), sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                listener.close(), connection.close()
-                status = 1
+    running = {}  # pid -> the connection of its client
+    while os.getppid() == parent:  # else the tests ended without closing us
+        readable, _, _ = select.select([listener, *running.values()], [], [], 0.05)
+        for connection in readable:
+            if connection is listener:
+                start(listener, path, running)
+            elif connection in running.values():  # a client sends nothing after its request: it hung up
+                pid = next(pid for pid, c in running.items() if c is connection)
                 try:
-                    status = child(request)
-                finally:
-                    os._exit(status & 0xFF)
-            answer(connection, {"pid": pid})
-            _, wait_status = os.waitpid(pid, 0)
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        while running:  # the starts that have ended
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            connection = running.pop(pid)
             answer(connection, {"status": os.waitstatus_to_exitcode(wait_status)})
+            connection.close()
+
+
+def start(listener, path: str, running: dict):
+    """Accept one client, fork its start, tell it the pid."""
+    connection, _ = listener.accept()
+    request, fds = read_request(connection)
+    sys.stdout.flush(), sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        listener.close(), connection.close()
+        for other in running.values():
+            other.close()
+        status = 1
+        try:
+            status = child(request, fds, path)
+        finally:
+            os._exit(status & 0xFF)
+    for fd in fds:
+        os.close(fd)
+    answer(connection, {"pid": pid})
+    running[pid] = connection
 
 
 def answer(connection, message: dict):

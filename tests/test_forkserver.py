@@ -93,3 +93,52 @@ def test_a_start_past_its_timeout_is_killed_with_what_it_started(tmp_path):
     assert run_python([sys.executable, "-c", "print(1)"]).stdout == "1\n"
     (tmp_path / "quick.py").write_text("print('quick')\n")
     assert run_python([sys.executable, str(tmp_path / "quick.py")], cwd=tmp_path, timeout=60).stdout == "quick\n"
+
+
+RANKS = '''import os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")  # from torchrun's environment
+total = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(total)  # both ranks at once, or this hangs
+sys.stdout.write(f"rank {os.environ['RANK']} of {dist.get_world_size()} sum {total.item()} threads "
+                 f"{torch.get_num_threads()} argv {sys.argv[1:]} in {os.path.basename(os.getcwd())} server named "
+                 f"{'RLHF_TESTS_FORK_SERVER' in os.environ}\\n")  # one write: the ranks share the output
+sys.stdout.flush()
+if sys.argv[1] == "fail" and os.environ["RANK"] == "1":
+    sys.exit(7)
+if sys.argv[1] == "fail":  # rank 0 waits for a rank that is gone: the launcher must stop it
+    dist.all_reduce(total)
+dist.destroy_process_group()
+'''
+
+
+def test_a_launch_forks_its_ranks_as_fresh_ones_would_run(tmp_path):
+    """`python -m accelerate.commands.launch` through run_python: the launcher and both ranks are forks (tests/rank.py),
+    the ranks run side by side with torchrun's environment, and the launch exits and prints as a fresh one does."""
+    import socket
+
+    (tmp_path / "ranks.py").write_text(RANKS)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    results = {}
+    for how, run in (("forked", run_python), ("fresh", subprocess.run)):
+        for arg in ("ok", "fail"):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
+                   "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+                   str(port), str(tmp_path / "ranks.py"), arg]
+            extra = {} if how == "forked" else {"capture_output": True, "text": True}
+            start = time.monotonic()
+            results[how, arg] = run(cmd, cwd=tmp_path, env=env, timeout=120, **extra)
+            assert time.monotonic() - start < 60, (how, arg)  # a rank left waiting was stopped
+    for arg in ("ok", "fail"):
+        forked, fresh = results["forked", arg], results["fresh", arg]
+        assert forked.returncode == fresh.returncode == (0 if arg == "ok" else 1), forked.stderr[-2000:]
+        lines = [sorted(line for line in result.stdout.splitlines() if line.startswith("rank")) for result in
+                 (forked, fresh)]
+        assert lines[0] == lines[1] == [f"rank {r} of 2 sum 3.0 threads 1 argv ['{arg}'] in {tmp_path.name} server "
+                                        "named False" for r in (0, 1)], (forked.stdout, forked.stderr[-2000:])
+    assert "exitcode  : 7" in results["forked", "fail"].stderr
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "ranks.py")], capture_output=True, text=True).stdout
+    assert leftover == "", leftover

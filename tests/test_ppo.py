@@ -5,7 +5,6 @@ on the tiny model, and a subprocess smoke run on the tiny world (whole file: wel
 import csv
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -500,7 +499,7 @@ def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
            "--batch_size", "16", "--local_micro_batch_size", "4", "--local_rollout_forward_batch_size", "8",
            "--response_length", "16", "--num_eval_samples", "10", "--local_eval_batch_size", "4", "--whiten_rewards"]
     with multi_process_slot(2):
-        result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        result = run_python(cmd, cwd=tmp_path, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     saved = json.loads((tmp_path / "ppo" / "args.json").read_text())
     assert (saved["world_size"], saved["local_batch_size"], saved["gradient_accumulation_steps"]) == (2, 8, 2)
@@ -538,7 +537,7 @@ def test_deepspeed_offload_matches_deepspeed(tiny_tldr, tmp_path):
         # 5 eval rows on 2 ranks in batches of 2: rank 0 has 3 rows (2 batches), rank 1 two (1 batch). The
         # ZeRO-3 engines gather parameters in every forward, so unequal batch counts would hang here.
         with multi_process_slot(2):
-            result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+            result = run_python(cmd, cwd=tmp_path, env=env, timeout=300)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert json.loads((tmp_path / "offload" / "args.json").read_text())["offload"] is True
     plain, offload = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("plain", "offload"))
