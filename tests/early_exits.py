@@ -17,13 +17,17 @@ import sys
 import traceback
 
 
-def run_as_main(script: str, argv: list, cwd: str) -> int:
-    """`python SCRIPT ARGV...` in `cwd`, in this interpreter -> its exit status, as the interpreter gives it. Leaves
-    sys.argv, sys.path[0] and the working folder as the script had them (the caller restores them if it goes on)."""
+def run_as_main(script: str, argv: list, cwd: str, module: bool = False) -> int:
+    """`python SCRIPT ARGV...` (or `python -m SCRIPT ARGV...` if `module`) in `cwd`, in this interpreter -> its exit
+    status, as the interpreter gives it. Leaves sys.argv, sys.path[0] and the working folder as the script had them
+    (the caller restores them if it goes on)."""
     try:
         os.chdir(cwd)
-        sys.argv, sys.path[0] = [script, *argv], os.path.dirname(os.path.abspath(script))
-        runpy.run_path(script, run_name="__main__")
+        sys.argv, sys.path[0] = [script, *argv], os.getcwd() if module else os.path.dirname(os.path.abspath(script))
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
         return 0
     except SystemExit as stop:  # sys.exit(code): None is 0, a message is printed and is 1
         if stop.code is None or isinstance(stop.code, int):

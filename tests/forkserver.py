@@ -36,7 +36,6 @@ serves starts side by side (a launch's ranks run at the same time). A client tha
 import importlib
 import json
 import os
-import runpy
 import select
 import signal
 import socket
@@ -91,7 +90,7 @@ def child(request, fds: list, socket_path: str) -> int:
     torch.seed()
     if "module" in request:  # a launcher, whose ranks tests/rank.py asks this server for
         os.environ["RLHF_TESTS_FORK_SERVER"] = socket_path
-        status = run_module_as_main(request["module"], request["argv"], request["cwd"])
+        status = run_as_main(request["module"], request["argv"], request["cwd"], module=True)
     else:
         status = run_as_main(request["script"], request["argv"], request["cwd"])
     # The interpreter's shutdown (Py_FinalizeEx): wait for non-daemon threads, run atexit handlers, flush.
@@ -109,23 +108,6 @@ def child(request, fds: list, socket_path: str) -> int:
         except BaseException:
             pass
     return status
-
-
-def run_module_as_main(module: str, argv: list, cwd: str) -> int:
-    """`python -m MODULE ARGV...` in `cwd`, in this interpreter -> its exit status (as run_as_main for a script)."""
-    try:
-        os.chdir(cwd)
-        sys.argv, sys.path[0] = [module, *argv], cwd
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        return 0
-    except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            return stop.code or 0
-        print(stop.code, file=sys.stderr)
-        return 1
-    except BaseException:
-        traceback.print_exc()
-        return 1
 
 
 def read_request(connection) -> tuple:
@@ -157,7 +139,7 @@ def serve(path: str):
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except ProcessLookupError:
-                    pass
+                    os.kill(pid, signal.SIGKILL)  # killed before it made its group
         while running:  # the starts that have ended
             pid, wait_status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
