@@ -131,15 +131,14 @@ def serve(path: str):
     running = {}  # pid -> the connection of its client
     while os.getppid() == parent:  # else the tests ended without closing us
         readable, _, _ = select.select([listener, *running.values()], [], [], 0.05)
-        for connection in readable:
-            if connection is listener:
-                start(listener, path, running)
-            elif connection in running.values():  # a client sends nothing after its request: it hung up
-                pid = next(pid for pid, c in running.items() if c is connection)
+        for pid, client in running.items():
+            if client in readable:  # a client sends nothing after its request: it hung up
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     os.kill(pid, signal.SIGKILL)  # killed before it made its group
+        if listener in readable:
+            start(listener, path, running)
         while running:  # the starts that have ended
             pid, wait_status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
