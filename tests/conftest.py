@@ -153,7 +153,7 @@ def preprocess_tiny_world(out):
         [sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(WORLD / "pythia-tiny"),
          "--sft_dataset", str(WORLD / "tldr_3_filtered"),
          "--preference_dataset", str(WORLD / "summarize_from_feedback"),
-         "--output_dir", str(out), "--num_proc", "2", *tiny_lengths()], timeout=600)
+         "--output_dir", str(out), *tiny_lengths()], timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
@@ -182,13 +182,17 @@ def early_exits(cases, env=None, timeout=600):
 
 LAUNCHER = "accelerate.commands.launch"  # `accelerate launch` as `python -m` runs it
 _FORK_SERVERS = {}  # environment -> (server process, its folder): this pytest process's fork servers
+# pytest sets PYTEST_CURRENT_TEST to the running test and phase ("tests/x.py::test_y (call)"), so it differs in every
+# test: left in a server's environment, every test would start a server of its own (~10 s of imports each, and each
+# kept until the run ends). Only pytest reads it; a start sees the server's environment without it.
+PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
 
 
 def run_python(cmd, cwd=None, env=None, timeout=None):
     """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout) for a start of
     `python SCRIPT ARGS...` (cmd[0] is sys.executable), run as a forked copy of an interpreter that has imported
     the libraries already (tests/forkserver.py, which says how the copy equals a fresh start; one server per
-    environment, started on first use and kept for the test run): each start's ~10 s of imports are paid once.
+    environment but for PER_TEST_VARIABLES, started on first use and kept for the test run): each start's ~10 s of imports are paid once.
     So is a launch, `python -m accelerate.commands.launch ... SCRIPT.py ARGS...`: the launcher is forked, and each
     of its ranks too (tests/rank.py). Other commands (`python -c`, other modules, shell scripts) run as subprocess.run
     runs them."""
@@ -206,7 +210,8 @@ def run_python(cmd, cwd=None, env=None, timeout=None):
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     else:
         request = {"script": cmd[1], "argv": cmd[2:]}
-    folder = fork_server(dict(os.environ if env is None else env))
+    folder = fork_server({key: value for key, value in (os.environ if env is None else env).items()
+                          if key not in PER_TEST_VARIABLES})
     with tempfile.TemporaryDirectory() as scratch:
         outputs = Path(scratch) / "stdout", Path(scratch) / "stderr"
         request.update(cwd=str(cwd or os.getcwd()), stdout=str(outputs[0]), stderr=str(outputs[1]))

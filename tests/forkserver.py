@@ -5,7 +5,7 @@ Every interpreter start of a stage script pays ~10 s of imports on CI's machine 
 accelerate, DeepSpeed) before its first line runs, and the tests start ~100 of them: most of CI's time. This server
 pays the imports once, then forks a child per start. The child is the start it stands for, as `python SCRIPT ARGS...`
 would be, in its own process: the script runs as __main__ (runpy) in its working folder, with the environment the
-server was started with (the client starts one server per environment), stdin from /dev/null, stdout and stderr
+server was started with (the client starts one server per environment, pytest's per-test PYTEST_CURRENT_TEST left out), stdin from /dev/null, stdout and stderr
 into files at the file-descriptor level; an uncaught exception prints its traceback and is exit status 1; at the end
 it waits for its threads and runs the atexit handlers, as the interpreter's own shutdown does. It differs from a fresh
 interpreter only in what it has imported already: third-party libraries, never a module of this repository (they

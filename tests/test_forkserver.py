@@ -59,6 +59,21 @@ def test_each_start_looks_as_its_own_interpreter_would(tmp_path):
             for arg in ("ok", "raise", "exit3", "message")] == [0, 1, 3, 1]
 
 
+def test_the_tests_of_a_run_share_a_server(tmp_path, monkeypatch):
+    """pytest's per-test variable PYTEST_CURRENT_TEST does not start a server per test (~10 s of imports each): the
+    starts of two tests are forks of one server, and a start does not see the variable."""
+    (tmp_path / "script.py").write_text("import os; print(os.getppid(), os.environ.get('PYTEST_CURRENT_TEST'), sep='|')")
+    parents = []
+    for test in ("tests/test_a.py::test_one (call)", "tests/test_b.py::test_two (setup)"):
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", test)
+        result = run_python([sys.executable, str(tmp_path / "script.py")], cwd=tmp_path, timeout=300)
+        assert result.returncode == 0, result.stderr
+        parent, seen = result.stdout.strip().split("|")
+        parents.append(int(parent))
+        assert seen == "None"
+    assert parents[0] == parents[1] != os.getpid()
+
+
 def test_random_state_and_threads_are_a_fresh_interpreters(tmp_path):
     """Unseeded draws differ from start to start (each fresh interpreter seeds from the OS), seeded ones are the same
     as a fresh interpreter's, and the thread count comes from the environment."""

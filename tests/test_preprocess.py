@@ -535,6 +535,28 @@ def test_policy_pair_counts():
         "train": {"a--b": 2, "a--c": 1}, "validation": {"a--c": 1, "a--b": 1}}
 
 
+# ---- reading datasets in one batch (plumbing) ----
+
+def test_rows_and_columns_read_in_one_batch_equal_the_row_by_row_reads():
+    """as_rows(d) == list(d) and d[column][:] == list(d[column]), on the committed world's preference validation rows
+    (nested `info`, a list of `summaries` dicts, `extra` with None confidences), reordered and thinned by `select`."""
+    source = datasets.load_dataset(str(REPO / "assets" / "tiny_world" / "summarize_from_feedback"), "comparisons",
+                                   split="validation")
+    dataset = source.select([5, 3, 1, *range(40, 80, 7)])  # an indices mapping over the Arrow table
+    assert pre.as_rows(dataset) == list(dataset) and len(pre.as_rows(dataset)) == 9
+    for column in dataset.column_names:
+        assert dataset[column][:] == list(dataset[column]), column
+    assert pre.as_rows(dataset.select([])) == []
+
+
+def test_map_processes_forks_only_for_splits_worth_it(monkeypatch):
+    monkeypatch.setattr(pre.os, "cpu_count", lambda: 4)
+    assert [pre.map_processes(None, rows) for rows in (0, 5, 1999, 2000, 3999, 16384)] == [None, None, None, 2, 3, 4]
+    assert pre.map_processes(1, 5) == 1 and pre.map_processes(3, 16384) == 3  # --num_proc is taken as given
+    monkeypatch.setattr(pre.os, "cpu_count", lambda: None)  # unknown: one process
+    assert pre.map_processes(None, 16384) is None
+
+
 # ---- --help: tyro builds it from the field docstrings ----
 
 def test_help_shows_every_flag_with_its_docstring(capsys):

@@ -38,7 +38,7 @@ def old_output(tmp_path_factory, tok):
     """The outputs of a good run, to be copied where a failing run then writes."""
     folder = tmp_path_factory.mktemp("good")
     sft, preference = smoke_sources()
-    command = write_world(folder, sft, preference) + ["--output_dir", str(folder / "out"), "--num_proc", "1"]
+    command = write_world(folder, sft, preference) + ["--output_dir", str(folder / "out")]
     result = run(command + flag_args(reference_flags(tok, sft, preference)[0]), folder)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return folder / "out"
@@ -114,7 +114,7 @@ def test_load_source_names_the_bad_file_and_line(tmp_path):
 def test_preference_data_without_cnndm_rows_works_and_says_so(tmp_path, tok):
     sft, preference = smoke_sources()
     preference["validation"] = [row for row in preference["validation"] if row["batch"] not in pre.CNNDM_BATCHES]
-    command = write_world(tmp_path, sft, preference) + ["--output_dir", str(tmp_path / "out"), "--num_proc", "1"]
+    command = write_world(tmp_path, sft, preference) + ["--output_dir", str(tmp_path / "out")]
     result = run(command + flag_args(reference_flags(tok, sft, preference)[0]), tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "no CNN/DM comparisons" in result.stdout and "validation_cnndm is empty" in result.stdout
@@ -146,7 +146,7 @@ def test_bad_source_fails_and_keeps_the_old_outputs(tmp_path, tok, old_output, f
         sft["validation"].append(sft_row("b2", summary=" "))
     elif fault == "duplicate id":
         sft["test"].append(sft_row("a2", summary="a cat"))  # a2 is a train post
-    command = write_world(tmp_path, sft, preference) + ["--output_dir", str(out), "--num_proc", "1"]
+    command = write_world(tmp_path, sft, preference) + ["--output_dir", str(out)]
     if fault.startswith("invalid JSON"):
         write_jsonl_sources(tmp_path / "sft_json", sft)
         command[command.index("--sft_dataset") + 1] = str(tmp_path / "sft_json")

@@ -13,28 +13,14 @@ from pathlib import Path
 
 import datasets
 import pytest
-from conftest import run_python
+from conftest import REPO, run_python
 
 import preprocess_tldr as pre
 from test_preprocess import flag_args, make_tokenizer, reference_flags, smoke_sources, write_world
 
 OUTPUTS = ["args.json", "policy_pairs.json", "preference", "sft", "visuals"]
 INSTALL_ORDER = ["sft", "preference", "visuals", "policy_pairs.json", "args.json"]  # as the script moves them
-# Runs the script as __main__ and SIGKILLs it at the start of the N-th call of a function of that name.
-KILLER = """
-import os, runpy, signal, sys
-import datasets, transformers, tyro  # imported before the profiler is on: their import is not under test
-name, count, calls = sys.argv[1], int(sys.argv[2]), 0
-def profile(frame, event, arg):
-    global calls
-    if event == "call" and frame.f_code.co_name == name:
-        calls += 1
-        if calls == count:
-            os.kill(os.getpid(), signal.SIGKILL)
-sys.argv = sys.argv[3:]
-sys.setprofile(profile)
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+KILLER = str(REPO / "tests" / "kill_at_call.py")  # KILLER NAME N SCRIPT ARGS: SIGKILLed at the N-th call of NAME
 
 
 def fingerprint(folder: Path) -> dict:
@@ -107,8 +93,8 @@ def test_kill_at_a_chosen_call_leaves_old_or_new_outputs(tmp_path, runs, functio
     commands, fingerprints, outputs = runs
     out = tmp_path / "out"
     shutil.copytree(outputs["old"], out)
-    command = [sys.executable, "-c", KILLER, function, str(count)] + commands["new"][1:] + ["--output_dir", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, KILLER, function, str(count)] + commands["new"][1:] + ["--output_dir", str(out)]
+    result = run_python(command, timeout=300)
     assert result.returncode == -signal.SIGKILL, result.stdout[-2000:] + result.stderr[-2000:]
     wait_for_clean_up(out)
     assert sorted(os.listdir(out)) == OUTPUTS  # no scratch, no half-moved folder
@@ -146,8 +132,8 @@ def test_kill_after_a_delay_leaves_old_or_new_outputs(tmp_path, runs, delay):
 def test_kill_during_a_first_run_leaves_no_folder(tmp_path, runs):
     commands, _, _ = runs
     out = tmp_path / "data" / "tldr"
-    command = [sys.executable, "-c", KILLER, "save_to_disk", "3"] + commands["new"][1:] + ["--output_dir", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, KILLER, "save_to_disk", "3"] + commands["new"][1:] + ["--output_dir", str(out)]
+    result = run_python(command, timeout=300)
     assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
     deadline = time.time() + 30
     while (tmp_path / "data").exists() and time.time() < deadline:

@@ -289,7 +289,7 @@ def preprocess(cwd, source, base_model, *flags):
     The world's length flags are budgets here (the cut's longest rows may be shorter)."""
     return run_python([sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(base_model),
                        "--sft_dataset", str(source / "tldr_3_filtered"),
-                       "--preference_dataset", str(source / "summarize_from_feedback"), "--num_proc", "1",
+                       "--preference_dataset", str(source / "summarize_from_feedback"),
                        *tiny_lengths(), "--no-check_length_correctness", *flags], cwd=cwd, timeout=600)
 
 
