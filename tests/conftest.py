@@ -189,13 +189,13 @@ PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
 
 
 def run_python(cmd, cwd=None, env=None, timeout=None):
-    """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout) for a start of
-    `python SCRIPT ARGS...` (cmd[0] is sys.executable), run as a forked copy of an interpreter that has imported
-    the libraries already (tests/forkserver.py, which says how the copy equals a fresh start; one server per
-    environment but for PER_TEST_VARIABLES, started on first use and kept for the test run): each start's ~10 s of imports are paid once.
-    So is a launch, `python -m accelerate.commands.launch ... SCRIPT.py ARGS...`: the launcher is forked, and each
-    of its ranks too (tests/rank.py). Other commands (`python -c`, other modules, shell scripts) run as subprocess.run
-    runs them."""
+    """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout) for a start of `python
+    SCRIPT ARGS...` (cmd[0] is sys.executable), run as a forked copy of an interpreter that has imported the
+    libraries already (tests/forkserver.py, which says how the copy equals a fresh start; one server per
+    environment, PER_TEST_VARIABLES aside, started on first use and kept for the test run): each start's ~10 s
+    of imports are paid once. So is a launch, `python -m accelerate.commands.launch ... SCRIPT.py ARGS...`: the
+    launcher is forked, and each of its ranks too (tests/rank.py). Other commands (`python -c`, other modules,
+    shell scripts) run as subprocess.run runs them."""
     import json
     import socket
 

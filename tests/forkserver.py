@@ -5,12 +5,13 @@ Every interpreter start of a stage script pays ~10 s of imports on CI's machine 
 accelerate, DeepSpeed) before its first line runs, and the tests start ~100 of them: most of CI's time. This server
 pays the imports once, then forks a child per start. The child is the start it stands for, as `python SCRIPT ARGS...`
 would be, in its own process: the script runs as __main__ (runpy) in its working folder, with the environment the
-server was started with (the client starts one server per environment, pytest's per-test PYTEST_CURRENT_TEST left out), stdin from /dev/null, stdout and stderr
-into files at the file-descriptor level; an uncaught exception prints its traceback and is exit status 1; at the end
-it waits for its threads and runs the atexit handlers, as the interpreter's own shutdown does. It differs from a fresh
-interpreter only in what it has imported already: third-party libraries, never a module of this repository (they
-are imported to find the libraries they need, then forgotten). The random state is a fresh interpreter's: seeded
-from the OS, anew in every child (Python's `random` reseeds itself after a fork; numpy and torch are reseeded here).
+server was started with (the client starts one server per environment, pytest's per-test PYTEST_CURRENT_TEST left
+out), stdin from /dev/null, stdout and stderr into files at the file-descriptor level; an uncaught exception prints
+its traceback and is exit status 1; at the end it waits for its threads and runs the atexit handlers, as the
+interpreter's own shutdown does. It differs from a fresh interpreter only in what it has imported already:
+third-party libraries, never a module of this repository (they are imported to find the libraries they need, then
+forgotten). The random state is a fresh interpreter's: seeded from the OS, anew in every child (Python's `random`
+reseeds itself after a fork; numpy and torch are reseeded here).
 
 Fork safety: the server forks only while it runs no Python thread but its main one (checked at start) and has run
 no torch parallel region, so no child inherits a half-made thread pool. The native threads that numpy's OpenBLAS
