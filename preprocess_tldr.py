@@ -574,7 +574,8 @@ def plot_visuals(length_panels: list, confidences: dict, pair_counts: dict, fold
     figure, axes = plt.subplots(2, 2, figsize=(12, 8))
     for ax, (title, series, flag) in zip(axes.flat, length_panels):
         for label, lengths in series.items():  # one bin per token count, up to the flag or the longest
-            ax.hist(lengths, bins=range(0, max([flag, *lengths]) + 2), alpha=0.5, label=label)
+            # One filled outline per series: drawn as a bar per bin (up to ~260 here), the four panels took ~4 s.
+            ax.hist(lengths, bins=range(0, max([flag, *lengths]) + 2), alpha=0.5, label=label, histtype="stepfilled")
         ax.axvline(flag, color="black", linestyle="--", label=f"flag {flag}")
         ax.set(title=title, xlabel="tokens", ylabel="rows")
         ax.legend()
