@@ -1,7 +1,7 @@
-"""The real path on a GPU, in one command: a Pythia-1B-shaped model through SFT, RM and PPO updates.
+"""The real path on a GPU, in one command: a Pythia-1B-shaped model through SFT, RM, DPO and PPO updates.
 
-One SFT, one RM and two PPO updates (twice: HF generate, then --fast_sampling) at the paper's
-per-GPU batch (SFT 16 samples in micro-batches of 1, RM 8 pairs in micro-batches of 1, PPO 64
+One SFT, one RM, one DPO and two PPO updates (twice: HF generate, then --fast_sampling) at the paper's
+per-GPU batch (SFT 16 samples in micro-batches of 1, RM and DPO 8 pairs in micro-batches of 1, PPO 64
 episodes in micro-batches of 16 with rollouts of 64: benchmark/knobs.sh at 1B), each through
 `accelerate launch` with the paper's DeepSpeed ZeRO-2 bf16 config on one process, each stage
 loading the previous one's output. No Hub needed: the model is Pythia-1B's architecture (hidden
@@ -49,6 +49,8 @@ STAGE_FLAGS = {
                "--num_eval_samples", "8", "--local_eval_batch_size", "4"],
     "reward.py": ["--batch_size", "8", "--local_micro_batch_size", "1", "--total_episodes", "8",
                   "--num_eval_samples", "8", "--local_eval_batch_size", "8"],
+    "dpo.py": ["--batch_size", "8", "--local_micro_batch_size", "1", "--total_episodes", "8",
+               "--num_eval_samples", "8", "--local_eval_batch_size", "8"],
     "ppo.py": ["--batch_size", "64", "--local_micro_batch_size", "16", "--local_rollout_forward_batch_size", "64",
                "--total_episodes", "128", "--num_eval_samples", "8", "--local_eval_batch_size", "8"],
 }
@@ -270,7 +272,8 @@ def main() -> None:
     memory = {}
     # Each stage finds the last one's output at its default path; PPO runs twice, the second time with the
     # fast sampler (its own run name and output folder).
-    stages = {"sft": ("sft.py", []), "reward": ("reward.py", []), "ppo": ("ppo.py", ["--run_name", "ppo"]),
+    stages = {"sft": ("sft.py", []), "reward": ("reward.py", []), "dpo": ("dpo.py", []),
+              "ppo": ("ppo.py", ["--run_name", "ppo"]),
               "ppo_fast": ("ppo.py", ["--fast_sampling", "--run_name", "ppo_fast",
                                       "--output_dir", os.path.join(args.work, "models", model_name, "ppo_fast")])}
     for stage, (script, extra) in stages.items():
@@ -303,6 +306,7 @@ def main() -> None:
         "| stage | per-GPU batch | wall time (s, loading and eval included) | peak GPU memory |", "|---|---|---|---|",
         f"| SFT, 1 update | 16 x 1 | {timings['sft']:.0f} | {memory['sft']} |",
         f"| RM, 1 update | 8 pairs x 1 | {timings['reward']:.0f} | {memory['reward']} |",
+        f"| DPO, 1 update | 8 pairs x 1 | {timings['dpo']:.0f} | {memory['dpo']} |",
         f"| PPO, 2 updates | 64 episodes, micro 16, rollout 64 | {timings['ppo']:.0f} | {memory['ppo']} |",
         f"| PPO, 2 updates, --fast_sampling | the same | {timings['ppo_fast']:.0f} | {memory['ppo_fast']} |", "",
         f"PPO update, the second of each run (the first one's generation includes compiling the fast sampler's step; "

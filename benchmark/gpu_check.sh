@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The real path on one GPU, in one command (no Hub needed): a Pythia-1B-shaped model through one
-# SFT, one RM and two PPO updates at the paper's per-GPU batch, bf16 under DeepSpeed ZeRO-2; prints
+# SFT, one RM, one DPO and two PPO updates at the paper's per-GPU batch, bf16 under DeepSpeed ZeRO-2; prints
 # and writes benchmark/results/gpu_check.md (device, versions, peak memory per stage, the PPO
 # update's time split, first-epoch ratio, windowed vs full forward, decode tokens/s of the fast
 # sampling path and of the plain loop).
