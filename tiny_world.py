@@ -488,9 +488,15 @@ def recap_skill(model, tokenizer, seed, n=200):
 # The world card.
 # ------------------------------------------------------------------------------------------------
 def world_card(meta):
-    """The markdown card written to WORLD.md."""
+    """The markdown card written to WORLD.md (meta: world.json as read back)."""
+    sections = (card_datasets(meta), card_writer(meta), card_length(meta), card_policies(meta), card_base_model(meta))
+    return "\n".join(line for section in sections for line in section) + "\n"
+
+
+def card_datasets(meta):
+    """The card's title, row counts and ground truth (the gold judge, the labels' noise ceiling)."""
     c = meta["counts"]
-    lines = [
+    return [
         "# The tiny TL;DR world", "",
         f"Built by `python tiny_world.py` with seed {meta['args']['seed']}. Same seed, same bytes.", "",
         "| dataset | split | rows |", "|---|---|---|",
@@ -504,6 +510,12 @@ def world_card(meta):
         "Best achievable accuracy on the labels (the noise ceiling, mean of max(p, 1-p)):", "",
         "| split | noise ceiling |", "|---|---|",
         *[f"| {s} | {v:.3f} |" for s, v in meta["noise_ceiling"].items()], "",
+    ]
+
+
+def card_writer(meta):
+    """The card's section on the human reference writer: its configured habits and what they give."""
+    return [
         "## The human reference writer", "",
         "The SFT dataset's reference summaries (and the `ref` policy of the preference pairs) come from a "
         "human-like writer, not from an oracle: like a Reddit TL;DR, it states the main point and skips "
@@ -516,6 +528,12 @@ def world_card(meta):
         *[f"| {name} | {meta['references'][key]:.3g} |" for key, name in REFERENCE_MEASURES.items()], "",
         "A summary that keeps every fact and adds nothing scores about 3.0; the references average "
         f"{meta['references']['gold_score']:.2f}, so a policy can beat them, as RLHF beats human TL;DRs in the paper.", "",
+    ]
+
+
+def card_length(meta):
+    """The card's section on length: how often the chosen summary is the longer one."""
+    return [
         "## Which summary is preferred: length", "",
         "In the real preference data the chosen summary is slightly the longer one (median 32 against 30 tokens, "
         "the paper's Detail 4). Here the world's mistakes (a copied detail, a loop, a ramble, an invented fact) add "
@@ -524,6 +542,12 @@ def world_card(meta):
         f"{meta['preference_lengths']['rejected_median_words']} for the rejected one, and it is the longer one in "
         f"{meta['preference_lengths']['chosen_longer']:.0%} of the pairs whose lengths differ. A reward model can "
         "learn that shorter is better (benchmark/README.md measures what that does to PPO, and a world without the cue).", "",
+    ]
+
+
+def card_policies(meta):
+    """The card's section on the policies that wrote the preference pairs (Detail 6)."""
+    return [
         "## Policies (Detail 6)", "",
         f"- train pairs are drawn from {', '.join(TRAIN_POLICIES)}",
         f"- validation pairs from all of {', '.join(VALIDATION_POLICIES)}",
@@ -536,6 +560,12 @@ def world_card(meta):
         "| policy | " + " | ".join(POLICY_COLUMNS.values()) + " |", "|---|" + "---|" * len(POLICY_COLUMNS),
         *[f"| {name} | " + " | ".join(f"{getattr(p, field):.2f}" for field in POLICY_COLUMNS) + " |"
           for name, p in POLICIES.items()], "",
+    ]
+
+
+def card_base_model(meta):
+    """The card's section on the base model: size, pretraining and its recap skill."""
+    return [
         "## Base model", "",
         f"`pythia-tiny/`: GPT-NeoX, {meta['model']['parameters']:,} parameters, "
         f"vocab {meta['model']['vocab_size']}, pretrained for {meta['args']['pretrain_steps']} steps "
@@ -551,7 +581,6 @@ def world_card(meta):
         f"It was pretrained with dropout {meta['args']['pretrain_dropout']} (Pythia pretrains without), and its "
         f"config sets dropout {meta['args']['dropout']} (Pythia's is 0), so Detail 7 (disable dropout) has a visible effect.",
     ]
-    return "\n".join(lines) + "\n"
 
 
 # The writer's habits as the card names them (fields of Policy) and the measures of its summaries.
@@ -645,10 +674,53 @@ def build_world(args, with_model=True):
     """Build every file of the world under args.out_dir and return its metadata.
 
     with_model=False writes only the datasets and the tokenizer (seconds instead of minutes)."""
-    import torch
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
     start = time.time()
+    sft, preference, news_rows, noise = build_datasets(args)
+    # The pretraining corpus is this world's "web text": fresh Reddit-like posts and news-like
+    # articles (never a dataset row, never a TL;DR, never a label) that end with a recap ("Edit: to
+    # sum up, ..." / "In short, ..."). Learning to predict the recap teaches the model to copy facts
+    # from earlier in its context, which a tiny model learns only after a few hundred steps of such
+    # text; SFT then only has to point that skill at "TL;DR:". Real base models have read news too,
+    # which is what lets a reward model trained on Reddit transfer to CNN/DM (Figure 4).
+    corpus = pretraining_corpus(random.Random(args.seed + 1), args.pretrain_documents, args.pretrain_news_fraction)
+    # Tokenizer: trained on the text the world contains (posts, articles, summaries, web text).
+    texts = [f"{r['title']}\n{r['post']}\nTL;DR: {r['summary']}" for r in sft["train"]]
+    texts += [r["info"]["article"] for r in news_rows] + corpus
+    tokenizer = train_tokenizer(texts, args.vocab_size)
+    model_dir = os.path.join(args.out_dir, "pythia-tiny")
+    tokenizer.save_pretrained(model_dir)
+    if not with_model:
+        return None
+    model, losses, recap = build_base_model(args, tokenizer, corpus, model_dir)
+
+    train_rows = preference["train"]
+    meta = {
+        # where the world was written is not part of what it is (same seed, same bytes anywhere)
+        "args": {k: v for k, v in asdict(args).items() if k != "out_dir"},
+        "counts": {"tldr_3_filtered": {k: len(v) for k, v in sft.items()},
+                   "summarize_from_feedback": {"train": len(train_rows),
+                                               "validation (TL;DR)": len(preference["validation"]) - len(news_rows),
+                                               "validation (CNN/DM)": len(news_rows)}},
+        "references": reference_statistics(sft["train"]),
+        "preference_lengths": preference_length_statistics(train_rows),
+        "noise_ceiling": noise,
+        "model": {"parameters": sum(p.numel() for p in model.parameters()),
+                  "vocab_size": model.config.vocab_size, "tokenizer_size": len(tokenizer),
+                  "pretrain_loss_first": losses[0], "pretrain_loss_last": losses[-1],
+                  "recap_facts_right": recap["facts_right"], "recap_invented": recap["invented_per_recap"]},
+    }
+    with open(os.path.join(args.out_dir, "world.json"), "w") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+    with open(os.path.join(args.out_dir, "WORLD.md"), "w") as f:
+        f.write(world_card(json.loads(json.dumps(meta, sort_keys=True))))  # the card of world.json as read back
+    print(f"tiny world written to {args.out_dir} in {time.time() - start:.1f}s; noise ceiling "
+          + ", ".join(f"{k} {v:.3f}" for k, v in meta["noise_ceiling"].items()))
+    return meta
+
+
+def build_datasets(args):
+    """Write the SFT and preference datasets -> their rows by split (SFT, preference), the news rows of the
+    preference validation split, and the noise ceiling of each preference split."""
     rng = random.Random(args.seed)
     n_train, n_val, n_test = args.sft_sizes
     sft = {"train": build_sft_rows(rng, n_train, args.long_tail_fraction),
@@ -672,22 +744,16 @@ def build_world(args, with_model=True):
                             preference, preference_features(),
                             "# summarize_from_feedback (tiny world)\n\nSynthetic stand-in for "
                             "`openai/summarize_from_feedback` (config `comparisons`), built by tiny_world.py.")
+    noise = {"train": sum(train_p) / len(train_p), "validation": sum(val_p) / len(val_p),
+             "validation_cnndm": sum(news_p) / len(news_p)}
+    return sft, preference, news_rows, noise
 
-    # The pretraining corpus is this world's "web text": fresh Reddit-like posts and news-like
-    # articles (never a dataset row, never a TL;DR, never a label) that end with a recap ("Edit: to
-    # sum up, ..." / "In short, ..."). Learning to predict the recap teaches the model to copy facts
-    # from earlier in its context, which a tiny model learns only after a few hundred steps of such
-    # text; SFT then only has to point that skill at "TL;DR:". Real base models have read news too,
-    # which is what lets a reward model trained on Reddit transfer to CNN/DM (Figure 4).
-    corpus = pretraining_corpus(random.Random(args.seed + 1), args.pretrain_documents, args.pretrain_news_fraction)
-    # Tokenizer: trained on the text the world contains (posts, articles, summaries, web text).
-    texts = [f"{r['title']}\n{r['post']}\nTL;DR: {r['summary']}" for r in sft["train"]]
-    texts += [r["info"]["article"] for r in news_rows] + corpus
-    tokenizer = train_tokenizer(texts, args.vocab_size)
-    model_dir = os.path.join(args.out_dir, "pythia-tiny")
-    tokenizer.save_pretrained(model_dir)
-    if not with_model:
-        return None
+
+def build_base_model(args, tokenizer, corpus, model_dir):
+    """Pretrain the base model on `corpus` and save it to model_dir -> (model, pretraining losses, recap_skill)."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
     torch.manual_seed(args.seed)
     config = GPTNeoXConfig(
         vocab_size=128 * math.ceil(len(tokenizer) / 128), hidden_size=args.hidden_size,
@@ -702,31 +768,7 @@ def build_world(args, with_model=True):
     # The saved config turns dropout on for whoever loads the model (the modules built above keep theirs).
     model.config.hidden_dropout = model.config.attention_dropout = args.dropout
     model.save_pretrained(model_dir)
-    recap = recap_skill(model, tokenizer, args.seed, args.recap_posts)
-
-    meta = {
-        # where the world was written is not part of what it is (same seed, same bytes anywhere)
-        "args": {k: v for k, v in asdict(args).items() if k != "out_dir"},
-        "counts": {"tldr_3_filtered": {k: len(v) for k, v in sft.items()},
-                   "summarize_from_feedback": {"train": len(train_rows),
-                                               "validation (TL;DR)": len(val_rows),
-                                               "validation (CNN/DM)": len(news_rows)}},
-        "references": reference_statistics(sft["train"]),
-        "preference_lengths": preference_length_statistics(train_rows),
-        "noise_ceiling": {"train": sum(train_p) / len(train_p), "validation": sum(val_p) / len(val_p),
-                          "validation_cnndm": sum(news_p) / len(news_p)},
-        "model": {"parameters": sum(p.numel() for p in model.parameters()),
-                  "vocab_size": config.vocab_size, "tokenizer_size": len(tokenizer),
-                  "pretrain_loss_first": losses[0], "pretrain_loss_last": losses[-1],
-                  "recap_facts_right": recap["facts_right"], "recap_invented": recap["invented_per_recap"]},
-    }
-    with open(os.path.join(args.out_dir, "world.json"), "w") as f:
-        json.dump(meta, f, indent=2, sort_keys=True)
-    with open(os.path.join(args.out_dir, "WORLD.md"), "w") as f:
-        f.write(world_card(json.loads(json.dumps(meta, sort_keys=True))))  # the card of world.json as read back
-    print(f"tiny world written to {args.out_dir} in {time.time() - start:.1f}s; noise ceiling "
-          + ", ".join(f"{k} {v:.3f}" for k, v in meta["noise_ceiling"].items()))
-    return meta
+    return model, losses, recap_skill(model, tokenizer, args.seed, args.recap_posts)
 
 
 if __name__ == "__main__":
