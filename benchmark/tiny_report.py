@@ -343,15 +343,23 @@ def environment_line(env: Optional[dict]) -> str:
 
 def render_markdown(art: dict) -> str:
     """The report page: one section per finding of the paper, then the stages' other results and times."""
-    ceiling = art["noise_ceiling"] or {}
-    judge_name = art["judge_name"] or "judge"
     lines = [f"# Tiny-world pipeline report (seed {art['seed']})", "",
              f"From the artifacts in `{art['models']}` (benchmark/tiny.sh), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
              "All numbers are on the validation splits.", "", environment_line(art["environment"]), "",
              "![report](report.png)", ""]
 
-    lines += [f"## Figure 1: win rate against the human reference summaries ({judge_name}, Wilson 95% CI)", "",
-              "| policy | win rate | 95% CI | wins / judged | ties | mean words (reference) |", "|---|---|---|---|---|---|"]
+    for section in (section_win_rates, section_mistakes, section_lengths, section_overoptimisation,
+                    section_rm_accuracy, section_calibration, section_dpo_as_rm, section_token_view,
+                    section_other_results, section_time):
+        lines += section(art)
+    return "\n".join(lines) + "\n"
+
+
+def section_win_rates(art: dict) -> list:
+    """Figure 1: win rates against the references, and head to head against SFT."""
+    judge_name = art["judge_name"] or "judge"
+    lines = [f"## Figure 1: win rate against the human reference summaries ({judge_name}, Wilson 95% CI)", "",
+             "| policy | win rate | 95% CI | wins / judged | ties | mean words (reference) |", "|---|---|---|---|---|---|"]
     for method, name in METHODS.items():
         run = (art["judge"] or {}).get(method)
         if run is None:
@@ -368,12 +376,17 @@ def render_markdown(art: dict) -> str:
                          f"{run['wins']} / {run['n']} | {run.get('ties', 0)} | "
                          f"{fmt(run.get('mean_words'), 1)} ({fmt(run.get('mean_other_words'), 1)}) |")
 
-    lines += ["", "## What the summaries get wrong (the gold judge's terms, per summary)", "",
-              "The gold score is 3 x coverage - 0.8 x invented - 0.4 x irrelevant - 0.3 x repetition - 0.1 x rambling "
-              "(- 2 for an empty summary). "
-              "Invented key words are words of the world's lexicon the post does not contain (a wrong name, a fact out "
-              "of nowhere, a feeling the post never states: the tiny base model never learned to restate a post's "
-              "feeling, so the models trained from it guess one; benchmark/README.md).", ""]
+    return lines
+
+
+def section_mistakes(art: dict) -> list:
+    """The gold judge's terms per summary of each policy and of the references."""
+    lines = ["", "## What the summaries get wrong (the gold judge's terms, per summary)", "",
+             "The gold score is 3 x coverage - 0.8 x invented - 0.4 x irrelevant - 0.3 x repetition - 0.1 x rambling "
+             "(- 2 for an empty summary). "
+             "Invented key words are words of the world's lexicon the post does not contain (a wrong name, a fact out "
+             "of nowhere, a feeling the post never states: the tiny base model never learned to restate a post's "
+             "feeling, so the models trained from it guess one; benchmark/README.md).", ""]
     shown = [m for m in (*METHODS, "reference") if art.get("mistakes", {}).get(m)]
     if shown:
         lines += ["| summaries | coverage | invented key words | of which guessed feelings | irrelevant | "
@@ -386,9 +399,14 @@ def render_markdown(art: dict) -> str:
     else:
         lines.append("not run (no <stage>_<seed>/eval_validation.csv)")
 
-    lines += ["", "## Figure 8: win rate against the references by log(summary length / reference length)", "",
-              "Lengths in words; a bucket's win rate is over its decided comparisons (n). The paper's finding: "
-              "PPO above SFT at every length, so its gain is not just longer summaries.", ""]
+    return lines
+
+
+def section_lengths(art: dict) -> list:
+    """Figure 8: win rate against the references by log(summary length / reference length)."""
+    lines = ["", "## Figure 8: win rate against the references by log(summary length / reference length)", "",
+             "Lengths in words; a bucket's win rate is over its decided comparisons (n). The paper's finding: "
+             "PPO above SFT at every length, so its gain is not just longer summaries.", ""]
     buckets = {m: length_buckets(rows) for m, rows in art["judged"].items() if rows is not None and m != "base"}
     if buckets:
         shown = [m for m in ("sft", "ppo", "dpo") if m in buckets]
@@ -400,10 +418,15 @@ def render_markdown(art: dict) -> str:
     else:
         lines.append("not run (no judged/<run>.csv)")
 
-    lines += ["", "## Over-optimisation: the RM's score and the gold score over PPO updates (Gao et al. 2023)", "",
-              "Each row is a PPO evaluation of the validation posts (temperature 0.01; update 0 = the SFT model's "
-              "samples, which the RM did not score). The RM's score is the proxy PPO maximises; the gold score is "
-              "the truth. Where the RM keeps rising while gold falls, PPO exploits the RM.", ""]
+    return lines
+
+
+def section_overoptimisation(art: dict) -> list:
+    """The RM's score and the gold score over PPO updates (Gao et al. 2023)."""
+    lines = ["", "## Over-optimisation: the RM's score and the gold score over PPO updates (Gao et al. 2023)", "",
+             "Each row is a PPO evaluation of the validation posts (temperature 0.01; update 0 = the SFT model's "
+             "samples, which the RM did not score). The RM's score is the proxy PPO maximises; the gold score is "
+             "the truth. Where the RM keeps rising while gold falls, PPO exploits the RM.", ""]
     if art["curve"]:
         lines += ["| PPO update | RM score (references) | gold score (references) | gold win rate vs references |", "|---|---|---|---|"]
         for p in art["curve"]:
@@ -412,7 +435,13 @@ def render_markdown(art: dict) -> str:
     else:
         lines.append("not run (no runs/<run_name>/samples_validation_*.csv)")
 
-    lines += ["", "## Figure 4: reward model accuracy", ""]
+    return lines
+
+
+def section_rm_accuracy(art: dict) -> list:
+    """Figure 4: RM and DPO accuracy against the labels and the gold judge; Detail 16's batches and confidences."""
+    ceiling = art["noise_ceiling"] or {}
+    lines = ["", "## Figure 4: reward model accuracy", ""]
     if art["rm"] is None:
         lines.append("not run")
     else:
@@ -434,9 +463,14 @@ def render_markdown(art: dict) -> str:
             lines += ["", "| confidence | accuracy (pairs) |", "|---|---|"]
             lines += [f"| {v} | {fmt(a)} ({n}) |" for v, a, n in grouped_accuracy(rows, "confidence")]
 
-    lines += ["", "## Figure 5 (right): reward model calibration on TL;DR validation", "",
-              "Accuracy against the labels per bin of |r_chosen - r_rejected|, beside sigmoid(margin): a calibrated "
-              "RM lies on it (Bai et al. 2022).", ""]
+    return lines
+
+
+def section_calibration(art: dict) -> list:
+    """Figure 5 (right): the RM's calibration on TL;DR validation."""
+    lines = ["", "## Figure 5 (right): reward model calibration on TL;DR validation", "",
+             "Accuracy against the labels per bin of |r_chosen - r_rejected|, beside sigmoid(margin): a calibrated "
+             "RM lies on it (Bai et al. 2022).", ""]
     rows = art["rm_rows"].get("validation")
     if rows:
         lines += ["| \\|margin\\| | pairs | accuracy | calibrated |", "|---|---|---|---|"]
@@ -445,8 +479,13 @@ def render_markdown(art: dict) -> str:
     else:
         lines.append("not run")
 
+    return lines
+
+
+def section_dpo_as_rm(art: dict) -> list:
+    """Figure 6: DPO's implicit reward as a reward model beside the RM (Detail 19)."""
     rm_acc, dpo_acc = preference_accuracies(art["rm"], "eval/rm"), preference_accuracies(art["dpo"], "eval/dpo")
-    lines += ["", "## Figure 6: DPO's implicit reward as a reward model (Detail 19)", ""]
+    lines = ["", "## Figure 6: DPO's implicit reward as a reward model (Detail 19)", ""]
     if art["rm"] is None or art["dpo"] is None:
         lines.append("not run")
     else:
@@ -454,7 +493,12 @@ def render_markdown(art: dict) -> str:
         for split, split_name in PREF_SPLITS.items():
             lines.append(f"| {split_name} | {fmt(rm_acc.get((split, 'labels')))} | {fmt(dpo_acc.get((split, 'labels')))} |")
 
-    lines += ["", "## Table 8: what PPO changed, token by token", ""]
+    return lines
+
+
+def section_token_view(art: dict) -> list:
+    """Table 8: PPO's summaries token by token, their probabilities under SFT and PPO."""
+    lines = ["", "## Table 8: what PPO changed, token by token", ""]
     if not art["tokens"]:
         lines.append("not computed (no SFT or PPO model, or --no-tokens)")
     else:
@@ -472,7 +516,12 @@ def render_markdown(art: dict) -> str:
                 lines.append(f"| {token} | {fmt(t['p_before'])} | {fmt(t['p_after'])} | {t['rank_before']} |")
             lines.append("")
 
-    lines += ["", "## Other results", "", "| stage | measure | value |", "|---|---|---|"]
+    return lines
+
+
+def section_other_results(art: dict) -> list:
+    """ROUGE of the base and SFT models, PPO's RM scores and EOS rate."""
+    lines = ["", "## Other results", "", "| stage | measure | value |", "|---|---|---|"]
     for method in ("base", "sft"):
         rouge = art["rouge"][method]
         value = "not run" if rouge is None else " / ".join(fmt(rouge.get(k)) for k in ("rouge1", "rouge2", "rougeL"))
@@ -484,12 +533,17 @@ def render_markdown(art: dict) -> str:
         lines.append(f"| PPO | RM score: its samples / the references | {fmt(ppo.get('score'))} / {fmt(ppo.get('reference_score'))} |")
         lines.append(f"| PPO | samples with an EOS | {fmt(ppo.get('eos_fraction'))} |")
 
-    lines += ["", "## Time per stage", "", environment_line(art["environment"]), "", "| stage | time |", "|---|---|"]
+    return lines
+
+
+def section_time(art: dict) -> list:
+    """Time per stage, with the environment."""
+    lines = ["", "## Time per stage", "", environment_line(art["environment"]), "", "| stage | time |", "|---|---|"]
     for name, seconds in art["timings"]:
         lines.append(f"| {name} | {seconds:.0f} s |")
     total = sum(seconds for _, seconds in art["timings"])
     lines.append(f"| **total** | **{total // 60:.0f} min {total % 60:.0f} s** |" if art["timings"] else "| (no timings.tsv) | |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------
@@ -502,27 +556,38 @@ def plot_report(art: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(2, 4, figsize=(22, 10))
-    (ax_win, ax_len, ax_curve, ax_acc), (ax_group, ax_cal, ax_dpo, ax_time) = axes
+    figure, axes = plt.subplots(2, 4, figsize=(22, 10))  # filled row by row, in the order below
+    for panel, ax in zip((panel_win_rates, panel_lengths, panel_overoptimisation, panel_rm_accuracy,
+                          panel_accuracy_groups, panel_calibration, panel_dpo_as_rm, panel_time), axes.flat):
+        panel(ax, art)
 
-    # Figure 1: win rates against the references (blue) and against SFT (cyan), with Wilson CIs.
+    figure.suptitle(f"benchmark/tiny.sh, seed {art['seed']}: {art['models']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def panel_win_rates(ax, art: dict) -> None:
+    """Figure 1: win rates against the references (blue) and against SFT (cyan), with Wilson CIs."""
     names = [name.replace(" ", "\n") for name in METHODS.values()] + [f"{METHODS[m]}\nvs SFT" for m in ("ppo", "dpo") if m in art["head_to_head"]]
     runs = [(art["judge"] or {}).get(method) for method in METHODS] + [
         art["head_to_head"][m] for m in ("ppo", "dpo") if m in art["head_to_head"]]
     rates = [run["win_rate"] if run else 0.0 for run in runs]
     errors = [[max(0.0, run["win_rate"] - run["ci_low"]) if run else 0.0 for run in runs],  # max: rounding
               [max(0.0, run["ci_high"] - run["win_rate"]) if run else 0.0 for run in runs]]
-    ax_win.bar(names, rates, yerr=errors, capsize=6,
+    ax.bar(names, rates, yerr=errors, capsize=6,
                color=["tab:blue"] * len(METHODS) + ["tab:cyan"] * (len(names) - len(METHODS)))
     for x, run in enumerate(runs):
-        ax_win.text(x, (run["ci_high"] if run else 0.0) + 0.01, "not run" if run is None else f"{run['win_rate']:.3f}",
+        ax.text(x, (run["ci_high"] if run else 0.0) + 0.01, "not run" if run is None else f"{run['win_rate']:.3f}",
                     ha="center", va="bottom", fontsize=9)
-    ax_win.set_ylim(0, 1.05)
-    ax_win.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
-    ax_win.set_ylabel("win rate vs the references (blue) / vs SFT (cyan)")
-    ax_win.set_title(f"Fig. 1: win rate ({art['judge_name'] or 'judge'}, Wilson 95% CI)")
+    ax.set_ylim(0, 1.05)
+    ax.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_ylabel("win rate vs the references (blue) / vs SFT (cyan)")
+    ax.set_title(f"Fig. 1: win rate ({art['judge_name'] or 'judge'}, Wilson 95% CI)")
 
-    # Figure 8: win rate against the references by length bucket (buckets with >= 10 comparisons).
+
+def panel_lengths(ax, art: dict) -> None:
+    """Figure 8: win rate against the references by length bucket (buckets with >= 10 comparisons)."""
     for method, color in (("sft", "tab:orange"), ("ppo", "tab:green"), ("dpo", "tab:red")):
         rows = art["judged"].get(method)
         if not rows:
@@ -530,100 +595,108 @@ def plot_report(art: dict, path: str) -> None:
         points = [b for b in length_buckets(rows) if b["n"] >= 10]
         centers = [(max(b["low"], -1.05) + min(b["high"], 1.05)) / 2 for b in points]
         low_high = [wilson_interval(b["wins"], b["n"]) for b in points]
-        ax_len.errorbar(centers, [b["win_rate"] for b in points], capsize=3, marker="o", color=color, label=METHODS[method],
+        ax.errorbar(centers, [b["win_rate"] for b in points], capsize=3, marker="o", color=color, label=METHODS[method],
                         yerr=[[max(0.0, b["win_rate"] - lo) for b, (lo, _) in zip(points, low_high)],  # max: rounding
                               [max(0.0, hi - b["win_rate"]) for b, (_, hi) in zip(points, low_high)]])
-    ax_len.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
-    ax_len.set(xlabel="log(summary words / reference words)", ylabel="win rate vs the references", ylim=(-0.02, 1.02),
+    ax.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+    ax.set(xlabel="log(summary words / reference words)", ylabel="win rate vs the references", ylim=(-0.02, 1.02),
                title="Fig. 8: win rate by length (buckets with n >= 10)")
     if art["judged"]:
-        ax_len.legend(fontsize=8)
+        ax.legend(fontsize=8)
 
-    # Over-optimisation: RM score (proxy, left axis) and gold score (truth, right axis) over PPO updates.
+
+def panel_overoptimisation(ax, art: dict) -> None:
+    """Over-optimisation: RM score (proxy, left axis) and gold score (truth, right axis) over PPO updates."""
     curve = art["curve"]
     if curve:
         rm_points = [p for p in curve if p["rm"] is not None]
-        ax_curve.plot([p["update"] for p in rm_points], [p["rm"] for p in rm_points], "o-", color="tab:purple", label="RM score (proxy)")
-        ax_curve.set_ylabel("RM score of the samples", color="tab:purple")
-        gold_axis = ax_curve.twinx()
+        ax.plot([p["update"] for p in rm_points], [p["rm"] for p in rm_points], "o-", color="tab:purple", label="RM score (proxy)")
+        ax.set_ylabel("RM score of the samples", color="tab:purple")
+        gold_axis = ax.twinx()
         gold_axis.plot([p["update"] for p in curve], [p["gold"] for p in curve], "s-", color="tab:green", label="gold score (truth)")
         gold_axis.axhline(curve[0]["gold_reference"], color="tab:green", linestyle=":", linewidth=1, label="gold score of the references")
         gold_axis.set_ylabel("gold score of the samples", color="tab:green")
-        handles = ax_curve.get_legend_handles_labels()[0] + gold_axis.get_legend_handles_labels()[0]
-        ax_curve.legend(handles=handles, fontsize=7, loc="lower right")
+        handles = ax.get_legend_handles_labels()[0] + gold_axis.get_legend_handles_labels()[0]
+        ax.legend(handles=handles, fontsize=7, loc="lower right")
     else:
-        ax_curve.text(0.5, 0.5, "not run", transform=ax_curve.transAxes, ha="center")
-    ax_curve.set(xlabel="PPO update (0 = SFT)", title="over-optimisation: proxy vs gold (Gao et al. 2023)")
+        ax.text(0.5, 0.5, "not run", transform=ax.transAxes, ha="center")
+    ax.set(xlabel="PPO update (0 = SFT)", title="over-optimisation: proxy vs gold (Gao et al. 2023)")
 
-    # Figure 4 (bottom right): RM accuracy per split, against the labels and the gold judge.
+
+def panel_rm_accuracy(ax, art: dict) -> None:
+    """Figure 4 (bottom right): RM accuracy per split, against the labels and the gold judge."""
     groups = [("RM", preference_accuracies(art["rm"], "eval/rm"), art["rm"] is not None)]
     bars = [(f"{model}\n{PREF_SPLITS[split].split()[0]}\n{kind}", accuracies.get((split, kind)))
             for model, accuracies, ran in groups if ran for split in PREF_SPLITS for kind in ("labels", "gold")]
     colors = {"labels": "tab:orange", "gold": "tab:green"}
     for x, (label, value) in enumerate(bars):
-        ax_acc.bar(x, value or 0.0, color=colors[label.rsplit("\n", 1)[1]])
-        ax_acc.text(x, (value or 0.0) + 0.01, fmt(value), ha="center", va="bottom", fontsize=8)
-    ax_acc.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
+        ax.bar(x, value or 0.0, color=colors[label.rsplit("\n", 1)[1]])
+        ax.text(x, (value or 0.0) + 0.01, fmt(value), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
     if not bars:
-        ax_acc.text(0.5, 0.5, "not run", transform=ax_acc.transAxes, ha="center")
-    ax_acc.axhline(0.5, color="grey", linewidth=0.8, linestyle=":", label="chance")
+        ax.text(0.5, 0.5, "not run", transform=ax.transAxes, ha="center")
+    ax.axhline(0.5, color="grey", linewidth=0.8, linestyle=":", label="chance")
     if art["noise_ceiling"] and "validation" in art["noise_ceiling"]:
-        ax_acc.axhline(art["noise_ceiling"]["validation"], color="black", linewidth=0.8, linestyle="--",
+        ax.axhline(art["noise_ceiling"]["validation"], color="black", linewidth=0.8, linestyle="--",
                        label=f"noise ceiling of the labels ({art['noise_ceiling']['validation']:.2f})")
-    ax_acc.set(ylim=(0, 1.05), ylabel="accuracy on preference pairs", title="Fig. 4: RM accuracy (TL;DR, CNN/DM never trained on)")
-    ax_acc.legend(loc="lower right", fontsize=7)
+    ax.set(ylim=(0, 1.05), ylabel="accuracy on preference pairs", title="Fig. 4: RM accuracy (TL;DR, CNN/DM never trained on)")
+    ax.legend(loc="lower right", fontsize=7)
 
-    # The per-batch and per-confidence accuracy of Detail 16 (the paper plots both).
+
+def panel_accuracy_groups(ax, art: dict) -> None:
+    """The per-batch and per-confidence accuracy of Detail 16 (the paper plots both)."""
     rows = art["rm_rows"].get("validation")
     if rows:
         by_batch, by_confidence = grouped_accuracy(rows, "batch"), grouped_accuracy(rows, "confidence")
         labels = [v.replace("batch", "b") for v, _, _ in by_batch] + [f"c{v}" for v, _, _ in by_confidence]
         values = [a for _, a, _ in by_batch] + [a for _, a, _ in by_confidence]
-        ax_group.bar(range(len(values)), values, color=["tab:blue"] * len(by_batch) + ["tab:olive"] * len(by_confidence))
-        ax_group.set_xticks(range(len(values)), labels, rotation=90, fontsize=7)
+        ax.bar(range(len(values)), values, color=["tab:blue"] * len(by_batch) + ["tab:olive"] * len(by_confidence))
+        ax.set_xticks(range(len(values)), labels, rotation=90, fontsize=7)
     else:
-        ax_group.text(0.5, 0.5, "not run", transform=ax_group.transAxes, ha="center")
-    ax_group.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
-    ax_group.set(ylim=(0, 1.05), ylabel="RM accuracy vs the labels", title="Detail 16: per batch (blue), per confidence (olive)")
+        ax.text(0.5, 0.5, "not run", transform=ax.transAxes, ha="center")
+    ax.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+    ax.set(ylim=(0, 1.05), ylabel="RM accuracy vs the labels", title="Detail 16: per batch (blue), per confidence (olive)")
 
-    # Figure 5 (right): calibration of the RM (and of DPO's implicit reward) beside sigmoid(margin).
+
+def panel_calibration(ax, art: dict) -> None:
+    """Figure 5 (right): calibration of the RM (and of DPO's implicit reward) beside sigmoid(margin)."""
     for name, table, color in (("RM", art["rm_rows"].get("validation"), "tab:orange"), ("DPO", art["dpo_rows"].get("validation"), "tab:red")):
         if table:
             bins = [b for b in calibration_bins([float(r["chosen_reward"]) - float(r["rejected_reward"]) for r in table]) if b[2] >= 5]
-            ax_cal.plot([(lo + hi) / 2 for lo, hi, *_ in bins], [acc for _, _, _, acc, _ in bins], "o-", color=color, label=name)
+            ax.plot([(lo + hi) / 2 for lo, hi, *_ in bins], [acc for _, _, _, acc, _ in bins], "o-", color=color, label=name)
     grid = [i / 20 for i in range(0, 101)]
-    ax_cal.plot(grid, [1 / (1 + math.exp(-x)) for x in grid], color="black", linewidth=1, label="calibrated: sigmoid")
-    ax_cal.set(xlabel="|r_chosen - r_rejected| (bins of 0.5 with >= 5 pairs)", ylabel="accuracy vs the labels",
+    ax.plot(grid, [1 / (1 + math.exp(-x)) for x in grid], color="black", linewidth=1, label="calibrated: sigmoid")
+    ax.set(xlabel="|r_chosen - r_rejected| (bins of 0.5 with >= 5 pairs)", ylabel="accuracy vs the labels",
                ylim=(0.3, 1.02), title="Fig. 5 (right): calibration, TL;DR validation")
-    ax_cal.legend(fontsize=8)
+    ax.legend(fontsize=8)
 
-    # Figure 6: RM vs DPO's implicit reward, accuracy on the labels.
+
+def panel_dpo_as_rm(ax, art: dict) -> None:
+    """Figure 6: RM vs DPO's implicit reward, accuracy on the labels."""
     rm_acc, dpo_acc = preference_accuracies(art["rm"], "eval/rm"), preference_accuracies(art["dpo"], "eval/dpo")
     for offset, (name, accuracies, color) in enumerate((("RM", rm_acc, "tab:orange"), ("DPO", dpo_acc, "tab:red"))):
         xs = [i + 0.38 * offset for i in range(len(PREF_SPLITS))]
         values = [accuracies.get((split, "labels")) or 0.0 for split in PREF_SPLITS]
-        ax_dpo.bar(xs, values, width=0.36, color=color, label=name)
+        ax.bar(xs, values, width=0.36, color=color, label=name)
         for x, v in zip(xs, values):
-            ax_dpo.text(x, v + 0.01, fmt(v), ha="center", va="bottom", fontsize=8)
-    ax_dpo.set_xticks([i + 0.19 for i in range(len(PREF_SPLITS))], list(PREF_SPLITS.values()))
-    ax_dpo.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
-    ax_dpo.set(ylim=(0, 1.05), ylabel="accuracy vs the labels", title="Fig. 6: RM vs DPO implicit reward (Detail 19)")
-    ax_dpo.legend(fontsize=8)
+            ax.text(x, v + 0.01, fmt(v), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks([i + 0.19 for i in range(len(PREF_SPLITS))], list(PREF_SPLITS.values()))
+    ax.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+    ax.set(ylim=(0, 1.05), ylabel="accuracy vs the labels", title="Fig. 6: RM vs DPO implicit reward (Detail 19)")
+    ax.legend(fontsize=8)
 
+
+def panel_time(ax, art: dict) -> None:
+    """The time per stage, with the thread count."""
     timings = art["timings"]
-    ax_time.barh([name for name, _ in timings][::-1], [seconds for _, seconds in timings][::-1], color="tab:purple")
+    ax.barh([name for name, _ in timings][::-1], [seconds for _, seconds in timings][::-1], color="tab:purple")
     for y, (_, seconds) in enumerate(timings[::-1]):
-        ax_time.text(seconds, y, f" {seconds:.0f} s", va="center", fontsize=8)
+        ax.text(seconds, y, f" {seconds:.0f} s", va="center", fontsize=8)
     total = sum(seconds for _, seconds in timings)
     env = art["environment"] or {}
-    ax_time.set_xlabel(f"seconds ({env.get('torch_threads', '?')} torch threads)")
-    ax_time.set_title(f"time per stage (total {total / 60:.1f} min)" if timings else "time per stage (no timings.tsv)")
-    ax_time.margins(x=0.25)
-
-    figure.suptitle(f"benchmark/tiny.sh, seed {art['seed']}: {art['models']}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
+    ax.set_xlabel(f"seconds ({env.get('torch_threads', '?')} torch threads)")
+    ax.set_title(f"time per stage (total {total / 60:.1f} min)" if timings else "time per stage (no timings.tsv)")
+    ax.margins(x=0.25)
 
 
 def plot_tokens(view: list, path: str) -> None:
