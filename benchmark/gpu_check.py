@@ -286,6 +286,36 @@ def main() -> None:
     pad_id = json.load(open(os.path.join(args.work, "models", model_name, "sft_1", "args.json")))["pad_token_id"]
     checks = forward_checks(os.path.join(args.work, "models", model_name, "sft_1"), pad_id, device)
 
+    lines = report_lines(args, name, versions, timings, memory, stats, stats_fast, checks)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as file:
+        file.write("\n".join(lines))
+    print("\n".join(lines))
+
+
+def training_line(stats: dict, stats_fast: dict, checks: dict) -> str:
+    """The PPO training phase against its floor: epochs x micro-batches x 2 models of plain forward + backward."""
+    from ppo import Args
+
+    flags = STAGE_FLAGS["ppo.py"]
+    micro_batches = int(flags[flags.index("--batch_size") + 1]) // int(flags[flags.index("--local_micro_batch_size") + 1])
+    passes = Args.num_ppo_epochs * micro_batches * 2  # policy and critic (the same backbone)
+    floor = passes * checks["step_seconds"]
+    training = min(stats["time/training"][-1], stats_fast["time/training"][-1])
+    achieved = passes * checks["step_flops"] / training
+    return (f"Training phase against its floor (bf16, the same run): a plain forward + backward of the policy at a "
+            f"micro-batch of 16 x 565 tokens takes {checks['step_seconds'] * 1e3:.0f} ms, "
+            f"{checks['step_flops'] / checks['step_seconds'] / 1e12:.0f} TFLOP/s, "
+            f"{checks['step_flops'] / checks['step_seconds'] / checks['peak_flops']:.0%} of the measured bf16 matmul "
+            f"peak ({checks['peak_flops'] / 1e12:.0f} TFLOP/s; 6 x {checks['weights'] / 1e9:.2f} B non-embedding "
+            f"weights x tokens). PPO's training phase is {passes} such passes ({Args.num_ppo_epochs} epochs x "
+            f"{micro_batches} micro-batches x policy and critic): floor {floor:.2f} s; measured {training:.2f} s = {training / floor:.2f}x the floor, "
+            f"{achieved / 1e12:.0f} TFLOP/s = {achieved / checks['peak_flops']:.0%} of the matmul peak.")
+
+
+def report_lines(args, name: str, versions: str, timings: dict, memory: dict, stats: dict, stats_fast: dict,
+                 checks: dict) -> list:
+    """The lines of gpu_check.md: device, stages, the PPO update's split, ratio, floor, window and decode checks."""
     # the second update's split: the first one's generation includes compiling the fast path's decode step
     def update_split(stats: dict, sampler: str) -> str:
         split = {phase: stats[f"time/{phase}"][-1] for phase in ("generation", "scoring", "training")}
@@ -327,30 +357,7 @@ def main() -> None:
         f"tokens/s ({checks['plain_seconds']:.2f} s): {checks['plain_seconds'] / checks['fast_seconds']:.2f}x; "
         f"the same tokens at {checks['same_tokens']:.1%} of positions (same seed; bf16 rounding may move a "
         f"draw).", ""]
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as file:
-        file.write("\n".join(lines))
-    print("\n".join(lines))
-
-
-def training_line(stats: dict, stats_fast: dict, checks: dict) -> str:
-    """The PPO training phase against its floor: epochs x micro-batches x 2 models of plain forward + backward."""
-    from ppo import Args
-
-    flags = STAGE_FLAGS["ppo.py"]
-    micro_batches = int(flags[flags.index("--batch_size") + 1]) // int(flags[flags.index("--local_micro_batch_size") + 1])
-    passes = Args.num_ppo_epochs * micro_batches * 2  # policy and critic (the same backbone)
-    floor = passes * checks["step_seconds"]
-    training = min(stats["time/training"][-1], stats_fast["time/training"][-1])
-    achieved = passes * checks["step_flops"] / training
-    return (f"Training phase against its floor (bf16, the same run): a plain forward + backward of the policy at a "
-            f"micro-batch of 16 x 565 tokens takes {checks['step_seconds'] * 1e3:.0f} ms, "
-            f"{checks['step_flops'] / checks['step_seconds'] / 1e12:.0f} TFLOP/s, "
-            f"{checks['step_flops'] / checks['step_seconds'] / checks['peak_flops']:.0%} of the measured bf16 matmul "
-            f"peak ({checks['peak_flops'] / 1e12:.0f} TFLOP/s; 6 x {checks['weights'] / 1e9:.2f} B non-embedding "
-            f"weights x tokens). PPO's training phase is {passes} such passes ({Args.num_ppo_epochs} epochs x "
-            f"{micro_batches} micro-batches x policy and critic): floor {floor:.2f} s; measured {training:.2f} s = {training / floor:.2f}x the floor, "
-            f"{achieved / 1e12:.0f} TFLOP/s = {achieved / checks['peak_flops']:.0%} of the matmul peak.")
+    return lines
 
 
 def scalars_of(folder: str) -> dict:
