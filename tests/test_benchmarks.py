@@ -1,4 +1,5 @@
-"""The benchmarks' own arithmetic: the sampling roofline (benchmark/sampling.py) and gpu_check.py's report, against hand-computed values."""
+"""The benchmarks' own arithmetic, against hand-computed values: the sampling roofline (benchmark/sampling.py) and
+gpu_check.py's report."""
 
 import re
 import sys
