@@ -800,6 +800,7 @@ class StaticSampler:
         self.cache.reset()
         for layer_index, layer in enumerate(prefill.layers):
             self.cache.update(layer.keys, layer.values, layer_index)
+            layer.keys = layer.values = None  # freed once copied: the two caches never all live at once
         del prefill
         # (B, T_q + T_resp): fixed for the whole call; a column is read only once its token is in the cache
         attention_mask = torch.cat((attention_mask, attention_mask.new_ones(self.batch_size, response_length)), 1)
