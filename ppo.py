@@ -451,9 +451,7 @@ def main() -> None:
     # Table 7: AdamW (eps 1e-5) with lr 3e-6 decayed linearly, one optimizer over policy and critic.
     # Batch 512 in 1 minibatch, 4 epochs, KL 0.05, gamma 1, lambda 0.95, clips 0.2 / 0.2, vf 0.1, T 0.7.
     model = PolicyAndValueWrapper(policy, critic)  # one module: one prepare, one optimizer, one backward
-    # A GPU runs each step as one fused kernel: the same update in 11 ms instead of 30 ms (1B weights, one H100).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay,
-                                  fused=accelerator.device.type == "cuda")
+    optimizer = adamw(model.parameters(), args, accelerator.device)  # fused on a GPU (below the fence)
     model, optimizer = accelerator.prepare(model, optimizer)
     ref_policy, reward_model = frozen_like_trained(accelerator, args.offload, model, ref_policy, reward_model)
     start_update = resume(accelerator, args, resume_from, model, optimizer, None)
@@ -1120,6 +1118,13 @@ def ppo_batch_sizes(batch_size: int, world_size: int, num_minibatches: int, loca
             "gradient_accumulation_steps": exact(local_mini_batch_size, local_micro_batch_size,
                                                  "minibatch per rank / --local_micro_batch_size"),
             "micro_batch_size": local_micro_batch_size * world_size}
+
+
+def adamw(parameters, args, device: torch.device) -> torch.optim.AdamW:
+    """== torch.optim.AdamW(parameters, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay), with the step as one
+    fused kernel on a GPU: the same update, 11 ms instead of 30 ms for 1B weights on an H100 (benchmark/results/)."""
+    return torch.optim.AdamW(parameters, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay,
+                             fused=device.type == "cuda")
 
 
 def gpu_problem(environ, cuda_available: bool) -> Optional[str]:

@@ -292,9 +292,7 @@ def main() -> None:
     # Detail 9: SFT setup
     # The paper's recipe: AdamW (eps 1e-5, torch's weight decay 0.01), lr 3e-6 with a cosine decay
     # to 0 over one epoch in updates of 128 samples (911 updates of the 116,722 posts), no clipping.
-    # A GPU runs each step as one fused kernel: the same update in 11 ms instead of 30 ms (1B weights, one H100).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay,
-                                  fused=accelerator.device.type == "cuda")
+    optimizer = adamw(model.parameters(), args, accelerator.device)  # fused on a GPU (below the fence)
     scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
     # The scheduler stays unprepared: accelerate's wrapper would step it once per process, and we
     # step it once per update ourselves (save_checkpoint stores its state).
@@ -517,6 +515,13 @@ class SchedulerProbe(torch.optim.Optimizer):
 
     def __init__(self):  # Optimizer.__init__ left out on purpose (above); this is all a schedule reads
         self.defaults, self.param_groups, self.state = {"lr": 1.0}, [{"lr": 1.0, "params": []}], {}
+
+
+def adamw(parameters, args, device: torch.device) -> torch.optim.AdamW:
+    """== torch.optim.AdamW(parameters, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay), with the step as one
+    fused kernel on a GPU: the same update, 11 ms instead of 30 ms for 1B weights on an H100 (benchmark/results/)."""
+    return torch.optim.AdamW(parameters, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay,
+                             fused=device.type == "cuda")
 
 
 def gpu_problem(environ, cuda_available: bool) -> Optional[str]:

@@ -322,3 +322,29 @@ def test_deepspeed_zero2_matches_one_process(single_run, tiny_tldr, tmp_path):
     run_sft(tmp_path, *TINY_RUN, "--query_dataset", tiny_tldr / "sft", "--output_dir", tmp_path / "out",
             "--num_eval_samples", "0", processes=2, deepspeed=True)
     assert max_difference(weights(tmp_path / "out"), weights(single_run[0])) < PROCESS_TOLERANCE
+
+
+def test_adamw_is_the_plain_adamw_fused_only_on_a_gpu():
+    """sft.adamw (the stages' identical copies: test_conventions) == torch.optim.AdamW(lr, eps, weight_decay): on a CPU
+    the same optimizer, step for step to the bit; asked for a GPU, its fused step gives the same update up to rounding."""
+    args = sft.Args(lr=1e-2, eps=1e-5, weight_decay=0.01)
+    torch.manual_seed(0)
+    start, grads = torch.randn(5, 3), [torch.randn(5, 3) for _ in range(3)]
+
+    def trained(make_optimizer):
+        weight = torch.nn.Parameter(start.clone())
+        optimizer = make_optimizer([weight])
+        for grad in grads:
+            weight.grad = grad.clone()
+            optimizer.step()
+        return optimizer, weight.detach()
+
+    plain, plain_weight = trained(lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-5, weight_decay=0.01))
+    on_cpu, cpu_weight = trained(lambda params: sft.adamw(params, args, torch.device("cpu")))
+    on_gpu, gpu_weight = trained(lambda params: sft.adamw(params, args, torch.device("cuda")))  # the fused kernel
+    assert not on_cpu.param_groups[0]["fused"] and on_gpu.param_groups[0]["fused"]
+    for optimizer in (on_cpu, on_gpu):
+        assert {key: optimizer.param_groups[0][key] for key in ("lr", "eps", "weight_decay")} == {
+            "lr": 1e-2, "eps": 1e-5, "weight_decay": 0.01}
+    assert torch.equal(cpu_weight, plain_weight)
+    assert torch.allclose(gpu_weight, plain_weight, atol=1e-6) and not torch.equal(gpu_weight, start)
