@@ -148,47 +148,6 @@ LABEL_RE = re.compile(r"[\w.-]+")
 Z_95 = 1.959963984540054  # the standard normal's 97.5% quantile
 
 
-def parse_table_spec(spec: str) -> tuple[str, str]:
-    """`LABEL=PATH` -> (label, path); the label becomes a file name, so it is `[\\w.-]+`."""
-    label, sep, path = spec.partition("=")
-    if not sep or not LABEL_RE.fullmatch(label) or not path:
-        raise ValueError(f"--tables entry {spec!r}: want LABEL=PATH.csv with LABEL made of letters, digits, _ . -")
-    return label, path
-
-
-def parse_run_label(label: str) -> tuple[str, Optional[str]]:
-    """`ppo__seed1` -> ("ppo", "1"); `sft` -> ("sft", None)."""
-    method, sep, seed = label.partition("__seed")
-    return (method, seed) if sep and seed else (label, None)
-
-
-def read_table(path: str, n: int, columns: tuple) -> list[dict]:
-    """The first n rows (-1: all) of a sample CSV as dicts; empty cells stay empty strings.
-
-    Raises ValueError naming the file, the row and the column of anything make_items cannot read."""
-    with open(path, newline="", encoding="utf-8") as file:
-        rows = list(csv.DictReader(file))
-    if not rows:
-        raise ValueError(f"{path}: no data rows")
-    missing = set(columns) - set(rows[0])
-    if missing:
-        raise ValueError(f"{path}: missing columns {sorted(missing)} (want {', '.join(columns)})")
-    rows = rows if n < 0 else rows[:n]
-    for i, row in enumerate(rows):
-        for column in ("score", "reference_score"):
-            try:
-                optional_float(row, column)
-            except ValueError:
-                raise ValueError(f"{path}: data row {i}, column {column}: {row[column]!r} is not a number") from None
-    return rows
-
-
-def optional_float(row: dict, column: str) -> Optional[float]:
-    """A numeric cell, or None when the column is absent or empty."""
-    value = row.get(column, "")
-    return float(value) if value not in ("", None) else None
-
-
 def ours_is_a(seed: int, row: int) -> bool:
     """Whether our summary is shown as A in comparison `row`: a fair coin seeded by (seed, row).
 
@@ -290,78 +249,301 @@ def summarize(rows: list[dict], other_name: str) -> dict:
                 rm_agreement=agreement, n_rm_agreement=n_agreement)
 
 
-def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
-    """Seconds to wait before retry number `attempt` (0-based): base * 2**attempt, capped, times U(1/2, 1).
+def gold_reply(post: str, summary_a: str, summary_b: str) -> str:
+    """The tiny world's gold judge as a reply in the LLM's format (`Preferred: tie` when the scores are equal)."""
+    import tiny_world  # off the training path and only needed here: `import judge` stays light
 
-    The jitter spreads the retries of calls that failed together (one 429 burst) over time."""
-    return min(cap, base * 2**attempt) * rng.uniform(0.5, 1.0)
-
-
-def is_retryable(error: BaseException) -> bool:
-    """Rate limits, server errors, timeouts and lost connections are worth a retry; 400/401/404 are not."""
-    if isinstance(error, (TimeoutError, openai.APIConnectionError)):  # APITimeoutError is a connection error
-        return True
-    return isinstance(error, openai.APIStatusError) and (error.status_code in (408, 409, 429) or error.status_code >= 500)
+    score_a, score_b = tiny_world.gold_score(post, summary_a), tiny_world.gold_score(post, summary_b)
+    verdict = "A" if score_a > score_b else "B" if score_b > score_a else "tie"
+    return f"Comparison: gold score of summary A {score_a:.4f}, of summary B {score_b:.4f}.\nPreferred: {verdict}"
 
 
-def retry_after(error: BaseException) -> float:
-    """The server's Retry-After header in seconds (0 when absent or not a number)."""
-    response = getattr(error, "response", None)
-    try:
-        return max(0.0, float(response.headers.get("retry-after", 0))) if response is not None else 0.0
-    except ValueError:
-        return 0.0
+def length_curve(log_ratios: list[float], preferred: list[str], edges: list[float], other_name: str) -> list:
+    """[(bin center, win rate, count)] of decided judgments per bin of log length ratio (empty bins skipped)."""
+    counts = [[0, 0] for _ in range(len(edges) - 1)]  # [wins, decided] per bin
+    for x, p in zip(log_ratios, preferred):
+        if p in ("ours", other_name):
+            i = min(max(0, sum(x >= e for e in edges[1:-1])), len(counts) - 1)
+            counts[i][0] += p == "ours"
+            counts[i][1] += 1
+    return [((edges[i] + edges[i + 1]) / 2, wins / total, total)
+            for i, (wins, total) in enumerate(counts) if total]
 
 
-class BadReply(Exception):
-    """An HTTP 200 without a usable reply (body not JSON, no choices): maybe billed, so not re-asked at once."""
+def judged_rows(run: dict, cache: dict) -> list[dict]:
+    """One row per comparison of `run`: status, verdict, the side preferred, lengths, scores, reply and calls."""
+    # A cached verdict is in A/B terms; `ours_is_a` maps it back to ours or the other side.
+    judged = []
+    for item in run["items"]:
+        record = cache.get(item["key"])
+        status = record.get("status", "judged") if record else "unjudged"
+        status = status if status in ("judged", "failed") else "unjudged"  # never asked, or abandoned
+        verdict = record["verdict"] if status == "judged" else None
+        counts = row_totals(record)
+        judged.append(dict(
+            row=item["row"], ours_is_a=item["ours_is_a"], verdict=verdict,
+            preferred=preferred_side(verdict, item["ours_is_a"], run["other_name"])
+            if status == "judged" else "unjudged",
+            status=status, ours_words=len(item["ours"].split()), other_words=len(item["other"].split()),
+            ours_score=item["ours_score"], other_score=item["other_score"],
+            post=item["post"], ours=item["ours"], other=item["other"], reply=(record or {}).get("reply") or "",
+            error=(record or {}).get("error") or "", calls=counts["calls"],
+            possibly_billed_twice=counts["billed_twice"]))
+    return judged
 
 
-class RunStopped(Exception):
-    """A fault that every other row would meet too (bad key, no access, wrong model or URL, server unreachable)."""
+def main() -> None:
+    """The judge, top to bottom (run at the end of the file, once the plumbing below the fence is defined)."""
+    args = tyro.cli(Args)
+    # 1. Flags, tables, the endpoint and the key: all checked before anything is written.
+    tables, rows, endpoint, secrets = read_inputs(args)
+
+    # 2. The comparisons: every table against its references (Figure 1), then each pair head to head.
+    comparisons = {}  # run name -> its items (one per row), the other side's name, our label, what we face
+    if args.reference:
+        for label in tables:
+            comparisons[label] = dict(items=make_items(label, rows[label], None, args.seed),
+                                      other_name="reference", ours_label=label, vs="reference")
+    for pair in args.pairs:
+        ours, _, other = pair.partition(":")
+        name = f"{ours}_vs_{other}"
+        items = make_items(name, rows[ours], rows[other], args.seed)
+        print(f"{name}: {len(items)} of {len(rows[ours])} posts of {ours} also sampled by {other}")
+        comparisons[name] = dict(items=items, other_name="other", ours_label=ours, vs=other)
+
+    # 3. The judge: the tiny world's gold score (which may tie), or an LLM that must answer A or B.
+    if args.judge == "gold":
+        meta = dict(model=GOLD_MODEL, prompt_version=GOLD_PROMPT_VERSION, temperature=None, allow_tie=True)
+    else:
+        meta = dict(model=args.model, prompt_version=PROMPT_VERSION, temperature=args.temperature, allow_tie=False)
+
+    # 4. Ask it what the cache does not hold yet; each answer is on disk the moment it arrives.
+    cache_path, cache = start_outputs(args, meta)
+    todo = rows_to_ask(args, comparisons, cache, meta, endpoint)
+    run_id = time.time()  # marks this run's records in the cache
+    stopped = ask_judge(args, endpoint, todo, cache, cache_path, meta, run_id, secrets)
+
+    # 5. Win rates with Wilson intervals, RM agreement (Detail 17) and the length curves (Figure 8),
+    # recomputed from the cache every time: a run resumed after a crash reports exactly what one
+    # uninterrupted run would have.
+    runs, log_ratios, failures = {}, {}, []
+    for name, run in comparisons.items():
+        judged = judged_rows(run, cache)
+        write_judged_table(args.output_dir, name, judged)
+        failures += failed_rows(name, run, cache, args.failed_row_retries)
+        method, seed = parse_run_label(run["ours_label"])
+        runs[name] = dict(method=method, seed=seed, vs=run["vs"], table=tables[run["ours_label"]],
+                          **summarize(judged, run["other_name"]), calls=sum(j["calls"] for j in judged),
+                          possibly_billed_twice=sum(j["possibly_billed_twice"] for j in judged))
+        if run["vs"] == "reference":
+            # Words, not tokens: the tables hold text only. max(1, .) keeps empty summaries on the plot.
+            log_ratios[name] = ([math.log(max(1, j["ours_words"]) / max(1, j["other_words"])) for j in judged],
+                                [j["preferred"] for j in judged])
+    write_results(args, meta, runs, log_ratios, failures, run_counts(comparisons, cache, todo, run_id, stopped))
+    exit_with_status(stopped, failures, cache_path, args.failed_row_retries)
 
 
-def may_be_billed(error: BaseException) -> bool:
-    """Whether a failed call may still have been billed: abandoned at the timeout, or a 200 without a usable reply."""
-    # The server does not learn that the client gave up: it may finish the call and bill it.
-    return isinstance(error, (TimeoutError, openai.APITimeoutError, BadReply))
+# ---- plumbing and fast paths: no Detail below ----
 
 
-def stops_run(error: BaseException) -> bool:
-    """Whether `error` (retries spent) would fail every other row as well: 401, 403, 404 or an unreachable server."""
-    if isinstance(error, openai.APIStatusError):
-        return error.status_code in (401, 403, 404)
-    return isinstance(error, openai.APIConnectionError) and not isinstance(error, openai.APITimeoutError)
-
-
-def describe(error: BaseException) -> str:
-    """`ErrorType: message`, cut to 300 characters (a server's error body can be long)."""
-    text = f"{type(error).__name__}: {error}"
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-async def call_with_retries(call, tally: dict, timeout: float, max_retries: int, base: float, cap: float,
-                            rng: random.Random) -> str:
-    """Await `call()` with a wall-clock timeout, retrying retryable errors with backoff; the reply.
-
-    Raises the last error when it is not retryable or the retries are spent. Counts in `tally`, in
-    place: `calls` made, calls that may have been billed without a usable reply (`abandoned`), and
-    calls made after one of those (`billed_twice`)."""
-    for attempt in range(max_retries + 1):
-        tally["billed_twice"] += int(tally["abandoned"] > 0)  # a re-ask may pay a second time for one verdict
-        tally["calls"] += 1
+# Inputs: flags and tables checked before any write; credentials kept out of every written text.
+def read_inputs(args: Args) -> tuple[dict, dict, Optional[str], list[str]]:
+    """(label -> path, label -> rows, endpoint, secrets to scrub); exits naming each bad input, writing nothing."""
+    problems = flag_problems(args)
+    endpoint = None  # the judge's URL as given (it may hold credentials): sent, never written
+    if args.judge == "openai":
+        endpoint = args.base_url or os.environ.get("OPENAI_BASE_URL") or None
+        if args.base_url is None and endpoint is not None and not endpoint_is_valid(endpoint):
+            problems.append("$OPENAI_BASE_URL (not shown: it may hold a key): want http(s)://host[:port][/path]")
+        if not os.environ.get("OPENAI_API_KEY"):  # read here and by the client only, never written anywhere
+            problems.append("OPENAI_API_KEY is not set: set it (any non-empty value for a local server without keys)")
+    # Scrubbed from every text written or printed: replies, errors, tracebacks.
+    secrets = url_secrets(endpoint) + url_secrets(os.environ.get("OPENAI_BASE_URL")) + \
+        [os.environ.get("OPENAI_API_KEY", "")]
+    tables = dict(parse_table_spec(spec) for spec in args.tables) if not problems else {}
+    rows = {}
+    columns = ("query", "response", "reference") if args.reference else ("query", "response")
+    for label, path in tables.items():
         try:
-            return await asyncio.wait_for(call(), timeout)
-        except asyncio.CancelledError:  # Ctrl-C, or another row stopped the run: the server may still bill it
-            tally["abandoned"] += 1
-            raise
-        except Exception as error:
-            tally["abandoned"] += int(may_be_billed(error))
-            if not is_retryable(error) or attempt == max_retries:
-                raise
-            # asyncio.sleep yields to the other calls; the reference's time.sleep(30) froze them all.
-            await asyncio.sleep(max(backoff_delay(attempt, base, cap, rng), min(cap, retry_after(error))))
-    raise AssertionError("unreachable")
+            rows[label] = read_table(path, args.n, columns)
+        except (OSError, ValueError, csv.Error) as error:  # UnicodeDecodeError is a ValueError
+            problems.append(f"--tables {label}={path}: {error}")
+    if problems:
+        sys.exit("judge.py: cannot start (nothing was written):\n  " +
+                 "\n  ".join(scrub(p, secrets) for p in problems))
+    return tables, rows, endpoint, secrets
+
+
+def flag_problems(args: Args) -> list[str]:
+    """One line per flag that cannot work (named, with what to pass instead); empty when all can."""
+    # Checked before anything is written, so a typo leaves no folder or file behind.
+    problems, labels = [], []
+    for spec in args.tables:
+        try:
+            label, path = parse_table_spec(spec)
+        except ValueError as error:
+            problems.append(str(error))
+            continue
+        labels.append(label)
+        if not os.path.isfile(path):
+            problems.append(f"--tables {spec}: no file {path}")
+    if not args.tables or len(set(labels)) != len(labels):
+        problems.append("--tables: pass LABEL=PATH.csv ... with distinct labels")
+    for pair in args.pairs:
+        ours, sep, other = pair.partition(":")
+        if not sep or ours not in labels or other not in labels:
+            problems.append(f"--pairs {pair}: want OURS:OTHER, both labels of --tables {labels}")
+    if not args.reference and not args.pairs:
+        problems.append("--no-reference without --pairs: nothing to compare; keep --reference or pass --pairs")
+    checks = [("n", args.n == -1 or args.n >= 1, "-1 (all rows) or >= 1"),
+              ("temperature", 0 <= args.temperature <= 2, "a number in [0, 2]"),
+              ("max_concurrency", args.max_concurrency >= 1, ">= 1"),
+              ("timeout", 0 < args.timeout < math.inf, "seconds > 0"),
+              ("max_retries", args.max_retries >= 0, ">= 0"),
+              ("retry_base_delay", 0 <= args.retry_base_delay < math.inf, "seconds >= 0"),
+              ("retry_max_delay", args.retry_base_delay <= args.retry_max_delay < math.inf,
+               "seconds >= --retry_base_delay"),
+              ("max_new_judgments", args.max_new_judgments >= -1, "-1 (no limit) or >= 0"),
+              ("failed_row_retries", args.failed_row_retries >= 0, ">= 0"),
+              ("length_bins", args.length_bins >= 1, ">= 1"),
+              ("model", bool(args.model.strip()), "a model name")]
+    problems += [f"--{flag} {getattr(args, flag)}: want {want}" for flag, ok, want in checks if not ok]
+    if args.base_url is not None and not endpoint_is_valid(args.base_url):
+        # Not echoed: a URL that does not parse may still hold a key.
+        problems.append("--base_url (not shown: it may hold a key): want http(s)://host[:port][/path]")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
+    return problems
+
+
+def parse_table_spec(spec: str) -> tuple[str, str]:
+    """`LABEL=PATH` -> (label, path); the label becomes a file name, so it is `[\\w.-]+`."""
+    label, sep, path = spec.partition("=")
+    if not sep or not LABEL_RE.fullmatch(label) or not path:
+        raise ValueError(f"--tables entry {spec!r}: want LABEL=PATH.csv with LABEL made of letters, digits, _ . -")
+    return label, path
+
+
+def read_table(path: str, n: int, columns: tuple) -> list[dict]:
+    """The first n rows (-1: all) of a sample CSV as dicts; empty cells stay empty strings.
+
+    Raises ValueError naming the file, the row and the column of anything make_items cannot read."""
+    with open(path, newline="", encoding="utf-8") as file:
+        rows = list(csv.DictReader(file))
+    if not rows:
+        raise ValueError(f"{path}: no data rows")
+    missing = set(columns) - set(rows[0])
+    if missing:
+        raise ValueError(f"{path}: missing columns {sorted(missing)} (want {', '.join(columns)})")
+    rows = rows if n < 0 else rows[:n]
+    for i, row in enumerate(rows):
+        for column in ("score", "reference_score"):
+            try:
+                optional_float(row, column)
+            except ValueError:
+                raise ValueError(f"{path}: data row {i}, column {column}: {row[column]!r} is not a number") from None
+    return rows
+
+
+def optional_float(row: dict, column: str) -> Optional[float]:
+    """A numeric cell, or None when the column is absent or empty."""
+    value = row.get(column, "")
+    return float(value) if value not in ("", None) else None
+
+
+def endpoint_is_valid(url: str) -> bool:
+    """Whether `url` is an http(s) URL with a host (and a numeric port if any)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError on a port that is not a number)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
+def redact_url(url: Optional[str]) -> Optional[str]:
+    """`url` safe to write: user:password@ becomes ***@, every query value ***, the fragment goes."""
+    # Every query value, not a list of secret names (key, api_key, token ...): a list always misses
+    # one (sig=, code=, x-goog-api-key=). A bare `?TOKEN` becomes `?***`.
+    if url is None:
+        return None
+    parts = urllib.parse.urlsplit(url)
+    netloc = ("***@" if "@" in parts.netloc else "") + parts.netloc.rpartition("@")[2]
+    query = "&".join(f"{p.partition('=')[0]}=***" if "=" in p else "***" for p in parts.query.split("&") if p)
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def url_secrets(url: Optional[str]) -> list[str]:
+    """The credentials inside `url` (user, password, query values, fragment), raw, decoded and as Basic auth."""
+    if url is None:
+        return []
+    parts = urllib.parse.urlsplit(url)
+    userinfo = parts.netloc.rpartition("@")[0]
+    found = userinfo.split(":", 1) if userinfo else []
+    found += [p.partition("=")[2] if "=" in p else p for p in parts.query.split("&") if p] + [parts.fragment]
+    found += [urllib.parse.unquote(s) for s in found]
+    if userinfo:  # httpx sends user:password as `Authorization: Basic base64(...)`: a server may echo it
+        found.append(base64.b64encode(urllib.parse.unquote(userinfo).encode()).decode())
+    return found
+
+
+def scrub(text: Optional[str], secrets: list[str]) -> Optional[str]:
+    """`text` with every secret of 6 or more characters replaced by ***."""
+    # Shorter strings are not keys, and replacing them would mangle the text (a user `A` would eat
+    # the verdict of `Preferred: A`). Longest first: a secret containing another goes whole.
+    for secret in sorted(set(secrets), key=len, reverse=True):
+        if text is not None and len(secret) >= 6:
+            text = text.replace(secret, "***")
+    return text
+
+
+def split_endpoint(url: Optional[str]) -> tuple[Optional[str], dict]:
+    """(`url` without its query and fragment, the query as a dict) for the client's base_url and default_query."""
+    if url is None:
+        return None, {}
+    parts = urllib.parse.urlsplit(url)
+    query = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")), query
+
+
+# The cache: one appended line per judged or failed row, so no paid call is repeated.
+def start_outputs(args: Args, meta: dict) -> tuple[str, dict]:
+    """Create the output folder, write args.json (URL redacted, no key), read the cache: (its path, key -> record)."""
+    try:
+        os.makedirs(os.path.join(args.output_dir, "judged"), exist_ok=True)
+    except OSError as error:
+        sys.exit(f"judge.py: --output_dir {args.output_dir}: cannot create it ({error}); choose a writable folder")
+    write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps(
+        {**asdict(args), "base_url": redact_url(args.base_url), "prompt_version": meta["prompt_version"],
+         "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, indent=2))
+    cache_path = os.path.join(args.output_dir, "judgments.jsonl")
+    cache, unreadable = load_cache(cache_path)
+    if unreadable:
+        print(f"{cache_path}: {unreadable} unreadable line(s) skipped (a kill mid-write); they are judged again")
+    return cache_path, cache
+
+
+def rows_to_ask(args: Args, comparisons: dict, cache: dict, meta: dict, endpoint: Optional[str]) -> list[dict]:
+    """Key every item (judgment_key) and list those to ask now: not in the cache, or failed and due a retry."""
+    todo, queued = [], set()
+    for run in comparisons.values():
+        for item in run["items"]:
+            a, b = (item["ours"], item["other"]) if item["ours_is_a"] else (item["other"], item["ours"])
+            item["key"] = judgment_key(meta["model"], meta["prompt_version"], meta["temperature"], item["post"], a, b)
+            item["other_name"] = run["other_name"]
+            record = cache.get(item["key"])
+            if should_ask(record, args.failed_row_retries) and item["key"] not in queued:  # a pair twice: once
+                queued.add(item["key"])
+                todo.append(item)
+    total = sum(len(run["items"]) for run in comparisons.values())
+    retried = sum(item["key"] in cache for item in todo)
+    if 0 <= args.max_new_judgments < len(todo):
+        print(f"--max_new_judgments {args.max_new_judgments}: {len(todo) - args.max_new_judgments} left for a rerun")
+        todo = todo[: args.max_new_judgments]
+    where = f" at {redact_url(endpoint) or 'api.openai.com'}" if args.judge == "openai" else ""
+    print(f"{total} comparisons in {len(comparisons)} runs; {len(todo)} to ask {meta['model']}{where} "
+          f"({retried} of them failed before), the rest cached")
+    return todo
 
 
 def row_totals(record: Optional[dict]) -> dict:
@@ -397,6 +579,82 @@ def open_cache_for_append(path: str):
     if torn:
         file.write("\n")  # the torn line stays unreadable (judged again); the next record starts clean
     return file
+
+
+def should_ask(record: Optional[dict], failed_row_retries: int) -> bool:
+    """Whether a row is asked in this run: never answered, and failed in at most `failed_row_retries` runs so far."""
+    # A row that failed in run 1 is asked again by runs 2 .. 1 + failed_row_retries, then left failed.
+    # Records older than `status` are all judged ones.
+    return record is None or (record.get("status", "judged") != "judged" and
+                              row_totals(record)["failed_runs"] <= failed_row_retries)
+
+
+def call_counts(records: list[Optional[dict]], this_run_only: bool) -> dict:
+    """Rows judged / malformed / failed / unjudged (None or abandoned) and their calls / possibly billed twice.
+
+    Calls of this run only (`attempts`, `billed_twice`), or of every run that asked the rows (`totals`)."""
+    asked = [r for r in records if r is not None]
+    judged = [r for r in asked if r.get("status", "judged") == "judged"]
+    failed = [r for r in asked if r.get("status") == "failed"]
+    if this_run_only:
+        calls, twice = sum(r["attempts"] for r in asked), sum(r["billed_twice"] for r in asked)
+    else:
+        calls = sum(row_totals(r)["calls"] for r in asked)
+        twice = sum(row_totals(r)["billed_twice"] for r in asked)
+    return dict(rows=len(records), judged=len(judged), malformed=sum(r["verdict"] is None for r in judged),
+                failed=len(failed), unjudged=len(records) - len(judged) - len(failed), calls=calls,
+                possibly_billed_twice=twice)
+
+
+# The calls: concurrent, timed out, retried with backoff, counted (possibly billed twice).
+def ask_judge(args: Args, endpoint: Optional[str], todo: list[dict], cache: dict, cache_path: str, meta: dict,
+              run_id: float, secrets: list[str]) -> Optional[str]:
+    """Judge `todo` (judge_all), appending to the cache; None when it finished, else why the run stopped."""
+    retry = dict(timeout=args.timeout, max_retries=args.max_retries, base=args.retry_base_delay,
+                 cap=args.retry_max_delay)
+
+    async def judge_todo(cache_file) -> None:
+        """Judge `todo` with the chosen backend; the client lives and closes inside the event loop."""
+        # max_retries=0: the retries are ours (backoff with jitter, counted, bounded), not the client's.
+        # The query goes apart: the client pastes request paths after base_url, query and all.
+        base_url, query = split_endpoint(endpoint)
+        client = openai.AsyncOpenAI(base_url=base_url, default_query=query or None, max_retries=0,
+                                    timeout=args.timeout) if args.judge == "openai" else None
+
+        async def ask(post: str, summary_a: str, summary_b: str) -> Optional[str]:
+            if client is None:
+                return gold_reply(post, summary_a, summary_b)
+            try:
+                response = await client.chat.completions.create(
+                    model=args.model, temperature=args.temperature,
+                    messages=[{"role": "system", "content": SYSTEM_PROMPT},
+                              {"role": "user", "content": build_prompt(post, summary_a, summary_b)}])
+            except (json.JSONDecodeError, openai.APIResponseValidationError) as error:
+                raise BadReply(f"HTTP 200 with a body that is not a chat completion ({error})") from error
+            # A body served as text/html comes back as a str; a broken server may send no choices.
+            choices = getattr(response, "choices", None)
+            if not choices or getattr(choices[0], "message", None) is None:
+                raise BadReply(f"HTTP 200 without choices: {str(response)[:200]!r}")
+            return choices[0].message.content  # None (no text) is a malformed verdict: the judge did answer
+
+        try:
+            await judge_all(todo, ask, cache, cache_file, meta, args.max_concurrency, retry, run_id, secrets)
+        finally:
+            if client is not None:
+                await client.close()
+
+    stopped = None  # why the run stopped before asking all of `todo`
+    with open_cache_for_append(cache_path) as cache_file:
+        try:
+            asyncio.run(judge_todo(cache_file))
+        except KeyboardInterrupt:
+            stopped = "interrupted"
+        except Exception as error:  # the TaskGroup wraps the first error and cancels the calls in flight
+            first = error.exceptions[0] if isinstance(error, ExceptionGroup) else error
+            stopped = scrub(describe(first), secrets)
+            if not isinstance(first, RunStopped):  # not a server's answer but a bug: show where it happened
+                print(scrub("".join(traceback.format_exception(first)), secrets), file=sys.stderr)
+    return stopped
 
 
 async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, max_concurrency: int,
@@ -464,69 +722,155 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
         bar.close()
 
 
-def should_ask(record: Optional[dict], failed_row_retries: int) -> bool:
-    """Whether a row is asked in this run: never answered, and failed in at most `failed_row_retries` runs so far."""
-    # A row that failed in run 1 is asked again by runs 2 .. 1 + failed_row_retries, then left failed.
-    # Records older than `status` are all judged ones.
-    return record is None or (record.get("status", "judged") != "judged" and
-                              row_totals(record)["failed_runs"] <= failed_row_retries)
+async def call_with_retries(call, tally: dict, timeout: float, max_retries: int, base: float, cap: float,
+                            rng: random.Random) -> str:
+    """Await `call()` with a wall-clock timeout, retrying retryable errors with backoff; the reply.
+
+    Raises the last error when it is not retryable or the retries are spent. Counts in `tally`, in
+    place: `calls` made, calls that may have been billed without a usable reply (`abandoned`), and
+    calls made after one of those (`billed_twice`)."""
+    for attempt in range(max_retries + 1):
+        tally["billed_twice"] += int(tally["abandoned"] > 0)  # a re-ask may pay a second time for one verdict
+        tally["calls"] += 1
+        try:
+            return await asyncio.wait_for(call(), timeout)
+        except asyncio.CancelledError:  # Ctrl-C, or another row stopped the run: the server may still bill it
+            tally["abandoned"] += 1
+            raise
+        except Exception as error:
+            tally["abandoned"] += int(may_be_billed(error))
+            if not is_retryable(error) or attempt == max_retries:
+                raise
+            # asyncio.sleep yields to the other calls; the reference's time.sleep(30) froze them all.
+            await asyncio.sleep(max(backoff_delay(attempt, base, cap, rng), min(cap, retry_after(error))))
+    raise AssertionError("unreachable")
 
 
-def call_counts(records: list[Optional[dict]], this_run_only: bool) -> dict:
-    """Rows judged / malformed / failed / unjudged (None or abandoned) and their calls / possibly billed twice.
+def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
+    """Seconds to wait before retry number `attempt` (0-based): base * 2**attempt, capped, times U(1/2, 1).
 
-    Calls of this run only (`attempts`, `billed_twice`), or of every run that asked the rows (`totals`)."""
-    asked = [r for r in records if r is not None]
-    judged = [r for r in asked if r.get("status", "judged") == "judged"]
-    failed = [r for r in asked if r.get("status") == "failed"]
-    if this_run_only:
-        calls, twice = sum(r["attempts"] for r in asked), sum(r["billed_twice"] for r in asked)
-    else:
-        calls = sum(row_totals(r)["calls"] for r in asked)
-        twice = sum(row_totals(r)["billed_twice"] for r in asked)
-    return dict(rows=len(records), judged=len(judged), malformed=sum(r["verdict"] is None for r in judged),
-                failed=len(failed), unjudged=len(records) - len(judged) - len(failed), calls=calls,
-                possibly_billed_twice=twice)
+    The jitter spreads the retries of calls that failed together (one 429 burst) over time."""
+    return min(cap, base * 2**attempt) * rng.uniform(0.5, 1.0)
 
 
-def gold_reply(post: str, summary_a: str, summary_b: str) -> str:
-    """The tiny world's gold judge as a reply in the LLM's format (`Preferred: tie` when the scores are equal)."""
-    import tiny_world  # off the training path and only needed here: `import judge` stays light
-
-    score_a, score_b = tiny_world.gold_score(post, summary_a), tiny_world.gold_score(post, summary_b)
-    verdict = "A" if score_a > score_b else "B" if score_b > score_a else "tie"
-    return f"Comparison: gold score of summary A {score_a:.4f}, of summary B {score_b:.4f}.\nPreferred: {verdict}"
+def is_retryable(error: BaseException) -> bool:
+    """Rate limits, server errors, timeouts and lost connections are worth a retry; 400/401/404 are not."""
+    if isinstance(error, (TimeoutError, openai.APIConnectionError)):  # APITimeoutError is a connection error
+        return True
+    return isinstance(error, openai.APIStatusError) and (error.status_code in (408, 409, 429) or error.status_code >= 500)
 
 
-def length_curve(log_ratios: list[float], preferred: list[str], edges: list[float], other_name: str) -> list:
-    """[(bin center, win rate, count)] of decided judgments per bin of log length ratio (empty bins skipped)."""
-    counts = [[0, 0] for _ in range(len(edges) - 1)]  # [wins, decided] per bin
-    for x, p in zip(log_ratios, preferred):
-        if p in ("ours", other_name):
-            i = min(max(0, sum(x >= e for e in edges[1:-1])), len(counts) - 1)
-            counts[i][0] += p == "ours"
-            counts[i][1] += 1
-    return [((edges[i] + edges[i + 1]) / 2, wins / total, total)
-            for i, (wins, total) in enumerate(counts) if total]
+def retry_after(error: BaseException) -> float:
+    """The server's Retry-After header in seconds (0 when absent or not a number)."""
+    response = getattr(error, "response", None)
+    try:
+        return max(0.0, float(response.headers.get("retry-after", 0))) if response is not None else 0.0
+    except ValueError:
+        return 0.0
 
 
-def plot_length_curves(curves: dict, path: str) -> None:
-    """Figure 8 (right): one line per run, win rate against log(summary length / reference length)."""
-    import matplotlib
+class BadReply(Exception):
+    """An HTTP 200 without a usable reply (body not JSON, no choices): maybe billed, so not re-asked at once."""
 
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
 
-    figure, ax = plt.subplots(figsize=(7, 5))
-    for label, points in curves.items():
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-    ax.axhline(0.5, color="gray", linestyle="--", linewidth=1)
-    ax.set(xlabel="log(summary length / reference length)  [words]", ylabel="win rate against the reference",
-           ylim=(-0.05, 1.05), title="Win rate by summary length (paper Figure 8)")
-    ax.legend()
-    figure.tight_layout()
-    write_atomic(path, lambda partial: figure.savefig(partial, format="png"))
-    plt.close(figure)
+class RunStopped(Exception):
+    """A fault that every other row would meet too (bad key, no access, wrong model or URL, server unreachable)."""
+
+
+def may_be_billed(error: BaseException) -> bool:
+    """Whether a failed call may still have been billed: abandoned at the timeout, or a 200 without a usable reply."""
+    # The server does not learn that the client gave up: it may finish the call and bill it.
+    return isinstance(error, (TimeoutError, openai.APITimeoutError, BadReply))
+
+
+def stops_run(error: BaseException) -> bool:
+    """Whether `error` (retries spent) would fail every other row as well: 401, 403, 404 or an unreachable server."""
+    if isinstance(error, openai.APIStatusError):
+        return error.status_code in (401, 403, 404)
+    return isinstance(error, openai.APIConnectionError) and not isinstance(error, openai.APITimeoutError)
+
+
+def describe(error: BaseException) -> str:
+    """`ErrorType: message`, cut to 300 characters (a server's error body can be long)."""
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+# Results: tables, plot and exit status; files replaced whole.
+def failed_rows(name: str, run: dict, cache: dict, failed_row_retries: int) -> list[dict]:
+    """The rows of `run` whose last ask failed: the error, in how many runs, and whether a rerun asks again."""
+    records = [(item, cache.get(item["key"])) for item in run["items"]]
+    return [dict(run=name, row=item["row"], error=record["error"], failed_runs=row_totals(record)["failed_runs"],
+                 asked_by_rerun=should_ask(record, failed_row_retries))
+            for item, record in records if record and record.get("status", "judged") == "failed"]
+
+
+def write_judged_table(output_dir: str, name: str, judged: list[dict]) -> None:
+    """judged/<name>.csv: every comparison of the run, one row each (judged_rows' columns)."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(judged[0]) if judged else ["row"])
+    writer.writeheader()
+    writer.writerows(judged)
+    write_text_atomic(os.path.join(output_dir, "judged", f"{name}.csv"), buffer.getvalue())
+
+
+def run_counts(comparisons: dict, cache: dict, todo: list[dict], run_id: float, stopped: Optional[str]) -> dict:
+    """Call counts over every run (`totals`) and of this run alone (`this_run`, with why it stopped)."""
+    # Counts over distinct comparisons (a pair judged for two runs is one call), and of this run alone.
+    records = [cache.get(key) for key in {item["key"] for run in comparisons.values() for item in run["items"]}]
+    totals = call_counts(records, this_run_only=False)
+    this_run = dict(to_ask=len(todo), **call_counts([r for r in records if r and r.get("run") == run_id], True),
+                    stopped=stopped)
+    del this_run["rows"]  # the rows of this run are `to_ask`; those not reached or abandoned are unjudged:
+    this_run["unjudged"] = len(todo) - this_run["judged"] - this_run["failed"]
+    return dict(totals=totals, this_run=this_run)
+
+
+def write_results(args: Args, meta: dict, runs: dict, log_ratios: dict, failures: list[dict], counts: dict) -> None:
+    """results.json, results.md and length_vs_winrate.png (Figure 8), then the tables and counts on stdout."""
+    totals, this_run = counts["totals"], counts["this_run"]
+    header = (f"Judge `{meta['model']}`, prompt `{meta['prompt_version']}`, temperature {fmt(meta['temperature'], 2)}, "
+              f"A/B order seed {args.seed}. Win rate = wins / (wins + losses); malformed verdicts, ties, "
+              "unjudged and failed rows count for neither side. 95% CI: Wilson score interval.")
+    write_text_atomic(os.path.join(args.output_dir, "results.json"), json.dumps(dict(
+        judge=args.judge, **{k: meta[k] for k in ("model", "prompt_version", "temperature")}, seed=args.seed,
+        ci="wilson 95%", runs=runs, totals=totals, this_run=this_run, failures=failures), indent=2))
+    write_text_atomic(os.path.join(args.output_dir, "results.md"), markdown_tables(runs, header))
+    if log_ratios:
+        pooled = [x for xs, _ in log_ratios.values() for x in xs]
+        low, high = (min(pooled), max(pooled)) if pooled else (0.0, 0.0)
+        low, high = (low - 0.5, high + 0.5) if high - low < 1e-9 else (low, high)
+        edges = [low + (high - low) * k / args.length_bins for k in range(args.length_bins + 1)]
+        plot_length_curves({name: length_curve(xs, ps, edges, "reference") for name, (xs, ps) in log_ratios.items()},
+                           os.path.join(args.output_dir, "length_vs_winrate.png"))
+    print(markdown_tables(runs, header))
+    print("this run: " + ", ".join(f"{k} {v}" for k, v in this_run.items() if k != "stopped") +
+          "; all runs: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
+    print(f"saved {args.output_dir}/results.json, results.md, length_vs_winrate.png, judged/, judgments.jsonl")
+
+
+def exit_with_status(stopped: Optional[str], failures: list[dict], cache_path: str, failed_row_retries: int) -> None:
+    """Exit 1 when the run stopped, 3 when it finished with failed rows (listed), else return (status 0)."""
+    if stopped:
+        sys.exit(f"judge.py: stopped: {stopped}. Judgments made so far are in {cache_path} and counted in "
+                 "results.json; fix the cause and rerun the same command to continue")
+    if failures:
+        for failure in failures[:10]:
+            print(f"failed: {failure['run']} row {failure['row']} in {failure['failed_runs']} run(s): "
+                  f"{failure['error']}", file=sys.stderr)
+        again = sum(f["asked_by_rerun"] for f in failures)
+        given_up = "" if again == len(failures) else (
+            f"; the other {len(failures) - again} failed in more than --failed_row_retries {failed_row_retries} "
+            "reruns (raise it to ask them again)")
+        print(f"judge.py: {len(failures)} row(s) failed (listed in results.json `failures` and judged/<run>.csv); "
+              f"a rerun asks {again} of them again{given_up}", file=sys.stderr)
+        sys.exit(3)  # finished, but the results lack these rows
+
+
+def parse_run_label(label: str) -> tuple[str, Optional[str]]:
+    """`ppo__seed1` -> ("ppo", "1"); `sft` -> ("sft", None)."""
+    method, sep, seed = label.partition("__seed")
+    return (method, seed) if sep and seed else (label, None)
 
 
 def fmt(x: Optional[float], digits: int = 3) -> str:
@@ -558,107 +902,23 @@ def markdown_tables(runs: dict, header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ------------------------------------------------------------------------------------------------
-# Plumbing: flags checked before any write, credentials kept out of every written text, files
-# replaced whole. No Detail below.
-# ------------------------------------------------------------------------------------------------
+def plot_length_curves(curves: dict, path: str) -> None:
+    """Figure 8 (right): one line per run, win rate against log(summary length / reference length)."""
+    import matplotlib
 
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
 
-def flag_problems(args: Args) -> list[str]:
-    """One line per flag that cannot work (named, with what to pass instead); empty when all can."""
-    # Checked before anything is written, so a typo leaves no folder or file behind.
-    problems, labels = [], []
-    for spec in args.tables:
-        try:
-            label, path = parse_table_spec(spec)
-        except ValueError as error:
-            problems.append(str(error))
-            continue
-        labels.append(label)
-        if not os.path.isfile(path):
-            problems.append(f"--tables {spec}: no file {path}")
-    if not args.tables or len(set(labels)) != len(labels):
-        problems.append("--tables: pass LABEL=PATH.csv ... with distinct labels")
-    for pair in args.pairs:
-        ours, sep, other = pair.partition(":")
-        if not sep or ours not in labels or other not in labels:
-            problems.append(f"--pairs {pair}: want OURS:OTHER, both labels of --tables {labels}")
-    if not args.reference and not args.pairs:
-        problems.append("--no-reference without --pairs: nothing to compare; keep --reference or pass --pairs")
-    checks = [("n", args.n == -1 or args.n >= 1, "-1 (all rows) or >= 1"),
-              ("temperature", 0 <= args.temperature <= 2, "a number in [0, 2]"),
-              ("max_concurrency", args.max_concurrency >= 1, ">= 1"),
-              ("timeout", 0 < args.timeout < math.inf, "seconds > 0"),
-              ("max_retries", args.max_retries >= 0, ">= 0"),
-              ("retry_base_delay", 0 <= args.retry_base_delay < math.inf, "seconds >= 0"),
-              ("retry_max_delay", args.retry_base_delay <= args.retry_max_delay < math.inf,
-               "seconds >= --retry_base_delay"),
-              ("max_new_judgments", args.max_new_judgments >= -1, "-1 (no limit) or >= 0"),
-              ("failed_row_retries", args.failed_row_retries >= 0, ">= 0"),
-              ("length_bins", args.length_bins >= 1, ">= 1"),
-              ("model", bool(args.model.strip()), "a model name")]
-    problems += [f"--{flag} {getattr(args, flag)}: want {want}" for flag, ok, want in checks if not ok]
-    if args.base_url is not None and not endpoint_is_valid(args.base_url):
-        # Not echoed: a URL that does not parse may still hold a key.
-        problems.append("--base_url (not shown: it may hold a key): want http(s)://host[:port][/path]")
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
-        problems.append(f"--output_dir {args.output_dir} is a file: choose a folder")
-    return problems
-
-
-def endpoint_is_valid(url: str) -> bool:
-    """Whether `url` is an http(s) URL with a host (and a numeric port if any)."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 (raises ValueError on a port that is not a number)
-    except ValueError:
-        return False
-    return parts.scheme in ("http", "https") and bool(parts.hostname)
-
-
-def redact_url(url: Optional[str]) -> Optional[str]:
-    """`url` safe to write: user:password@ becomes ***@, every query value ***, the fragment goes."""
-    # Every query value, not a list of secret names (key, api_key, token ...): a list always misses
-    # one (sig=, code=, x-goog-api-key=). A bare `?TOKEN` becomes `?***`.
-    if url is None:
-        return None
-    parts = urllib.parse.urlsplit(url)
-    netloc = ("***@" if "@" in parts.netloc else "") + parts.netloc.rpartition("@")[2]
-    query = "&".join(f"{p.partition('=')[0]}=***" if "=" in p else "***" for p in parts.query.split("&") if p)
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
-
-
-def url_secrets(url: Optional[str]) -> list[str]:
-    """The credentials inside `url` (user, password, query values, fragment), raw, decoded and as Basic auth."""
-    if url is None:
-        return []
-    parts = urllib.parse.urlsplit(url)
-    userinfo = parts.netloc.rpartition("@")[0]
-    found = userinfo.split(":", 1) if userinfo else []
-    found += [p.partition("=")[2] if "=" in p else p for p in parts.query.split("&") if p] + [parts.fragment]
-    found += [urllib.parse.unquote(s) for s in found]
-    if userinfo:  # httpx sends user:password as `Authorization: Basic base64(...)`: a server may echo it
-        found.append(base64.b64encode(urllib.parse.unquote(userinfo).encode()).decode())
-    return found
-
-
-def scrub(text: Optional[str], secrets: list[str]) -> Optional[str]:
-    """`text` with every secret of 6 or more characters replaced by ***."""
-    # Shorter strings are not keys, and replacing them would mangle the text (a user `A` would eat
-    # the verdict of `Preferred: A`). Longest first: a secret containing another goes whole.
-    for secret in sorted(set(secrets), key=len, reverse=True):
-        if text is not None and len(secret) >= 6:
-            text = text.replace(secret, "***")
-    return text
-
-
-def split_endpoint(url: Optional[str]) -> tuple[Optional[str], dict]:
-    """(`url` without its query and fragment, the query as a dict) for the client's base_url and default_query."""
-    if url is None:
-        return None, {}
-    parts = urllib.parse.urlsplit(url)
-    query = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")), query
+    figure, ax = plt.subplots(figsize=(7, 5))
+    for label, points in curves.items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.axhline(0.5, color="gray", linestyle="--", linewidth=1)
+    ax.set(xlabel="log(summary length / reference length)  [words]", ylabel="win rate against the reference",
+           ylim=(-0.05, 1.05), title="Win rate by summary length (paper Figure 8)")
+    ax.legend()
+    figure.tight_layout()
+    write_atomic(path, lambda partial: figure.savefig(partial, format="png"))
+    plt.close(figure)
 
 
 def write_atomic(path: str, write) -> None:
@@ -688,205 +948,4 @@ def git_commit(folder: str) -> Optional[str]:
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-
-    # ---- flags, tables and the endpoint: all checked before anything is written ----
-    problems = flag_problems(args)
-    endpoint = None  # the judge's URL as given (it may hold credentials): sent, never written
-    if args.judge == "openai":
-        endpoint = args.base_url or os.environ.get("OPENAI_BASE_URL") or None
-        if args.base_url is None and endpoint is not None and not endpoint_is_valid(endpoint):
-            problems.append("$OPENAI_BASE_URL (not shown: it may hold a key): want http(s)://host[:port][/path]")
-        if not os.environ.get("OPENAI_API_KEY"):  # read here and by the client only, never written anywhere
-            problems.append("OPENAI_API_KEY is not set: set it (any non-empty value for a local server without keys)")
-    # Scrubbed from every text written or printed: replies, errors, tracebacks.
-    secrets = url_secrets(endpoint) + url_secrets(os.environ.get("OPENAI_BASE_URL")) + \
-        [os.environ.get("OPENAI_API_KEY", "")]
-    tables = dict(parse_table_spec(spec) for spec in args.tables) if not problems else {}
-    rows = {}
-    columns = ("query", "response", "reference") if args.reference else ("query", "response")
-    for label, path in tables.items():
-        try:
-            rows[label] = read_table(path, args.n, columns)
-        except (OSError, ValueError, csv.Error) as error:  # UnicodeDecodeError is a ValueError
-            problems.append(f"--tables {label}={path}: {error}")
-    if problems:
-        sys.exit("judge.py: cannot start (nothing was written):\n  " +
-                 "\n  ".join(scrub(p, secrets) for p in problems))
-
-    # ---- runs: the comparisons to judge ----
-    comparisons = {}  # run name -> its items (one per row), the other side's name, our label, what we face
-    if args.reference:
-        for label in tables:
-            comparisons[label] = dict(items=make_items(label, rows[label], None, args.seed),
-                                      other_name="reference", ours_label=label, vs="reference")
-    for pair in args.pairs:
-        ours, _, other = pair.partition(":")
-        name = f"{ours}_vs_{other}"
-        items = make_items(name, rows[ours], rows[other], args.seed)
-        print(f"{name}: {len(items)} of {len(rows[ours])} posts of {ours} also sampled by {other}")
-        comparisons[name] = dict(items=items, other_name="other", ours_label=ours, vs=other)
-
-    # ---- the judge: an LLM behind an OpenAI-compatible API, or the tiny world's gold score ----
-    if args.judge == "gold":
-        meta = dict(model=GOLD_MODEL, prompt_version=GOLD_PROMPT_VERSION, temperature=None, allow_tie=True)
-    else:
-        meta = dict(model=args.model, prompt_version=PROMPT_VERSION, temperature=args.temperature, allow_tie=False)
-
-    # ---- outputs and the cache: what is already judged is never asked again ----
-    try:
-        os.makedirs(os.path.join(args.output_dir, "judged"), exist_ok=True)
-    except OSError as error:
-        sys.exit(f"judge.py: --output_dir {args.output_dir}: cannot create it ({error}); choose a writable folder")
-    write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps(
-        {**asdict(args), "base_url": redact_url(args.base_url), "prompt_version": meta["prompt_version"],
-         "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, indent=2))
-    cache_path = os.path.join(args.output_dir, "judgments.jsonl")
-    cache, unreadable = load_cache(cache_path)
-    if unreadable:
-        print(f"{cache_path}: {unreadable} unreadable line(s) skipped (a kill mid-write); they are judged again")
-    todo, queued = [], set()
-    for run in comparisons.values():
-        for item in run["items"]:
-            a, b = (item["ours"], item["other"]) if item["ours_is_a"] else (item["other"], item["ours"])
-            item["key"] = judgment_key(meta["model"], meta["prompt_version"], meta["temperature"], item["post"], a, b)
-            item["other_name"] = run["other_name"]
-            record = cache.get(item["key"])
-            if should_ask(record, args.failed_row_retries) and item["key"] not in queued:  # a pair twice: once
-                queued.add(item["key"])
-                todo.append(item)
-    total = sum(len(run["items"]) for run in comparisons.values())
-    retried = sum(item["key"] in cache for item in todo)
-    if 0 <= args.max_new_judgments < len(todo):
-        print(f"--max_new_judgments {args.max_new_judgments}: {len(todo) - args.max_new_judgments} left for a rerun")
-        todo = todo[: args.max_new_judgments]
-    where = f" at {redact_url(endpoint) or 'api.openai.com'}" if args.judge == "openai" else ""
-    print(f"{total} comparisons in {len(comparisons)} runs; {len(todo)} to ask {meta['model']}{where} "
-          f"({retried} of them failed before), the rest cached")
-
-    retry = dict(timeout=args.timeout, max_retries=args.max_retries, base=args.retry_base_delay,
-                 cap=args.retry_max_delay)
-    run_id = time.time()  # marks this run's records in the cache
-
-    async def judge_todo(cache_file) -> None:
-        """Judge `todo` with the chosen backend; the client lives and closes inside the event loop."""
-        # max_retries=0: the retries are ours (backoff with jitter, counted, bounded), not the client's.
-        # The query goes apart: the client pastes request paths after base_url, query and all.
-        base_url, query = split_endpoint(endpoint)
-        client = openai.AsyncOpenAI(base_url=base_url, default_query=query or None, max_retries=0,
-                                    timeout=args.timeout) if args.judge == "openai" else None
-
-        async def ask(post: str, summary_a: str, summary_b: str) -> Optional[str]:
-            if client is None:
-                return gold_reply(post, summary_a, summary_b)
-            try:
-                response = await client.chat.completions.create(
-                    model=args.model, temperature=args.temperature,
-                    messages=[{"role": "system", "content": SYSTEM_PROMPT},
-                              {"role": "user", "content": build_prompt(post, summary_a, summary_b)}])
-            except (json.JSONDecodeError, openai.APIResponseValidationError) as error:
-                raise BadReply(f"HTTP 200 with a body that is not a chat completion ({error})") from error
-            # A body served as text/html comes back as a str; a broken server may send no choices.
-            choices = getattr(response, "choices", None)
-            if not choices or getattr(choices[0], "message", None) is None:
-                raise BadReply(f"HTTP 200 without choices: {str(response)[:200]!r}")
-            return choices[0].message.content  # None (no text) is a malformed verdict: the judge did answer
-
-        try:
-            await judge_all(todo, ask, cache, cache_file, meta, args.max_concurrency, retry, run_id, secrets)
-        finally:
-            if client is not None:
-                await client.close()
-
-    stopped = None  # why the run stopped before asking all of `todo`
-    with open_cache_for_append(cache_path) as cache_file:
-        try:
-            asyncio.run(judge_todo(cache_file))
-        except KeyboardInterrupt:
-            stopped = "interrupted"
-        except Exception as error:  # the TaskGroup wraps the first error and cancels the calls in flight
-            first = error.exceptions[0] if isinstance(error, ExceptionGroup) else error
-            stopped = scrub(describe(first), secrets)
-            if not isinstance(first, RunStopped):  # not a server's answer but a bug: show where it happened
-                print(scrub("".join(traceback.format_exception(first)), secrets), file=sys.stderr)
-
-    # ---- results: per run, then across runs; written even when the run stopped ----
-    # Recomputed from the cache every time, so a run resumed after a crash reports exactly what one
-    # uninterrupted run would have; a cached verdict is in A/B terms and `ours_is_a` maps it back.
-    runs, log_ratios, failures = {}, {}, []
-    for name, run in comparisons.items():
-        judged = []
-        for item in run["items"]:
-            record = cache.get(item["key"])
-            status = record.get("status", "judged") if record else "unjudged"
-            status = status if status in ("judged", "failed") else "unjudged"  # never asked, or abandoned
-            verdict = record["verdict"] if status == "judged" else None
-            counts = row_totals(record)
-            judged.append(dict(
-                row=item["row"], ours_is_a=item["ours_is_a"], verdict=verdict,
-                preferred=preferred_side(verdict, item["ours_is_a"], run["other_name"])
-                if status == "judged" else "unjudged",
-                status=status, ours_words=len(item["ours"].split()), other_words=len(item["other"].split()),
-                ours_score=item["ours_score"], other_score=item["other_score"],
-                post=item["post"], ours=item["ours"], other=item["other"], reply=(record or {}).get("reply") or "",
-                error=(record or {}).get("error") or "", calls=counts["calls"],
-                possibly_billed_twice=counts["billed_twice"]))
-            if status == "failed":
-                failures.append(dict(run=name, row=item["row"], error=record["error"],
-                                     failed_runs=counts["failed_runs"],
-                                     asked_by_rerun=should_ask(record, args.failed_row_retries)))
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=list(judged[0]) if judged else ["row"])
-        writer.writeheader()
-        writer.writerows(judged)
-        write_text_atomic(os.path.join(args.output_dir, "judged", f"{name}.csv"), buffer.getvalue())
-        method, seed = parse_run_label(run["ours_label"])
-        runs[name] = dict(method=method, seed=seed, vs=run["vs"], table=tables[run["ours_label"]],
-                          **summarize(judged, run["other_name"]), calls=sum(j["calls"] for j in judged),
-                          possibly_billed_twice=sum(j["possibly_billed_twice"] for j in judged))
-        if run["vs"] == "reference":
-            # Words, not tokens: the tables hold text only. max(1, .) keeps empty summaries on the plot.
-            log_ratios[name] = ([math.log(max(1, j["ours_words"]) / max(1, j["other_words"])) for j in judged],
-                                [j["preferred"] for j in judged])
-
-    # Counts over distinct comparisons (a pair judged for two runs is one call), and of this run alone.
-    records = [cache.get(key) for key in {item["key"] for run in comparisons.values() for item in run["items"]}]
-    totals = call_counts(records, this_run_only=False)
-    this_run = dict(to_ask=len(todo), **call_counts([r for r in records if r and r.get("run") == run_id], True),
-                    stopped=stopped)
-    del this_run["rows"]  # the rows of this run are `to_ask`; those not reached or abandoned are unjudged:
-    this_run["unjudged"] = len(todo) - this_run["judged"] - this_run["failed"]
-
-    header = (f"Judge `{meta['model']}`, prompt `{meta['prompt_version']}`, temperature {fmt(meta['temperature'], 2)}, "
-              f"A/B order seed {args.seed}. Win rate = wins / (wins + losses); malformed verdicts, ties, "
-              "unjudged and failed rows count for neither side. 95% CI: Wilson score interval.")
-    write_text_atomic(os.path.join(args.output_dir, "results.json"), json.dumps(dict(
-        judge=args.judge, **{k: meta[k] for k in ("model", "prompt_version", "temperature")}, seed=args.seed,
-        ci="wilson 95%", runs=runs, totals=totals, this_run=this_run, failures=failures), indent=2))
-    write_text_atomic(os.path.join(args.output_dir, "results.md"), markdown_tables(runs, header))
-    if log_ratios:
-        pooled = [x for xs, _ in log_ratios.values() for x in xs]
-        low, high = (min(pooled), max(pooled)) if pooled else (0.0, 0.0)
-        low, high = (low - 0.5, high + 0.5) if high - low < 1e-9 else (low, high)
-        edges = [low + (high - low) * k / args.length_bins for k in range(args.length_bins + 1)]
-        plot_length_curves({name: length_curve(xs, ps, edges, "reference") for name, (xs, ps) in log_ratios.items()},
-                           os.path.join(args.output_dir, "length_vs_winrate.png"))
-    print(markdown_tables(runs, header))
-    print("this run: " + ", ".join(f"{k} {v}" for k, v in this_run.items() if k != "stopped") +
-          "; all runs: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
-    print(f"saved {args.output_dir}/results.json, results.md, length_vs_winrate.png, judged/, judgments.jsonl")
-
-    if stopped:
-        sys.exit(f"judge.py: stopped: {stopped}. Judgments made so far are in {cache_path} and counted in "
-                 "results.json; fix the cause and rerun the same command to continue")
-    if failures:
-        for failure in failures[:10]:
-            print(f"failed: {failure['run']} row {failure['row']} in {failure['failed_runs']} run(s): "
-                  f"{failure['error']}", file=sys.stderr)
-        again = sum(f["asked_by_rerun"] for f in failures)
-        given_up = "" if again == len(failures) else (
-            f"; the other {len(failures) - again} failed in more than --failed_row_retries {args.failed_row_retries} "
-            "reruns (raise it to ask them again)")
-        print(f"judge.py: {len(failures)} row(s) failed (listed in results.json `failures` and judged/<run>.csv); "
-              f"a rerun asks {again} of them again{given_up}", file=sys.stderr)
-        sys.exit(3)  # finished, but the results lack these rows
+    main()  # here, at the end, so that every helper below the fence is defined when it runs

@@ -831,7 +831,7 @@ def test_readme_checker_catches_missing_paths(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 FENCE = "# ---- plumbing and fast paths: no Detail below ----"
-FENCED_STAGES = ("sft.py", "reward.py", "dpo.py", "ppo.py")  # the training stages (../shared/STYLE.md)
+FENCED_STAGES = ("sft.py", "reward.py", "dpo.py", "ppo.py", "judge.py")  # the stages laid out so (../shared/STYLE.md)
 
 
 def check_fence(source: str, filename: str) -> list[str]:
