@@ -119,71 +119,275 @@ SFT_SPLITS = ("train", "validation", "test")
 PREFERENCE_SPLITS = ("train", "validation")
 
 
-def response_descriptions(name: str, what: str, flag: str) -> dict:
-    """One-line card descriptions of the seven columns `response_columns` makes for `name`."""
-    return {
-        name: f"{what}: text with a leading space and the EOS text at the end",
-        f"{name}_token": f"ids of the text (a special-token string typed in it stays text) + the EOS id, "
-                         f"RIGHT-padded with [PAD] to {flag}_response_length",
-        f"{name}_token_len": f"number of ids of `{name}` (EOS included, pads excluded)",
-        f"query_{name}": f"`query` stripped of surrounding whitespace + `{name}`",
-        f"query_{name}_token": f"`query_{name}` re-tokenized as one text + the EOS id, RIGHT-padded to "
-                               f"{flag}_query_response_length",
-        f"query_{name}_token_len": f"number of non-pad ids in `query_{name}_token`",
-        f"query_{name}_token_response_label": f"`query_{name}_token` with the ids of the stripped query set to "
-                                              "[PAD] (loss labels)",
-    }
-
-
-# Card descriptions; "(source)" marks a column copied unchanged from the source dataset.
-QUERY_DESCRIPTIONS = {
-    "query": "the query text: decoded `query_token` without pads (the post may be truncated)",
-    "query_token": "query ids, LEFT-padded with [PAD] to the query length (ready for generation)",
-    "query_token_len": "number of non-pad ids in `query_token`",
-}
-SFT_DESCRIPTIONS = {
-    "id": "Reddit post id (source)",
-    "subreddit": "subreddit name without r/ (source)",
-    "title": "post title (source)",
-    "post": "post body, untruncated (source)",
-    "summary": "human-written TL;DR of the post, no leading space (source)",
-    **QUERY_DESCRIPTIONS,
-    **response_descriptions("reference_response", "`summary` as a response", "max_sft"),
-}
-PREFERENCE_DESCRIPTIONS = {
-    "info": "the summarized item: id, post, title, subreddit, site (TL;DR) or article (CNN/DM) (source)",
-    "summaries": "the two compared summaries: text (leading space), policy, note (source)",
-    "choice": "index (0 or 1) of the summary the labeler preferred (source)",
-    "worker": "labeler id (source)",
-    "batch": "labeling batch name; CNN/DM batches form `validation_cnndm` (source)",
-    "split": "OpenAI's split tag of the comparison (source)",
-    "extra": "labeler confidence, 1-9, when recorded (source)",
-    **QUERY_DESCRIPTIONS,
-    "chosen_policy": "policy that sampled the chosen summary",
-    "rejected_policy": "policy that sampled the rejected summary",
-    "policies": "the two policy names, sorted and joined with `--`",
-    **response_descriptions("chosen", "the preferred summary", "(cnndm_)max_rm"),
-    **response_descriptions("rejected", "the other summary", "(cnndm_)max_rm"),
-}
-# (query budget, response width, query+response width) flags of each kind of row
-LENGTH_FLAG_GROUPS = (("query_length", "max_sft_response_length", "max_sft_query_response_length"),
-                      ("query_length", "max_rm_response_length", "max_rm_query_response_length"),
-                      ("cnndm_query_length", "cnndm_max_rm_response_length", "cnndm_max_rm_query_response_length"))
-
-
 class DataError(ValueError):
     """Input data or a length flag the script cannot use; the message says where and what to fix."""
 
 
-def model_name(base_model: str) -> str:
-    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
-    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
-    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
-    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
-
-
 class SetupError(ValueError):
     """Flags, data, tokenizer or output folder the script cannot use; raised before any compute."""
+
+
+def add_pad_token(tokenizer) -> bool:
+    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return False
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return True
+
+
+def encode_text(tokenizer, text: str) -> list:
+    """Ids of `text` read as plain text: `[PAD]` or `<|endoftext|>` typed in it stay characters, never special ids."""
+    # A user who writes "<|endoftext|>" in a post must not end the sequence there (the reward is read
+    # at the first EOS), nor "[PAD]" hide a token from every loss. Special ids are placed by this file
+    # only (add_special_tokens=False: no template adds any); other added tokens (Pythia's runs of
+    # spaces) still match, so normal text gets exactly the ids a plain `encode` gives.
+    return list(recent_encodings(tokenizer, text))
+
+
+def split_off_cnndm(validation, cnndm_batches: tuple) -> tuple:
+    """Split a preference validation Dataset into (TL;DR rows, CNN/DM rows) by their `batch`."""
+    batches = validation["batch"][:] if "batch" in validation.column_names else [None] * len(validation)
+    is_cnndm = [batch in cnndm_batches for batch in batches]
+    # Two complementary selections: every row lands in exactly one split, none is dropped.
+    return (validation.select([i for i, cnndm in enumerate(is_cnndm) if not cnndm]),
+            validation.select([i for i, cnndm in enumerate(is_cnndm) if cnndm]))
+
+
+def truncate_last_paragraph(text: str, separator: str = "\n") -> str:
+    """Cut `text` just before its last separator; without one, drop its last character."""
+    cut = text.rfind(separator)
+    return text[:cut] if cut != -1 else text[:-1]
+
+
+def query_columns(tokenizer, format_str: str, fields: dict, truncate_field: str, length: int, pad_id: int,
+                  where: str) -> dict:
+    """The query, query_token and query_token_len columns of one row."""
+    # Detail 2: Truncate the paragraph, not the sentence
+    # Over budget, the post loses its last paragraph until the query fits (OpenAI's tasks.py):
+    #     while len(ids) > length: post = truncate_last_paragraph(post)
+    # so the model reads whole paragraphs, not a post that stops mid-sentence; a post with no newline
+    # left loses one character per pass. tokenize_query computes exactly that, token for token,
+    # without re-tokenizing every prefix (minutes on a 20k-character post).
+    ids = tokenize_query(tokenizer, format_str, fields, truncate_field, length, where)
+    query_token = left_pad(ids, length, pad_id)  # (length,): pads first, the query ends at the last column
+    # Only special ids are skipped (the pads): a "[PAD]" typed in the post is text ids and stays in.
+    # lstrip as in the reference (a no-op for these templates).
+    query = tokenizer.decode(query_token, skip_special_tokens=True).lstrip()
+    return {"query": query, "query_token": query_token, "query_token_len": len(ids)}
+
+
+def left_pad(ids: list, length: int, pad_id: int) -> list:
+    """`ids` preceded by pads to exactly `length` ids (ids must fit)."""
+    assert len(ids) <= length, f"{len(ids)} ids do not fit in {length}"
+    return [pad_id] * (length - len(ids)) + ids
+
+
+def right_pad(ids: list, length: int, pad_id: int) -> list:
+    """`ids` followed by pads (or cut) to exactly `length` ids."""
+    return ids[:length] + [pad_id] * (length - len(ids))
+
+
+def response_label(query_response: list, query_len: int, pad_id: int) -> list:
+    """Copy of `query_response` with its first `query_len` (query) ids set to pad."""
+    return [pad_id] * query_len + query_response[query_len:]
+
+
+def response_columns(tokenizer, prompt: str, prompt_ids: list, name: str, text: str, eos_text: str,
+                     response_length: int, query_response_length: int, pad_id: int, where: str) -> dict:
+    """The seven `name` columns (see `response_descriptions`) of the response `text` (no EOS) to `prompt`.
+
+    `prompt` is the stripped query and `prompt_ids` its ids: the reference's layout, which tokenizes
+    `query.strip() + response` as one text (the EOS id is appended here, never tokenized from text)."""
+    eos_id = tokenizer.eos_token_id
+    response_ids = encode_text(tokenizer, text) + [eos_id]
+    query_response_ids = encode_text(tokenizer, prompt + text) + [eos_id]
+    # The label mask covers exactly the prompt's ids, so they must open the joined ids (the response
+    # starts with a space, where a byte-level BPE never merges across).
+    if query_response_ids[:len(prompt_ids)] != prompt_ids:
+        raise DataError(f"{where}: the ids of the query + {name} do not start with the ids of the query alone "
+                        f"(the tokenizer merges across {prompt[-20:]!r} + {text[:20]!r}); expected the response "
+                        "to start a new token (a leading space): fix the row or use a byte-level BPE tokenizer")
+    query_response_token = right_pad(query_response_ids, query_response_length, pad_id)
+    return {
+        name: text + eos_text,
+        f"{name}_token": right_pad(response_ids, response_length, pad_id),
+        f"{name}_token_len": len(response_ids),
+        f"query_{name}": prompt + text + eos_text,
+        f"query_{name}_token": query_response_token,
+        f"query_{name}_token_len": len(query_response_ids),
+        # The reference masks query_token_len ids. A CNN/DM query ends in "\n", which strip() drops, so
+        # there it also masked the first response id; here exactly the prompt's ids are masked.
+        f"query_{name}_token_response_label": response_label(query_response_token, len(prompt_ids), pad_id),
+    }
+
+
+def process_sft_row(row: dict, tokenizer, eos_text: str, pad_id: int, query_length: int,
+                    response_length: int, query_response_length: int, split: str) -> dict:
+    """Query and reference-response columns of one SFT row."""
+    where = f"split '{split}', row id {row['id']!r}"
+    query = query_columns(tokenizer, TLDR_FORMAT, row, "post", query_length, pad_id, where)
+    prompt = query["query"].strip()
+    # The human summary has no leading space: add one (" word" after "TL;DR:", as in the preference
+    # data); the EOS the SFT model must learn to emit ends the response.
+    return {**query, **response_columns(tokenizer, prompt, encode_text(tokenizer, prompt), "reference_response",
+                                        " " + row["summary"], eos_text, response_length, query_response_length,
+                                        pad_id, where)}
+
+
+def process_preference_row(row: dict, tokenizer, eos_text: str, pad_id: int, cnndm: bool, query_length: int,
+                           response_length: int, query_response_length: int, split: str) -> dict:
+    """Query, chosen and rejected columns of one preference row (CNN/DM format if `cnndm`)."""
+    format_str, truncate_field = (CNNDM_FORMAT, "article") if cnndm else (TLDR_FORMAT, "post")
+    where = f"split '{split}', row id {row['info']['id']!r}"
+    query = query_columns(tokenizer, format_str, row["info"], truncate_field, query_length, pad_id, where)
+    prompt = query["query"].strip()
+    prompt_ids = encode_text(tokenizer, prompt)
+    chosen, rejected = row["summaries"][row["choice"]], row["summaries"][1 - row["choice"]]
+    columns = {**query, "chosen_policy": chosen["policy"], "rejected_policy": rejected["policy"],
+               "policies": "--".join(sorted([chosen["policy"], rejected["policy"]]))}
+    for name, summary in (("chosen", chosen), ("rejected", rejected)):  # the text has its leading space
+        columns.update(response_columns(tokenizer, prompt, prompt_ids, name, summary["text"], eos_text,
+                                        response_length, query_response_length, pad_id, where))
+    return columns
+
+
+def length_checks(args: Args, sft, preference) -> list:
+    """[(flag, configured value, {where: computed maximum}, must equal the flag)] for the eight length flags."""
+    # Detail 4: SFT and preference lengths differ
+    # The SFT summaries were filtered to be short (53 Pythia tokens at most), the preference ones
+    # were not (169), and CNN/DM queries are longer still. Every padded width is a flag; compare
+    # each with the true maximum: too small cuts data, too large wastes memory in every batch.
+    sft_tables = {f"sft/{split}": sft[split] for split in SFT_SPLITS}
+    tldr_tables = {f"preference/{split}": preference[split] for split in PREFERENCE_SPLITS}
+    cnndm_tables = {"preference/validation_cnndm": preference["validation_cnndm"]}
+    responses = ("chosen_token_len", "rejected_token_len")
+    query_responses = ("query_chosen_token_len", "query_rejected_token_len")
+    # Query lengths are budgets (truncation makes every query fit) that the data need not reach;
+    # response widths are maxima of the data, so with check_length_correctness they must match.
+    return [(flag, getattr(args, flag), column_maxima(tables, columns), exact) for flag, tables, columns, exact in (
+        ("query_length", {**sft_tables, **tldr_tables}, ("query_token_len",), False),
+        ("max_sft_response_length", sft_tables, ("reference_response_token_len",), True),
+        ("max_sft_query_response_length", sft_tables, ("query_reference_response_token_len",), True),
+        ("max_rm_response_length", tldr_tables, responses, True),
+        ("max_rm_query_response_length", tldr_tables, query_responses, True),
+        ("cnndm_query_length", cnndm_tables, ("query_token_len",), False),
+        ("cnndm_max_rm_response_length", cnndm_tables, responses, True),
+        ("cnndm_max_rm_query_response_length", cnndm_tables, query_responses, True),
+    )]
+
+
+def column_maxima(tables: dict, columns: tuple) -> dict:
+    """Maximum of each integer column of each non-empty table, keyed '{table name} {column}'."""
+    return {f"{name} {column}": max(table[column][:]) for name, table in tables.items() for column in columns
+            if len(table) > 0}
+
+
+def length_problem(flag: str, configured: int, maxima: dict, exact: bool) -> Optional[str]:
+    """Why --flag=configured does not suit the computed `maxima` ({where: max}), None if it does."""
+    if not maxima:
+        return None
+    where, computed = max(maxima.items(), key=lambda item: item[1])
+    if computed > configured:  # right_pad has cut these rows: never acceptable
+        return f"{where} reaches {computed} tokens > --{flag} {configured}, so data would be cut: pass --{flag} {computed}"
+    if exact and computed != configured:
+        return (f"--{flag} is {configured} but the longest is {computed} ({where}): pass --{flag} {computed}"
+                " (or --no-check_length_correctness to keep the flag)")
+    return None
+
+
+def policy_pair_counts(dataset_dict, splits: tuple) -> dict:
+    """{split: {"policyA--policyB": number of comparisons}}, most frequent pair first."""
+    return {split: dict(Counter(dataset_dict[split]["policies"][:]).most_common()) for split in splits}
+
+
+def main() -> None:
+    """The stage, top to bottom (run at the end of the file, once the plumbing below the fence is defined)."""
+    args = tyro.cli(Args)
+    args.output_dir = args.output_dir or os.path.join("data", model_name(args.base_model), "tldr")
+    problems = preprocess_flag_problems(args)  # every flag, before anything is loaded or written
+    if problems:
+        raise SetupError("bad flags:\n  " + "\n  ".join(problems))
+
+    # ---- tokenizer ----
+    tokenizer = AutoTokenizer.from_pretrained(args.base_model)
+    assert tokenizer.eos_token is not None, f"{args.base_model}: the tokenizer has no EOS token"
+    # Detail 3: Leading space, EOS at the end, a distinct [PAD]
+    # Pythia has no pad token, and the common fix pad = eos would make every loss and attention
+    # mask that ignores pads ignore the EOS too: the SFT model would never learn to stop. A new
+    # [PAD] gets the next free id (50277 for Pythia, inside its 50304-row embedding).
+    if add_pad_token(tokenizer):
+        print(f"added the pad token {tokenizer.pad_token!r} (id {tokenizer.pad_token_id}) to {args.base_model}")
+    pad_id, eos_text = tokenizer.pad_token_id, tokenizer.eos_token
+    assert pad_id != tokenizer.eos_token_id, f"pad id {pad_id} must differ from eos id {tokenizer.eos_token_id}"
+
+    # ---- data: load, split, validate every row before any tokenization ----
+    # Until the last step this run writes only into a scratch folder (its caches, then its outputs).
+    scratch = start_scratch(args.output_dir)
+    sft_source = load_source(args.sft_dataset, None, scratch)
+    preference_source = load_source(args.preference_dataset, args.preference_config, scratch)
+    require_splits(sft_source, SFT_SPLITS, args.sft_dataset)
+    require_splits(preference_source, PREFERENCE_SPLITS, args.preference_dataset)
+    # Detail 1: Dataset specification
+    # The preference validation split hides a few CNN/DM news comparisons (`article` instead of a
+    # post): another query format and far longer queries, so they get their own split and lengths,
+    # and the RM's generalisation to news is measured apart.
+    validation, validation_cnndm = split_off_cnndm(preference_source["validation"], CNNDM_BATCHES)
+    sft = datasets.DatasetDict({split: sft_source[split] for split in SFT_SPLITS})
+    preference = datasets.DatasetDict(
+        train=preference_source["train"], validation=validation, validation_cnndm=validation_cnndm)
+    check_rows(args, sft, preference)  # a bad row fails here, in seconds, with its split and id
+
+    # ---- tokenize ----
+    # Detail 5: Pre-tokenize; right-pad query+response, left-pad queries
+    # Queries are left-padded (generation appends on the right, so every query must end in the
+    # same column); query+response rows are right-padded (training reads left to right and finds
+    # the EOS as the last non-pad id). Padded once here, every later batch is a plain stack. Each
+    # query+response row is the reference's: `query.strip() + response` tokenized as one text, then
+    # the EOS id (response_columns).
+    common = dict(tokenizer=tokenizer, eos_text=eos_text, pad_id=pad_id)
+    sft = map_splits(sft, process_sft_row, args.num_proc, "sft", lambda split: dict(
+        **common, split=split, query_length=args.query_length, response_length=args.max_sft_response_length,
+        query_response_length=args.max_sft_query_response_length))
+    # CNN/DM rows get widths of their own: padding every TL;DR row to 2021 tokens would triple RM memory.
+    tldr_lengths = dict(query_length=args.query_length, response_length=args.max_rm_response_length,
+                        query_response_length=args.max_rm_query_response_length)
+    cnndm_lengths = dict(query_length=args.cnndm_query_length, response_length=args.cnndm_max_rm_response_length,
+                         query_response_length=args.cnndm_max_rm_query_response_length)
+    preference = map_splits(preference, process_preference_row, args.num_proc, "preference", lambda split: dict(
+        **common, split=split, cnndm=split == "validation_cnndm",
+        **(cnndm_lengths if split == "validation_cnndm" else tldr_lengths)))
+    if len(preference["validation_cnndm"]) == 0:  # map adds no column to an empty split: give it the schema
+        preference["validation_cnndm"] = preference["validation"].select([])
+
+    # ---- lengths: every padded width against the data's true maximum (Detail 4) ----
+    checks = length_checks(args, sft, preference)
+    report_lengths(checks, args.check_length_correctness)  # the table; a flag that would cut data fails here
+
+    # ---- policy pairs ----
+    # Detail 6: The preference validation split is out of distribution
+    # Validation compares summaries of many more policies than train does (paper: 241 vs 47
+    # pairs), so validation accuracy measures generalisation to unseen policies. Record how far
+    # apart the splits are; downstream stages report accuracy per split / batch / confidence.
+    pair_counts = policy_pair_counts(preference, tuple(preference))
+    for split, counts in pair_counts.items():
+        print(f"preference/{split}: {len(counts)} policy pairs, most frequent {list(counts.items())[:3]}")
+    unseen = set(pair_counts["validation"]) - set(pair_counts["train"])
+    print(f"{len(unseen)} of the {len(pair_counts['validation'])} validation policy pairs never occur in train")
+
+    # ---- save: datasets with cards, visuals, counts, args; each replaces its old version in one step ----
+    save_outputs(args, scratch, tokenizer, sft, preference, checks, pair_counts)
+    if args.push_to_hub:  # opt-in: the only networked code of this script
+        publish_datasets(args, sft, preference)
+
+
+# ---- plumbing and fast paths: no Detail below ----
+# Checks: the flags before anything is loaded, the source files and rows before any tokenization.
+
+
+# (query budget, response width, query+response width) flags of each kind of row
+LENGTH_FLAG_GROUPS = (("query_length", "max_sft_response_length", "max_sft_query_response_length"),
+                      ("query_length", "max_rm_response_length", "max_rm_query_response_length"),
+                      ("cnndm_query_length", "cnndm_max_rm_response_length", "cnndm_max_rm_query_response_length"))
 
 
 def preprocess_flag_problems(args: Args) -> list:
@@ -210,6 +414,13 @@ def preprocess_flag_problems(args: Args) -> list:
     return problems
 
 
+def model_name(base_model: str) -> str:
+    """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""
+    # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
+    # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
+    return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
+
+
 def tokenizer_identity(tokenizer) -> str:
     """sha256 (hex) of the tokenizer's vocabulary, as sorted (token, id) pairs, and of its special tokens map."""
     # Two tokenizers with the same EOS and [PAD] ids may still map every other id to another token: a
@@ -218,31 +429,6 @@ def tokenizer_identity(tokenizer) -> str:
     payload = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "special_tokens": tokenizer.special_tokens_map},
                          sort_keys=True, default=str)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
-
-
-
-def add_pad_token(tokenizer) -> bool:
-    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
-    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
-        return False
-    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    return True
-
-
-def encode_text(tokenizer, text: str) -> list:
-    """Ids of `text` read as plain text: `[PAD]` or `<|endoftext|>` typed in it stay characters, never special ids."""
-    # A user who writes "<|endoftext|>" in a post must not end the sequence there (the reward is read
-    # at the first EOS), nor "[PAD]" hide a token from every loss. Special ids are placed by this file
-    # only (add_special_tokens=False: no template adds any); other added tokens (Pythia's runs of
-    # spaces) still match, so normal text gets exactly the ids a plain `encode` gives.
-    return list(recent_encodings(tokenizer, text))
-
-
-@functools.lru_cache(maxsize=4)
-def recent_encodings(tokenizer, text: str) -> tuple:
-    """tuple(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)), remembered for the
-    last few texts: a row's prompt is the query text it just tokenized, so it is not tokenized twice."""
-    return tuple(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
 def data_file_problem(path: str) -> Optional[str]:
@@ -311,13 +497,21 @@ def require_splits(dataset_dict, splits: tuple, source: str) -> None:
         raise DataError(f"{source}: split(s) {empty} have no rows; every split in {list(splits)} needs rows")
 
 
-def split_off_cnndm(validation, cnndm_batches: tuple) -> tuple:
-    """Split a preference validation Dataset into (TL;DR rows, CNN/DM rows) by their `batch`."""
-    batches = validation["batch"][:] if "batch" in validation.column_names else [None] * len(validation)
-    is_cnndm = [batch in cnndm_batches for batch in batches]
-    # Two complementary selections: every row lands in exactly one split, none is dropped.
-    return (validation.select([i for i, cnndm in enumerate(is_cnndm) if not cnndm]),
-            validation.select([i for i, cnndm in enumerate(is_cnndm) if cnndm]))
+def check_rows(args: Args, sft, preference) -> None:
+    """Raise DataError naming the split and row of the first bad row, or a post id twice in the SFT data."""
+    require_splits(preference, PREFERENCE_SPLITS, f"{args.preference_dataset} without its CNN/DM rows")
+    if len(preference["validation_cnndm"]) == 0:
+        print(f"{args.preference_dataset}: no CNN/DM comparisons (batches {', '.join(CNNDM_BATCHES)}) in "
+              "validation, so validation_cnndm is empty and the cnndm_* length flags are not checked")
+    for split, dataset in sft.items():
+        validate_rows(as_rows(dataset), split, "sft")
+    # A post id twice in the SFT data is a post trained on twice or tested on after training. (In the
+    # preference data it is normal: one post, several comparisons.)
+    if problem := duplicate_id_problem({split: dataset["id"][:] for split, dataset in sft.items()}):
+        raise DataError(f"{args.sft_dataset}: {problem}")
+    for split, dataset in preference.items():
+        validate_rows(as_rows(dataset), split, "cnndm" if split == "validation_cnndm" else "tldr")
+    print(f"rows: sft {dict(sft.num_rows)}, preference {dict(preference.num_rows)}")
 
 
 def row_problem(row: dict, kind: str) -> Optional[str]:
@@ -382,10 +576,18 @@ def duplicate_id_problem(ids_by_split: dict) -> Optional[str]:
             f"{' ...' if len(duplicates) > 5 else ''}; remove the repeated rows from the source")
 
 
-def truncate_last_paragraph(text: str, separator: str = "\n") -> str:
-    """Cut `text` just before its last separator; without one, drop its last character."""
-    cut = text.rfind(separator)
-    return text[:cut] if cut != -1 else text[:-1]
+def report_lengths(checks: list, check_length_correctness: bool) -> None:
+    """Print each length flag against the data's maximum; raise DataError if one cuts data (or, checked, differs)."""
+    # A table to copy flag values from when the tokenizer or the data change.
+    print(f"{'length flag':<36}{'configured':>11}{'computed':>10}  longest in")
+    for flag, configured, maxima, _ in checks:
+        where, computed = max(maxima.items(), key=lambda item: item[1]) if maxima else ("-", "-")
+        print(f"{flag:<36}{configured:>11}{computed:>10}  {where}")
+    problems = [problem for flag, configured, maxima, exact in checks
+                if (problem := length_problem(flag, configured, maxima, exact and check_length_correctness))]
+    if problems:
+        raise DataError("length flags do not match the data:\n  " + "\n  ".join(problems))
+# Fast paths: the query truncation, datasets read in one batch, `map` in worker processes.
 
 
 def truncation_cuts(text: str, separator: str = "\n") -> list:
@@ -405,16 +607,11 @@ RETOKENIZE_SLACK = 32
 
 
 def tokenize_query(tokenizer, format_str: str, fields: dict, truncate_field: str, length: int, where: str) -> list:
-    """Ids of `format_str` filled with `fields`, `truncate_field` shortened to fit `length` ids.
-
-    == the reference loop `while too long: field = truncate_last_paragraph(field)`, re-tokenizing
-    only the prefixes that the byte count below cannot rule out."""
+    """== the ids of `format_str` filled with `fields` after the reference loop `while too long: field =
+    truncate_last_paragraph(field)` on `truncate_field`, re-tokenizing only the prefixes that the byte count below
+    cannot rule out."""
     text = fields[truncate_field]
-    # Detail 2: Truncate the paragraph, not the sentence
-    # Over budget, drop the last paragraph of the post (OpenAI's tasks.py): the model then reads
-    # whole paragraphs, not a post that stops mid-sentence. A post with no newline left loses one
-    # character per pass, exactly as the reference does, so its datasets are reproduced token for
-    # token. Tokenizing every visited prefix would cost minutes on a 20k-character post, so:
+    # Tokenizing every prefix the loop visits would take minutes on a 20k-character post, so:
     cuts = truncation_cuts(text)  # candidate lengths, longest first; the answer is the first that fits
     bytes_before = list(accumulate((len(char.encode()) for char in text), initial=0))  # [i]: bytes of text[:i]
     i = 0
@@ -433,114 +630,163 @@ def tokenize_query(tokenizer, format_str: str, fields: dict, truncate_field: str
         i = j
 
 
-def left_pad(ids: list, length: int, pad_id: int) -> list:
-    """`ids` preceded by pads to exactly `length` ids (ids must fit)."""
-    assert len(ids) <= length, f"{len(ids)} ids do not fit in {length}"
-    return [pad_id] * (length - len(ids)) + ids
+@functools.lru_cache(maxsize=4)
+def recent_encodings(tokenizer, text: str) -> tuple:
+    """tuple(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)), remembered for the
+    last few texts: a row's prompt is the query text it just tokenized, so it is not tokenized twice."""
+    return tuple(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
-def right_pad(ids: list, length: int, pad_id: int) -> list:
-    """`ids` followed by pads (or cut) to exactly `length` ids."""
-    return ids[:length] + [pad_id] * (length - len(ids))
+# Reading a Dataset: iterating one (or one of its columns, `dataset["x"]`) formats its rows one at a time, ~25 us each
+# (0.4 s for one column of 16k rows); `dataset["x"][:]`, written wherever this script reads a whole column, equals
+# `list(dataset["x"])` and formats the column in one batch (4 ms).
+def as_rows(dataset) -> list:
+    """== list(dataset): every row as a dict, the columns formatted in one batch (`dataset[:]`), not row by row."""
+    columns = dataset[:]
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]
 
 
-def response_label(query_response: list, query_len: int, pad_id: int) -> list:
-    """Copy of `query_response` with its first `query_len` (query) ids set to pad."""
-    return [pad_id] * query_len + query_response[query_len:]
+# A `map` worker process costs ~0.2-0.4 s to start (datasets forks a pool and a manager process, even for num_proc=1),
+# the work of ~300 rows here: a small split is mapped faster in this process.
+MAP_ROWS_PER_PROCESS = 1000
 
 
-def query_columns(tokenizer, format_str: str, fields: dict, truncate_field: str, length: int, pad_id: int,
-                  where: str) -> dict:
-    """The query, query_token and query_token_len columns of one row."""
-    ids = tokenize_query(tokenizer, format_str, fields, truncate_field, length, where)
-    query_token = left_pad(ids, length, pad_id)  # (length,): pads first, the query ends at the last column
-    # Only special ids are skipped (the pads): a "[PAD]" typed in the post is text ids and stays in.
-    # lstrip as in the reference (a no-op for these templates).
-    query = tokenizer.decode(query_token, skip_special_tokens=True).lstrip()
-    return {"query": query, "query_token": query_token, "query_token_len": len(ids)}
+def map_processes(num_proc: Optional[int], rows: int) -> Optional[int]:
+    """`map`'s num_proc for a split of `rows` rows: --num_proc if given, else one per MAP_ROWS_PER_PROCESS rows up to
+    os.cpu_count(), and None (no worker) where that is fewer than 2."""
+    if num_proc is not None:
+        return num_proc
+    processes = min(os.cpu_count() or 1, rows // MAP_ROWS_PER_PROCESS)
+    return processes if processes >= 2 else None
 
 
-def response_columns(tokenizer, prompt: str, prompt_ids: list, name: str, text: str, eos_text: str,
-                     response_length: int, query_response_length: int, pad_id: int, where: str) -> dict:
-    """The seven `name` columns (see `response_descriptions`) of the response `text` (no EOS) to `prompt`.
+def map_splits(dataset_dict, function, num_proc: Optional[int], name: str, kwargs) -> datasets.DatasetDict:
+    """{split: dataset.map(function, fn_kwargs=kwargs(split))}, in worker processes where a split is large enough."""
+    # map pickles the function and its fn_kwargs (the tokenizer included) into each worker process.
+    return datasets.DatasetDict({split: dataset.map(
+        function, num_proc=map_processes(num_proc, len(dataset)), desc=f"{name}/{split}", fn_kwargs=kwargs(split),
+    ) for split, dataset in dataset_dict.items()})
+# Outputs: dataset cards, visuals, the files moved into place, the Hub.
 
-    `prompt` is the stripped query and `prompt_ids` its ids: the reference's layout, which tokenizes
-    `query.strip() + response` as one text (the EOS id is appended here, never tokenized from text)."""
-    eos_id = tokenizer.eos_token_id
-    response_ids = encode_text(tokenizer, text) + [eos_id]
-    query_response_ids = encode_text(tokenizer, prompt + text) + [eos_id]
-    # The label mask covers exactly the prompt's ids, so they must open the joined ids (the response
-    # starts with a space, where a byte-level BPE never merges across).
-    if query_response_ids[:len(prompt_ids)] != prompt_ids:
-        raise DataError(f"{where}: the ids of the query + {name} do not start with the ids of the query alone "
-                        f"(the tokenizer merges across {prompt[-20:]!r} + {text[:20]!r}); expected the response "
-                        "to start a new token (a leading space): fix the row or use a byte-level BPE tokenizer")
-    query_response_token = right_pad(query_response_ids, query_response_length, pad_id)
+
+def save_outputs(args: Args, scratch: str, tokenizer, sft, preference, checks: list, pair_counts: dict) -> None:
+    """Write the datasets with their cards, the visuals, policy_pairs.json and args.json into the scratch, then
+    move each into `args.output_dir`, replacing its old version in one step (args.json, the run's record, last)."""
+    new = os.path.join(scratch, "new")  # every output is written here, then moved into place
+    tldr = datasets.concatenate_datasets([preference[split] for split in PREFERENCE_SPLITS])
+    pair = ("chosen", "rejected")
+    visuals = plot_visuals(
+        [("SFT reference response", {s: d["reference_response_token_len"][:] for s, d in sft.items()},
+          args.max_sft_response_length),
+         ("TL;DR preference response", {c: tldr[f"{c}_token_len"][:] for c in pair}, args.max_rm_response_length),
+         ("SFT query + reference response", {s: d["query_reference_response_token_len"][:] for s, d in sft.items()},
+          args.max_sft_query_response_length),
+         ("TL;DR preference query + response", {c: tldr[f"query_{c}_token_len"][:] for c in pair},
+          args.max_rm_query_response_length)],
+        # `extra.confidence` is None where the labeler gave none (most of train)
+        {split: Counter(str((extra or {}).get("confidence")) for extra in dataset["extra"][:])
+         for split, dataset in preference.items()},
+        {split: pair_counts[split] for split in PREFERENCE_SPLITS},
+        os.path.join(new, "visuals"))
+
+    commit = git_commit(os.path.dirname(os.path.abspath(__file__)))
+    outputs = {"sft": (sft, args.sft_dataset, SFT_DESCRIPTIONS),
+               "preference": (preference, args.preference_dataset, PREFERENCE_DESCRIPTIONS)}
+    for name, (dataset_dict, source, descriptions) in outputs.items():
+        # Arrow shards that load_from_disk memory-maps: later stages open 100k+ rows in a second.
+        # An empty split (validation_cnndm without CNN/DM rows) needs its one shard asked for: datasets
+        # would write none and then fail to load the split.
+        dataset_dict.save_to_disk(os.path.join(new, name),
+                                  num_shards={split: 1 for split, dataset in dataset_dict.items() if not len(dataset)})
+        # The card sits beside the saved splits: load_from_disk ignores it, a Hub repo shows it.
+        intro = (f"Built from `{source}` by preprocess_tldr.py (commit {commit}) with the tokenizer of "
+                 f"`{args.base_model}` (eos id {tokenizer.eos_token_id}, pad id {tokenizer.pad_token_id}); "
+                 + ", ".join(f"{flag} {configured}" for flag, configured, _, _ in checks) + ".")
+        with open(os.path.join(new, name, "README.md"), "w") as file:
+            file.write(dataset_card(f"TL;DR {name} dataset, pre-tokenized", intro, dataset_dict, descriptions))
+    with open(os.path.join(new, "policy_pairs.json"), "w") as file:
+        json.dump(pair_counts, file, indent=2)
+    # The ids let later stages check that their tokenizer matches the one behind the token columns.
+    with open(os.path.join(new, "args.json"), "w") as file:
+        json.dump({**asdict(args), "base_model_name": model_name(args.base_model),
+                   "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+                   "tokenizer_identity": tokenizer_identity(tokenizer),
+                   "git_commit": commit}, file, indent=2)
+    # A failed run never reaches this point, so it leaves the old outputs as they were.
+    for name in ("sft", "preference", "visuals", "policy_pairs.json", "args.json"):
+        install_output(scratch, args.output_dir, name)
+    print(f"saved {args.output_dir}/sft, {args.output_dir}/preference, args.json, policy_pairs.json, "
+          f"{[os.path.join(args.output_dir, 'visuals', os.path.basename(path)) for path in visuals]}")
+
+
+def publish_datasets(args: Args, sft, preference) -> None:
+    """Publish both datasets, their cards and the visuals on the Hub under --hf_entity (or the logged-in user)."""
+    import huggingface_hub  # imported here: without --push_to_hub nothing touches the network
+
+    entity = args.hf_entity or huggingface_hub.whoami()["name"]
+    timestamp = int(time.time())
+    repos = {"sft": f"{entity}/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_{timestamp}",
+             "preference": f"{entity}/summarize_from_feedback_oai_preprocessing_{timestamp}"}
+    for dataset_dict, (name, repo_id) in zip((sft, preference), repos.items()):
+        dataset_dict.push_to_hub(repo_id)
+        # Our card replaces the one push_to_hub wrote; the Hub still finds the parquet files.
+        huggingface_hub.upload_file(path_or_fileobj=os.path.join(args.output_dir, name, "README.md"),
+                                    path_in_repo="README.md", repo_id=repo_id, repo_type="dataset")
+        print(f"pushed https://huggingface.co/datasets/{repo_id}")
+    huggingface_hub.upload_folder(folder_path=os.path.join(args.output_dir, "visuals"), path_in_repo="visuals",
+                                  repo_id=repos["preference"], repo_type="dataset")
+
+
+def response_descriptions(name: str, what: str, flag: str) -> dict:
+    """One-line card descriptions of the seven columns `response_columns` makes for `name`."""
     return {
-        name: text + eos_text,
-        f"{name}_token": right_pad(response_ids, response_length, pad_id),
-        f"{name}_token_len": len(response_ids),
-        f"query_{name}": prompt + text + eos_text,
-        f"query_{name}_token": query_response_token,
-        f"query_{name}_token_len": len(query_response_ids),
-        # The reference masks query_token_len ids. A CNN/DM query ends in "\n", which strip() drops, so
-        # there it also masked the first response id; here exactly the prompt's ids are masked.
-        f"query_{name}_token_response_label": response_label(query_response_token, len(prompt_ids), pad_id),
+        name: f"{what}: text with a leading space and the EOS text at the end",
+        f"{name}_token": f"ids of the text (a special-token string typed in it stays text) + the EOS id, "
+                         f"RIGHT-padded with [PAD] to {flag}_response_length",
+        f"{name}_token_len": f"number of ids of `{name}` (EOS included, pads excluded)",
+        f"query_{name}": f"`query` stripped of surrounding whitespace + `{name}`",
+        f"query_{name}_token": f"`query_{name}` re-tokenized as one text + the EOS id, RIGHT-padded to "
+                               f"{flag}_query_response_length",
+        f"query_{name}_token_len": f"number of non-pad ids in `query_{name}_token`",
+        f"query_{name}_token_response_label": f"`query_{name}_token` with the ids of the stripped query set to "
+                                              "[PAD] (loss labels)",
     }
 
 
-def process_sft_row(row: dict, tokenizer, eos_text: str, pad_id: int, query_length: int,
-                    response_length: int, query_response_length: int, split: str) -> dict:
-    """Query and reference-response columns of one SFT row."""
-    where = f"split '{split}', row id {row['id']!r}"
-    query = query_columns(tokenizer, TLDR_FORMAT, row, "post", query_length, pad_id, where)
-    prompt = query["query"].strip()
-    # The human summary has no leading space: add one (" word" after "TL;DR:", as in the preference
-    # data); the EOS the SFT model must learn to emit ends the response.
-    return {**query, **response_columns(tokenizer, prompt, encode_text(tokenizer, prompt), "reference_response",
-                                        " " + row["summary"], eos_text, response_length, query_response_length,
-                                        pad_id, where)}
+# Card descriptions; "(source)" marks a column copied unchanged from the source dataset.
+QUERY_DESCRIPTIONS = {
+    "query": "the query text: decoded `query_token` without pads (the post may be truncated)",
+    "query_token": "query ids, LEFT-padded with [PAD] to the query length (ready for generation)",
+    "query_token_len": "number of non-pad ids in `query_token`",
+}
 
 
-def process_preference_row(row: dict, tokenizer, eos_text: str, pad_id: int, cnndm: bool, query_length: int,
-                           response_length: int, query_response_length: int, split: str) -> dict:
-    """Query, chosen and rejected columns of one preference row (CNN/DM format if `cnndm`)."""
-    format_str, truncate_field = (CNNDM_FORMAT, "article") if cnndm else (TLDR_FORMAT, "post")
-    where = f"split '{split}', row id {row['info']['id']!r}"
-    query = query_columns(tokenizer, format_str, row["info"], truncate_field, query_length, pad_id, where)
-    prompt = query["query"].strip()
-    prompt_ids = encode_text(tokenizer, prompt)
-    chosen, rejected = row["summaries"][row["choice"]], row["summaries"][1 - row["choice"]]
-    columns = {**query, "chosen_policy": chosen["policy"], "rejected_policy": rejected["policy"],
-               "policies": "--".join(sorted([chosen["policy"], rejected["policy"]]))}
-    for name, summary in (("chosen", chosen), ("rejected", rejected)):  # the text has its leading space
-        columns.update(response_columns(tokenizer, prompt, prompt_ids, name, summary["text"], eos_text,
-                                        response_length, query_response_length, pad_id, where))
-    return columns
+SFT_DESCRIPTIONS = {
+    "id": "Reddit post id (source)",
+    "subreddit": "subreddit name without r/ (source)",
+    "title": "post title (source)",
+    "post": "post body, untruncated (source)",
+    "summary": "human-written TL;DR of the post, no leading space (source)",
+    **QUERY_DESCRIPTIONS,
+    **response_descriptions("reference_response", "`summary` as a response", "max_sft"),
+}
 
 
-def column_maxima(tables: dict, columns: tuple) -> dict:
-    """Maximum of each integer column of each non-empty table, keyed '{table name} {column}'."""
-    return {f"{name} {column}": max(table[column][:]) for name, table in tables.items() for column in columns
-            if len(table) > 0}
-
-
-def length_problem(flag: str, configured: int, maxima: dict, exact: bool) -> Optional[str]:
-    """Why --flag=configured does not suit the computed `maxima` ({where: max}), None if it does."""
-    if not maxima:
-        return None
-    where, computed = max(maxima.items(), key=lambda item: item[1])
-    if computed > configured:  # right_pad has cut these rows: never acceptable
-        return f"{where} reaches {computed} tokens > --{flag} {configured}, so data would be cut: pass --{flag} {computed}"
-    if exact and computed != configured:
-        return (f"--{flag} is {configured} but the longest is {computed} ({where}): pass --{flag} {computed}"
-                " (or --no-check_length_correctness to keep the flag)")
-    return None
-
-
-def policy_pair_counts(dataset_dict, splits: tuple) -> dict:
-    """{split: {"policyA--policyB": number of comparisons}}, most frequent pair first."""
-    return {split: dict(Counter(dataset_dict[split]["policies"][:]).most_common()) for split in splits}
+PREFERENCE_DESCRIPTIONS = {
+    "info": "the summarized item: id, post, title, subreddit, site (TL;DR) or article (CNN/DM) (source)",
+    "summaries": "the two compared summaries: text (leading space), policy, note (source)",
+    "choice": "index (0 or 1) of the summary the labeler preferred (source)",
+    "worker": "labeler id (source)",
+    "batch": "labeling batch name; CNN/DM batches form `validation_cnndm` (source)",
+    "split": "OpenAI's split tag of the comparison (source)",
+    "extra": "labeler confidence, 1-9, when recorded (source)",
+    **QUERY_DESCRIPTIONS,
+    "chosen_policy": "policy that sampled the chosen summary",
+    "rejected_policy": "policy that sampled the rejected summary",
+    "policies": "the two policy names, sorted and joined with `--`",
+    **response_descriptions("chosen", "the preferred summary", "(cnndm_)max_rm"),
+    **response_descriptions("rejected", "the other summary", "(cnndm_)max_rm"),
+}
 
 
 def dataset_card(title: str, intro: str, dataset_dict, descriptions: dict) -> str:
@@ -602,34 +848,12 @@ def plot_visuals(length_panels: list, confidences: dict, pair_counts: dict, fold
     figure.savefig(os.path.join(folder, "policies.png"))
     plt.close("all")
     return [os.path.join(folder, name) for name in ("token_len.png", "confidence.png", "policies.png")]
-
-
-# ---- plumbing: datasets read in one batch, a scratch folder, outputs moved into place in one step (no Detail below) ----
-
-# Reading a Dataset: iterating one (or one of its columns, `dataset["x"]`) formats its rows one at a time, ~25 us each
-# (0.4 s for one column of 16k rows); `dataset["x"][:]`, written wherever this script reads a whole column, equals
-# `list(dataset["x"])` and formats the column in one batch (4 ms).
-def as_rows(dataset) -> list:
-    """== list(dataset): every row as a dict, the columns formatted in one batch (`dataset[:]`), not row by row."""
-    columns = dataset[:]
-    return [dict(zip(columns, values)) for values in zip(*columns.values())]
-
-
-# A `map` worker process costs ~0.2-0.4 s to start (datasets forks a pool and a manager process, even for num_proc=1),
-# the work of ~300 rows here: a small split is mapped faster in this process.
-MAP_ROWS_PER_PROCESS = 1000
-
-
-def map_processes(num_proc: Optional[int], rows: int) -> Optional[int]:
-    """`map`'s num_proc for a split of `rows` rows: --num_proc if given, else one per MAP_ROWS_PER_PROCESS rows up to
-    os.cpu_count(), and None (no worker) where that is fewer than 2."""
-    if num_proc is not None:
-        return num_proc
-    processes = min(os.cpu_count() or 1, rows // MAP_ROWS_PER_PROCESS)
-    return processes if processes >= 2 else None
+# A scratch folder that a watcher process removes however the run ends; outputs swapped in one step.
 
 
 SCRATCH_PREFIX = ".preprocess_tldr-scratch-"
+
+
 # The watcher: a bare interpreter (not a fork of this 340 MB process) that waits until this run and
 # every process it forked (the `map` workers) have exited, however (SIGKILL and the OOM killer
 # included), then puts back an output that a half-done swap had moved aside, deletes the scratch,
@@ -737,192 +961,7 @@ def install_output(scratch: str, output_dir: str, name: str) -> None:
         os.makedirs(os.path.dirname(old), exist_ok=True)
         os.rename(target, old)
         os.rename(staged, target)
-    # (after a swap, the old version sits in the scratch and goes with it)
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    args.output_dir = args.output_dir or os.path.join("data", model_name(args.base_model), "tldr")
-    # ---- checks: every flag, before anything is loaded or written ----
-    problems = preprocess_flag_problems(args)
-    if problems:
-        raise SetupError("bad flags:\n  " + "\n  ".join(problems))
-
-    # ---- tokenizer ----
-    tokenizer = AutoTokenizer.from_pretrained(args.base_model)
-    assert tokenizer.eos_token is not None, f"{args.base_model}: the tokenizer has no EOS token"
-    # Detail 3: Leading space, EOS at the end, a distinct [PAD]
-    # Pythia has no pad token, and the common fix pad = eos would make every loss and attention
-    # mask that ignores pads ignore the EOS too: the SFT model would never learn to stop. A new
-    # [PAD] gets the next free id (50277 for Pythia, inside its 50304-row embedding).
-    if add_pad_token(tokenizer):
-        print(f"added the pad token {tokenizer.pad_token!r} (id {tokenizer.pad_token_id}) to {args.base_model}")
-    pad_id, eos_text = tokenizer.pad_token_id, tokenizer.eos_token
-    assert pad_id != tokenizer.eos_token_id, f"pad id {pad_id} must differ from eos id {tokenizer.eos_token_id}"
-
-    # ---- data: load, split, validate every row before any tokenization ----
-    # Until the last step this run writes only into a scratch folder (its caches, then its outputs).
-    scratch = start_scratch(args.output_dir)
-    sft_source = load_source(args.sft_dataset, None, scratch)
-    preference_source = load_source(args.preference_dataset, args.preference_config, scratch)
-    require_splits(sft_source, SFT_SPLITS, args.sft_dataset)
-    require_splits(preference_source, PREFERENCE_SPLITS, args.preference_dataset)
-    # Detail 1: Dataset specification
-    # The preference validation split hides a few CNN/DM news comparisons (`article` instead of a
-    # post): another query format and far longer queries, so they get their own split and lengths,
-    # and the RM's generalisation to news is measured apart.
-    validation, validation_cnndm = split_off_cnndm(preference_source["validation"], CNNDM_BATCHES)
-    sft = datasets.DatasetDict({split: sft_source[split] for split in SFT_SPLITS})
-    preference = datasets.DatasetDict(
-        train=preference_source["train"], validation=validation, validation_cnndm=validation_cnndm)
-    require_splits(preference, PREFERENCE_SPLITS, f"{args.preference_dataset} without its CNN/DM rows")
-    if len(validation_cnndm) == 0:
-        print(f"{args.preference_dataset}: no CNN/DM comparisons (batches {', '.join(CNNDM_BATCHES)}) in "
-              "validation, so validation_cnndm is empty and the cnndm_* length flags are not checked")
-    # A bad row fails here, in seconds, with its split and id, not deep inside a worker process.
-    for split, dataset in sft.items():
-        validate_rows(as_rows(dataset), split, "sft")
-    # A post id twice in the SFT data is a post trained on twice or tested on after training. (In the
-    # preference data it is normal: one post, several comparisons.)
-    if problem := duplicate_id_problem({split: dataset["id"][:] for split, dataset in sft.items()}):
-        raise DataError(f"{args.sft_dataset}: {problem}")
-    for split, dataset in preference.items():
-        validate_rows(as_rows(dataset), split, "cnndm" if split == "validation_cnndm" else "tldr")
-    print(f"rows: sft {dict(sft.num_rows)}, preference {dict(preference.num_rows)}")
-
-    # ---- tokenize ----
-    # Detail 5: Pre-tokenize; right-pad query+response, left-pad queries
-    # Queries are left-padded (generation appends on the right, so every query must end in the
-    # same column); query+response rows are right-padded (training reads left to right and finds
-    # the EOS as the last non-pad id). Padded once here, every later batch is a plain stack. Each
-    # query+response row is the reference's: `query.strip() + response` tokenized as one text, then
-    # the EOS id (response_columns).
-    # map pickles the function and its fn_kwargs (the tokenizer included) into each worker process.
-    common = dict(tokenizer=tokenizer, eos_text=eos_text, pad_id=pad_id)
-    sft = datasets.DatasetDict({split: dataset.map(
-        process_sft_row, num_proc=map_processes(args.num_proc, len(dataset)), desc=f"sft/{split}",
-        fn_kwargs=dict(**common, split=split, query_length=args.query_length,
-                       response_length=args.max_sft_response_length,
-                       query_response_length=args.max_sft_query_response_length),
-    ) for split, dataset in sft.items()})
-    # CNN/DM rows get widths of their own: padding every TL;DR row to 2021 tokens would triple RM memory.
-    tldr_lengths = dict(query_length=args.query_length, response_length=args.max_rm_response_length,
-                        query_response_length=args.max_rm_query_response_length)
-    cnndm_lengths = dict(query_length=args.cnndm_query_length, response_length=args.cnndm_max_rm_response_length,
-                         query_response_length=args.cnndm_max_rm_query_response_length)
-    preference = datasets.DatasetDict({split: dataset.map(
-        process_preference_row, num_proc=map_processes(args.num_proc, len(dataset)), desc=f"preference/{split}",
-        fn_kwargs=dict(**common, split=split, cnndm=split == "validation_cnndm",
-                       **(cnndm_lengths if split == "validation_cnndm" else tldr_lengths)),
-    ) for split, dataset in preference.items()})
-    if len(preference["validation_cnndm"]) == 0:  # map adds no column to an empty split: give it the schema
-        preference["validation_cnndm"] = preference["validation"].select([])
-
-    # ---- lengths ----
-    # Detail 4: SFT and preference lengths differ
-    # The SFT summaries were filtered to be short (53 Pythia tokens at most), the preference ones
-    # were not (169), and CNN/DM queries are longer still. Every padded width is a flag; compare
-    # each with the true maximum: too small cuts data, too large wastes memory in every batch.
-    sft_tables = {f"sft/{split}": sft[split] for split in SFT_SPLITS}
-    tldr_tables = {f"preference/{split}": preference[split] for split in PREFERENCE_SPLITS}
-    cnndm_tables = {"preference/validation_cnndm": preference["validation_cnndm"]}
-    responses = ("chosen_token_len", "rejected_token_len")
-    query_responses = ("query_chosen_token_len", "query_rejected_token_len")
-    # Query lengths are budgets (truncation makes every query fit) that the data need not reach;
-    # response widths are maxima of the data, so with check_length_correctness they must match.
-    checks = [(flag, getattr(args, flag), column_maxima(tables, columns), exact) for flag, tables, columns, exact in (
-        ("query_length", {**sft_tables, **tldr_tables}, ("query_token_len",), False),
-        ("max_sft_response_length", sft_tables, ("reference_response_token_len",), True),
-        ("max_sft_query_response_length", sft_tables, ("query_reference_response_token_len",), True),
-        ("max_rm_response_length", tldr_tables, responses, True),
-        ("max_rm_query_response_length", tldr_tables, query_responses, True),
-        ("cnndm_query_length", cnndm_tables, ("query_token_len",), False),
-        ("cnndm_max_rm_response_length", cnndm_tables, responses, True),
-        ("cnndm_max_rm_query_response_length", cnndm_tables, query_responses, True),
-    )]  # (flag, configured value, {where: computed maximum}, must equal the flag)
-    # A table to copy flag values from when the tokenizer or the data change.
-    print(f"{'length flag':<36}{'configured':>11}{'computed':>10}  longest in")
-    for flag, configured, maxima, _ in checks:
-        where, computed = max(maxima.items(), key=lambda item: item[1]) if maxima else ("-", "-")
-        print(f"{flag:<36}{configured:>11}{computed:>10}  {where}")
-    problems = [problem for flag, configured, maxima, exact in checks
-                if (problem := length_problem(flag, configured, maxima, exact and args.check_length_correctness))]
-    if problems:
-        raise DataError("length flags do not match the data:\n  " + "\n  ".join(problems))
-
-    # ---- policy pairs ----
-    # Detail 6: The preference validation split is out of distribution
-    # Validation compares summaries of many more policies than train does (paper: 241 vs 47
-    # pairs), so validation accuracy measures generalisation to unseen policies. Record how far
-    # apart the splits are; downstream stages report accuracy per split / batch / confidence.
-    pair_counts = policy_pair_counts(preference, tuple(preference))
-    for split, counts in pair_counts.items():
-        print(f"preference/{split}: {len(counts)} policy pairs, most frequent {list(counts.items())[:3]}")
-    unseen = set(pair_counts["validation"]) - set(pair_counts["train"])
-    print(f"{len(unseen)} of the {len(pair_counts['validation'])} validation policy pairs never occur in train")
-
-    # ---- visuals ----
-    new = os.path.join(scratch, "new")  # every output is written here, then moved into place
-    tldr = datasets.concatenate_datasets([preference[split] for split in PREFERENCE_SPLITS])
-    pair = ("chosen", "rejected")
-    visuals = plot_visuals(
-        [("SFT reference response", {s: d["reference_response_token_len"][:] for s, d in sft.items()},
-          args.max_sft_response_length),
-         ("TL;DR preference response", {c: tldr[f"{c}_token_len"][:] for c in pair}, args.max_rm_response_length),
-         ("SFT query + reference response", {s: d["query_reference_response_token_len"][:] for s, d in sft.items()},
-          args.max_sft_query_response_length),
-         ("TL;DR preference query + response", {c: tldr[f"query_{c}_token_len"][:] for c in pair},
-          args.max_rm_query_response_length)],
-        # `extra.confidence` is None where the labeler gave none (most of train)
-        {split: Counter(str((extra or {}).get("confidence")) for extra in dataset["extra"][:])
-         for split, dataset in preference.items()},
-        {split: pair_counts[split] for split in PREFERENCE_SPLITS},
-        os.path.join(new, "visuals"))
-
-    # ---- save: datasets with cards, counts, args ----
-    commit = git_commit(os.path.dirname(os.path.abspath(__file__)))
-    outputs = {"sft": (sft, args.sft_dataset, SFT_DESCRIPTIONS),
-               "preference": (preference, args.preference_dataset, PREFERENCE_DESCRIPTIONS)}
-    for name, (dataset_dict, source, descriptions) in outputs.items():
-        # Arrow shards that load_from_disk memory-maps: later stages open 100k+ rows in a second.
-        # An empty split (validation_cnndm without CNN/DM rows) needs its one shard asked for: datasets
-        # would write none and then fail to load the split.
-        dataset_dict.save_to_disk(os.path.join(new, name),
-                                  num_shards={split: 1 for split, dataset in dataset_dict.items() if not len(dataset)})
-        # The card sits beside the saved splits: load_from_disk ignores it, a Hub repo shows it.
-        intro = (f"Built from `{source}` by preprocess_tldr.py (commit {commit}) with the tokenizer of "
-                 f"`{args.base_model}` (eos id {tokenizer.eos_token_id}, pad id {pad_id}); "
-                 + ", ".join(f"{flag} {configured}" for flag, configured, _, _ in checks) + ".")
-        with open(os.path.join(new, name, "README.md"), "w") as file:
-            file.write(dataset_card(f"TL;DR {name} dataset, pre-tokenized", intro, dataset_dict, descriptions))
-    with open(os.path.join(new, "policy_pairs.json"), "w") as file:
-        json.dump(pair_counts, file, indent=2)
-    # The ids let later stages check that their tokenizer matches the one behind the token columns.
-    with open(os.path.join(new, "args.json"), "w") as file:
-        json.dump({**asdict(args), "base_model_name": model_name(args.base_model),
-                   "eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad_id,
-                   "tokenizer_identity": tokenizer_identity(tokenizer),
-                   "git_commit": commit}, file, indent=2)
-    # A failed run never reaches this point, so it leaves the old outputs as they were. Each output
-    # replaces its old version in one rename; args.json, the record of the run, goes last.
-    for name in ("sft", "preference", "visuals", "policy_pairs.json", "args.json"):
-        install_output(scratch, args.output_dir, name)
-    print(f"saved {args.output_dir}/sft, {args.output_dir}/preference, args.json, policy_pairs.json, "
-          f"{[os.path.join(args.output_dir, 'visuals', os.path.basename(path)) for path in visuals]}")
-
-    # ---- publish (opt-in: the only networked code of this script) ----
-    if args.push_to_hub:
-        import huggingface_hub  # imported here: without --push_to_hub nothing touches the network
-
-        entity = args.hf_entity or huggingface_hub.whoami()["name"]
-        timestamp = int(time.time())
-        repos = {"sft": f"{entity}/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_{timestamp}",
-                 "preference": f"{entity}/summarize_from_feedback_oai_preprocessing_{timestamp}"}
-        for name, repo_id in repos.items():
-            outputs[name][0].push_to_hub(repo_id)
-            # Our card replaces the one push_to_hub wrote; the Hub still finds the parquet files.
-            huggingface_hub.upload_file(path_or_fileobj=os.path.join(args.output_dir, name, "README.md"),
-                                        path_in_repo="README.md", repo_id=repo_id, repo_type="dataset")
-            print(f"pushed https://huggingface.co/datasets/{repo_id}")
-        huggingface_hub.upload_folder(folder_path=os.path.join(args.output_dir, "visuals"), path_in_repo="visuals",
-                                      repo_id=repos["preference"], repo_type="dataset")
+    main()  # here, at the end, so that every helper below the fence is defined when it runs

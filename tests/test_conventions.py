@@ -831,7 +831,8 @@ def test_readme_checker_catches_missing_paths(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 FENCE = "# ---- plumbing and fast paths: no Detail below ----"
-FENCED_STAGES = ("sft.py", "reward.py", "dpo.py", "ppo.py", "judge.py")  # the stages laid out so (../shared/STYLE.md)
+# Every stage (../shared/STYLE.md): the training stages, the preprocessing and the judge.
+FENCED_STAGES = ("preprocess_tldr.py", "sft.py", "reward.py", "dpo.py", "ppo.py", "judge.py")
 
 
 def check_fence(source: str, filename: str) -> list[str]:
