@@ -176,7 +176,8 @@ def summarize(runs: list, batch_size: int) -> dict:
     return out
 
 
-def main():
+def parse_args() -> tuple:
+    """(the flags parsed, the flags as given less the interpreters the .sh passes, for the report)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", choices=("tiny", "5m"), default="tiny", help="the models and queries (docstring)")
     parser.add_argument("--ours_python", default=os.path.join(ROOT, ".venv", "bin", "python"))
@@ -202,6 +203,11 @@ def main():
     for name in ("--ours_python", "--trl_python"):
         if name in flags:
             del flags[flags.index(name):flags.index(name) + 2]
+    return args, flags
+
+
+def configure(args: argparse.Namespace) -> tuple:
+    """Fill in the models, queries and output of --config; (the report's description of them, FLOPs per phase)."""
     import random_world
 
     if args.config == "tiny":
@@ -233,6 +239,12 @@ def main():
     query_length = len(__import__("datasets").load_from_disk(args.query_dataset)["train"][0]["query_token"])
     flops = phase_flops(config, args.batch_size, query_length, args.response_length, args.num_ppo_epochs)
 
+    return label, flops
+
+
+def run_rounds(args: argparse.Namespace) -> tuple:
+    """Each side in turn, --rounds times: (per side its runs' updates and peak memory, load averages, matmul peaks,
+    when it started)."""
     threads = os.environ.get("OMP_NUM_THREADS", "unset")
     started, loads = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), [load_average()]
     peaks = [matmul_peak()]
@@ -252,17 +264,11 @@ def main():
                       f"{seconds} (first not timed); peak memory (process, timed updates, at their start) "
                       f"{peak_memory}; load {loads[-1]}", flush=True)
     peaks.append(matmul_peak())
-    peak = max(peaks)
-    stats = {name: summarize(runs, args.batch_size) for name, runs in results.items()}
-    rows, roofline = [], []
-    for name in args.sides:
-        s = stats[name]
-        rows.append(f"| {SIDES[name]} | {s['episodes_per_second']:.2f} | {s['total']:.2f} | {s['generation']:.2f} | "
-                    f"{s['scoring']:.2f} | {s['training']:.2f} | {max(m[0] for m in memory[name]):.3f} | "
-                    f"{update_memory(memory[name])} |")
-        roofline.append(f"| {SIDES[name]} | " + " | ".join(
-            f"{flops[phase] / s[phase] / 1e9:.1f} ({flops[phase] / s[phase] / peak:.0%})"
-            for phase in ("generation", "scoring", "training")) + " |")
+    return results, memory, loads, peaks, started, threads
+
+
+def ratio_lines(args: argparse.Namespace, stats: dict, results: dict, memory: dict) -> list:
+    """Each side of ours against TRL (overall and per round), and the fast against the plain sampling loop."""
     ratios = []
     if "trl" in args.sides:
         for name in [n for n in args.sides if n != "trl"]:
@@ -279,7 +285,25 @@ def main():
                       f"{stats['ours_plain']['generation'] / stats['ours']['generation']:.2f}x; peak memory of the "
                       f"timed updates {fast:.3f} vs {plain:.3f} GiB ({fast / plain - 1:+.1%}); their rise above the "
                       f"memory held when they began {fast_rise:.3f} vs {plain_rise:.3f} GiB")
-    report = "\n".join([
+    return ratios
+
+
+def render_report(args: argparse.Namespace, flags: list, label: str, flops: dict, results: dict, memory: dict,
+                  loads: list, peaks: list, started: str, threads: str) -> str:
+    """The markdown report: throughput, time split and memory per side, the ratios, the roofline, the command."""
+    peak = max(peaks)
+    stats = {name: summarize(runs, args.batch_size) for name, runs in results.items()}
+    rows, roofline = [], []
+    for name in args.sides:
+        s = stats[name]
+        rows.append(f"| {SIDES[name]} | {s['episodes_per_second']:.2f} | {s['total']:.2f} | {s['generation']:.2f} | "
+                    f"{s['scoring']:.2f} | {s['training']:.2f} | {max(m[0] for m in memory[name]):.3f} | "
+                    f"{update_memory(memory[name])} |")
+        roofline.append(f"| {SIDES[name]} | " + " | ".join(
+            f"{flops[phase] / s[phase] / 1e9:.1f} ({flops[phase] / s[phase] / peak:.0%})"
+            for phase in ("generation", "scoring", "training")) + " |")
+    ratios = ratio_lines(args, stats, results, memory)
+    return "\n".join([
         f"# PPO throughput: ppo.py vs TRL 1.12.0 PPOTrainer, {args.config} ({started})",
         "",
         f"{label}, fp32 on CPU, OMP_NUM_THREADS={threads} on both sides; "
@@ -316,6 +340,12 @@ def main():
         "",
         f"Command: `OMP_NUM_THREADS={threads} bash benchmark/ppo_vs_trl.sh {' '.join(flags)}`",
     ])
+
+
+def main():
+    args, flags = parse_args()
+    label, flops = configure(args)
+    report = render_report(args, flags, label, flops, *run_rounds(args))
     print("\n" + report)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as file:

@@ -171,7 +171,7 @@ def swap_learnability(sft_path: str, train_rows, eval_rows, tokenizer, world, up
     return curve
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="models/tiny", help="benchmark/tiny.sh's MODELS: sft_{seed}, reward_{seed}")
     parser.add_argument("--data", default="data/tiny_tldr", help="benchmark/tiny.sh's DATA: sft/ (validation queries)")
@@ -183,32 +183,25 @@ def main() -> None:
     parser.add_argument("--response_length", type=int, default=44, help="tokens sampled (benchmark/tiny.sh: 44)")
     parser.add_argument("--learnability_updates", type=int, default=0,
                         help="updates of a swap-only RM (0: skip; 300 show whether the architecture learns it)")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+def lm_logprob(policy, tokenizer, query: list, text: str) -> float:
+    """The SFT model's log-probability of a summary (leading space, EOS) after its query."""
+    context = [token for token in query if token != tokenizer.pad_token_id]
+    ids = tokenizer.encode(" " + text + tokenizer.eos_token)
+    logits = policy(torch.tensor([context + ids])).logits[0, len(context) - 1:-1]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).sum().item()
+
+
+def diagnose(rows, policy, reward_model, tokenizer, args: argparse.Namespace, world) -> dict:
+    """Sample, score and probe every post: agreement counts, mistakes per sample, best-of-n picks, probe outcomes."""
     from tqdm.auto import tqdm
 
     import ppo
-    import tiny_world as world
 
-    torch.manual_seed(args.seed)
-    sft_path, rm_path = (os.path.join(args.models, f"{stage}_{args.seed}") for stage in ("sft", "reward"))
-    tokenizer = AutoTokenizer.from_pretrained(sft_path)
-    policy = AutoModelForCausalLM.from_pretrained(sft_path, dtype=torch.float32).eval()
-    reward_model = ppo.ScalarModel.from_pretrained(rm_path, dtype=torch.float32).eval()
-    rows = datasets.load_from_disk(os.path.join(args.data, "sft"))["validation"]
-    rows = rows.select(range(min(args.num_prompts, len(rows))))
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     unsampled = torch.tensor(ppo.unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
-
-    def lm_logprob(query: list, text: str) -> float:
-        """The SFT model's log-probability of a summary (leading space, EOS) after its query."""
-        context = [token for token in query if token != pad]
-        ids = tokenizer.encode(" " + text + tokenizer.eos_token)
-        logits = policy(torch.tensor([context + ids])).logits[0, len(context) - 1:-1]
-        return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).sum().item()
-
     agree = total = 0
     mistakes = []  # invented_by_kind of every sample, with whether its post states a feeling
     picks = {n: [] for n in (1, 2, 4, 8, 16, 32) if n <= args.samples}
@@ -240,16 +233,25 @@ def main() -> None:
                 true, *others = scores.tolist()
                 for name, other in zip(list(made)[1:], others):  # swapped, dropped, added, looped
                     probes[name].append(true > other)
-                probes["policy_swapped"].append(lm_logprob(row["query_token"], made["true"])
-                                                > lm_logprob(row["query_token"], made["swapped"]))
+                probes["policy_swapped"].append(lm_logprob(policy, tokenizer, row["query_token"], made["true"])
+                                                > lm_logprob(policy, tokenizer, row["query_token"], made["swapped"]))
             if made := feeling_probe(row["post"], feeling_rng, world):
                 kind, true, other = made
                 true, other = summary_scores(reward_model, tokenizer, [row["query_token"]] * 2, [true, other]).tolist()
                 probes[kind].append(true > other)
+    return dict(agree=agree, total=total, mistakes=mistakes, picks=picks, probes=probes)
 
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+
+def mean(xs: list) -> float:
+    """The mean of xs, nan when empty."""
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def report_lines(found: dict, args: argparse.Namespace, posts: int, sft_path: str, rm_path: str) -> list:
+    """The report's lines: on-policy agreement, best-of-n, the samples' mistakes by kind, the probes."""
+    agree, total, mistakes, picks, probes = (found[k] for k in ("agree", "total", "mistakes", "picks", "probes"))
     lines = [f"# Can the RM steer PPO? ({rm_path} on {sft_path}'s samples)", "",
-             f"{len(rows)} validation posts, {args.samples} samples each at temperature {args.temperature}, "
+             f"{posts} validation posts, {args.samples} samples each at temperature {args.temperature}, "
              f"{torch.get_num_threads()} torch threads.", "",
              f"On-policy agreement of the RM with the gold judge: **{agree / max(1, total):.3f}** over {total} pairs "
              "of samples of the same post that both separate (0.5: the RM ranks the policy's samples at random).", "",
@@ -277,7 +279,28 @@ def main() -> None:
     lines += ["", f"Probes: the post's facts written out ({len(probes['swapped'])} posts with 2 or more facts; the feeling "
               f"probes: {len(probes['wrong'])} posts with a feeling, {len(probes['unstated'])} without).", "",
               "| the true summary: | share |", "|---|---|"]
-    lines += [f"| {names[key]} | {mean(values):.3f} |" for key, values in probes.items()]
+    return lines + [f"| {names[key]} | {mean(values):.3f} |" for key, values in probes.items()]
+
+
+def main() -> None:
+    args = parse_args()
+
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import ppo
+    import tiny_world as world
+
+    torch.manual_seed(args.seed)
+    sft_path, rm_path = (os.path.join(args.models, f"{stage}_{args.seed}") for stage in ("sft", "reward"))
+    tokenizer = AutoTokenizer.from_pretrained(sft_path)
+    policy = AutoModelForCausalLM.from_pretrained(sft_path, dtype=torch.float32).eval()
+    reward_model = ppo.ScalarModel.from_pretrained(rm_path, dtype=torch.float32).eval()
+    rows = datasets.load_from_disk(os.path.join(args.data, "sft"))["validation"]
+    rows = rows.select(range(min(args.num_prompts, len(rows))))
+
+    found = diagnose(rows, policy, reward_model, tokenizer, args, world)
+    lines = report_lines(found, args, len(rows), sft_path, rm_path)
     if args.learnability_updates:
         sft_rows = datasets.load_from_disk(os.path.join(args.data, "sft"))
         curve = swap_learnability(sft_path, sft_rows["train"], sft_rows["validation"], tokenizer, world,
