@@ -196,7 +196,7 @@ def plot(curves: dict, start: float, path: str) -> None:
     plt.close(figure)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="models/tiny", help="tiny.sh's $MODELS: sft_{seed}, reward_{seed}, ppo_{seed}")
     parser.add_argument("--seed", type=int, default=1)
@@ -207,7 +207,33 @@ def main() -> None:
     parser.add_argument("--eval_every", type=int, default=5, help="updates between the evaluations of a run's curve")
     parser.add_argument("--runs_dir", default=os.path.join(ROOT, "runs"),
                         help="where the main job's ppo.py wrote <run_name>/ (tiny.sh runs it at the repository root)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def run_ppo(reward: str, updates: int, main_job: dict, out: str, eval_every: int) -> tuple:
+    """One PPO run with the main job's settings, the gold judge's or the RM's reward, in out/<reward>_<updates>:
+    (its validation samples, its evaluation curve); exits with the log's tail when the run fails."""
+    from tiny_report import read_csv
+
+    name = f"{reward.lower()}_{updates}"
+    run_dir = os.path.join(out, name)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run starts afresh (ppo.py refuses a used output folder)
+    os.makedirs(run_dir)
+    flags = ppo_flags(main_job, updates, os.path.abspath(os.path.join(run_dir, "ppo")), f"ppo_{name}", eval_every)
+    command = ([sys.executable, os.path.abspath(__file__), "ppo"] if reward == "gold"
+               else [sys.executable, os.path.join(ROOT, "ppo.py")]) + flags
+    with open(os.path.join(run_dir, "ppo.log"), "w") as log:  # its runs/ folder lands in run_dir
+        failed = subprocess.run(command, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT).returncode != 0
+    if failed:
+        with open(os.path.join(run_dir, "ppo.log")) as log:
+            tail = "".join(log.readlines()[-15:])
+        sys.exit(f"{tail}\nppo_gold_reward.py: the run failed (its last lines above); its log: {run_dir}/ppo.log")
+    return (read_csv(os.path.join(run_dir, "ppo", "eval_validation.csv")),
+            run_curve(os.path.join(run_dir, "runs", f"ppo_{name}"), main_job["batch_size"]))
+
+
+def main() -> None:
+    args = parse_args()
 
     from tiny_report import read_csv
 
@@ -234,27 +260,12 @@ def main() -> None:
         curves[f"RM reward, {updates_text(main_job['num_updates'])} (the main job)"] = main_curve
     runs = [("gold", u) for u in args.gold_updates] + [("RM", u) for u in args.rm_updates]
     for reward, updates in runs:
-        name = f"{reward.lower()}_{updates}"
-        run_dir = os.path.join(out, name)
-        shutil.rmtree(run_dir, ignore_errors=True)  # a run starts afresh (ppo.py refuses a used output folder)
-        os.makedirs(run_dir)
-        flags = ppo_flags(main_job, updates, os.path.abspath(os.path.join(run_dir, "ppo")), f"ppo_{name}",
-                          args.eval_every)
-        command = ([sys.executable, os.path.abspath(__file__), "ppo"] if reward == "gold"
-                   else [sys.executable, os.path.join(ROOT, "ppo.py")]) + flags
         print(f"=== PPO, {reward} reward, {updates_text(updates)} ({time.time() - started:.0f} s so far; "
-              f"log: {run_dir}/ppo.log)", flush=True)
-        with open(os.path.join(run_dir, "ppo.log"), "w") as log:  # its runs/ folder lands in run_dir
-            failed = subprocess.run(command, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT).returncode != 0
-        if failed:
-            with open(os.path.join(run_dir, "ppo.log")) as log:
-                tail = "".join(log.readlines()[-15:])
-            sys.exit(f"{tail}\nppo_gold_reward.py: the run failed (its last lines above); its log: {run_dir}/ppo.log")
-        rows = read_csv(os.path.join(run_dir, "ppo", "eval_validation.csv"))
+              f"log: {out}/{reward.lower()}_{updates}/ppo.log)", flush=True)
+        rows, curve = run_ppo(reward, updates, main_job, out, args.eval_every)
         entries.append({"label": f"PPO, {reward} reward", "reward": reward, "updates": updates,
                         "vs_references": judge(rows), "vs_sft": judge(rows, sft_rows)})
-        curves[f"{reward} reward, {updates_text(updates)}"] = run_curve(os.path.join(run_dir, "runs", f"ppo_{name}"),
-                                                                  main_job["batch_size"])
+        curves[f"{reward} reward, {updates_text(updates)}"] = curve
 
     import torch
 

@@ -13,7 +13,7 @@ a checker that silently stopped checking would be noticed.
   e. importing a stage script runs nothing (subprocess)
   f. `python <script> --help` exits 0 and lists every flag (subprocess)
   g. every repository path that README.md names exists
-  h. a training stage reads as the algorithm above one fence line, its plumbing and fast paths below
+  h. a stage reads as the algorithm above one fence line, its plumbing and fast paths below
 
 Tests about stage scripts are parametrized over the scripts that exist, so they grow as stages land.
 """
