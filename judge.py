@@ -802,7 +802,7 @@ def failed_rows(name: str, run: dict, cache: dict, failed_row_retries: int) -> l
     records = [(item, cache.get(item["key"])) for item in run["items"]]
     return [dict(run=name, row=item["row"], error=record["error"], failed_runs=row_totals(record)["failed_runs"],
                  asked_by_rerun=should_ask(record, failed_row_retries))
-            for item, record in records if record and record.get("status", "judged") == "failed"]
+            for item, record in records if record and record.get("status") == "failed"]
 
 
 def write_judged_table(output_dir: str, name: str, judged: list[dict]) -> None:

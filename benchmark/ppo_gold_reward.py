@@ -210,9 +210,10 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def run_ppo(reward: str, updates: int, main_job: dict, out: str, eval_every: int) -> tuple:
+def run_ppo(reward: str, updates: int, main_job: dict, out: str, eval_every: int, started: float) -> tuple:
     """One PPO run with the main job's settings, the gold judge's or the RM's reward, in out/<reward>_<updates>:
-    (its validation samples, its evaluation curve); exits with the log's tail when the run fails."""
+    (its validation samples, its evaluation curve); exits with the log's tail when the run fails. `started`: when
+    the first run began (for the progress line)."""
     from tiny_report import read_csv
 
     name = f"{reward.lower()}_{updates}"
@@ -222,6 +223,8 @@ def run_ppo(reward: str, updates: int, main_job: dict, out: str, eval_every: int
     flags = ppo_flags(main_job, updates, os.path.abspath(os.path.join(run_dir, "ppo")), f"ppo_{name}", eval_every)
     command = ([sys.executable, os.path.abspath(__file__), "ppo"] if reward == "gold"
                else [sys.executable, os.path.join(ROOT, "ppo.py")]) + flags
+    print(f"=== PPO, {reward} reward, {updates_text(updates)} ({time.time() - started:.0f} s so far; "
+          f"log: {run_dir}/ppo.log)", flush=True)
     with open(os.path.join(run_dir, "ppo.log"), "w") as log:  # its runs/ folder lands in run_dir
         failed = subprocess.run(command, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT).returncode != 0
     if failed:
@@ -260,9 +263,7 @@ def main() -> None:
         curves[f"RM reward, {updates_text(main_job['num_updates'])} (the main job)"] = main_curve
     runs = [("gold", u) for u in args.gold_updates] + [("RM", u) for u in args.rm_updates]
     for reward, updates in runs:
-        print(f"=== PPO, {reward} reward, {updates_text(updates)} ({time.time() - started:.0f} s so far; "
-              f"log: {out}/{reward.lower()}_{updates}/ppo.log)", flush=True)
-        rows, curve = run_ppo(reward, updates, main_job, out, args.eval_every)
+        rows, curve = run_ppo(reward, updates, main_job, out, args.eval_every, started)
         entries.append({"label": f"PPO, {reward} reward", "reward": reward, "updates": updates,
                         "vs_references": judge(rows), "vs_sft": judge(rows, sft_rows)})
         curves[f"{reward} reward, {updates_text(updates)}"] = curve
