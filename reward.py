@@ -143,6 +143,8 @@ class Args:
     """Global pairs per update = local_micro_batch_size x gradient_accumulation_steps x world_size (Detail 10; paper: 64)"""
     local_micro_batch_size: int = 1
     """Pairs per forward pass per rank (each pair is 2 sequences: chosen and rejected)"""
+    length_groups: int = 1
+    """Speed only: a micro-batch's pairs sorted by length into this many forwards, each as wide as its longest pair (1: one forward)"""
     local_eval_batch_size: int = 4
     """Pairs (or references) per eval forward pass per rank"""
 
@@ -271,7 +273,7 @@ def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_
     return reward_logits, reward_logits[torch.arange(reward_logits.size(0), device=eos.device), eos]
 
 
-def rm_update(accelerator, model, optimizer, micro_batches: list, pad_token_id: int) -> dict:
+def rm_update(accelerator, model, optimizer, micro_batches: list, pad_token_id: int, length_groups: int = 1) -> dict:
     """All ranks: one update of the Bradley-Terry loss over `micro_batches` (train rows) -> {name: (GAS,) stats}."""
     stats = []
     for batch in micro_batches:
@@ -281,7 +283,8 @@ def rm_update(accelerator, model, optimizer, micro_batches: list, pad_token_id: 
                                               pad_token_id).to(accelerator.device).split(len(queries))
         with accelerator.accumulate(model):
             # (micro,) each: the rewards of query ++ chosen and of query ++ rejected
-            chosen_rewards, rejected_rewards = pair_rewards(model, queries, chosen, rejected, pad_token_id)
+            chosen_rewards, rejected_rewards = pair_rewards_by_length(model, queries, chosen, rejected, pad_token_id,
+                                                                      length_groups)
             # Bradley-Terry: P(chosen preferred) = sigmoid(r_c - r_r); maximise its log-likelihood.
             loss = -torch.nn.functional.logsigmoid(chosen_rewards - rejected_rewards).mean()
             accelerator.backward(loss)
@@ -385,7 +388,7 @@ def main() -> None:
     progress = tqdm(range(start_update, stop_at), desc="reward", disable=not accelerator.is_main_process)
     for update in progress:
         micro_batches = [train[indices] for indices in local_order[update].tolist()]
-        stats = rm_update(accelerator, model, optimizer, micro_batches, pad_id)  # {name: (GAS,)}
+        stats = rm_update(accelerator, model, optimizer, micro_batches, pad_id, args.length_groups)  # {name: (GAS,)}
         lr = scheduler.get_last_lr()[0]  # the rate this update used
         scheduler.step()
         means = accelerator.reduce({name: values.mean() for name, values in stats.items()}, reduction="mean")
@@ -489,6 +492,22 @@ def pair_rewards(model, queries: torch.Tensor, chosen: torch.Tensor, rejected: t
     rows = torch.arange(queries.size(0), device=queries.device)
     # Each summary's reward is at its last token: its EOS, or its last column if it has no pad (reward_indices).
     return reward_logits[rows, chosen_end[:, 0] - 1], reward_logits[rows, row_end[:, 0] - 1]
+
+
+def pair_rewards_by_length(model, queries: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor,
+                           pad_token_id: int, groups: int) -> tuple:
+    """== pair_rewards(model, queries, chosen, rejected, pad_token_id), the pairs scored in `groups` forwards by length.
+
+    Speed only (tests/test_reward.py checks the equality): a row is as wide as the longest pair of its
+    forward, so the pairs are sorted by length and split into `groups` groups, each as wide as its own
+    longest pair. Each pair's reward and gradient are its own whatever its neighbours; only the sums run
+    in another order. 2 groups of 16 pairs in the tiny world: ~14% fewer token columns, ~24% less attention."""
+    lengths = sum((ids != pad_token_id).sum(1) for ids in (queries, chosen, rejected))  # (B,) tokens of each pair
+    order = lengths.argsort(stable=True)  # (B,) shortest first
+    parts = [pair_rewards(model, queries[rows], chosen[rows], rejected[rows], pad_token_id)
+             for rows in order.chunk(groups)]
+    unsort = order.argsort()  # (B,): where each pair went
+    return tuple(torch.cat(side)[unsort] for side in zip(*parts))
 
 
 def trim_left_padding(queries: torch.Tensor, pad_token_id: int) -> torch.Tensor:
@@ -802,7 +821,8 @@ def reward_flag_problems(args: Args, world_size: int) -> list:
         "total_episodes": (lambda n: n is None or n == 0 or n >= args.batch_size,
                            f"0 (evaluate the initial RM only) or at least one batch, --batch_size {args.batch_size}"),
         "num_eval_samples": (NONE_OR_AT_LEAST_1[0], "an integer >= 1 (the normalisation needs a reference), or no flag"),
-        "lr": POSITIVE, "eps": POSITIVE, "weight_decay": NON_NEGATIVE, "local_eval_batch_size": AT_LEAST_1})
+        "lr": POSITIVE, "eps": POSITIVE, "weight_decay": NON_NEGATIVE, "local_eval_batch_size": AT_LEAST_1,
+        "length_groups": AT_LEAST_1})
     try:
         gradient_accumulation(args.batch_size, args.local_micro_batch_size, world_size)
     except SetupError as error:

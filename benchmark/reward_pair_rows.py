@@ -1,14 +1,16 @@
-"""Side-by-side RM training speed: one row per pair (reward.py's pair_rewards) vs two rows per pair.
+"""Side-by-side RM training speed: one row per pair (reward.py's pair_rewards), the same sorted into length groups
+(--length_groups), and two rows per pair.
 
     python benchmark/reward_pair_rows.py                      # tiny world, after benchmark/tiny.sh
     python benchmark/reward_pair_rows.py --rounds 5 --updates 20 --out benchmark/results/reward_pair_rows.md
 
-Both layouts train the same fresh RM (the SFT model + reward.py's head) on the same batches of the
+Every layout trains the same fresh RM (the SFT model + reward.py's head) on the same batches of the
 preference dataset: "two rows" is query+chosen and query+rejected right-padded (get_reward), "one row"
-is query ++ chosen ++ rejected with the rejected summary masked from the chosen one (pair_rewards).
+is query ++ chosen ++ rejected with the rejected summary masked from the chosen one (pair_rewards), and
+"one row, G length groups" the same in G forwards of pairs sorted by length (pair_rewards_by_length).
 An update = forward, Bradley-Terry loss, backward, AdamW step. The layouts alternate, `--rounds`
 times each, `--updates` timed updates per round after one untimed warm-up update. Before timing,
-the two layouts' rewards and gradients on the first batch are compared.
+every layout's rewards and gradients on the first batch are compared with the two-row layout's.
 """
 
 import argparse
@@ -34,7 +36,7 @@ def fresh_rm(sft_model_path: str, device: str) -> reward.ScalarModel:
 
 
 def batch_rewards(model, batch: dict, layout: str, pad_id: int, device: str) -> tuple:
-    """((B,) chosen, (B,) rejected) rewards of a batch of pairs in the given layout."""
+    """((B,) chosen, (B,) rejected) rewards of a batch of pairs in the given layout ("two rows", "one row", "one row, G length groups")."""
     size = len(batch["query_token"])
     if layout == "two rows":
         rows = reward.trim_right_padding(torch.cat((batch["query_chosen_token"], batch["query_rejected_token"])), pad_id)
@@ -42,40 +44,44 @@ def batch_rewards(model, batch: dict, layout: str, pad_id: int, device: str) -> 
     queries = reward.trim_left_padding(batch["query_token"], pad_id).to(device)
     chosen, rejected = reward.trim_right_padding(torch.cat((batch["chosen_token"], batch["rejected_token"])),
                                                  pad_id).to(device).split(size)
-    return reward.pair_rewards(model, queries, chosen, rejected, pad_id)
+    if layout == "one row":
+        return reward.pair_rewards(model, queries, chosen, rejected, pad_id)
+    groups = int(layout.split(", ")[1].split()[0])  # "one row, G length groups"
+    return reward.pair_rewards_by_length(model, queries, chosen, rejected, pad_id, groups)
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sft_model_path", default=os.path.join(ROOT, "models/tiny/sft_1"))
     parser.add_argument("--label_dataset", default=os.path.join(ROOT, "data/tiny_tldr/preference"))
     parser.add_argument("--batch_size", type=int, default=32, help="pairs per update (reward.py's tiny setting)")
+    parser.add_argument("--length_groups", type=int, nargs="*", default=[2, 4],
+                        help="also time one row per pair in this many forwards by length (reward.py --length_groups)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per layout, alternating")
     parser.add_argument("--updates", type=int, default=20, help="timed updates per round")
     parser.add_argument("--out", default=None, help="also write the markdown table here")
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    pad_id = AutoTokenizer.from_pretrained(args.sft_model_path).pad_token_id
-    pairs = datasets.load_from_disk(args.label_dataset)["train"].with_format(
-        "torch", columns=list(reward.TRAIN_PAIR_COLUMNS + reward.PAIR_COLUMNS))
-    batches = [pairs[list(range(start, start + args.batch_size))]
-               for start in range(0, (args.updates + 1) * args.batch_size, args.batch_size)]
+    return parser.parse_args()
 
-    # The same rewards and gradients first: a fast wrong layout is worth nothing.
+
+def compare_first_batch(args, batch: dict, layouts: list, pad_id: int, device: str) -> dict:
+    """{layout: (max |reward difference|, max |gradient difference|)} against two rows, on one batch: a fast wrong
+    layout is worth nothing."""
     model = fresh_rm(args.sft_model_path, device)
     compared = {}
-    for layout in ("two rows", "one row"):
-        chosen, rejected = batch_rewards(model, batches[0], layout, pad_id, device)
+    for layout in layouts:
+        chosen, rejected = batch_rewards(model, batch, layout, pad_id, device)
         loss = -F.logsigmoid(chosen - rejected).mean()
         grads = torch.autograd.grad(loss, list(model.parameters()))
         compared[layout] = (torch.cat((chosen, rejected)).detach(), torch.cat([g.flatten() for g in grads]))
-    reward_diff = (compared["one row"][0] - compared["two rows"][0]).abs().max().item()
-    grad_diff = (compared["one row"][1] - compared["two rows"][1]).abs().max().item()
-    print(f"first batch: max |reward difference| {reward_diff:.2e}, max |gradient difference| {grad_diff:.2e}")
+    return {layout: tuple((value - base).abs().max().item() for value, base in zip(compared[layout], compared["two rows"]))
+            for layout in layouts if layout != "two rows"}
 
-    seconds = {"two rows": [], "one row": []}
+
+def time_layouts(args, batches: list, layouts: list, pad_id: int, device: str) -> dict:
+    """{layout: [seconds of `args.updates` updates, one per round]}, the layouts alternating."""
+    seconds = {layout: [] for layout in layouts}
     for round_index in range(args.rounds):
-        for layout in seconds:
+        for layout in layouts:
             model = fresh_rm(args.sft_model_path, device)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5, weight_decay=0.01)
             for index, batch in enumerate(batches):
@@ -92,16 +98,37 @@ def main():
             seconds[layout].append(time.perf_counter() - start)
             print(f"round {round_index + 1} {layout}: {args.updates * args.batch_size / seconds[layout][-1]:.1f} pairs/s "
                   f"(load {os.getloadavg()[0]:.2f})")
+    return seconds
+
+
+def render_table(args, device: str, seconds: dict, differences: dict) -> str:
     speed = {layout: args.updates * args.batch_size / statistics.median(values) for layout, values in seconds.items()}
-    table = "\n".join([
+    groups = " ".join(str(groups) for groups in args.length_groups)
+    return "\n".join([
         f"# RM training: one row per pair vs two rows ({device}, {torch.get_num_threads()} threads)", "",
-        f"`python benchmark/reward_pair_rows.py --rounds {args.rounds} --updates {args.updates}`: "
+        f"`python benchmark/reward_pair_rows.py --rounds {args.rounds} --updates {args.updates} --length_groups {groups}`: "
         f"{os.path.relpath(args.sft_model_path, ROOT)}, batch {args.batch_size}, median of {args.rounds} alternating rounds of "
         f"{args.updates} updates each.", "",
-        "| layout | pairs / s |", "|---|---|",
-        *[f"| {layout} | {value:.1f} |" for layout, value in speed.items()], "",
-        f"**One row per pair: {speed['one row'] / speed['two rows']:.2f}x.** First batch: max |reward difference| "
-        f"{reward_diff:.1e}, max |gradient difference| {grad_diff:.1e}.", ""])
+        "| layout | pairs / s | vs two rows | vs one row | first batch vs two rows: max abs reward / gradient difference |",
+        "|---|---|---|---|---|",
+        *[f"| {layout} | {value:.1f} | {value / speed['two rows']:.2f}x | {value / speed['one row']:.2f}x | "
+          + (" / ".join(f"{x:.1e}" for x in differences[layout]) if layout in differences else "") + " |"
+          for layout, value in speed.items()], ""])
+
+
+def main():
+    args = parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pad_id = AutoTokenizer.from_pretrained(args.sft_model_path).pad_token_id
+    pairs = datasets.load_from_disk(args.label_dataset)["train"].with_format(
+        "torch", columns=list(reward.TRAIN_PAIR_COLUMNS + reward.PAIR_COLUMNS))
+    batches = [pairs[list(range(start, start + args.batch_size))]
+               for start in range(0, (args.updates + 1) * args.batch_size, args.batch_size)]
+    layouts = ["two rows", "one row", *[f"one row, {groups} length groups" for groups in args.length_groups]]
+    differences = compare_first_batch(args, batches[0], layouts, pad_id, device)
+    for layout, (reward_diff, grad_diff) in differences.items():
+        print(f"first batch, {layout}: max |reward difference| {reward_diff:.2e}, max |gradient difference| {grad_diff:.2e}")
+    table = render_table(args, device, time_layouts(args, batches, layouts, pad_id, device), differences)
     print(table)
     if args.out:
         with open(args.out, "w") as file:

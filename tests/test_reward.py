@@ -133,6 +133,30 @@ def test_pair_rewards_match_separate_rows(attention):
     assert torch.allclose(grads_packed, grads_separate, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("groups", [2, 3, 5])
+def test_pair_rewards_by_length_match_one_forward(groups):
+    """The pairs sorted by length into `groups` forwards (the longest pair first in the batch, groups of
+    unequal sizes, more groups than pairs) give every pair the reward, and the loss the gradient, of one forward."""
+    model = tiny_scalar_model(seed=3).train()
+    queries = [[11, 12, 13, 14, 15, 16, 17], [18, 19], [20, 21, 22, 23], [24, 25, 26]]
+    chosen = [[31, 32, 33, 0], [34, 0], [35, 36, 0], [37, 38, 39, 0]]
+    rejected = [[41, 42, 43, 0], [44, 45, 0], [46, 0], [47, 48, 49, 0]]
+    pad = lambda rows, width, left=False: torch.tensor(  # noqa: E731
+        [[PAD] * (width - len(r)) + r if left else r + [PAD] * (width - len(r)) for r in rows])
+    batch = (pad(queries, 8, left=True), pad(chosen, 5), pad(rejected, 5))
+
+    def rewards_and_grads(rewards):
+        loss = -torch.nn.functional.logsigmoid(rewards[0] - rewards[1]).mean()
+        grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+        return torch.cat(rewards).detach(), torch.cat([g.flatten() for g in grads])
+
+    one, one_grads = rewards_and_grads(reward.pair_rewards(model, *batch, PAD))
+    grouped, grouped_grads = rewards_and_grads(reward.pair_rewards_by_length(model, *batch, PAD, groups))
+    assert one.std() > 0.1  # distinct rewards: pairs put back in the wrong order would show
+    assert torch.allclose(grouped, one, atol=1e-5), (grouped, one)
+    assert torch.allclose(grouped_grads, one_grads, atol=1e-5, rtol=1e-4)
+
+
 def test_trim_left_padding():
     ids = torch.tensor([[PAD, PAD, PAD, 5, 6], [PAD, PAD, 4, 5, 6]])
     assert reward.trim_left_padding(ids, PAD).tolist() == [[PAD, 5, 6], [4, 5, 6]]

@@ -113,6 +113,35 @@ def test_next_token_nll_counts_only_non_pad_targets():
     assert sft.next_token_nll(logits, ids, pad)[0].item() == pytest.approx(naive, rel=1e-6)
 
 
+
+@pytest.mark.parametrize("groups", [1, 2, 3, 6])
+def test_nll_by_length_matches_one_forward(groups):
+    """The training forward's fast path: rows cut to their longest and sorted into `groups` forwards give the
+    nll sum, token count and gradients of one forward over the full width (rows of 2-9 tokens of 12 columns)."""
+    model = AutoModelForCausalLM.from_pretrained(BASE)
+    sft.disable_dropout(model)
+    model.train()
+    pad = 1
+    lengths = [9, 2, 6, 4, 7, 3]  # unsorted, as a micro-batch comes
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.full((len(lengths), 12), pad)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = torch.randint(2, 1000, (length,), generator=generator)
+        ids[row, length - 1] = 0  # EOS, a target
+
+    def loss_and_grads(nll, count):
+        grads = torch.autograd.grad(nll / count, list(model.parameters()))
+        return nll.item(), int(count), torch.cat([g.flatten() for g in grads])
+
+    plain = loss_and_grads(*sft.next_token_nll(sft.forward(model, ids, pad).logits, ids, pad))
+    fast = loss_and_grads(*sft.nll_by_length(model, ids, pad, groups))
+    assert fast[1] == plain[1] == sum(lengths) - len(lengths)
+    assert fast[0] == pytest.approx(plain[0], rel=1e-6)
+    # float rounding only: a one-row forward without pads takes SDPA's causal kernel, not the masked one (~5e-6 of
+    # the largest gradient, measured)
+    assert torch.allclose(fast[2], plain[2], atol=2e-5 * plain[2].abs().max().item(), rtol=1e-4)
+    assert plain[2].abs().max() > 1e-3  # gradients that a dropped row or a wrong target would change
+
 def test_disable_dropout_makes_train_forwards_deterministic():
     model = AutoModelForCausalLM.from_pretrained(BASE).train()
     assert model.config.hidden_dropout == model.config.attention_dropout == 0.1  # the tiny model has dropout
@@ -348,3 +377,16 @@ def test_adamw_is_the_plain_adamw_fused_only_on_a_gpu():
             "lr": 1e-2, "eps": 1e-5, "weight_decay": 0.01}
     assert torch.equal(cpu_weight, plain_weight)
     assert torch.allclose(gpu_weight, plain_weight, atol=1e-6) and not torch.equal(gpu_weight, start)
+
+
+def test_length_groups_benchmark_smoke_run(tiny_tldr, tmp_path):
+    """benchmark/sft_length_groups.py: every layout gives the full-width loss and gradients, then is timed."""
+    out = tmp_path / "sft_length_groups.md"
+    result = run_python([sys.executable, str(REPO / "benchmark" / "sft_length_groups.py"), "--query_dataset",
+                         str(tiny_tldr / "sft"), "--batch_size", "8", "--rounds", "1", "--updates", "1",
+                         "--length_groups", "1", "3", "--out", str(out)], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ") and "length group" in line]
+    assert [row[0] for row in rows] == ["| 1 length group", "| 3 length groups"]
+    for row in rows:  # |loss difference| / max |gradient difference| against full width
+        assert all(float(value) < 1e-3 for value in row[3].rstrip(" |").split(" / ")), row
