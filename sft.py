@@ -202,7 +202,8 @@ def next_token_nll(logits: torch.Tensor, query_responses: torch.Tensor, pad_toke
     return (nll * mask.flatten()).sum(), mask.sum()
 
 
-def sft_update(accelerator, model, optimizer, micro_batches: list, pad_token_id: int, length_groups: int = 1) -> torch.Tensor:
+def sft_update(accelerator, model, optimizer, micro_batches: list, pad_token_id: int,
+               length_groups: int = 1) -> torch.Tensor:
     """All ranks: one update of next-token cross-entropy over `micro_batches` ((micro, T) right-padded
     query+reference ids each) -> (GAS,) loss of each micro-batch."""
     losses = []
@@ -354,8 +355,8 @@ def nll_by_length(model, query_responses: torch.Tensor, pad_token_id: int, group
 
     Speed only: rows are right-padded to the longest of the whole dataset, and no token reads a pad
     after it (causal attention), so each forward drops the trailing columns that are pad in all its rows.
-    With groups > 1 the rows are sorted by length first: shorter groups, fewer pads (2 groups of 16
-    rows in the tiny world: ~14% fewer columns than one). Only the sums run in another order."""
+    With groups > 1 the rows are sorted by length first: shorter groups, fewer pads (tiny.sh's 16 rows
+    in 2 groups: ~14% fewer cells than in one). Only the sums run in another order."""
     rows = torch.arange(len(query_responses), device=query_responses.device)  # (B,): one group in the batch's order
     if groups > 1:
         rows = (query_responses != pad_token_id).sum(1).argsort(stable=True)  # (B,): shortest row first

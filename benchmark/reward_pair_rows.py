@@ -77,26 +77,29 @@ def compare_first_batch(args, batch: dict, layouts: list, pad_id: int, device: s
             for layout in layouts if layout != "two rows"}
 
 
-def time_layouts(args, batches: list, layouts: list, pad_id: int, device: str) -> dict:
-    """{layout: [seconds of `args.updates` updates, one per round]}, the layouts alternating."""
+def time_layouts(layouts: list, rounds: int, batches: list, fresh_model, loss, lr: float, device: str) -> dict:
+    """{layout: [seconds of the timed updates, one per round]}, the layouts alternating (also sft_length_groups.py's).
+
+    Per round and layout: `fresh_model()`, AdamW at `lr`, one untimed warm-up update on batches[0], then one timed
+    update (forward, `loss(model, batch, layout).backward()`, AdamW step) per later batch."""
     seconds = {layout: [] for layout in layouts}
-    for round_index in range(args.rounds):
+    for round_index in range(rounds):
         for layout in layouts:
-            model = fresh_rm(args.sft_model_path, device)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5, weight_decay=0.01)
+            model = fresh_model()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-5, weight_decay=0.01)
             for index, batch in enumerate(batches):
                 if index == 1:  # update 0 is the warm-up
                     if device == "cuda":
                         torch.cuda.synchronize()
                     start = time.perf_counter()
-                chosen, rejected = batch_rewards(model, batch, layout, pad_id, device)
-                (-F.logsigmoid(chosen - rejected).mean()).backward()
+                loss(model, batch, layout).backward()
                 optimizer.step()
                 optimizer.zero_grad()
             if device == "cuda":
                 torch.cuda.synchronize()
             seconds[layout].append(time.perf_counter() - start)
-            print(f"round {round_index + 1} {layout}: {args.updates * args.batch_size / seconds[layout][-1]:.1f} pairs/s "
+            rows = sum(len(next(iter(batch.values())) if isinstance(batch, dict) else batch) for batch in batches[1:])
+            print(f"round {round_index + 1} {layout}: {rows / seconds[layout][-1]:.1f} rows/s "
                   f"(load {os.getloadavg()[0]:.2f})")
     return seconds
 
@@ -128,7 +131,12 @@ def main():
     differences = compare_first_batch(args, batches[0], layouts, pad_id, device)
     for layout, (reward_diff, grad_diff) in differences.items():
         print(f"first batch, {layout}: max |reward difference| {reward_diff:.2e}, max |gradient difference| {grad_diff:.2e}")
-    table = render_table(args, device, time_layouts(args, batches, layouts, pad_id, device), differences)
+    def loss(model, batch: dict, layout: str) -> torch.Tensor:  # Bradley-Terry
+        chosen, rejected = batch_rewards(model, batch, layout, pad_id, device)
+        return -F.logsigmoid(chosen - rejected).mean()
+
+    seconds = time_layouts(layouts, args.rounds, batches, lambda: fresh_rm(args.sft_model_path, device), loss, 1e-3, device)
+    table = render_table(args, device, seconds, differences)
     print(table)
     if args.out:
         with open(args.out, "w") as file:

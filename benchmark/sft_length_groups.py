@@ -17,15 +17,15 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import datasets
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]  # the stage scripts, and reward_pair_rows.py
 import sft  # noqa: E402  (the stage script's helpers, imported from the repository root)
+from reward_pair_rows import time_layouts  # noqa: E402  (the same alternating timer as the RM's layouts)
 
 
 def parse_args() -> argparse.Namespace:
@@ -66,30 +66,6 @@ def compare_first_batch(args, rows: torch.Tensor, layouts: list, pad_id: int, de
             for layout in layouts if layout != "full width"}
 
 
-def time_layouts(args, batches: list, layouts: list, pad_id: int, device: str) -> dict:
-    """{layout: [seconds of `args.updates` updates, one per round]}, the layouts alternating."""
-    seconds = {layout: [] for layout in layouts}
-    for round_index in range(args.rounds):
-        for layout in layouts:
-            model = fresh_model(args.base_model, device)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, eps=1e-5, weight_decay=0.01)
-            for index, rows in enumerate(batches):
-                if index == 1:  # update 0 is the warm-up
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                    start = time.perf_counter()
-                nll, count = batch_nll(model, rows, layout, pad_id)
-                (nll / count).backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            seconds[layout].append(time.perf_counter() - start)
-            print(f"round {round_index + 1} {layout}: {args.updates * args.batch_size / seconds[layout][-1]:.1f} rows/s "
-                  f"(load {os.getloadavg()[0]:.2f})")
-    return seconds
-
-
 def render_table(args, device: str, seconds: dict, differences: dict, batches: list, pad_id: int) -> str:
     speed = {layout: args.updates * args.batch_size / statistics.median(values) for layout, values in seconds.items()}
     tokens = sum(int((rows != pad_id).sum()) for rows in batches[1:])
@@ -122,7 +98,12 @@ def main():
     differences = compare_first_batch(args, batches[0], layouts, pad_id, device)
     for layout, (loss_diff, grad_diff) in differences.items():
         print(f"first micro-batch, {layout}: |loss difference| {loss_diff:.2e}, max |gradient difference| {grad_diff:.2e}")
-    table = render_table(args, device, time_layouts(args, batches, layouts, pad_id, device), differences, batches, pad_id)
+    def loss(model, rows: torch.Tensor, layout: str) -> torch.Tensor:  # the mean over the micro-batch's tokens
+        nll, count = batch_nll(model, rows, layout, pad_id)
+        return nll / count
+
+    seconds = time_layouts(layouts, args.rounds, batches, lambda: fresh_model(args.base_model, device), loss, 2e-3, device)
+    table = render_table(args, device, seconds, differences, batches, pad_id)
     print(table)
     if args.out:
         with open(args.out, "w") as file:
