@@ -277,10 +277,8 @@ def rm_update(accelerator, model, optimizer, micro_batches: list, pad_token_id: 
     """All ranks: one update of the Bradley-Terry loss over `micro_batches` (train rows) -> {name: (GAS,) stats}."""
     stats = []
     for batch in micro_batches:
-        queries = trim_left_padding(batch["query_token"], pad_token_id).to(accelerator.device)  # (micro, T_q)
-        # (micro, T_r) each: chosen and rejected summaries, right-padded to one width
-        chosen, rejected = trim_right_padding(torch.cat((batch["chosen_token"], batch["rejected_token"])),
-                                              pad_token_id).to(accelerator.device).split(len(queries))
+        # (micro, T_q) left-padded queries, (micro, T_r) right-padded chosen and rejected summaries
+        queries, chosen, rejected = (batch[column].to(accelerator.device) for column in TRAIN_PAIR_COLUMNS)
         with accelerator.accumulate(model):
             # (micro,) each: the rewards of query ++ chosen and of query ++ rejected
             chosen_rewards, rejected_rewards = pair_rewards_by_length(model, queries, chosen, rejected, pad_token_id,
@@ -508,12 +506,6 @@ def pair_rewards_by_length(model, queries: torch.Tensor, chosen: torch.Tensor, r
              for rows in order.chunk(groups)]
     unsort = order.argsort()  # (B,): where each pair went
     return tuple(torch.cat(side)[unsort] for side in zip(*parts))
-
-
-def trim_left_padding(queries: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """(B, T) left-padded ids -> (B, T') without the leading columns that are pad in every row (1 kept at least)."""
-    used = (queries != pad_token_id).any(0).nonzero()  # (n, 1): columns with a token
-    return queries[:, int(used.min()) if len(used) else -1:]
 
 
 def trim_right_padding(query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:

@@ -41,9 +41,7 @@ def batch_rewards(model, batch: dict, layout: str, pad_id: int, device: str) -> 
     if layout == "two rows":
         rows = reward.trim_right_padding(torch.cat((batch["query_chosen_token"], batch["query_rejected_token"])), pad_id)
         return reward.get_reward(model, rows.to(device), pad_id, context_length=0)[1].split(size)
-    queries = reward.trim_left_padding(batch["query_token"], pad_id).to(device)
-    chosen, rejected = reward.trim_right_padding(torch.cat((batch["chosen_token"], batch["rejected_token"])),
-                                                 pad_id).to(device).split(size)
+    queries, chosen, rejected = (batch[column].to(device) for column in reward.TRAIN_PAIR_COLUMNS)  # as rm_update
     if layout == "one row":
         return reward.pair_rewards(model, queries, chosen, rejected, pad_id)
     groups = int(layout.split(", ")[1].split()[0])  # "one row, G length groups"

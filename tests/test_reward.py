@@ -123,8 +123,7 @@ def test_pair_rewards_match_separate_rows(attention):
         return loss, torch.cat([g.flatten() for g in grads])
 
     _, separate = reward.get_reward(model, rows, PAD, 0)
-    packed = reward.pair_rewards(model, reward.trim_left_padding(pad(queries, 9, left=True), PAD),
-                                 *responses.split(3), PAD)
+    packed = reward.pair_rewards(model, pad(queries, 9, left=True), *responses.split(3), PAD)
     assert torch.allclose(torch.cat(packed), separate, atol=1e-5), (packed, separate)
     assert separate.std() > 0.1  # distinct rewards: a mix-up of rows or summaries would show
     loss_separate, grads_separate = loss_and_grads(*separate.split(3))
@@ -157,10 +156,18 @@ def test_pair_rewards_by_length_match_one_forward(groups):
     assert torch.allclose(grouped_grads, one_grads, atol=1e-5, rtol=1e-4)
 
 
-def test_trim_left_padding():
-    ids = torch.tensor([[PAD, PAD, PAD, 5, 6], [PAD, PAD, 4, 5, 6]])
-    assert reward.trim_left_padding(ids, PAD).tolist() == [[PAD, 5, 6], [4, 5, 6]]
-    assert reward.trim_left_padding(torch.full((2, 3), PAD), PAD).shape == (2, 1)  # all pads: one column kept
+def test_pair_rewards_do_not_depend_on_the_inputs_padding_width():
+    """rm_update passes the dataset's columns as stored (queries left-padded, summaries right-padded to the
+    longest of the dataset): all-pad columns on either side change no reward, to the last bit."""
+    model = tiny_scalar_model(seed=4).eval()
+    queries, chosen, rejected = torch.tensor([[PAD, 5, 6], [4, 5, 6]]), torch.tensor([[7, 0], [8, 0]]), torch.tensor(
+        [[9, 0], [0, PAD]])
+    widened = (torch.cat((torch.full((2, 4), PAD), queries), 1), torch.cat((chosen, torch.full((2, 3), PAD)), 1),
+               torch.cat((rejected, torch.full((2, 3), PAD)), 1))
+    with torch.no_grad():
+        tight, wide = reward.pair_rewards(model, queries, chosen, rejected, PAD), reward.pair_rewards(model, *widened, PAD)
+    assert all(torch.equal(a, b) for a, b in zip(tight, wide)), (tight, wide)
+    assert tight[0][0] != tight[1][1]  # distinct rewards
 
 
 def test_normalization_bias_makes_the_mean_zero():
