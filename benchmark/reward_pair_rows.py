@@ -36,7 +36,8 @@ def fresh_rm(sft_model_path: str, device: str) -> reward.ScalarModel:
 
 
 def batch_rewards(model, batch: dict, layout: str, pad_id: int, device: str) -> tuple:
-    """((B,) chosen, (B,) rejected) rewards of a batch of pairs in the given layout ("two rows", "one row", "one row, G length groups")."""
+    """((B,) chosen, (B,) rejected) rewards of a batch of pairs in the given layout: "two rows", "one row" or
+    "one row, G length groups"."""
     size = len(batch["query_token"])
     if layout == "two rows":
         rows = reward.trim_right_padding(torch.cat((batch["query_chosen_token"], batch["query_rejected_token"])), pad_id)
