@@ -273,14 +273,13 @@ def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_
     return reward_logits, reward_logits[torch.arange(reward_logits.size(0), device=eos.device), eos]
 
 
-def rm_update(accelerator, model, optimizer, micro_batches: list, pad_token_id: int, length_groups: int = 1) -> dict:
+def rm_update(accelerator, model, optimizer, micro_batches: list, pad_token_id: int, length_groups: int) -> dict:
     """All ranks: one update of the Bradley-Terry loss over `micro_batches` (train rows) -> {name: (GAS,) stats}."""
     stats = []
     for batch in micro_batches:
-        # (micro, T_q) left-padded queries, (micro, T_r) right-padded chosen and rejected summaries
-        queries, chosen, rejected = (batch[column].to(accelerator.device) for column in TRAIN_PAIR_COLUMNS)
+        queries, chosen, rejected = (batch[column].to(accelerator.device) for column in TRAIN_PAIR_COLUMNS)  # as stored
         with accelerator.accumulate(model):
-            # (micro,) each: the rewards of query ++ chosen and of query ++ rejected
+            # (micro,) each: the rewards of left-padded query ++ right-padded chosen, and of query ++ rejected
             chosen_rewards, rejected_rewards = pair_rewards_by_length(model, queries, chosen, rejected, pad_token_id,
                                                                       length_groups)
             # Bradley-Terry: P(chosen preferred) = sigmoid(r_c - r_r); maximise its log-likelihood.

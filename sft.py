@@ -203,7 +203,7 @@ def next_token_nll(logits: torch.Tensor, query_responses: torch.Tensor, pad_toke
 
 
 def sft_update(accelerator, model, optimizer, micro_batches: list, pad_token_id: int,
-               length_groups: int = 1) -> torch.Tensor:
+               length_groups: int) -> torch.Tensor:
     """All ranks: one update of next-token cross-entropy over `micro_batches` ((micro, T) right-padded
     query+reference ids each) -> (GAS,) loss of each micro-batch."""
     losses = []

@@ -82,6 +82,7 @@ def time_layouts(layouts: list, rounds: int, batches: list, fresh_model, loss, l
     Per round and layout: `fresh_model()`, AdamW at `lr`, one untimed warm-up update on batches[0], then one timed
     update (forward, `loss(model, batch, layout).backward()`, AdamW step) per later batch."""
     seconds = {layout: [] for layout in layouts}
+    rows = sum(len(next(iter(batch.values())) if isinstance(batch, dict) else batch) for batch in batches[1:])  # timed
     for round_index in range(rounds):
         for layout in layouts:
             model = fresh_model()
@@ -97,7 +98,6 @@ def time_layouts(layouts: list, rounds: int, batches: list, fresh_model, loss, l
             if device == "cuda":
                 torch.cuda.synchronize()
             seconds[layout].append(time.perf_counter() - start)
-            rows = sum(len(next(iter(batch.values())) if isinstance(batch, dict) else batch) for batch in batches[1:])
             print(f"round {round_index + 1} {layout}: {rows / seconds[layout][-1]:.1f} rows/s "
                   f"(load {os.getloadavg()[0]:.2f})")
     return seconds
