@@ -47,6 +47,13 @@ PREF_SPLITS = {"validation": "TL;DR validation", "validation_cnndm": "CNN/DM"}
 LENGTH_EDGES = (-math.inf, -0.75, -0.45, -0.15, 0.15, 0.45, 0.75, math.inf)
 Z_95 = 1.959963984540054  # the two-sided 95% quantile of the standard normal
 TOKEN_POSTS = 3  # validation posts shown in the token view (Table 8)
+# The bars each finding must clear in miniature (the project's, for a 0.6M-parameter world; the paper's own numbers
+# are for 1B-6.9B models): Fig. 1, Fig. 4, Fig. 8's smallest bucket, and the main job's time on 2 CPU cores.
+SFT_WIN_RATE_RANGE = (0.10, 0.45)  # SFT loses to the references, but not always
+PPO_MIN_WIN_RATE, PPO_MIN_GAIN = 0.50, 0.20  # PPO at least even with the references, and well above SFT
+RM_MIN_ACCURACY, CNNDM_MIN_ACCURACY = 0.70, 0.60  # against the labels; on news the RM never trained on
+MIN_BUCKET = 30  # Figure 8 compares a length bucket only where each policy has this many decided comparisons
+TIME_BUDGET_S = 12 * 60
 
 
 @dataclass
@@ -141,6 +148,85 @@ def overoptimisation_curve(tables: dict, batch_size: int, gold: Callable[[str, s
                        "gold": mean(ours), "gold_reference": mean(theirs),
                        "gold_win_rate": wins / (wins + losses) if wins + losses else None, "n": len(rows)})
     return points
+
+
+def findings(art: dict) -> list:
+    """The paper's findings, each against its bar in miniature: [{finding, bar, measured, holds}], holds None where a
+    stage did not run (or, for the over-optimisation curve, where there is no bar: it is shown, not judged)."""
+    runs, rows = art["judge"] or {}, []
+    add = lambda finding, bar, measured, holds: rows.append(  # noqa: E731
+        {"finding": finding, "bar": bar, "measured": measured, "holds": holds})
+    ci = lambda run: f"{run['win_rate']:.3f} [{run['ci_low']:.3f}, {run['ci_high']:.3f}]"  # noqa: E731
+    sft, ppo, dpo = runs.get("sft"), runs.get("ppo"), runs.get("dpo")
+    low, high = SFT_WIN_RATE_RANGE
+    add("Fig. 1: SFT loses to the references", f"SFT's win rate in [{low:.2f}, {high:.2f}]",
+        ci(sft) if sft else "not run", low <= sft["win_rate"] <= high if sft else None)
+    add("Fig. 1: PPO is at least even with the references", f"PPO's win rate >= {PPO_MIN_WIN_RATE:.2f}",
+        ci(ppo) if ppo else "not run", ppo["win_rate"] >= PPO_MIN_WIN_RATE if ppo else None)
+    both = sft is not None and ppo is not None
+    add("Fig. 1: RLHF (PPO) beats SFT", f"PPO >= SFT + {PPO_MIN_GAIN:.2f}",
+        f"PPO - SFT = {ppo['win_rate'] - sft['win_rate']:+.3f}" if both else "not run",
+        ppo["win_rate"] >= sft["win_rate"] + PPO_MIN_GAIN if both else None)
+    add("Fig. 1: ... beyond the noise", "PPO's CI above SFT's",
+        f"PPO's lower bound {ppo['ci_low']:.3f}, SFT's upper bound {sft['ci_high']:.3f}" if both else "not run",
+        ppo["ci_low"] > sft["ci_high"] if both else None)
+    add("Fig. 1: DPO beats SFT", "DPO's win rate > SFT's", f"DPO {ci(dpo)}" if dpo and sft else "not run",
+        dpo["win_rate"] > sft["win_rate"] if dpo and sft else None)
+    rm, implicit = preference_accuracies(art["rm"], "eval/rm"), preference_accuracies(art["dpo"], "eval/dpo")
+    for split, bar, finding in (("validation", RM_MIN_ACCURACY, "Fig. 4: the RM learns the labels"),
+                                ("validation_cnndm", CNNDM_MIN_ACCURACY, "Fig. 4: the RM transfers to news (CNN/DM)")):
+        value = rm.get((split, "labels"))
+        add(finding, f"accuracy >= {bar:.2f}", "not run" if value is None else f"{value:.3f}",
+            value >= bar if value is not None else None)
+    value, theirs = rm.get(("validation", "labels")), implicit.get(("validation", "labels"))
+    known = value is not None and theirs is not None
+    add("Fig. 6: DPO's implicit reward is the weaker RM", "its accuracy < the RM's (TL;DR validation)",
+        f"DPO {theirs:.3f}, RM {value:.3f}" if known else "not run", theirs < value if known else None)
+    fig8 = fig8_comparison(art["judged"].get("sft"), art["judged"].get("ppo"))
+    if fig8 is None:
+        measured = "not run"
+    elif not fig8["compared"]:
+        measured = f"no bucket has {MIN_BUCKET} of each"
+    else:
+        compared, below = fig8["compared"], fig8["below"]
+        measured = (f"PPO above in {len(compared) - len(below)} of {len(compared)} ({', '.join(compared)})"
+                    + (f"; not above in {', '.join(below)}" if below else "")
+                    + (f"; with {MIN_BUCKET} of one policy only, not above in {', '.join(fig8['one_sided_below'])}"
+                       if fig8["one_sided_below"] else ""))
+    add("Fig. 8: PPO's gain is not its length", f"PPO above SFT in every length bucket with >= {MIN_BUCKET} of each",
+        measured, None if not fig8 or not fig8["compared"] else not fig8["below"])
+    curve = [point for point in art["curve"] if point["gold"] is not None]
+    if curve:
+        peak = max(curve, key=lambda point: point["gold"])
+        last = curve[-1]
+        add("Over-optimisation (Gao et al. 2023): where the RM's score and the gold score part", "shown, no bar",
+            f"gold peaks at update {peak['update']} ({peak['gold']:.3f}); at the last, update {last['update']}: "
+            f"gold {last['gold']:.3f}, RM score {fmt(last['rm'])}", None)
+    total = sum(seconds for _, seconds in art["timings"])
+    add("Time: the main job on 2 CPU cores", f"<= {TIME_BUDGET_S // 60} min of stages",
+        f"{total // 60:.0f} min {total % 60:.0f} s" if art["timings"] else "no timings.tsv",
+        total <= TIME_BUDGET_S if art["timings"] else None)
+    return rows
+
+
+def fig8_comparison(sft_judged: Optional[list], ppo_judged: Optional[list]) -> Optional[dict]:
+    """Figure 8's check, buckets named "[low, high)": {"compared": buckets where SFT and PPO each have >= MIN_BUCKET
+    decided comparisons, "below": those where PPO's win rate is not above SFT's, "one_sided_below": the same in the
+    buckets where only one of them has that many (shown, not judged: the other's rate rests on few comparisons),
+    with both rates and counts}; None when either did not run."""
+    if not sft_judged or not ppo_judged:
+        return None
+    name = lambda bucket: f"[{bucket['low']:+.2f}, {bucket['high']:+.2f})"  # noqa: E731
+    out = {"compared": [], "below": [], "one_sided_below": []}
+    for a, b in zip(length_buckets(sft_judged), length_buckets(ppo_judged)):
+        enough = (a["n"] >= MIN_BUCKET) + (b["n"] >= MIN_BUCKET)
+        below = a["n"] and b["n"] and not b["win_rate"] > a["win_rate"]
+        if enough == 2:
+            out["compared"].append(name(a))
+            out["below"] += [name(a)] if below else []
+        elif enough == 1 and below:
+            out["one_sided_below"].append(f"{name(a)} (PPO {b['win_rate']:.3f} of {b['n']}, SFT {a['win_rate']:.3f} of {a['n']})")
+    return out
 
 
 def mistake_profile(pairs: list, world) -> dict:
@@ -348,11 +434,22 @@ def render_markdown(art: dict) -> str:
              "All numbers are on the validation splits.", "", environment_line(art["environment"]), "",
              "![report](report.png)", ""]
 
-    for section in (section_win_rates, section_mistakes, section_lengths, section_overoptimisation,
+    for section in (section_findings, section_win_rates, section_mistakes, section_lengths, section_overoptimisation,
                     section_rm_accuracy, section_calibration, section_dpo_as_rm, section_token_view,
                     section_other_results, section_time):
         lines += section(art)
     return "\n".join(lines) + "\n"
+
+
+def section_findings(art: dict) -> list:
+    """The paper's findings at a glance: each against its bar in miniature, measured here (the sections below)."""
+    lines = ["## The paper's findings here", "",
+             "Each finding of the paper against the bar it must clear in this 0.6M-parameter world (the paper's own "
+             "numbers are for 1B-6.9B models); the sections below show the numbers in full.", "",
+             "| finding | bar | measured | holds |", "|---|---|---|---|"]
+    verdict = {True: "yes", False: "**no**", None: "n/a"}
+    lines += [f"| {row['finding']} | {row['bar']} | {row['measured']} | {verdict[row['holds']]} |" for row in findings(art)]
+    return lines + [""]
 
 
 def section_win_rates(art: dict) -> list:
@@ -731,6 +828,8 @@ if __name__ == "__main__":
     markdown = render_markdown(artifacts)
     with open(os.path.join(args.models, "report.md"), "w") as file:
         file.write(markdown)
+    with open(os.path.join(args.models, "findings.json"), "w") as file:  # the checklist, to compare worlds
+        json.dump({"seed": args.seed, "world": args.world, "findings": findings(artifacts)}, file, indent=1)
     plot_report(artifacts, os.path.join(args.models, "report.png"))
     if artifacts["tokens"]:
         plot_tokens(artifacts["tokens"], os.path.join(args.models, "report_tokens.png"))

@@ -60,6 +60,21 @@ def test_length_buckets_by_hand():
     assert [b["win_rate"] for b in buckets] == [0.0, 1.0, None, 1.0, 0.0, 0.5, None]
 
 
+def test_fig8_comparison_by_hand():
+    """Figure 8's check: buckets with >= 30 decided comparisons of each policy are judged, the others only shown."""
+    row = lambda preferred, ours: dict(preferred=preferred, ours_words=ours, other_words=10)  # noqa: E731
+    # log(10/10) = 0: both have 40, PPO 30 wins to SFT's 20 (above); log(20/10) = 0.69: both 30, PPO 10 to SFT's 15
+    # (below); log(40/10) = 1.39: PPO 30 (12 wins), SFT 5 (4 wins: not above, one-sided); ties count nowhere
+    sft = [row("ours", 10)] * 20 + [row("reference", 10)] * 20 + [row("ours", 20)] * 15 + [row("reference", 20)] * 15 \
+        + [row("ours", 40)] * 4 + [row("reference", 40)] + [row("tie", 10)] * 50
+    ppo = [row("ours", 10)] * 30 + [row("reference", 10)] * 10 + [row("ours", 20)] * 10 + [row("reference", 20)] * 20 \
+        + [row("ours", 40)] * 12 + [row("reference", 40)] * 18
+    assert tiny_report.fig8_comparison(sft, ppo) == {
+        "compared": ["[-0.15, +0.15)", "[+0.45, +0.75)"], "below": ["[+0.45, +0.75)"],
+        "one_sided_below": ["[+0.75, +inf) (PPO 0.400 of 30, SFT 0.800 of 5)"]}
+    assert tiny_report.fig8_comparison(sft, None) is None
+
+
 def test_grouped_accuracy_by_hand():
     rows = [dict(batch="batch3", confidence="9.0", accuracy="1.0"), dict(batch="batch10", confidence="", accuracy="0.0"),
             dict(batch="batch3", confidence="2", accuracy="0.0"), dict(batch="batch10", confidence="9", accuracy="1.0"),
@@ -203,12 +218,49 @@ def test_report_has_every_finding_and_the_figure(tmp_path):
                 "| PPO | RM score: its samples / the references | 0.312 / -0.062 |",
                 "| reward | 110 s |", "| **total** | **5 min 0 s** |"):
         assert row in report, row
+    # the findings at a glance, each against its bar (make_run's numbers; Fig. 8 has too few comparisons)
+    for row in ("| Fig. 1: SFT loses to the references | SFT's win rate in [0.10, 0.45] | 0.125 [0.090, 0.170] | yes |",
+                "| Fig. 1: PPO is at least even with the references | PPO's win rate >= 0.50 | 0.250 [0.200, 0.310] | **no** |",
+                "| Fig. 1: RLHF (PPO) beats SFT | PPO >= SFT + 0.20 | PPO - SFT = +0.125 | **no** |",
+                "| PPO's CI above SFT's | PPO's lower bound 0.200, SFT's upper bound 0.170 | yes |",
+                "| Fig. 1: DPO beats SFT | DPO's win rate > SFT's | DPO 0.188 [0.140, 0.240] | yes |",
+                "| Fig. 4: the RM learns the labels | accuracy >= 0.70 | 0.688 | **no** |",
+                "| Fig. 4: the RM transfers to news (CNN/DM) | accuracy >= 0.60 | 0.641 | yes |",
+                "| its accuracy < the RM's (TL;DR validation) | DPO 0.656, RM 0.688 | yes |",
+                "| PPO above SFT in every length bucket with >= 30 of each | no bucket has 30 of each | n/a |",
+                "| shown, no bar | gold peaks at update 5 (3.000); at the last, update 10: gold -0.100, RM score 1.250 | n/a |",
+                "| Time: the main job on 2 CPU cores | <= 12 min of stages | 5 min 0 s | yes |"):
+        assert row in report, row
+    assert report.index("## The paper's findings here") < report.index("## Figure 1")
+    saved = json.loads((models / "findings.json").read_text())
+    assert saved["seed"] == 3 and [row["holds"] for row in saved["findings"]] == [
+        True, False, False, True, True, False, True, True, None, None, True]
     reference_table = report.split("## Figure 1")[1].split("Head to head")[0]
     assert "not run" not in report.replace("not computed", "") and "0.800" not in reference_table
     assert report.index("Head to head against SFT") < report.index("| PPO | 0.781 |")  # its own table
     for png in ("report.png",):
         data = (models / png).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000
+
+
+def test_compare_worlds_puts_the_findings_side_by_side(tmp_path):
+    """benchmark/compare_worlds.py: each run's findings.json in a column, the worlds where a finding holds counted;
+    a folder without findings.json stops it with the command that writes one."""
+    for seed, holds in ((1, [True, False]), (2, [True, True])):
+        write(tmp_path / f"m{seed}" / "findings.json", {"seed": seed, "world": "w", "findings": [
+            {"finding": "Fig. 1: SFT loses", "bar": "in [0.10, 0.45]", "measured": f"0.3{seed}", "holds": holds[0]},
+            {"finding": "Fig. 6: DPO weaker", "bar": "below the RM", "measured": f"DPO 0.7{seed}", "holds": holds[1]}]})
+    out = tmp_path / "worlds.md"
+    command = [sys.executable, str(REPO / "benchmark" / "compare_worlds.py"), str(tmp_path / "m1"), str(tmp_path / "m2")]
+    result = run_python(command + ["--out", str(out)], timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = out.read_text()
+    assert f"| finding | bar | seed 1 ({tmp_path / 'm1'}) | seed 2 ({tmp_path / 'm2'}) | holds in |" in table
+    assert "| Fig. 1: SFT loses | in [0.10, 0.45] | yes: 0.31 | yes: 0.32 | 2 of 2 |" in table
+    assert "| Fig. 6: DPO weaker | below the RM | **no**: DPO 0.71 | yes: DPO 0.72 | 1 of 2 |" in table
+    missing = run_python(command + [str(tmp_path / "m3")], timeout=120)
+    assert missing.returncode == 1 and "m3/findings.json: not found" in missing.stderr
+    assert "python benchmark/tiny_report.py --models" in missing.stderr
 
 
 def test_a_stage_that_did_not_run_reads_not_run(tmp_path):
@@ -227,8 +279,11 @@ def test_a_stage_that_did_not_run_reads_not_run(tmp_path):
     # nothing at all: every finding reads "not run" or "not computed", and the figure is still drawn
     empty = tiny_report.load_artifacts(str(tmp_path / "nothing"), 1, world=None, runs_dir=str(tmp_path / "none"))
     markdown = tiny_report.render_markdown(empty)
+    glance, sections = markdown.split("## Figure 1")
+    # the findings at a glance: every row but the time's (no timings.tsv) reads "not run", none holds or fails
+    assert glance.count("not run | n/a |") == 9 and "| no timings.tsv | n/a |" in glance and "yes" not in glance
     # win rates, what they get wrong, Fig. 8, curve, 4, 5, 6, other results
-    assert markdown.count("not run") == 4 + 1 + 1 + 1 + 1 + 1 + 1 + 3
+    assert sections.count("not run") == 4 + 1 + 1 + 1 + 1 + 1 + 1 + 3
     assert "Environment: not recorded" in markdown and "not computed" in markdown
     tiny_report.plot_report(empty, str(tmp_path / "empty.png"))
 
