@@ -47,13 +47,14 @@ PREF_SPLITS = {"validation": "TL;DR validation", "validation_cnndm": "CNN/DM"}
 LENGTH_EDGES = (-math.inf, -0.75, -0.45, -0.15, 0.15, 0.45, 0.75, math.inf)
 Z_95 = 1.959963984540054  # the two-sided 95% quantile of the standard normal
 TOKEN_POSTS = 3  # validation posts shown in the token view (Table 8)
-# The bars each finding must clear in miniature (the project's, for a 0.6M-parameter world; the paper's own numbers
-# are for 1B-6.9B models): Fig. 1, Fig. 4, Fig. 8's smallest bucket, and the main job's time on 2 CPU cores.
+# The bars each finding must clear in miniature (the project's, for the tiny world; the paper's own numbers are for
+# 1B-6.9B models): Fig. 1, Fig. 4, Fig. 8's smallest bucket, and the main job's time on 2 CPU cores.
 SFT_WIN_RATE_RANGE = (0.10, 0.45)  # SFT loses to the references, but not always
 PPO_MIN_WIN_RATE, PPO_MIN_GAIN = 0.50, 0.20  # PPO at least even with the references, and well above SFT
 RM_MIN_ACCURACY, CNNDM_MIN_ACCURACY = 0.70, 0.60  # against the labels; on news the RM never trained on
 MIN_BUCKET = 30  # Figure 8 compares a length bucket only where each policy has this many decided comparisons
 TIME_BUDGET_S = 12 * 60
+WORLD_STAGE = "tiny world"  # tiny.sh's stage that builds a world that is not committed (not part of the main job)
 
 
 @dataclass
@@ -202,10 +203,11 @@ def findings(art: dict) -> list:
         add("Over-optimisation (Gao et al. 2023): where the RM's score and the gold score part", "shown, no bar",
             f"gold peaks at update {peak['update']} ({peak['gold']:.3f}); at the last, update {last['update']}: "
             f"gold {last['gold']:.3f}, RM score {fmt(last['rm'])}", None)
-    total = sum(seconds for _, seconds in art["timings"])
-    add("Time: the main job on 2 CPU cores", f"<= {TIME_BUDGET_S // 60} min of stages",
-        f"{total // 60:.0f} min {total % 60:.0f} s" if art["timings"] else "no timings.tsv",
-        total <= TIME_BUDGET_S if art["timings"] else None)
+    stages = [seconds for name, seconds in art["timings"] if name != WORLD_STAGE]  # a world built first is not the job
+    total = sum(stages)
+    add("Time: the main job on 2 CPU cores", f"<= {TIME_BUDGET_S // 60} min of stages (a world's build apart)",
+        f"{total // 60:.0f} min {total % 60:.0f} s" if stages else "no timings.tsv",
+        total <= TIME_BUDGET_S if stages else None)
     return rows
 
 
@@ -444,8 +446,8 @@ def render_markdown(art: dict) -> str:
 def section_findings(art: dict) -> list:
     """The paper's findings at a glance: each against its bar in miniature, measured here (the sections below)."""
     lines = ["## The paper's findings here", "",
-             "Each finding of the paper against the bar it must clear in this 0.6M-parameter world (the paper's own "
-             "numbers are for 1B-6.9B models); the sections below show the numbers in full.", "",
+             "Each finding of the paper against the bar it must clear in this tiny world (the paper's own numbers "
+             "are for 1B-6.9B models); the sections below show the numbers in full.", "",
              "| finding | bar | measured | holds |", "|---|---|---|---|"]
     verdict = {True: "yes", False: "**no**", None: "n/a"}
     lines += [f"| {row['finding']} | {row['bar']} | {row['measured']} | {verdict[row['holds']]} |" for row in findings(art)]

@@ -182,7 +182,7 @@ def make_run(models: Path, runs: Path, with_dpo: bool) -> None:
     if with_dpo:
         runs_json["dpo__seed3"] = judge_run("dpo", 48, 256, 0.14, 0.24)
     write(models / "judge_3" / "results.json", {"model": "tiny_world.gold_score", "runs": runs_json})
-    write(models / "timings.tsv", "stage\tseconds\npreprocess\t29\nsft\t97\nreward\t110\nppo\t64\n")
+    write(models / "timings.tsv", "stage\tseconds\ntiny world\t1800\npreprocess\t29\nsft\t97\nreward\t110\nppo\t64\n")
 
 
 def test_report_has_every_finding_and_the_figure(tmp_path):
@@ -216,7 +216,7 @@ def test_report_has_every_finding_and_the_figure(tmp_path):
                 "| TL;DR validation | 0.688 | 0.656 |", "| CNN/DM | 0.641 | 0.594 |",
                 "| base model (no training) | ROUGE-1 / 2 / L | 0.250 / 0.125 / 0.200 |",
                 "| PPO | RM score: its samples / the references | 0.312 / -0.062 |",
-                "| reward | 110 s |", "| **total** | **5 min 0 s** |"):
+                "| reward | 110 s |", "| tiny world | 1800 s |", "| **total** | **35 min 0 s** |"):
         assert row in report, row
     # the findings at a glance, each against its bar (make_run's numbers; Fig. 8 has too few comparisons)
     for row in ("| Fig. 1: SFT loses to the references | SFT's win rate in [0.10, 0.45] | 0.125 [0.090, 0.170] | yes |",
@@ -229,7 +229,7 @@ def test_report_has_every_finding_and_the_figure(tmp_path):
                 "| its accuracy < the RM's (TL;DR validation) | DPO 0.656, RM 0.688 | yes |",
                 "| PPO above SFT in every length bucket with >= 30 of each | no bucket has 30 of each | n/a |",
                 "| shown, no bar | gold peaks at update 5 (3.000); at the last, update 10: gold -0.100, RM score 1.250 | n/a |",
-                "| Time: the main job on 2 CPU cores | <= 12 min of stages | 5 min 0 s | yes |"):
+                "| Time: the main job on 2 CPU cores | <= 12 min of stages (a world's build apart) | 5 min 0 s | yes |"):
         assert row in report, row
     assert report.index("## The paper's findings here") < report.index("## Figure 1")
     saved = json.loads((models / "findings.json").read_text())
