@@ -181,6 +181,7 @@ def make_run(models: Path, runs: Path, with_dpo: bool) -> None:
     write_csv(models / "judge_3" / "judged" / "ppo__seed3.csv", judged(4, 1))
     if with_dpo:
         runs_json["dpo__seed3"] = judge_run("dpo", 48, 256, 0.14, 0.24)
+        runs_json["dpo__seed3_vs_sft__seed3"] = judge_run("dpo", 96, 256, 0.32, 0.43, vs="sft__seed3")
     write(models / "judge_3" / "results.json", {"model": "tiny_world.gold_score", "runs": runs_json})
     write(models / "timings.tsv", "stage\tseconds\ntiny world\t1800\npreprocess\t29\nsft\t97\nreward\t110\nppo\t64\n")
 
@@ -224,6 +225,8 @@ def test_report_has_every_finding_and_the_figure(tmp_path):
                 "| Fig. 1: RLHF (PPO) beats SFT | PPO >= SFT + 0.20 | PPO - SFT = +0.125 | **no** |",
                 "| PPO's CI above SFT's | PPO's lower bound 0.200, SFT's upper bound 0.170 | yes |",
                 "| Fig. 1: DPO beats SFT | DPO's win rate > SFT's | DPO 0.188 [0.140, 0.240] | yes |",
+                "| PPO against SFT, head to head (the gold judge) | shown, no bar | 0.781 [0.700, 0.800] | n/a |",
+                "| DPO against SFT, head to head (the gold judge) | shown, no bar | 0.375 [0.320, 0.430] | n/a |",
                 "| Fig. 4: the RM learns the labels | accuracy >= 0.70 | 0.688 | **no** |",
                 "| Fig. 4: the RM transfers to news (CNN/DM) | accuracy >= 0.60 | 0.641 | yes |",
                 "| its accuracy < the RM's (TL;DR validation) | DPO 0.656, RM 0.688 | yes |",
@@ -234,7 +237,7 @@ def test_report_has_every_finding_and_the_figure(tmp_path):
     assert report.index("## The paper's findings here") < report.index("## Figure 1")
     saved = json.loads((models / "findings.json").read_text())
     assert saved["seed"] == 3 and [row["holds"] for row in saved["findings"]] == [
-        True, False, False, True, True, False, True, True, None, None, True]
+        True, False, False, True, True, None, None, False, True, True, None, None, True]
     reference_table = report.split("## Figure 1")[1].split("Head to head")[0]
     assert "not run" not in report.replace("not computed", "") and "0.800" not in reference_table
     assert report.index("Head to head against SFT") < report.index("| PPO | 0.781 |")  # its own table
@@ -281,7 +284,7 @@ def test_a_stage_that_did_not_run_reads_not_run(tmp_path):
     markdown = tiny_report.render_markdown(empty)
     glance, sections = markdown.split("## Figure 1")
     # the findings at a glance: every row but the time's (no timings.tsv) reads "not run", none holds or fails
-    assert glance.count("not run | n/a |") == 9 and "| no timings.tsv | n/a |" in glance and "yes" not in glance
+    assert glance.count("not run | n/a |") == 11 and "| no timings.tsv | n/a |" in glance and "yes" not in glance
     # win rates, what they get wrong, Fig. 8, curve, 4, 5, 6, other results
     assert sections.count("not run") == 4 + 1 + 1 + 1 + 1 + 1 + 1 + 3
     assert "Environment: not recorded" in markdown and "not computed" in markdown
