@@ -678,18 +678,8 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
 
         def save(status: str, reply: Optional[str] = None, error: Optional[BaseException] = None) -> None:
             """Append the row's record: status "judged", "failed" (no reply) or "abandoned" (run stopped mid-call)."""
-            verdict = parse_verdict(reply, allow_tie=meta["allow_tie"]) if status == "judged" else None
-            record = dict(key=item["key"], model=meta["model"], prompt_version=meta["prompt_version"],
-                          temperature=meta["temperature"], label=item["label"], row=item["row"],
-                          ours_is_a=item["ours_is_a"], status=status, reply=scrub(reply, secrets), verdict=verdict,
-                          preferred=preferred_side(verdict, item["ours_is_a"], item["other_name"])
-                          if status == "judged" else "unjudged",
-                          error=scrub(describe(error), secrets) if error else None,
-                          # this run's calls, then the counts over every run that asked this row
-                          attempts=totals["calls"] - before["calls"],
-                          abandoned=totals["abandoned"] - before["abandoned"],
-                          billed_twice=totals["billed_twice"] - before["billed_twice"], totals=totals,
-                          run=run_id, seconds=round(time.monotonic() - start, 3), time=time.time())
+            record = row_record(item, meta, status, reply, error, totals, before, run_id, secrets,
+                                seconds=time.monotonic() - start)
             # One write, no await in between: whole lines in completion order; flushed, a kill loses none.
             # ASCII JSON: a line torn by a kill can never break the decoding of the whole file.
             cache_file.write(json.dumps(record) + "\n")
@@ -720,6 +710,22 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
                 group.create_task(one(item))
     finally:
         bar.close()
+
+
+def row_record(item: dict, meta: dict, status: str, reply: Optional[str], error: Optional[BaseException],
+               totals: dict, before: dict, run_id: float, secrets: list[str], seconds: float) -> dict:
+    """The cache line of one judged, failed or abandoned row: its verdict, this run's calls (totals - before) and
+    the counts over every run that asked it; replies and errors scrubbed of `secrets`."""
+    verdict = parse_verdict(reply, allow_tie=meta["allow_tie"]) if status == "judged" else None
+    return dict(key=item["key"], model=meta["model"], prompt_version=meta["prompt_version"],
+                temperature=meta["temperature"], label=item["label"], row=item["row"], ours_is_a=item["ours_is_a"],
+                status=status, reply=scrub(reply, secrets), verdict=verdict,
+                preferred=preferred_side(verdict, item["ours_is_a"], item["other_name"])
+                if status == "judged" else "unjudged",
+                error=scrub(describe(error), secrets) if error else None,
+                attempts=totals["calls"] - before["calls"], abandoned=totals["abandoned"] - before["abandoned"],
+                billed_twice=totals["billed_twice"] - before["billed_twice"], totals=totals,
+                run=run_id, seconds=round(seconds, 3), time=time.time())
 
 
 async def call_with_retries(call, tally: dict, timeout: float, max_retries: int, base: float, cap: float,
