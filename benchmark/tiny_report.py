@@ -174,7 +174,7 @@ def findings(art: dict) -> list:
     add("Fig. 1: DPO beats SFT", "DPO's win rate > SFT's", f"DPO {ci(dpo)}" if dpo and sft else "not run",
         dpo["win_rate"] > sft["win_rate"] if dpo and sft else None)
     for method in ("ppo", "dpo"):  # the bars are against the references; the direct comparison is shown
-        run = (art.get("head_to_head") or {}).get(method)
+        run = art["head_to_head"].get(method)
         add(f"{method.upper()} against SFT, head to head (the gold judge)", "shown, no bar",
             ci(run) if run else "not run", None)
     rm, implicit = preference_accuracies(art["rm"], "eval/rm"), preference_accuracies(art["dpo"], "eval/dpo")
