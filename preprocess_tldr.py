@@ -892,15 +892,30 @@ def start_scratch(output_dir: str) -> str:
     watcher = subprocess.Popen([sys.executable, "-I", "-S", "-c", SCRATCH_WATCHER, scratch, *made],
                                stdin=subprocess.PIPE)
     atexit.register(stop_watcher, watcher)
-    # datasets' `map` workers are forked (even for num_proc=1) and would outlive a SIGKILLed run,
-    # blocked on their task queue forever, holding the watcher's pipe and the scratch: the kernel
-    # kills them with it (Linux PR_SET_PDEATHSIG = 1; prctl is looked up here, not in the child).
-    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
-    if prctl is not None:
-        os.register_at_fork(after_in_child=lambda: prctl(1, signal.SIGKILL))
+    kill_forks_with_their_parent()
     os.makedirs(os.path.join(scratch, "new"))
     remove_stale_scratch(output_dir)
     return scratch
+
+
+def kill_forks_with_their_parent() -> None:
+    """Every process forked from here on dies when the process that forked it does, however that one ends.
+
+    datasets' `map` workers (a pool and a manager process, even for num_proc=1) would outlive a SIGKILLed
+    run, blocked forever, holding the watcher's pipe and the scratch: the kernel kills them with it (Linux
+    PR_SET_PDEATHSIG = 1; prctl is looked up here, not in the child). A parent that dies between the fork
+    and the child's prctl sends no signal; the child sees that it was orphaned and kills itself."""
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+    if prctl is None:
+        return
+    parent = [os.getpid()]  # set in the parent just before each fork; the child reads its copy
+
+    def in_child():
+        prctl(1, signal.SIGKILL)
+        if os.getppid() != parent[0]:  # already orphaned: the parent died before the line above
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    os.register_at_fork(before=lambda: parent.__setitem__(0, os.getpid()), after_in_child=in_child)
 
 
 def stop_watcher(watcher: subprocess.Popen) -> None:

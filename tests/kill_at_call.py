@@ -1,18 +1,38 @@
 """`python tests/kill_at_call.py NAME N SCRIPT ARGS...`: run SCRIPT ARGS as __main__ and SIGKILL this process at the start
-of the N-th call of a function named NAME (test_preprocess_kill.py; run like a script by conftest.run_python)."""
+of the N-th call of a function named NAME (test_preprocess_kill.py; run like a script by conftest.run_python).
+
+NAME `fork`: the N-th fork's child SIGKILLs this process before any fork hook of the script has run in the child, and
+only then goes on: a run killed between a fork and the child's first steps."""
 
 import importlib
 import os
 import runpy
 import signal
 import sys
+import time
 
 for library in ("datasets", "transformers", "tyro"):  # imported before the profiler is on: not under test
     importlib.import_module(library)
 
 
-def main():
-    name, count = sys.argv[1], int(sys.argv[2])
+def kill_at_fork(count: int) -> None:
+    forks = 0
+
+    def before():
+        nonlocal forks
+        forks += 1
+
+    def in_child():  # registered before the script's hooks: runs first in the child
+        if forks == count:
+            parent = os.getppid()
+            os.kill(parent, signal.SIGKILL)
+            while os.getppid() == parent:  # until the kernel has reparented this child
+                time.sleep(0.01)
+
+    os.register_at_fork(before=before, after_in_child=in_child)
+
+
+def kill_at_call(name: str, count: int) -> None:
     calls = 0
 
     def profile(frame, event, arg):
@@ -22,8 +42,13 @@ def main():
             if calls == count:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    sys.argv = sys.argv[3:]
     sys.setprofile(profile)
+
+
+def main():
+    name, count = sys.argv[1], int(sys.argv[2])
+    sys.argv = sys.argv[3:]
+    kill_at_fork(count) if name == "fork" else kill_at_call(name, count)
     runpy.run_path(sys.argv[0], run_name="__main__")
 
 

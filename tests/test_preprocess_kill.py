@@ -129,6 +129,41 @@ def test_kill_after_a_delay_leaves_old_or_new_outputs(tmp_path, runs, delay):
     versions(out, fingerprints)  # each output old or new, whole and loadable
 
 
+def processes_with(text: str) -> list:
+    """The pids of this machine's processes whose command line holds `text`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def test_killed_as_a_worker_starts_leaves_no_process_behind(tmp_path, runs):
+    """The run dies between a fork and the child's PR_SET_PDEATHSIG, so the kernel sends the child no signal. The
+    second fork is `map`'s manager process, which, orphaned, would serve forever holding the watcher's pipe (and
+    any pipe on the run's stdout: a CI run hung on this for 120 s); it must end itself."""
+    commands, fingerprints, outputs = runs
+    out = tmp_path / "out"
+    shutil.copytree(outputs["old"], out)
+    command = [sys.executable, KILLER, "fork", "2"] + commands["new"][1:] + ["--output_dir", str(out)]
+    try:  # a plain start (not conftest's fork server): what it leaves running shows `out` on its command line
+        with open(tmp_path / "log", "w") as log:  # not a pipe, which a leftover process would hold open
+            returncode = subprocess.run(command, stdout=log, stderr=log, timeout=300).returncode
+        assert returncode == -signal.SIGKILL, (tmp_path / "log").read_text()[-2000:]
+        wait_for_clean_up(out)
+        deadline = time.time() + 30
+        while processes_with(str(out)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not processes_with(str(out))  # no worker, no watcher
+        assert fingerprint(out) == fingerprints["old"]
+    finally:
+        for pid in processes_with(str(out)):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_kill_during_a_first_run_leaves_no_folder(tmp_path, runs):
     commands, _, _ = runs
     out = tmp_path / "data" / "tldr"
