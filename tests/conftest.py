@@ -76,6 +76,20 @@ def tiny_tldr(tmp_path_factory):
     return out
 
 
+def slice_tiny_tldr(tiny_tldr: Path, root: Path, train_pairs: int, sft_split: str, sft_rows: int) -> None:
+    """Write into `root` slices of the preprocessed tiny world: `train_pairs` train pairs, 16 + 8 eval pairs (preference/),
+    the first `sft_rows` rows of its SFT `sft_split` (sft/), and its args.json (the pad / eos ids of the columns)."""
+    import datasets
+
+    preference = datasets.load_from_disk(str(tiny_tldr / "preference"))
+    sizes = {"train": train_pairs, "validation": 16, "validation_cnndm": 8}
+    datasets.DatasetDict({split: preference[split].select(range(n)) for split, n in sizes.items()}).save_to_disk(
+        str(root / "preference"))
+    sft = datasets.load_from_disk(str(tiny_tldr / "sft"))
+    datasets.DatasetDict({sft_split: sft[sft_split].select(range(sft_rows))}).save_to_disk(str(root / "sft"))
+    shutil.copy(tiny_tldr / "args.json", root / "args.json")
+
+
 @contextlib.contextmanager
 def multi_process_slot(processes: int = 2):
     """Hold while a launch of `processes` > 1 ranks runs: under pytest-xdist, one such launch at a time per test run.

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import dpo
-from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python
+from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python, slice_tiny_tldr
 
 ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
 EOS, PAD = 0, 1  # the tiny world's ids (data/tiny_tldr/args.json)
@@ -136,13 +136,7 @@ RUN = ["--sft_model_path", str(BASE), "--lr", "1e-3", "--batch_size", str(BATCH)
 def small_world(tiny_tldr, tmp_path_factory):
     """Slices of the preprocessed tiny world: 32 train pairs, 16 + 8 eval pairs, 10 SFT validation queries."""
     root = tmp_path_factory.mktemp("small_world")
-    preference = datasets.load_from_disk(str(tiny_tldr / "preference"))
-    sizes = {"train": TRAIN_PAIRS, "validation": 16, "validation_cnndm": 8}
-    datasets.DatasetDict({split: preference[split].select(range(n)) for split, n in sizes.items()}).save_to_disk(
-        str(root / "preference"))
-    sft = datasets.load_from_disk(str(tiny_tldr / "sft"))
-    datasets.DatasetDict(validation=sft["validation"].select(range(10))).save_to_disk(str(root / "sft"))
-    shutil.copy(tiny_tldr / "args.json", root / "args.json")  # the pad / eos ids the columns were built with
+    slice_tiny_tldr(tiny_tldr, root, TRAIN_PAIRS, "validation", 10)
     return root
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python
+from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python, slice_tiny_tldr
 
 import reward
 
@@ -221,14 +221,8 @@ TRAIN_PAIRS, BATCH, EPOCHS = 32, 8, 2  # 8 updates of 8 pairs: each pair twice, 
 def small_world(tiny_tldr, tmp_path_factory):
     """Slices of the preprocessed tiny world (32 train pairs, 16 + 8 eval pairs, 24 references) + a judged CSV."""
     root = tmp_path_factory.mktemp("small_world")
-    preference = datasets.load_from_disk(str(tiny_tldr / "preference"))
-    sizes = {"train": TRAIN_PAIRS, "validation": 16, "validation_cnndm": 8}
-    datasets.DatasetDict({split: preference[split].select(range(n)) for split, n in sizes.items()}).save_to_disk(
-        str(root / "preference"))
-    sft = datasets.load_from_disk(str(tiny_tldr / "sft"))
-    datasets.DatasetDict(train=sft["train"].select(range(24))).save_to_disk(str(root / "sft"))
-    shutil.copy(tiny_tldr / "args.json", root / "args.json")  # the pad / eos ids the columns were built with
-    validation = sft["validation"].select(range(10))
+    slice_tiny_tldr(tiny_tldr, root, TRAIN_PAIRS, "train", 24)
+    validation = datasets.load_from_disk(str(tiny_tldr / "sft"))["validation"].select(range(10))
     # judge.py's judged/<run>.csv columns (a malformed verdict counts for neither side)
     pd.DataFrame({"post": validation["query"], "ours": validation["summary"],
                   "other": list(reversed(validation["summary"])),
