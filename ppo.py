@@ -1814,5 +1814,7 @@ if __name__ == "__main__":
     try:
         main()  # here, at the end, so that every helper below the fence is defined when it runs
         finished = True
+    except SetupError as error:  # a flag or input it cannot use: the message, not a traceback, says what to do
+        sys.exit(f"SetupError: {error}")
     finally:
         leave_process_group(finished)

@@ -58,6 +58,7 @@ from typing import Optional
 
 import datasets
 import tyro
+from huggingface_hub.utils import HFValidationError
 from transformers import AutoTokenizer
 
 
@@ -309,7 +310,7 @@ def main() -> None:
         raise SetupError("bad flags:\n  " + "\n  ".join(problems))
 
     # ---- tokenizer ----
-    tokenizer = AutoTokenizer.from_pretrained(args.base_model)
+    tokenizer = load_base_tokenizer(args.base_model)
     assert tokenizer.eos_token is not None, f"{args.base_model}: the tokenizer has no EOS token"
     # Detail 3: Leading space, EOS at the end, a distinct [PAD]
     # Pythia has no pad token, and the common fix pad = eos would make every loss and attention
@@ -419,6 +420,15 @@ def model_name(base_model: str) -> str:
     # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
     # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
     return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
+
+
+def load_base_tokenizer(base_model: str):
+    """AutoTokenizer of `base_model`; a SetupError naming --base_model when there is none."""
+    try:
+        return AutoTokenizer.from_pretrained(base_model)
+    except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
+        raise SetupError(f"--base_model {base_model}: no tokenizer at {base_model}, and none of that name on the "
+                         f"Hub (or the Hub cannot be reached): {error}") from error
 
 
 def tokenizer_identity(tokenizer) -> str:
@@ -979,4 +989,7 @@ def install_output(scratch: str, output_dir: str, name: str) -> None:
 
 
 if __name__ == "__main__":
-    main()  # here, at the end, so that every helper below the fence is defined when it runs
+    try:
+        main()  # here, at the end, so that every helper below the fence is defined when it runs
+    except (SetupError, DataError) as error:  # the message, not a traceback, says what to fix
+        sys.exit(f"{type(error).__name__}: {error}")

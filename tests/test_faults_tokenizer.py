@@ -124,7 +124,8 @@ def refusals(tiny_tldr, tmp_path_factory):
 def refused(refusals, case):
     """The start of `case` stopped with a SetupError and wrote nothing: (its folder, the last line of its stderr)."""
     cwd, before, result = refusals[case]
-    assert result.returncode != 0 and "SetupError" in result.stderr, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.returncode == 1 and "SetupError" in result.stderr, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]  # the message alone says what to fix
     assert sorted(os.listdir(cwd)) == before  # no output folder, no runs/
     return cwd, result.stderr.strip().splitlines()[-1]
 

@@ -67,6 +67,7 @@ def test_failed_start_leaves_nothing_behind(tmp_path, case):
                *tiny_lengths(), *flags]
     result = run_python(command, timeout=300)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]  # the message alone says what to fix
     if case.startswith("bad flag"):
         assert "SetupError: bad flags:\n  --num_proc 0: pass a number of worker processes >= 1" in result.stderr
     else:
