@@ -20,7 +20,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -298,11 +297,15 @@ def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
     assert result.returncode == 0 and "nothing to do" in result.stdout and "srun:" not in result.stdout
 
     process = subprocess.Popen(["bash", str(SLURM / "reward.sbatch")], cwd=REPO, text=True, stdout=subprocess.PIPE,
-                               env={**ENV, **env, "SLURM_ARRAY_TASK_ID": "4", "FAKE_SLEEP": "3"})
-    time.sleep(1.0)
+                               env={**ENV, **env, "SLURM_ARRAY_TASK_ID": "4", "FAKE_SLEEP": "5"})
+    started = []
+    for line in process.stdout:  # srun has started, so the USR1 trap is set (a fixed wait can come too early)
+        started.append(line)
+        if line.startswith("srun: "):
+            break
     process.send_signal(signal.SIGUSR1)
     stdout, _ = process.communicate(timeout=30)
-    assert "scontrol: requeue 70_4" in stdout
+    assert "scontrol: requeue 70_4" in stdout, "".join(started) + stdout
 
 
 def test_a_training_task_stops_at_once_on_a_node_without_cuda(tmp_path):
