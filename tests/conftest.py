@@ -77,8 +77,9 @@ def tiny_tldr(tmp_path_factory):
 
 
 def slice_tiny_tldr(tiny_tldr: Path, root: Path, train_pairs: int, sft_split: str, sft_rows: int) -> None:
-    """Write into `root` slices of the preprocessed tiny world: `train_pairs` train pairs, 16 + 8 eval pairs (preference/),
-    the first `sft_rows` rows of its SFT `sft_split` (sft/), and its args.json (the pad / eos ids of the columns)."""
+    """Write into `root` slices of the preprocessed tiny world: `train_pairs` train pairs and 16 + 8 eval pairs
+    (preference/), the first `sft_rows` rows of its SFT `sft_split` (sft/), and its args.json (the pad / eos ids of
+    the columns)."""
     import datasets
 
     preference = datasets.load_from_disk(str(tiny_tldr / "preference"))
