@@ -48,7 +48,10 @@ def kill_at_call(name: str, count: int) -> None:
 def main():
     name, count = sys.argv[1], int(sys.argv[2])
     sys.argv = sys.argv[3:]
-    kill_at_fork(count) if name == "fork" else kill_at_call(name, count)
+    if name == "fork":
+        kill_at_fork(count)
+    else:
+        kill_at_call(name, count)
     runpy.run_path(sys.argv[0], run_name="__main__")
 
 
