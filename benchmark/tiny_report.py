@@ -118,6 +118,28 @@ def grouped_accuracy(rows: list, key: str) -> list:
     return [(value, sum(groups[value]) / len(groups[value]), len(groups[value])) for value in order]
 
 
+def length_reliance(rows: list, eos: str = "<|endoftext|>") -> Optional[dict]:
+    """How far a reward model's choices follow length, over the pairs whose two summaries differ in words (None: no such
+    pair): {pairs, labels_shorter, model_shorter, chosen_shorter: (accuracy, pairs), chosen_longer: (accuracy, pairs)}.
+
+    `rows`: reward.py's eval_<split>.csv (or dpo.py's eval_pairs_<split>.csv): chosen, rejected, accuracy (1 when the
+    model scores the chosen summary above the rejected one). labels_shorter is the share where the labels chose the
+    shorter summary, model_shorter the share where the model prefers it."""
+    words = lambda text: len(text.replace(eos, " ").split())  # noqa: E731
+    shorter, longer = [], []  # the model's right / wrong, where the chosen summary is the shorter / the longer one
+    for row in rows:
+        chosen, rejected = words(row["chosen"]), words(row["rejected"])
+        if chosen != rejected:
+            (shorter if chosen < rejected else longer).append(float(row["accuracy"]) == 1.0)
+    pairs = len(shorter) + len(longer)
+    if not pairs:
+        return None
+    mean = lambda flags: (sum(flags) / len(flags), len(flags)) if flags else (None, 0)  # noqa: E731
+    return {"pairs": pairs, "labels_shorter": len(shorter) / pairs,
+            "model_shorter": (sum(shorter) + len(longer) - sum(longer)) / pairs,
+            "chosen_shorter": mean(shorter), "chosen_longer": mean(longer)}
+
+
 def calibration_bins(margins: list, width: float = 0.5) -> list:
     """Figure 5 (right): [(low, high, pairs, accuracy, ideal)] per bin of |r_chosen - r_rejected|.
 
@@ -183,6 +205,10 @@ def findings(art: dict) -> list:
         value = rm.get((split, "labels"))
         add(finding, f"accuracy >= {bar:.2f}", "not run" if value is None else f"{value:.3f}",
             value >= bar if value is not None else None)
+    reliance = length_reliance(art["rm_rows"].get("validation") or [])
+    add("The RM and length: how often it prefers the shorter summary (TL;DR validation)", "shown, no bar",
+        f"RM {reliance['model_shorter']:.3f}, labels {reliance['labels_shorter']:.3f}; right {fmt(reliance['chosen_longer'][0])} "
+        f"of the time where the chosen is the longer" if reliance else "not run", None)
     value, theirs = rm.get(("validation", "labels")), implicit.get(("validation", "labels"))
     known = value is not None and theirs is not None
     add("Fig. 6: DPO's implicit reward is the weaker RM", "its accuracy < the RM's (TL;DR validation)",
@@ -565,7 +591,30 @@ def section_rm_accuracy(art: dict) -> list:
             lines += [f"| {v} | {fmt(a)} ({n}) |" for v, a, n in grouped_accuracy(rows, "batch")]
             lines += ["", "| confidence | accuracy (pairs) |", "|---|---|"]
             lines += [f"| {v} | {fmt(a)} ({n}) |" for v, a, n in grouped_accuracy(rows, "confidence")]
+        lines += section_length_reliance(art)
 
+    return lines
+
+
+def section_length_reliance(art: dict) -> list:
+    """The RM's and DPO's choices against the summaries' lengths, on TL;DR validation (`length_reliance`)."""
+    shown = [(name, length_reliance(rows)) for name, rows in (("RM", art["rm_rows"].get("validation")),
+                                                              ("DPO (implicit reward)", art["dpo_rows"].get("validation")))
+             if rows]
+    shown = [(name, reliance) for name, reliance in shown if reliance]
+    if not shown:
+        return []
+    lines = ["", "Length: over the validation pairs whose summaries differ in words, how often the labels and the model "
+             "prefer the shorter one, and the model's accuracy split by which one the labels chose. In this world a "
+             "mistake adds words, so the labels mostly prefer the shorter summary (the real data's chosen summary is "
+             "slightly the longer one). A model that prefers the shorter more often than the labels do is wrong on "
+             "many pairs where the chosen is the longer, and PPO learns its taste (Figure 8; words in Figure 1).", "",
+             "| model | pairs | labels prefer the shorter | model prefers the shorter | accuracy, chosen the shorter "
+             "(pairs) | accuracy, chosen the longer (pairs) |", "|---|---|---|---|---|---|"]
+    for name, r in shown:
+        (short_acc, short_n), (long_acc, long_n) = r["chosen_shorter"], r["chosen_longer"]
+        lines.append(f"| {name} | {r['pairs']} | {fmt(r['labels_shorter'])} | {fmt(r['model_shorter'])} | "
+                     f"{fmt(short_acc)} ({short_n}) | {fmt(long_acc)} ({long_n}) |")
     return lines
 
 

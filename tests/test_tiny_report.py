@@ -84,6 +84,20 @@ def test_grouped_accuracy_by_hand():
     assert tiny_report.grouped_accuracy(rows, "confidence") == [("2", 0.0, 1), ("9", 1.0, 2), ("10", 1.0, 1)]
 
 
+def test_length_reliance_by_hand():
+    eos = "<|endoftext|>"
+    row = lambda chosen, rejected, right: dict(chosen=chosen, rejected=rejected, accuracy=str(float(right)))  # noqa: E731
+    rows = [row("a b" + eos, "a b c" + eos, True),  # chosen shorter (2 < 3 words, the EOS no word), model right
+            row("a b c", "a", False),  # chosen longer, model wrong: it prefers the shorter
+            row("x" + eos, "x y z", False),  # chosen shorter, model wrong
+            row("a b", "c d", True)]  # same length: in no count
+    # 3 pairs; labels chose the shorter in 2; the model prefers the shorter in rows 1 and 2
+    assert tiny_report.length_reliance(rows) == {"pairs": 3, "labels_shorter": 2 / 3, "model_shorter": 2 / 3,
+                                                 "chosen_shorter": (0.5, 2), "chosen_longer": (0.0, 1)}
+    assert tiny_report.length_reliance([rows[0]])["chosen_longer"] == (None, 0)
+    assert tiny_report.length_reliance([rows[3]]) is None and tiny_report.length_reliance([]) is None
+
+
 def test_calibration_bins_by_hand():
     bins = tiny_report.calibration_bins([0.2, -0.3, 0.7, -1.2, 1.4], width=0.5)
     # |m| 0.2, 0.3 -> bin [0, 0.5): 1 of 2 right; 0.7 -> [0.5, 1): 1 of 1; 1.2, 1.4 -> [1, 1.5): 1 of 2
@@ -159,10 +173,13 @@ def make_run(models: Path, runs: Path, with_dpo: bool) -> None:
     write(models / "reward_3" / "eval_metrics.json", {
         "eval/rm/validation/accuracy": 0.6875, "eval/rm/validation/accuracy/split/valid1": 0.1,
         "eval/rm/validation/gold_accuracy": 0.71875, "eval/rm/validation_cnndm/accuracy": 0.640625})
-    pair = lambda batch, confidence, chosen, rejected: dict(  # noqa: E731
-        batch=batch, confidence=confidence, chosen_reward=chosen, rejected_reward=rejected, accuracy=float(chosen > rejected))
+    pair = lambda batch, confidence, chosen, rejected, texts: dict(  # noqa: E731
+        batch=batch, confidence=confidence, chosen=texts[0], rejected=texts[1], chosen_reward=chosen,
+        rejected_reward=rejected, accuracy=float(chosen > rejected))
+    eos = "<|endoftext|>"  # summaries of 2 vs 3, 4 vs 2 and 2 vs 2 words
     write_csv(models / "reward_3" / "eval_validation.csv", [
-        pair("batch11", "1.0", 0.2, 0.4), pair("batch11", "9.0", 1.7, 0.1), pair("batch12", "9.0", 0.3, 0.0)])
+        pair("batch11", "1.0", 0.2, 0.4, ("a b" + eos, "a b c" + eos)), pair("batch11", "9.0", 1.7, 0.1, ("a b c d", "a b")),
+        pair("batch12", "9.0", 0.3, 0.0, ("a b", "c d"))])
     if with_dpo:
         write(models / "dpo_3" / "eval_metrics.json", {"eval/dpo/validation/accuracy": 0.65625,
                                                        "eval/dpo/validation_cnndm/accuracy": 0.59375})
@@ -215,6 +232,8 @@ def test_report_has_every_finding_and_the_figure(tmp_path):
                 "| batch11 | 0.500 (2) |", "| batch12 | 1.000 (1) |", "| 1 | 0.000 (1) |", "| 9 | 1.000 (2) |",
                 "| [0.0, 0.5) | 2 | 0.500 | 0.562 |", "| [1.5, 2.0) | 1 | 1.000 | 0.852 |",
                 "| TL;DR validation | 0.688 | 0.656 |", "| CNN/DM | 0.641 | 0.594 |",
+                # length: 2 pairs differ; the labels chose the shorter in 1, the RM prefers the longer in both
+                "| RM | 2 | 0.500 | 0.000 | 0.000 (1) | 1.000 (1) |",
                 "| base model (no training) | ROUGE-1 / 2 / L | 0.250 / 0.125 / 0.200 |",
                 "| PPO | RM score: its samples / the references | 0.312 / -0.062 |",
                 "| reward | 110 s |", "| tiny world | 1800 s |", "| **total** | **35 min 0 s** |"):
@@ -229,6 +248,7 @@ def test_report_has_every_finding_and_the_figure(tmp_path):
                 "| DPO against SFT, head to head (the gold judge) | shown, no bar | 0.375 [0.320, 0.430] | n/a |",
                 "| Fig. 4: the RM learns the labels | accuracy >= 0.70 | 0.688 | **no** |",
                 "| Fig. 4: the RM transfers to news (CNN/DM) | accuracy >= 0.60 | 0.641 | yes |",
+                "| shown, no bar | RM 0.000, labels 0.500; right 1.000 of the time where the chosen is the longer | n/a |",
                 "| its accuracy < the RM's (TL;DR validation) | DPO 0.656, RM 0.688 | yes |",
                 "| PPO above SFT in every length bucket with >= 30 of each | no bucket has 30 of each | n/a |",
                 "| shown, no bar | gold peaks at update 5 (3.000); at the last, update 10: gold -0.100, RM score 1.250 | n/a |",
@@ -237,7 +257,7 @@ def test_report_has_every_finding_and_the_figure(tmp_path):
     assert report.index("## The paper's findings here") < report.index("## Figure 1")
     saved = json.loads((models / "findings.json").read_text())
     assert saved["seed"] == 3 and [row["holds"] for row in saved["findings"]] == [
-        True, False, False, True, True, None, None, False, True, True, None, None, True]
+        True, False, False, True, True, None, None, False, True, None, True, None, None, True]
     reference_table = report.split("## Figure 1")[1].split("Head to head")[0]
     assert "not run" not in report.replace("not computed", "") and "0.800" not in reference_table
     assert report.index("Head to head against SFT") < report.index("| PPO | 0.781 |")  # its own table
@@ -284,7 +304,7 @@ def test_a_stage_that_did_not_run_reads_not_run(tmp_path):
     markdown = tiny_report.render_markdown(empty)
     glance, sections = markdown.split("## Figure 1")
     # the findings at a glance: every row but the time's (no timings.tsv) reads "not run", none holds or fails
-    assert glance.count("not run | n/a |") == 11 and "| no timings.tsv | n/a |" in glance and "yes" not in glance
+    assert glance.count("not run | n/a |") == 12 and "| no timings.tsv | n/a |" in glance and "yes" not in glance
     # win rates, what they get wrong, Fig. 8, curve, 4, 5, 6, other results
     assert sections.count("not run") == 4 + 1 + 1 + 1 + 1 + 1 + 1 + 3
     assert "Environment: not recorded" in markdown and "not computed" in markdown
