@@ -598,15 +598,13 @@ def section_rm_accuracy(art: dict) -> list:
 
 def section_length_reliance(art: dict) -> list:
     """The RM's and DPO's choices against the summaries' lengths, on TL;DR validation (`length_reliance`)."""
-    shown = [(name, length_reliance(rows)) for name, rows in (("RM", art["rm_rows"].get("validation")),
-                                                              ("DPO (implicit reward)", art["dpo_rows"].get("validation")))
-             if rows]
-    shown = [(name, reliance) for name, reliance in shown if reliance]
+    sources = (("RM", art["rm_rows"].get("validation")), ("DPO (implicit reward)", art["dpo_rows"].get("validation")))
+    shown = [(name, reliance) for name, rows in sources if rows and (reliance := length_reliance(rows))]
     if not shown:
         return []
     lines = ["", "Length: over the validation pairs whose summaries differ in words, how often the labels and the model "
-             "prefer the shorter one, and the model's accuracy split by which one the labels chose. In this world a "
-             "mistake adds words, so the labels mostly prefer the shorter summary (the real data's chosen summary is "
+             "prefer the shorter one, and the model's accuracy split by which one the labels chose. In this world most "
+             "mistakes add words, so the labels mostly prefer the shorter summary (the real data's chosen summary is "
              "slightly the longer one). A model that prefers the shorter more often than the labels do is wrong on "
              "many pairs where the chosen is the longer, and PPO learns its taste (Figure 8; words in Figure 1).", "",
              "| model | pairs | labels prefer the shorter | model prefers the shorter | accuracy, chosen the shorter "
