@@ -1,8 +1,9 @@
 """Does PPO work, and is the reward model what holds it back? ppo.py with the gold judge as its reward.
 
-The main job's PPO does not beat SFT on the tiny world (README). Two things could be at fault: PPO itself
-(the implementation, or the main job's budget of 20 updates), or the reward model PPO climbs. This script
-tells them apart, after benchmark/tiny.sh, on the tiny world, where the gold judge is the truth:
+The main job's PPO beats SFT by less than issue 15 asks, and on some worlds not at all (README). Two things
+could be at fault: PPO itself (the implementation, or the main job's budget of 20 updates), or the reward model
+PPO climbs. This script tells them apart, after benchmark/tiny.sh, on the tiny world, where the gold judge
+is the truth:
 
 - the gold reward: ppo.py, unchanged but for one function. The score of a query and its response
   (`ppo.get_score`: the RM's output at the EOS, Detail 14) becomes `tiny_world.gold_score` of the decoded post
