@@ -663,7 +663,8 @@ class Args:
     """Dropout while pretraining (Pythia pretrains without). With 0.1 copying comes late and by chance: seed 1
     recaps 69% of the facts right after 6,000 steps (seeds 2 and 3: 83% and 99%; seed 1 at one thread: 2% after
     3,000). With 0, seed 1 recaps 85% after 3,000 steps and 99% after 6,000, but its main job's PPO did worse;
-    the committed world keeps 0.1 (benchmark/README.md, "Pretraining without dropout")"""
+    the committed world keeps 0.1
+    (benchmark/results/tiny_main_job_notebook.md, "Pretraining without dropout")"""
     dropout: float = 0.1
     """Dropout of the saved model's config (Pythia's is 0): the stages must turn it off (Detail 7), and it shows"""
     recap_posts: int = 200

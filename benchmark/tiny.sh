@@ -83,7 +83,8 @@ stage "sft" python sft.py "${SFT_TINY[@]}" --output_dir "$MODELS/sft_$SEED" \
 # was not enough: 5 passes over 4,096 gave 0.648 against the labels, 1 pass over 16,384 0.648 and 3
 # passes 0.713 (world seed 1 with its 3,000-step base model; see the README for today's numbers).
 # The lr: at 1e-3 the RM overwrites what the SFT model knows and scores summaries by their form; at 3e-4
-# it keeps the SFT model's copying and learns to check a summary's names against the post (benchmark/README.md).
+# it keeps the SFT model's copying and learns to check a summary's names against the post
+# (benchmark/results/tiny_main_job_notebook.md, "The RM's lr").
 stage "reward" python reward.py --sft_model_path "$MODELS/sft_$SEED" --label_dataset "$DATA/preference" \
   --query_dataset "$DATA/sft" --output_dir "$MODELS/reward_$SEED" --seed "$SEED" --lr 3e-4 \
   --batch_size 32 --local_micro_batch_size 32 --length_groups 4 --num_train_epochs 3 --local_eval_batch_size 64 \

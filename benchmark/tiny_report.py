@@ -515,7 +515,8 @@ def section_mistakes(art: dict) -> list:
              "(- 2 for an empty summary). "
              "Invented key words are words of the world's lexicon the post does not contain (a wrong name, a fact out "
              "of nowhere, a feeling the post never states: the tiny base model never learned to restate a post's "
-             "feeling, so the models trained from it guess one; benchmark/README.md).", ""]
+             "feeling, so the models trained from it guess one; "
+             "benchmark/results/tiny_main_job_notebook.md).", ""]
     shown = [m for m in (*METHODS, "reference") if art.get("mistakes", {}).get(m)]
     if shown:
         lines += ["| summaries | coverage | invented key words | of which guessed feelings | irrelevant | "
