@@ -762,12 +762,14 @@ class StaticSampler:
     The fast path of the rollout and evaluation samplers (--fast_sampling). Every call is padded to
     `batch_size` rows and `T_q + response_length` cache columns, so the decode step has one shape
     and compiles once per process (torch.compile: inductor's C++ kernels on a CPU, CUDA graphs on
-    a GPU) and allocates nothing per step. The prefill is sample_rollout's own forward; the scores
-    of later steps agree with it up to float rounding (a fused kernel sums in another order), and
-    the tokens are the same (tests/test_ppo.py; benchmark/sampling.py checks the compiled step)."""
+    a GPU) and allocates nothing per step. The prefill is sample_rollout's first forward, run in
+    `prefill_groups` forwards of rows of similar length (prefill_by_length). The scores agree with
+    sample_rollout's up to float rounding (sums over other shapes, in another order), and the
+    tokens are the same (tests/test_ppo.py; benchmark/sampling.py checks the compiled step)."""
 
-    def __init__(self, batch_size: int, backend: Optional[str] = "inductor"):
+    def __init__(self, batch_size: int, backend: Optional[str] = "inductor", prefill_groups: int = 4):
         self.batch_size = batch_size  # rows of every decode step: a smaller batch is padded to it
+        self.prefill_groups = prefill_groups
         # torch.compile's backend; None runs the same step eagerly. (Tests use None and "aot_eager": the same
         # traced graph without inductor's 20-40 s of C++ code generation.)
         self.backend = backend
@@ -790,16 +792,14 @@ class StaticSampler:
         queries = torch.cat((queries, queries[-1:].expand(self.batch_size - rows, -1)))
         attention_mask = queries != pad_token_id
         position_ids = (attention_mask.long().cumsum(1) - 1).masked_fill(~attention_mask, 0)  # generate()'s convention
-        # The prefill is sample_rollout's (a growing cache, one forward); its keys and values are then
-        # copied into the static cache, whose unused columns the causal mask hides.
-        prefill = DynamicCache(config=model.config)
-        logits = model(input_ids=torch.masked_fill(queries, ~attention_mask, 0), attention_mask=attention_mask,
-                       position_ids=position_ids, past_key_values=prefill, use_cache=True, logits_to_keep=1).logits
+        # The prefill's keys and values are copied into the static cache, whose unused columns the causal mask hides.
+        logits, keys_values = prefill_by_length(model, torch.masked_fill(queries, ~attention_mask, 0), attention_mask,
+                                                position_ids, self.prefill_groups)
         self.cache.reset()
-        for layer_index, layer in enumerate(prefill.layers):
-            self.cache.update(layer.keys, layer.values, layer_index)
-            layer.keys = layer.values = None  # freed once copied: the two caches never all live at once
-        del prefill
+        for layer_index in range(len(keys_values)):
+            self.cache.update(*keys_values[layer_index], layer_index)
+            keys_values[layer_index] = None  # freed once copied: the two caches never all live at once
+        del keys_values
         # (B, T_q + T_resp): fixed for the whole call; a column is read only once its token is in the cache
         attention_mask = torch.cat((attention_mask, attention_mask.new_ones(self.batch_size, response_length)), 1)
         score, probs = sampling_distribution(logits[:, -1], temperature, unsampled)  # (B, V) each
@@ -829,6 +829,35 @@ class StaticSampler:
         tokens += [torch.full_like(token[:rows], eos_token_id)] * (response_length - len(tokens))
         scores += [torch.zeros_like(scores[0])] * (response_length - len(scores))
         return torch.cat((queries[:rows], torch.stack(tokens, 1)), 1), torch.stack(scores, 1)
+
+
+def prefill_by_length(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                      groups: int) -> tuple:
+    """== model(input_ids, attention_mask, position_ids, past_key_values=DynamicCache(), logits_to_keep=1): the logits
+    and every layer's keys and values, up to float rounding; the keys and values of pads are 0 where they were dropped.
+
+    (B, T_q) left-padded queries -> ((B, 1, V) logits, [(keys, values), (B, heads, T_q, head_size) each] per layer),
+    from `groups` forwards of rows sorted by length, each cut to its longest row (tests/test_ppo.py)."""
+    # Every query is left-padded to one width (pads are 31% of the tiny world's query columns, 11% at
+    # 5M): a group of rows of similar length drops the pad columns its rows share, keys that none of
+    # them reads. The outputs keep their positions (position_ids): only the float rounding changes.
+    rows, width = input_ids.shape
+    lengths = attention_mask.sum(1)  # (B,) real tokens, at the right end of each row
+    logits, keys_values = None, None
+    for group in lengths.argsort(stable=True).chunk(groups):
+        keep = max(int(lengths[group].max()), 1)  # the group's longest row: the columns width - keep ... width - 1
+        cache = DynamicCache(config=model.config)
+        group_logits = model(input_ids=input_ids[group, -keep:], attention_mask=attention_mask[group, -keep:],
+                             position_ids=position_ids[group, -keep:], past_key_values=cache, use_cache=True,
+                             logits_to_keep=1).logits  # (g, 1, V)
+        if logits is None:
+            logits = group_logits.new_empty(rows, *group_logits.shape[1:])
+            keys_values = [tuple(tensor.new_zeros(rows, tensor.size(1), width, tensor.size(3))
+                                 for tensor in (layer.keys, layer.values)) for layer in cache.layers]
+        logits[group] = group_logits
+        for (keys, values), layer in zip(keys_values, cache.layers):
+            keys[group, :, -keep:], values[group, :, -keep:] = layer.keys, layer.values
+    return logits, keys_values
 
 
 def draw_tokens(probs: torch.Tensor) -> torch.Tensor:

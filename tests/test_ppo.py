@@ -15,8 +15,8 @@ from conftest import REPO, WORLD, multi_process_slot, run_python
 from ppo import (PolicyAndValueWrapper, ScalarModel, compute_gae, compute_rewards, disable_dropout, eos_trick,
                  first_true_indices, gather_logprobs, generate, get_reward, get_score, get_values, masked_mean,
                  ppo_batch_sizes, response_outputs,
-                 mask_logits, ppo_losses, response_logits, response_logits_and_values, response_masks, response_window,
-                 sample_rollout, truncate_response, unsampled_token_ids, whiten, SetupError, StaticSampler, draw_tokens)
+                 mask_logits, ppo_losses, prefill_by_length, response_logits, response_logits_and_values, response_masks,
+                 response_window, sample_rollout, truncate_response, unsampled_token_ids, whiten, SetupError, StaticSampler, draw_tokens)
 
 EOS, PAD = 0, 1  # the tiny world's ids (data/tiny_tldr/args.json)
 
@@ -305,6 +305,41 @@ def test_static_sampler_compiled_step_draws_what_the_plain_loop_draws(tiny_tldr)
     queries = padded_queries(tiny_tldr, 4)
     assert_same_samples(StaticSampler(4, backend="aot_eager"), policy, queries[:3], 12, 0.7 + 1e-7,
                         unsampled_ids(policy), seed=4)
+
+
+@pytest.mark.parametrize("groups", [1, 3, 8])  # one forward, groups of 2-3 rows, one row a forward
+def test_prefill_by_length_equals_one_forward(tiny_tldr, groups):
+    """StaticSampler's prefill (rows sorted by length, each group cut to its longest row) = sample_rollout's one
+    forward: the last position's logits and every layer's keys and values at the real tokens, 0 at dropped pads."""
+    from transformers import DynamicCache
+
+    policy, _ = tiny_models()
+    policy.eval()
+    queries = padded_queries(tiny_tldr, 8)[torch.tensor([3, 0, 7, 5, 1, 6, 2, 4])]  # lengths out of order
+    attention_mask = queries != PAD
+    position_ids = (attention_mask.long().cumsum(1) - 1).masked_fill(~attention_mask, 0)
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    assert (~attention_mask).sum(1).min() > 0 and len(set((~attention_mask).sum(1).tolist())) > 4  # pads everywhere
+    with torch.no_grad():
+        cache = DynamicCache(config=policy.config)
+        expected = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits, keys_values = prefill_by_length(policy, input_ids, attention_mask, position_ids, groups)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert len(keys_values) == len(cache.layers)
+    real = attention_mask[:, None, :, None].expand_as(cache.layers[0].keys)  # (B, heads, T_q, head_size)
+    for (keys, values), layer in zip(keys_values, cache.layers):
+        for ours, theirs in ((keys, layer.keys), (values, layer.values)):
+            assert ours.shape == theirs.shape
+            torch.testing.assert_close(ours[real], theirs[real], rtol=1e-5, atol=1e-5)
+    # A group drops the pad columns its rows share: only pads, and at least those of the longest row (every row's).
+    longest = attention_mask.sum(1).argmax()
+    dropped = keys_values[0][0][:, 0].eq(0).all(-1)  # (B, T_q): columns left at 0
+    assert not (dropped & attention_mask).any() and (dropped >= ~attention_mask[longest]).all()
+    if groups == 8:  # one row a forward: each row's own pads
+        assert torch.equal(dropped, ~attention_mask)
+    if groups == 1:  # one forward: only the pads every row has
+        assert torch.equal(dropped, (~attention_mask[longest]).expand_as(dropped))
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])  # the last-layer shortcut, and the plain fallback
