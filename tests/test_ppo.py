@@ -16,7 +16,8 @@ from ppo import (PolicyAndValueWrapper, ScalarModel, compute_gae, compute_reward
                  first_true_indices, gather_logprobs, generate, get_reward, get_score, get_values, masked_mean,
                  ppo_batch_sizes, response_outputs,
                  mask_logits, ppo_losses, prefill_by_length, response_logits, response_logits_and_values, response_masks,
-                 response_window, sample_rollout, truncate_response, unsampled_token_ids, whiten, SetupError, StaticSampler, draw_tokens)
+                 response_window, sample_rollout, truncate_response, unsampled_token_ids, whiten, SetupError,
+                 StaticSampler, draw_tokens)
 
 EOS, PAD = 0, 1  # the tiny world's ids (data/tiny_tldr/args.json)
 
