@@ -308,6 +308,31 @@ def test_static_sampler_compiled_step_draws_what_the_plain_loop_draws(tiny_tldr)
                         unsampled_ids(policy), seed=4)
 
 
+def test_static_sampler_frees_its_cache_after_compiling(tiny_tldr):
+    """A call that compiles the step leaves no static cache alive once it returns, even where Python's cyclic
+    collector has not run (dynamo's tracing objects hold the call's cache in reference cycles); a call of a new
+    shape compiles again and frees its cache too."""
+    import gc
+
+    from transformers import StaticCache
+
+    policy, _ = tiny_models(early_eos=True)
+    policy.eval()
+    queries = padded_queries(tiny_tldr, 4)
+    sampler = StaticSampler(4, backend="aot_eager")
+    gc.collect()
+    gc.disable()  # what a long run sees between two runs of the collector
+    try:
+        for length in (12, 12, 7):  # compiles, reuses the compiled step, compiles for a new cache length
+            with torch.no_grad():
+                sampler(policy, queries[:3], PAD, EOS, length, 0.7 + 1e-7, unsampled_ids(policy))
+            alive = [o for o in gc.get_objects() if isinstance(o, StaticCache)]
+            assert alive == [], f"{len(alive)} static cache(s) alive after a call of {length} steps"
+    finally:
+        gc.enable()
+    assert sampler.shapes == {(queries.shape[1], 12), (queries.shape[1], 7)}
+
+
 @pytest.mark.parametrize("groups", [1, 3, 8])  # one forward, groups of 2-3 rows, one row a forward
 def test_prefill_by_length_equals_one_forward(tiny_tldr, groups):
     """StaticSampler's prefill (rows sorted by length, each group cut to its longest row) = sample_rollout's one
