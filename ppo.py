@@ -829,7 +829,7 @@ class StaticSampler:
         if (context_length, response_length) not in self.shapes:
             self.shapes.add((context_length, response_length))
             # A call that compiled leaves dynamo's tracing objects in reference cycles, and they hold this call's
-            # cache (90 MB at issue 17's 5M configuration) until Python's cyclic collector happens to run: often
+            # cache (90 MiB at issue 17's 5M configuration) until Python's cyclic collector happens to run: often
             # not before the PPO epochs, whose peak memory it then raises. Collected once per shape.
             gc.collect()
         for _ in range(response_length - len(tokens)):  # the skipped steps' draws, as in sample_rollout
