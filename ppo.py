@@ -497,9 +497,8 @@ def main() -> None:
         values = batch["values"].masked_fill(value_padding_mask, 0.0)
 
         # 4. Per-token rewards: -kl_coef * (logp - ref_logp) everywhere, plus the score on the EOS.
-        rewards, kl, non_score_reward = compute_rewards(batch["logprobs"], batch["ref_logprobs"], scores,
-                                                        sequence_lengths, padding_mask, args.kl_coef,
-                                                        args.score_after_eos)
+        rewards, kl, non_score_reward = compute_rewards(batch["logprobs"], batch["ref_logprobs"], scores, sequence_lengths,
+                                                        padding_mask, args.kl_coef, args.score_after_eos)
         sum_over_processes = lambda tensor: accelerator.reduce(tensor, reduction="sum")  # noqa: E731
         if args.whiten_rewards:
             # Detail 24: Reward whitening is optional
