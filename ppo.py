@@ -156,6 +156,8 @@ class Args:
     """Minibatches per PPO epoch, one optimizer step each (Detail 20; paper: 1)"""
     local_micro_batch_size: int = 1
     """Episodes per training forward pass per rank"""
+    length_groups: int = 1
+    """Speed only: a training micro-batch's rows sorted by query length into this many forwards, each as wide as its longest query (1: one forward)"""
     local_rollout_forward_batch_size: int = 64
     """Prompts per generate call and per no-grad forward per rank (memory only)"""
     local_eval_batch_size: int = 4
@@ -308,11 +310,10 @@ def ppo_losses(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     pg_loss = masked_mean(torch.max(pg_losses1, pg_losses2), token_mask)
-    return {"pg_loss": pg_loss, "vf_loss": vf_loss,
+    return {"pg_loss": pg_loss, "vf_loss": vf_loss, "approxkl": 0.5 * masked_mean(log_ratio ** 2, token_mask),
+            "ratio": masked_mean(ratio, token_mask), "ratio_max_deviation": ((ratio - 1).abs() * token_mask).max(),
             "pg_clipfrac": masked_mean((pg_losses2 > pg_losses1).float(), token_mask),
-            "vf_clipfrac": masked_mean((vf_losses2 > vf_losses1).float(), value_mask),
-            "approxkl": 0.5 * masked_mean(log_ratio ** 2, token_mask), "ratio": masked_mean(ratio, token_mask),
-            "ratio_max_deviation": ((ratio - 1).abs() * token_mask).max()}
+            "vf_clipfrac": masked_mean((vf_losses2 > vf_losses1).float(), value_mask)}
 
 
 def rollout(args, policy, ref_policy, critic, reward_model, queries: torch.Tensor, sample, pad_token_id: int,
@@ -366,8 +367,8 @@ def ppo_epochs(accelerator, model, optimizer, args, batch: dict, context_length:
                 n = trained_width(batch["sequence_lengths"][mb], responses.size(1), args.score_after_eos)
                 with accelerator.accumulate(model):
                     # (micro, n, V), (micro, n): the first n columns of logits[:, context_length - 1 : -1] and values
-                    logits, vpred = response_logits_and_values(model, batch["query_responses"][mb], pad_token_id,
-                                                               context_length, n)
+                    logits, vpred = response_logits_and_values_by_length(model, batch["query_responses"][mb],
+                                                                         pad_token_id, context_length, n, args.length_groups)
                     logits = mask_logits(logits / temperature, unsampled)  # as sampled: same T, same support
                     # Back to (micro, T_resp): the masked positions take the rollout's values (ratio 1, no loss).
                     new_logprobs = torch.cat((gather_logprobs(logits, responses[mb, :n]), logprobs[mb, n:]), 1)
@@ -525,9 +526,8 @@ def main() -> None:
         mean_kl, mean_non_score = kl.sum(1).mean(), non_score_reward.sum(1).mean()
         stats = {"objective/kl": mean_kl, "objective/entropy": (batch["entropy"] * valid).sum(1).mean(),
                  "objective/non_score_reward": mean_non_score, "objective/scores": scores.mean(),
-                 "objective/rlhf_reward": scores.mean() + mean_non_score,
-                 "objective/eos_fraction": contains_eos.float().mean(),
-                 "objective/response_length": valid.sum(1).mean(), **ppo_stats}
+                 "objective/rlhf_reward": scores.mean() + mean_non_score, "objective/response_length": valid.sum(1).mean(),
+                 "objective/eos_fraction": contains_eos.float().mean(), **ppo_stats}
         means = {key: value.item() for key, value in accelerator.reduce(stats, reduction="mean").items()}
         episode = (update + 1) * args.batch_size
         timings = {"time/generation": generation_time, "time/scoring": scoring_time, "time/training": training_time,
@@ -630,6 +630,26 @@ def response_logits_and_values(model, query_responses: torch.Tensor, pad_token_i
                                                               num_outputs)
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                  num_outputs=num_outputs)
+
+
+def response_logits_and_values_by_length(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int,
+                                         num_outputs: int, groups: int) -> tuple:
+    """== response_logits_and_values(model, query_responses, pad_token_id, context_length, num_outputs), the rows
+    in `groups` forwards sorted by query length.
+
+    Speed only (tests/test_ppo.py checks the equality): a forward is as wide as its longest query, so
+    the rows are sorted by query length and split into `groups` forwards, each dropping the left pads
+    its rows share. Each row's logits and value are its own whatever its neighbours; only the float
+    rounding of sums over a shorter row changes. The tiny world's micro-batches of 16: 2 groups hold
+    11% fewer token columns, 20% fewer attention scores."""
+    if groups == 1:  # one forward: nothing to sort
+        return response_logits_and_values(model, query_responses, pad_token_id, context_length, num_outputs)
+    lengths = (query_responses[:, :context_length] != pad_token_id).sum(1)  # (B,) query tokens of each row
+    order = lengths.argsort(stable=True)  # (B,) shortest first
+    parts = [response_logits_and_values(model, query_responses[rows], pad_token_id, context_length, num_outputs)
+             for rows in order.chunk(groups)]
+    unsort = order.argsort()  # (B,): where each row went
+    return tuple(torch.cat(side)[unsort] for side in zip(*parts))
 
 
 class PolicyAndValueWrapper(torch.nn.Module):
@@ -1121,6 +1141,7 @@ def ppo_flag_problems(args: Args, world_size: int) -> list:
         "eval_every": AT_LEAST_0, "num_eval_samples": NONE_OR_AT_LEAST_0, "response_length": AT_LEAST_1,
         "temperature": POSITIVE, "eval_temperature": POSITIVE, "lr": POSITIVE, "eps": POSITIVE,
         "weight_decay": NON_NEGATIVE, "local_rollout_forward_batch_size": AT_LEAST_1, "local_eval_batch_size": AT_LEAST_1,
+        "length_groups": AT_LEAST_1,
         "num_ppo_epochs": AT_LEAST_1, "kl_coef": NON_NEGATIVE, "gamma": unit, "lam": unit, "cliprange": POSITIVE,
         "cliprange_value": POSITIVE, "vf_coef": NON_NEGATIVE,
         "penalty_reward_value": (math.isfinite, "a finite number")})

@@ -136,7 +136,7 @@ def run_ours(args, workdir: str, index: int, fast: bool = True) -> tuple:
                "--num_minibatches", str(args.num_minibatches), "--num_ppo_epochs", str(args.num_ppo_epochs),
                "--response_length", str(args.response_length), "--temperature", str(args.temperature),
                "--kl_coef", str(args.kl_coef), "--lr", str(args.lr), "--num_eval_samples", "0",
-               "--fast_sampling" if fast else "--no-fast_sampling"]
+               "--length_groups", str(args.length_groups), "--fast_sampling" if fast else "--no-fast_sampling"]
     _, memory, update_peak, update_start = execute(command, workdir, args.updates)
     events = EventAccumulator(os.path.join(workdir, "runs", run_name))
     events.Reload()
@@ -188,6 +188,8 @@ def parse_args() -> tuple:
     parser.add_argument("--updates", type=int, default=4, help="updates per run; the first is warm-up, not timed")
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--local_micro_batch_size", type=int, default=16)
+    parser.add_argument("--length_groups", type=int, default=1,
+                        help="ppo.py's --length_groups on both of its sides (speed only; TRL has no such option)")
     parser.add_argument("--local_rollout_forward_batch_size", type=int, default=64)
     parser.add_argument("--num_minibatches", type=int, default=1)
     parser.add_argument("--num_ppo_epochs", type=int, default=4)
@@ -307,7 +309,8 @@ def render_report(args: argparse.Namespace, flags: list, label: str, flops: dict
         f"# PPO throughput: ppo.py vs TRL 1.12.0 PPOTrainer, {args.config} ({started})",
         "",
         f"{label}, fp32 on CPU, OMP_NUM_THREADS={threads} on both sides; "
-        f"batch {args.batch_size}, micro batch {args.local_micro_batch_size}, rollout chunk "
+        f"batch {args.batch_size}, micro batch {args.local_micro_batch_size} (ppo.py in {args.length_groups} length "
+        f"group(s) a micro-batch), rollout chunk "
         f"{args.local_rollout_forward_batch_size}, {args.num_minibatches} minibatch(es), {args.num_ppo_epochs} PPO "
         f"epochs, {args.response_length} response tokens, T {args.temperature}, kl coef {args.kl_coef}. "
         f"{args.rounds} rounds of {', '.join(args.sides)} in turn, {args.updates} updates per run, the first not "

@@ -396,6 +396,47 @@ def test_windowed_training_forward_equals_full_forward(tiny_tldr, attention):
     torch.testing.assert_close(values, full_values, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("groups", [2, 3, 8])
+def test_training_forward_by_length_equals_one_forward(tiny_tldr, monkeypatch, groups):
+    """response_logits_and_values_by_length (--length_groups: the micro-batch's rows sorted by query length, in
+    `groups` forwards of unequal sizes, more groups than rows) gives every row the logits and value, and the loss
+    the gradient, of one forward (response_logits_and_values), from forwards narrower than the one."""
+    import ppo
+
+    policy, critic = tiny_models()
+    model = PolicyAndValueWrapper(policy, critic)
+    queries = padded_queries(tiny_tldr, 40)[torch.tensor([20, 0, 39, 10, 30, 5])]  # the shortest second, the longest third
+    lengths = (queries != PAD).sum(1)
+    assert not torch.equal(lengths.sort().values, lengths)  # the rows move when sorted
+    context, n = queries.shape[1], 7  # response positions 0 ... 6 of 9 trained
+    torch.manual_seed(4)
+    responses = torch.randint(2, 200, (6, 9))
+    responses[2, 3], responses[2, 4:] = EOS, PAD
+    query_responses = torch.cat((queries, responses), 1)
+    widths = []
+    one_forward = ppo.response_logits_and_values
+
+    def recorded(model, query_responses, *args):
+        widths.append(response_window(query_responses, PAD, context, n)[0].shape[1])
+        return one_forward(model, query_responses, *args)
+
+    def outputs_and_gradient(logits, values):
+        loss = torch.log_softmax(logits, -1)[..., 5].mean() + values.square().mean()
+        grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+        return logits.detach(), values.detach(), torch.cat([g.flatten() for g in grads])
+
+    one = outputs_and_gradient(*one_forward(model, query_responses, PAD, context, n))  # (6, n, V), (6, n), (P,)
+    monkeypatch.setattr(ppo, "response_logits_and_values", recorded)
+    grouped = outputs_and_gradient(*ppo.response_logits_and_values_by_length(model, query_responses, PAD, context, n,
+                                                                             groups))
+    full_width = response_window(query_responses, PAD, context, n)[0].shape[1]
+    assert len(widths) == min(groups, 6) and max(widths) == full_width and min(widths) < full_width
+    assert one[1].std(0).min() > 1e-3  # every position's values differ between rows: a row out of place would show
+    torch.testing.assert_close(grouped[0], one[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grouped[1], one[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grouped[2], one[2], rtol=1e-4, atol=1e-5)
+
+
 def test_reference_forward_and_values_equal_the_full_forward(tiny_tldr):
     """The rollout's reference forward (response_logits: the response window only) = the full forward's
     logits[:, context_length - 1 : -1]; get_values = the critic's per-token outputs at the same positions."""
@@ -541,7 +582,8 @@ def test_prompt_order_reshuffles_at_each_pass():
 
 
 def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
-    """2 CPU processes (DDP, gloo): global whitening, one shared prompt order, eval rows back in split order."""
+    """2 CPU processes (DDP, gloo): global whitening, one shared prompt order, eval rows back in split order, and
+    --length_groups (2 forwards of a micro-batch before its backward)."""
     import socket
 
     import datasets
@@ -558,7 +600,8 @@ def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
            "--sft_model_path", str(WORLD / "pythia-tiny"), "--reward_model_path", str(tmp_path / "rm"),
            "--output_dir", str(tmp_path / "ppo"), "--run_name", "ppo_two", "--total_episodes", "32",
            "--batch_size", "16", "--local_micro_batch_size", "4", "--local_rollout_forward_batch_size", "8",
-           "--response_length", "16", "--num_eval_samples", "10", "--local_eval_batch_size", "4", "--whiten_rewards"]
+           "--response_length", "16", "--num_eval_samples", "10", "--local_eval_batch_size", "4", "--whiten_rewards",
+           "--length_groups", "2"]  # a micro-batch in 2 forwards before its backward: DDP syncs its gradient once
     with multi_process_slot(2):
         result = run_python(cmd, cwd=tmp_path, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -594,7 +637,7 @@ def test_deepspeed_offload_matches_deepspeed(tiny_tldr, tmp_path):
                "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / name), "--run_name", name,
                "--total_episodes", "16", "--batch_size", "16", "--local_micro_batch_size", "4",
                "--local_rollout_forward_batch_size", "8", "--response_length", "16", "--num_eval_samples", "5",
-               "--local_eval_batch_size", "2", "--lr", "1e-3", *extra]
+               "--local_eval_batch_size", "2", "--lr", "1e-3", "--length_groups", "2", *extra]  # 2 forwards, 1 backward
         # 5 eval rows on 2 ranks in batches of 2: rank 0 has 3 rows (2 batches), rank 1 two (1 batch). The
         # ZeRO-3 engines gather parameters in every forward, so unequal batch counts would hang here.
         with multi_process_slot(2):
