@@ -601,7 +601,7 @@ def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
            "--output_dir", str(tmp_path / "ppo"), "--run_name", "ppo_two", "--total_episodes", "32",
            "--batch_size", "16", "--local_micro_batch_size", "4", "--local_rollout_forward_batch_size", "8",
            "--response_length", "16", "--num_eval_samples", "10", "--local_eval_batch_size", "4", "--whiten_rewards",
-           "--length_groups", "2"]  # a micro-batch in 2 forwards before its backward: DDP syncs its gradient once
+           "--length_groups", "2"]  # 2 forwards of a micro-batch before its one backward, under DDP
     with multi_process_slot(2):
         result = run_python(cmd, cwd=tmp_path, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
