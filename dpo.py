@@ -1217,11 +1217,22 @@ def load_weights_only(path: str, map_location=None):
     """torch.load(`path`) building only tensors, plain containers and the 4 data-only DeepSpeed classes its files hold."""
     # DeepSpeed's own loader calls torch.load(weights_only=False): a pickle planted in a checkpoint would
     # run its code on --resume. Its ZeRO-1/2 files hold, besides tensors and containers, these classes.
+    import pickle
+
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+    def zero_stage_by_name(enum, name: str):
+        """getattr(ZeroStageEnum, name) for a member's name, and nothing else getattr could reach."""
+        # Python 3.11.2 (Debian 12's python3) pickles an Enum member as getattr(its class, its name), 3.11.7 by
+        # value. Allowing getattr itself would hand a planted file every attribute of every allowed class.
+        if enum is not ZeroStageEnum or name not in ZeroStageEnum.__members__:
+            raise pickle.UnpicklingError(f"{path}: getattr({enum!r}, {name!r}) is not a ZeroStageEnum member")
+        return ZeroStageEnum[name]
+
+    allowed = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, (zero_stage_by_name, "builtins.getattr")]
+    with torch.serialization.safe_globals(allowed):
         return torch.load(path, map_location=map_location, weights_only=True)
 
 

@@ -2,7 +2,8 @@
 (+ JSON for the optimizer's settings), the scheduler, counters and python / numpy RNG states as JSON
 and torch's RNG states as safetensors; files of any other name are never opened. Under DeepSpeed,
 its own files (torch.save) are read with torch.load(weights_only=True), which builds tensors,
-containers and 4 data-only DeepSpeed classes, and refuses anything else.
+containers and 4 data-only DeepSpeed classes (and ZeroStageEnum members pickled by name, as getattr), and
+refuses anything else.
 
 A planted payload creates a marker folder when unpickled; no resume may create it. sft.py stands for
 the four stages (they share these helpers, test_conventions.py keeps them identical).
@@ -102,6 +103,36 @@ def test_deepspeed_files_are_read_weights_only(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         sft.load_weights_only(str(tmp_path / "model_states.pt"))
     assert not (tmp_path / "marker").exists()
+
+
+class PickledByName:
+    """Pickles as getattr(owner, name): how Python 3.11.2 (Debian 12's python3) pickles any Enum member."""
+
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
+
+
+def test_deepspeed_enum_pickled_by_name_loads_and_getattr_reaches_nothing_else(tmp_path):
+    """A ZeRO file written by a Python that pickles ZeroStageEnum.gradients as getattr(ZeroStageEnum, "gradients")
+    loads; getattr on anything but a ZeroStageEnum member's name is refused, and no payload runs."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    torch.save({"optimizer_state_dict": {"zero_stage": PickledByName(ZeroStageEnum, "gradients")}},
+               tmp_path / "optim_states.pt")
+    assert b"getattr" in (tmp_path / "optim_states.pt").read_bytes()  # the old form really is in the file
+    loaded = sft.load_weights_only(str(tmp_path / "optim_states.pt"))
+    assert loaded["optimizer_state_dict"]["zero_stage"] is ZeroStageEnum.gradients
+    for owner, name in [(ZeroStageEnum, "__class__"), (ZeroStageEnum, "_missing_"), (LossScaler, "__init__"),
+                        (torch.Tensor, "__reduce_ex__")]:
+        torch.save({"module": {"w": torch.ones(2)}, "extra": PickledByName(owner, name),
+                    "after": Payload(tmp_path / "marker")}, tmp_path / "model_states.pt")
+        with pytest.raises(pickle.UnpicklingError):
+            sft.load_weights_only(str(tmp_path / "model_states.pt"))
+        assert not (tmp_path / "marker").exists()
 
 
 def test_deepspeed_resume_reads_its_files_weights_only(reference, tiny_tldr, tmp_path):
