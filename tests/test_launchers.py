@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -309,19 +310,21 @@ def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
 
 
 def test_a_training_task_stops_at_once_on_a_node_without_cuda(tmp_path):
-    """This machine's torch is a CPU build: a training task says so and never reaches srun; the GPU-free
-    stages (preprocess, judge) still run."""
+    """This machine has no GPU: a training task says so, naming its torch's CUDA build (none for CI's CPU build;
+    pip gives a CUDA build on Pythons without a CPU wheel here), and never reaches srun; the GPU-free stages
+    (preprocess, judge) still run."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "srun: $*"\n')
     (bin_dir / "srun").chmod(0o755)
-    python_dir = Path(sys.executable).parent  # the test's own python, with its CPU torch
+    python_dir = Path(sys.executable).parent  # the test's own python and torch
+    build = torch.version.cuda or "none, a CPU-only torch"
     env = {"PATH": f"{bin_dir}:{python_dir}:{os.environ['PATH']}", "OUT_ROOT": str(tmp_path / "models"),
            "SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "0", "SLURM_SUBMIT_DIR": str(REPO)}
     for stage in ("sft", "reward", "dpo", "ppo"):
         result = bash(str(SLURM / f"{stage}.sbatch"), env=env)
         assert result.returncode != 0 and "srun:" not in result.stdout, result.stdout
-        assert "sees no CUDA GPU (CUDA build: none, a CPU-only torch" in result.stderr, result.stderr
+        assert f"sees no CUDA GPU (CUDA build: {build}" in result.stderr, result.stderr
         assert "Nothing was started" in result.stderr
     result = bash(str(SLURM / "preprocess.sbatch"), env=env)
     assert result.returncode == 0 and "srun: python preprocess_tldr.py" in result.stdout, result.stderr
