@@ -19,12 +19,19 @@ MODELS=${MODELS:-models/tiny}     # trained models, judge results, timings.tsv, 
 TIMINGS=$MODELS/timings.tsv       # one `stage<TAB>seconds` row per stage, for the report
 mkdir -p "$MODELS" && printf 'stage\tseconds\n' > "$TIMINGS"
 
-# The thread count changes the numbers, not only the time (floating-point sums in another order):
-# record it with the versions, for the report.
+# The thread count and the CPU change the numbers, not only the time (floating-point sums in another
+# order; torch picks its kernels by the CPU's vector instructions): record them with the versions, for the report.
 python -c "
 import json, os, platform, torch, transformers, accelerate, datasets
+try:  # Linux: the first processor's entry, e.g. 'AMD EPYC (family 25, model 17)'
+    cpu = dict(line.split(':', 1) for line in open('/proc/cpuinfo').read().split(chr(10) * 2)[0].splitlines() if ':' in line)
+    cpu = {key.strip(): value.strip() for key, value in cpu.items()}
+    cpu = f\"{cpu['model name']} (family {cpu['cpu family']}, model {cpu['model']})\"
+except (OSError, KeyError, ValueError):
+    cpu = platform.processor() or platform.machine()
 print(json.dumps({'torch_threads': torch.get_num_threads(), 'omp_num_threads': os.environ.get('OMP_NUM_THREADS'),
-                  'cpu_count': os.cpu_count(), 'python': platform.python_version(),
+                  'cpu_count': os.cpu_count(), 'cpu': cpu, 'cpu_capability': torch.backends.cpu.get_cpu_capability(),
+                  'python': platform.python_version(),
                   'versions': {m.__name__: m.__version__ for m in (torch, transformers, accelerate, datasets)}}))
 " > "$MODELS/environment.json"
 

@@ -454,9 +454,12 @@ def environment_line(env: Optional[dict]) -> str:
     if env is None:
         return "Environment: not recorded (no environment.json)."
     versions = ", ".join(f"{name} {version}" for name, version in env.get("versions", {}).items())
+    # The CPU too: torch picks its kernels by the CPU's vector instructions (AVX2, AVX512, ...), and the same
+    # run gives other numbers on another CPU (recorded since 2026-11-27; older runs have no "cpu").
+    cpu = f" ({env['cpu']}; torch kernels for {env.get('cpu_capability')})" if env.get("cpu") else ""
     return (f"Environment: **{env.get('torch_threads')} torch threads** (OMP_NUM_THREADS="
-            f"{env.get('omp_num_threads') or 'unset'}), {env.get('cpu_count')} CPU cores, {versions}. "
-            "The thread count changes the numbers (floating-point sums in another order), not only the time.")
+            f"{env.get('omp_num_threads') or 'unset'}), {env.get('cpu_count')} CPU cores{cpu}, {versions}. "
+            "The thread count and the CPU change the numbers (floating-point sums in another order), not only the time.")
 
 
 def render_markdown(art: dict) -> str:

@@ -203,6 +203,28 @@ def make_run(models: Path, runs: Path, with_dpo: bool) -> None:
     write(models / "timings.tsv", "stage\tseconds\ntiny world\t1800\npreprocess\t29\nsft\t97\nreward\t110\nppo\t64\n")
 
 
+def test_environment_line_names_the_cpu_when_recorded():
+    # The CPU changes the numbers as the thread count does (torch's kernels follow its vector instructions):
+    # a run that recorded it says so; an older environment.json without it reads as before.
+    env = {"torch_threads": 2, "omp_num_threads": None, "cpu_count": 2, "versions": {"torch": "2.13.0"}}
+    assert tiny_report.environment_line(env).startswith(
+        "Environment: **2 torch threads** (OMP_NUM_THREADS=unset), 2 CPU cores, torch 2.13.0. ")
+    line = tiny_report.environment_line({**env, "cpu": "AMD EPYC (family 25, model 17)", "cpu_capability": "AVX512"})
+    assert "2 CPU cores (AMD EPYC (family 25, model 17); torch kernels for AVX512), torch 2.13.0. " in line
+    assert "The thread count and the CPU change the numbers" in line
+
+
+def test_tiny_sh_records_the_cpu_it_ran_on(tmp_path):
+    # tiny.sh's own environment snippet, run as it is: the keys the report reads are there.
+    script = (REPO / "benchmark" / "tiny.sh").read_text()
+    snippet = script[script.index('python -c "\nimport json'):script.index('> "$MODELS/environment.json"')]
+    result = run_python(["bash", "-c", snippet.replace("python", sys.executable, 1)], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    env = json.loads(result.stdout)
+    assert env["cpu"] and env["cpu_capability"] in ("DEFAULT", "AVX2", "AVX512", "ZVECTOR", "VSX", "SVE256", "NEON")
+    assert env["torch_threads"] >= 1 and "torch" in env["versions"]
+
+
 def test_report_has_every_finding_and_the_figure(tmp_path):
     models, world, runs = tmp_path / "models", tmp_path / "world", tmp_path / "runs"
     make_run(models, runs, with_dpo=True)
