@@ -58,7 +58,18 @@ def comparison_table(runs: list) -> str:
         judged = [row["holds"] for row in rows if row is not None and row["holds"] is not None]
         count = f"{sum(judged)} of {len(judged)}" if judged else "n/a"
         lines.append(f"| {finding} | {bar} | " + " | ".join(cells) + f" | {count} |")
+    # Where each run ran: the thread count and the CPU change the numbers, so runs compare best on one machine.
+    lines.append("| where it ran (threads; CPU) | the same for every run | " + " | ".join(
+        environment_cell(card.get("environment")) for _, card in runs) + " | n/a |")
     return "\n".join(lines) + "\n"
+
+
+def environment_cell(env: Optional[dict]) -> str:
+    """'2 threads; AMD EPYC (family 25, model 17), AVX512', or why it is unknown."""
+    if not env:
+        return "not recorded"
+    cpu = f"{env['cpu']}, {env.get('cpu_capability')}" if env.get("cpu") else "CPU not recorded"
+    return f"{env.get('torch_threads')} threads; {cpu}"
 
 
 if __name__ == "__main__":

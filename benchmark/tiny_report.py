@@ -886,7 +886,8 @@ if __name__ == "__main__":
     with open(os.path.join(args.models, "report.md"), "w") as file:
         file.write(markdown)
     with open(os.path.join(args.models, "findings.json"), "w") as file:  # the checklist, to compare worlds
-        json.dump({"seed": args.seed, "world": args.world, "findings": findings(artifacts)}, file, indent=1)
+        json.dump({"seed": args.seed, "world": args.world, "environment": artifacts["environment"],
+                   "findings": findings(artifacts)}, file, indent=1)
     plot_report(artifacts, os.path.join(args.models, "report.png"))
     if artifacts["tokens"]:
         plot_tokens(artifacts["tokens"], os.path.join(args.models, "report_tokens.png"))

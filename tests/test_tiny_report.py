@@ -278,6 +278,7 @@ def test_report_has_every_finding_and_the_figure(tmp_path):
         assert row in report, row
     assert report.index("## The paper's findings here") < report.index("## Figure 1")
     saved = json.loads((models / "findings.json").read_text())
+    assert saved["environment"]["torch_threads"] == 2  # for compare_worlds.py's row of where each run ran
     assert saved["seed"] == 3 and [row["holds"] for row in saved["findings"]] == [
         True, False, False, True, True, None, None, False, True, None, True, None, None, True]
     reference_table = report.split("## Figure 1")[1].split("Head to head")[0]
@@ -291,8 +292,10 @@ def test_report_has_every_finding_and_the_figure(tmp_path):
 def test_compare_worlds_puts_the_findings_side_by_side(tmp_path):
     """benchmark/compare_worlds.py: each run's findings.json in a column, the worlds where a finding holds counted;
     a folder without findings.json stops it with the command that writes one."""
+    environments = {1: {"torch_threads": 2, "cpu": "AMD EPYC (family 25, model 17)", "cpu_capability": "AVX512"},
+                    2: None}  # seed 2: a report from before the environment was recorded
     for seed, holds in ((1, [True, False]), (2, [True, True])):
-        write(tmp_path / f"m{seed}" / "findings.json", {"seed": seed, "world": "w", "findings": [
+        write(tmp_path / f"m{seed}" / "findings.json", {"seed": seed, "world": "w", "environment": environments[seed], "findings": [
             {"finding": "Fig. 1: SFT loses", "bar": "in [0.10, 0.45]", "measured": f"0.3{seed}", "holds": holds[0]},
             {"finding": "Fig. 6: DPO weaker", "bar": "below the RM", "measured": f"DPO 0.7{seed}", "holds": holds[1]}]})
     out = tmp_path / "worlds.md"
@@ -303,6 +306,8 @@ def test_compare_worlds_puts_the_findings_side_by_side(tmp_path):
     assert f"| finding | bar | seed 1 ({tmp_path / 'm1'}) | seed 2 ({tmp_path / 'm2'}) | holds in |" in table
     assert "| Fig. 1: SFT loses | in [0.10, 0.45] | yes: 0.31 | yes: 0.32 | 2 of 2 |" in table
     assert "| Fig. 6: DPO weaker | below the RM | **no**: DPO 0.71 | yes: DPO 0.72 | 1 of 2 |" in table
+    assert ("| where it ran (threads; CPU) | the same for every run | 2 threads; AMD EPYC (family 25, model 17), AVX512 "
+            "| not recorded | n/a |") in table
     missing = run_python(command + [str(tmp_path / "m3")], timeout=120)
     assert missing.returncode == 1 and "m3/findings.json: not found" in missing.stderr
     assert "python benchmark/tiny_report.py --models" in missing.stderr
