@@ -59,7 +59,7 @@ def comparison_table(runs: list) -> str:
         count = f"{sum(judged)} of {len(judged)}" if judged else "n/a"
         lines.append(f"| {finding} | {bar} | " + " | ".join(cells) + f" | {count} |")
     # Where each run ran: the thread count and the CPU change the numbers, so runs compare best on one machine.
-    lines.append("| where it ran (threads; CPU) | the same for every run | " + " | ".join(
+    lines.append("| where it ran (threads; CPU) | shown, no bar | " + " | ".join(
         environment_cell(card.get("environment")) for _, card in runs) + " | n/a |")
     return "\n".join(lines) + "\n"
 

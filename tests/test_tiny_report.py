@@ -295,9 +295,10 @@ def test_compare_worlds_puts_the_findings_side_by_side(tmp_path):
     environments = {1: {"torch_threads": 2, "cpu": "AMD EPYC (family 25, model 17)", "cpu_capability": "AVX512"},
                     2: None}  # seed 2: a report from before the environment was recorded
     for seed, holds in ((1, [True, False]), (2, [True, True])):
-        write(tmp_path / f"m{seed}" / "findings.json", {"seed": seed, "world": "w", "environment": environments[seed], "findings": [
-            {"finding": "Fig. 1: SFT loses", "bar": "in [0.10, 0.45]", "measured": f"0.3{seed}", "holds": holds[0]},
-            {"finding": "Fig. 6: DPO weaker", "bar": "below the RM", "measured": f"DPO 0.7{seed}", "holds": holds[1]}]})
+        rows = [{"finding": "Fig. 1: SFT loses", "bar": "in [0.10, 0.45]", "measured": f"0.3{seed}", "holds": holds[0]},
+                {"finding": "Fig. 6: DPO weaker", "bar": "below the RM", "measured": f"DPO 0.7{seed}", "holds": holds[1]}]
+        write(tmp_path / f"m{seed}" / "findings.json",
+              {"seed": seed, "world": "w", "environment": environments[seed], "findings": rows})
     out = tmp_path / "worlds.md"
     command = [sys.executable, str(REPO / "benchmark" / "compare_worlds.py"), str(tmp_path / "m1"), str(tmp_path / "m2")]
     result = run_python(command + ["--out", str(out)], timeout=120)
@@ -306,7 +307,7 @@ def test_compare_worlds_puts_the_findings_side_by_side(tmp_path):
     assert f"| finding | bar | seed 1 ({tmp_path / 'm1'}) | seed 2 ({tmp_path / 'm2'}) | holds in |" in table
     assert "| Fig. 1: SFT loses | in [0.10, 0.45] | yes: 0.31 | yes: 0.32 | 2 of 2 |" in table
     assert "| Fig. 6: DPO weaker | below the RM | **no**: DPO 0.71 | yes: DPO 0.72 | 1 of 2 |" in table
-    assert ("| where it ran (threads; CPU) | the same for every run | 2 threads; AMD EPYC (family 25, model 17), AVX512 "
+    assert ("| where it ran (threads; CPU) | shown, no bar | 2 threads; AMD EPYC (family 25, model 17), AVX512 "
             "| not recorded | n/a |") in table
     missing = run_python(command + [str(tmp_path / "m3")], timeout=120)
     assert missing.returncode == 1 and "m3/findings.json: not found" in missing.stderr
