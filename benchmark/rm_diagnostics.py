@@ -282,8 +282,21 @@ def report_lines(found: dict, args: argparse.Namespace, posts: int, sft_path: st
     return lines + [f"| {names[key]} | {mean(values):.3f} |" for key, values in probes.items()]
 
 
+def input_problems(args) -> list:
+    """The missing inputs, each with the flag that names it (a wrong --data used to end in a traceback)."""
+    expected = [("--models", args.models, f"sft_{args.seed}"), ("--models", args.models, f"reward_{args.seed}"),
+                ("--data", args.data, "sft")]
+    return [f"{flag} {folder}: {os.path.join(folder, name)} not found" for flag, folder, name in expected
+            if not os.path.isdir(os.path.join(folder, name))]
+
+
 def main() -> None:
     args = parse_args()
+    problems = input_problems(args)
+    if problems:
+        sys.exit("\n".join(problems) + "\n--models and --data are benchmark/tiny.sh's MODELS and DATA folders (not their "
+                 "sft/ subfolders), and --seed names the models; a run writes them: "
+                 "WORLD=W SEED=S MODELS=M DATA=D bash benchmark/tiny.sh")
 
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -105,3 +105,16 @@ def test_reward_pair_rows_smoke_run_compares_every_layout(tiny_tldr, tmp_path):
     assert [row[0] for row in rows] == ["| one row", "| one row, 2 length groups", "| one row, 3 length groups"]
     for row in rows:  # max |reward difference| / max |gradient difference| against two rows
         assert all(float(value) < 1e-4 for value in row[4].rstrip(" |").split(" / ")), row
+
+
+def test_missing_inputs_are_named_with_their_flag(tmp_path):
+    """A --data pointing at DATA/sft (or a missing model) stops at once, naming the flag and the folder it expected."""
+    (tmp_path / "models" / "sft_1").mkdir(parents=True)
+    (tmp_path / "data" / "sft").mkdir(parents=True)
+    result = run_python([sys.executable, str(REPO / "benchmark" / "rm_diagnostics.py"), "--models",
+                         str(tmp_path / "models"), "--data", str(tmp_path / "data" / "sft")], timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"--models {tmp_path / 'models'}: {tmp_path / 'models' / 'reward_1'} not found" in result.stderr
+    assert f"--data {tmp_path / 'data' / 'sft'}: {tmp_path / 'data' / 'sft' / 'sft'} not found" in result.stderr
+    assert "sft_1 not found" not in result.stderr
+    assert "bash benchmark/tiny.sh" in result.stderr
