@@ -9,7 +9,9 @@ is the truth:
   (`ppo.get_score`: the RM's output at the EOS, Detail 14) becomes `tiny_world.gold_score` of the decoded post
   and summary: the gold reward model of Gao et al. (2023). Everything else is ppo.py's: the critic still
   starts from the RM (Detail 22), the KL penalty, the EOS trick, GAE, whitening and the PPO epochs;
-- beside it, ppo.py with the RM, for as many updates.
+- beside it, ppo.py with the RM, for as many updates;
+- the gold reward normalised as the RM is (Detail 15): less the mean gold score of the train split's reference
+  summaries, so that the references score 0 on average, as they do by the RM (--normalised_gold_updates).
 
 Every run uses the main job's PPO settings (read from {models}/ppo_{seed}/args.json); only the number of
 updates and the output folders differ. This is a diagnostic, not RLHF: it reads the gold judge, which nothing on
@@ -17,13 +19,15 @@ the pipeline's path does.
 
     python benchmark/ppo_gold_reward.py          # after tiny.sh: gold reward at 20 and 80 updates, RM at 80 (~12 min)
     python benchmark/ppo_gold_reward.py --models /tmp/m --seed 2 --gold_updates 20 --rm_updates 40
+    python benchmark/ppo_gold_reward.py --gold_updates --normalised_gold_updates 20 40 --rm_updates   # ~4 min
 
 Writes {models}/ppo_gold_reward/: report.md (and prints it), curves.png, a folder per run with its ppo.log (follow
 a run with `tail -f`). Each call starts its runs afresh. The other mode,
 
     python benchmark/ppo_gold_reward.py ppo <ppo.py's flags>
 
-is ppo.py itself with the gold reward (what the runs above call).
+is ppo.py itself with the gold reward (what the runs above call); `ppo --normalised <ppo.py's flags>`, with the
+normalised one.
 """
 
 import argparse
@@ -64,23 +68,37 @@ def gold_scores(tokenizer, query_responses, pad_token_id: int, context_length: i
     return scores
 
 
-def ppo_with_gold_reward(ppo_argv: list) -> None:
-    """Run ppo.py's main() with `get_score` replaced by the gold judge (decoding with ppo.py's own tokenizer)."""
+def reference_mean_gold(tokenizer, train) -> float:
+    """The mean gold score of the reference summaries of `train` (ppo.py's query dataset split), decoded as
+    gold_scores decodes PPO's samples: the shift that Detail 15 takes off the RM, for the gold judge."""
+    import torch
+
+    queries, references = (torch.tensor(train[column]) for column in ("query_token", "reference_response_token"))
+    scores = gold_scores(tokenizer, torch.cat((queries, references), 1), tokenizer.pad_token_id, queries.shape[1])
+    return sum(scores) / len(scores)
+
+
+def ppo_with_gold_reward(ppo_argv: list, normalised: bool = False) -> None:
+    """Run ppo.py's main() with `get_score` replaced by the gold judge (decoding with ppo.py's own tokenizer);
+    `normalised`: less the references' mean gold score, so that they score 0 on average, as the RM's do (Detail 15)."""
     import torch
 
     import ppo
 
-    tokenizers = []
+    tokenizers, shift = [], [0.0]
     ppo_inputs = ppo.ppo_inputs
 
     def inputs_keeping_the_tokenizer(args, accelerator):
         loaded = ppo_inputs(args, accelerator)  # (dataset, eval splits, tokenizer, recorded)
         tokenizers.append(loaded[2])
+        if normalised:
+            shift[0] = reference_mean_gold(loaded[2], loaded[0]["train"])
+            accelerator.print(f"gold reward less the train references' mean gold score, {shift[0]:.4f}")
         return loaded
 
     def gold_score(model, query_responses, pad_token_id: int, context_length: int):
         scores = gold_scores(tokenizers[0], query_responses, pad_token_id, context_length)
-        return torch.tensor(scores, dtype=torch.float32, device=query_responses.device)
+        return torch.tensor(scores, dtype=torch.float32, device=query_responses.device) - shift[0]
 
     ppo.ppo_inputs, ppo.get_score = inputs_keeping_the_tokenizer, gold_score
     sys.argv = ["ppo.py", *ppo_argv]
@@ -203,6 +221,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--gold_updates", type=int, nargs="*", default=[20, 80],
                         help="a gold-reward run of each length (20: the main job's)")
+    parser.add_argument("--normalised_gold_updates", type=int, nargs="*", default=[],
+                        help="a run of each length with the gold reward less the references' mean gold score "
+                             "(Detail 15's shift, which the RM has: the references score 0 on average)")
     parser.add_argument("--rm_updates", type=int, nargs="*", default=[80],
                         help="an RM-reward run of each length (the main job's own PPO run is shown too)")
     parser.add_argument("--eval_every", type=int, default=5, help="updates between the evaluations of a run's curve")
@@ -217,13 +238,14 @@ def run_ppo(reward: str, updates: int, main_job: dict, out: str, eval_every: int
     the first run began (for the progress line)."""
     from tiny_report import read_csv
 
-    name = f"{reward.lower()}_{updates}"
+    name = f"{reward.lower().replace(' ', '_')}_{updates}"
     run_dir = os.path.join(out, name)
     shutil.rmtree(run_dir, ignore_errors=True)  # a run starts afresh (ppo.py refuses a used output folder)
     os.makedirs(run_dir)
     flags = ppo_flags(main_job, updates, os.path.abspath(os.path.join(run_dir, "ppo")), f"ppo_{name}", eval_every)
-    command = ([sys.executable, os.path.abspath(__file__), "ppo"] if reward == "gold"
-               else [sys.executable, os.path.join(ROOT, "ppo.py")]) + flags
+    command = {"gold": [sys.executable, os.path.abspath(__file__), "ppo"],
+               "normalised gold": [sys.executable, os.path.abspath(__file__), "ppo", "--normalised"],
+               "RM": [sys.executable, os.path.join(ROOT, "ppo.py")]}[reward] + flags
     print(f"=== PPO, {reward} reward, {updates_text(updates)} ({time.time() - started:.0f} s so far; "
           f"log: {run_dir}/ppo.log)", flush=True)
     with open(os.path.join(run_dir, "ppo.log"), "w") as log:  # its runs/ folder lands in run_dir
@@ -262,7 +284,8 @@ def main() -> None:
     main_curve = run_curve(os.path.join(args.runs_dir, main_job["run_name"]), main_job["batch_size"])
     if main_curve:
         curves[f"RM reward, {updates_text(main_job['num_updates'])} (the main job)"] = main_curve
-    runs = [("gold", u) for u in args.gold_updates] + [("RM", u) for u in args.rm_updates]
+    runs = ([("gold", u) for u in args.gold_updates] + [("normalised gold", u) for u in args.normalised_gold_updates]
+            + [("RM", u) for u in args.rm_updates])
     for reward, updates in runs:
         rows, curve = run_ppo(reward, updates, main_job, out, args.eval_every, started)
         entries.append({"label": f"PPO, {reward} reward", "reward": reward, "updates": updates,
@@ -286,7 +309,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["ppo"]:
+    if sys.argv[1:3] == ["ppo", "--normalised"]:
+        ppo_with_gold_reward(sys.argv[3:], normalised=True)
+    elif sys.argv[1:2] == ["ppo"]:
         ppo_with_gold_reward(sys.argv[2:])
     else:
         main()

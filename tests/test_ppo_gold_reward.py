@@ -7,6 +7,7 @@ import shutil
 import sys
 
 import pytest
+from datasets import load_from_disk
 
 from conftest import REPO, WORLD, run_python
 
@@ -35,6 +36,20 @@ def test_gold_scores_of_left_padded_rows_are_the_judges_scores_of_the_texts():
     scores = gold_reward.gold_scores(tokenizer, torch.tensor(rows), pad, 3 + len(query))
     assert scores == [tiny_world.gold_score(POST, good.strip()), tiny_world.gold_score(POST, invented.strip())]
     assert scores[0] > scores[1]  # the invented fact costs: the judge did read the post
+
+
+def test_reference_mean_gold_is_the_mean_judge_score_of_the_references():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(WORLD / "pythia-tiny")
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    references = [" landlord cancelled lease; sister borrowed car", " my uncle sold my boat"]
+    query = tokenizer(POST).input_ids
+    train = {"query_token": [[pad] * 2 + query, [pad] * 2 + query],  # left-padded queries, right-padded references
+             "reference_response_token": [(tokenizer(r).input_ids + [eos] + [pad] * 12)[:12] for r in references]}
+    expected = sum(tiny_world.gold_score(POST, r.strip()) for r in references) / 2
+    assert gold_reward.reference_mean_gold(tokenizer, train) == pytest.approx(expected, abs=1e-9)
+    assert tiny_world.gold_score(POST, references[0].strip()) != tiny_world.gold_score(POST, references[1].strip())
 
 
 def test_judge_counts_wins_and_leaves_ties_out():
@@ -77,17 +92,25 @@ def test_smoke_run_with_both_rewards(tiny_tldr, tmp_path):
         writer.writeheader()
         writer.writerow({"query": POST, "response": "landlord cancelled lease", "reference": "sister borrowed car"})
     result = run_python([sys.executable, str(REPO / "benchmark" / "ppo_gold_reward.py"), "--models", str(models),
-                         "--gold_updates", "1", "--rm_updates", "1", "--eval_every", "1"], timeout=600)
+                         "--gold_updates", "1", "--normalised_gold_updates", "1", "--rm_updates", "1",
+                         "--eval_every", "1"], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     out = models / "ppo_gold_reward"
-    for name, is_gold in (("gold_1", True), ("rm_1", False)):
+    # Detail 15's shift for the gold judge: the train references' mean gold score, from their texts
+    train = load_from_disk(str(tiny_tldr / "sft"))["train"]
+    shift = sum(tiny_world.gold_score(row["query"].strip(), row["reference_response"].replace("<|endoftext|>", "").strip())
+                for row in train) / len(train)
+    assert "gold reward less the train references' mean gold score, " + f"{shift:.4f}" in (
+        out / "normalised_gold_1" / "ppo.log").read_text()
+    for name, offset in (("gold_1", 0.0), ("normalised_gold_1", shift), ("rm_1", None)):
         rows = list(csv.DictReader(open(out / name / "ppo" / "eval_validation.csv")))
         assert len(rows) == 16
         gold = [tiny_world.gold_score(row["query"].strip(), row["response"].strip()) for row in rows]
-        matches = [abs(float(row["score"]) - g) < 1e-5 for row, g in zip(rows, gold)]
-        assert all(matches) if is_gold else not all(matches), name
+        matches = [abs(float(row["score"]) - (g - (offset or 0.0))) < 1e-4 for row, g in zip(rows, gold)]
+        assert all(matches) if offset is not None else not all(matches), name
     report = (out / "report.md").read_text()
     assert "| PPO, gold reward | gold | 1 |" in report and "| PPO, RM reward | RM | 1 |" in report
+    assert "| PPO, normalised gold reward | normalised gold | 1 |" in report
     assert "| SFT | - | 0 |" in report
-    assert report.count("| update | reward score |") == 2  # a curve per run here (the main job's run is not there)
+    assert report.count("| update | reward score |") == 3  # a curve per run here (the main job's run is not there)
     assert (out / "curves.png").stat().st_size > 0
