@@ -18,6 +18,10 @@ the rollout temperature, which differ in what that policy gets wrong. This scrip
   the facts alone against the facts plus a feeling;
 - what the SFT policy's samples get wrong: key words the post does not contain (the gold judge's `invented`), by
   kind (actor, verb, object, feeling), and how often a sample states a feeling and the post's one;
+- PPO's critic at its start (Detail 22: a copy of the RM, whose outputs before the EOS were never trained, Detail
+  13): on these samples, the first TD errors it gives the EOS token (the score less the value before it) and every
+  other token (the next value less this one). A large gap between them sets the direction of PPO's first updates:
+  the EOS early (shorter summaries) when the EOS's is the larger;
 - with --learnability_updates N: can an RM of this architecture, from this SFT model, learn the swap at all? A fresh
   RM trained on nothing but (true, swapped) probe pairs of the SFT train posts, its accuracy on those of the
   validation posts every 50 updates (the world's own pairs teach it the swap, or not, among everything else).
@@ -76,6 +80,16 @@ def best_of_n(rm_scores: list, gold_scores: list, reference_score: float, n: int
     rm_pick = max(range(n), key=lambda k: rm_scores[k])
     return {"first": win(gold_scores[0], reference_score), "rm_best": win(gold_scores[rm_pick], reference_score),
             "gold_best": win(max(gold_scores[:n]), reference_score)}
+
+
+def critic_start_td(values: torch.Tensor, scores: torch.Tensor, sequence_lengths: torch.Tensor) -> tuple:
+    """PPO's first TD errors, before any update (KL 0: the policy is the reference), gamma 1:
+    (B, T_resp) values V(s_t) before each response token, (B,) scores after the EOS trick, (B,) EOS indices
+    -> ([B] score - V(s_eos) of each EOS token, [sum of EOS indices] V(s_t+1) - V(s_t) of every earlier token)."""
+    rows = torch.arange(values.size(0))
+    eos = (scores - values[rows, sequence_lengths]).tolist()
+    before = torch.arange(values.size(1) - 1)[None, :] < sequence_lengths[:, None]  # (B, T_resp - 1)
+    return eos, (values[:, 1:] - values[:, :-1])[before].tolist()
 
 
 def post_facts(post: str) -> list:
@@ -203,6 +217,7 @@ def diagnose(rows, policy, reward_model, tokenizer, args: argparse.Namespace, wo
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     unsampled = torch.tensor(ppo.unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
     agree = total = 0
+    eos_td, token_td = [], []  # critic_start_td of every sample
     mistakes = []  # invented_by_kind of every sample, with whether its post states a feeling
     picks = {n: [] for n in (1, 2, 4, 8, 16, 32) if n <= args.samples}
     probes = {"swapped": [], "dropped": [], "added": [], "looped": [], "policy_swapped": [], "wrong": [], "unstated": []}
@@ -215,7 +230,12 @@ def diagnose(rows, policy, reward_model, tokenizer, args: argparse.Namespace, wo
                                                     args.temperature + 1e-7, unsampled)
             responses = ppo.truncate_response(query_responses[:, context_length:], eos, pad)
             scores = ppo.get_reward(reward_model, torch.cat((queries, responses), 1), pad, context_length)[1]
-            scores = ppo.eos_trick(scores, (responses == eos).any(1), -1.0).tolist()  # as PPO scores them
+            scores = ppo.eos_trick(scores, (responses == eos).any(1), -1.0)  # as PPO scores them
+            # The critic's values as ppo.py's rollout takes them: the RM's outputs on the untruncated samples.
+            values = ppo.get_values(reward_model, query_responses, pad, context_length)  # (samples, T_resp)
+            eos_errors, token_errors = critic_start_td(values, scores, ppo.response_masks(responses, pad, False)[0])
+            eos_td, token_td = eos_td + eos_errors, token_td + token_errors
+            scores = scores.tolist()
             texts = [tokenizer.decode([t for t in response.tolist() if t != pad], skip_special_tokens=True)
                      for response in responses]
             post = row["query"]  # the gold judge reads the query, as judge.py gives it
@@ -239,7 +259,7 @@ def diagnose(rows, policy, reward_model, tokenizer, args: argparse.Namespace, wo
                 kind, true, other = made
                 true, other = summary_scores(reward_model, tokenizer, [row["query_token"]] * 2, [true, other]).tolist()
                 probes[kind].append(true > other)
-    return dict(agree=agree, total=total, mistakes=mistakes, picks=picks, probes=probes)
+    return dict(agree=agree, total=total, mistakes=mistakes, picks=picks, probes=probes, eos_td=eos_td, token_td=token_td)
 
 
 def mean(xs: list) -> float:
@@ -269,6 +289,11 @@ def report_lines(found: dict, args: argparse.Namespace, posts: int, sft_path: st
               "| " + " | ".join(f"{mean([m[kind] for m in mistakes]):.3f}" for kind in ("actor", "verb", "object", "feeling"))
               + f" | {mean([m['states_feeling'] for m in feels]):.3f} / {mean([m['feeling_right'] for m in feels]):.3f}"
               f" | {mean([m['states_feeling'] for m in unfelt]):.3f} |"]
+    lines += ["", "PPO's critic at its start (Detail 22: the RM, whose outputs before the EOS were never trained, Detail 13) "
+              "on these samples: the mean first TD error of the EOS token (the score less the value before it) "
+              f"**{mean(found['eos_td']):.3f}**, of every other token (the next value less this one) "
+              f"**{mean(found['token_td']):.3f}**. Where the EOS's is the larger, PPO's first updates favour an early "
+              "EOS: shorter summaries."]
     names = {"swapped": "the RM prefers it to the same facts with one actor the post never names",
              "dropped": "the RM prefers it to the same facts less the last one",
              "added": "the RM prefers it to the same facts plus one the post never states",

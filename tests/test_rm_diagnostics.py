@@ -1,6 +1,7 @@
 """benchmark/rm_diagnostics.py: its counting helpers by hand, its probe summaries, and a smoke run on the tiny world."""
 
 import random
+import re
 import shutil
 import sys
 
@@ -25,6 +26,18 @@ def test_best_of_n_by_hand():
     assert diag.best_of_n(rm, gold, reference_score=0.5, n=3) == {"first": 1.0, "rm_best": 0.0, "gold_best": 1.0}
     # of 4: the RM picks sample 3, whose gold 0.5 ties the reference
     assert diag.best_of_n(rm, gold, reference_score=0.5, n=4)["rm_best"] == 0.5
+
+
+def test_critic_start_td_by_hand():
+    import torch
+
+    values = torch.tensor([[-1.0, -2.0, -4.0, 9.0],  # EOS at 2: tokens 0 and 1 step -1 and -2; EOS 0.5 - (-4)
+                           [0.5, 1.5, 7.0, 7.0]])  # EOS at 0: no earlier token; EOS -1 (the EOS trick's) - 0.5
+    eos, tokens = diag.critic_start_td(values, torch.tensor([0.5, -1.0]), torch.tensor([2, 0]))
+    assert eos == [4.5, -1.5]
+    assert tokens == [-1.0, -2.0]
+    # a row without EOS (index T - 1): every step up to the last one counts
+    assert diag.critic_start_td(values[:1], torch.tensor([-1.0]), torch.tensor([3])) == ([-10.0], [-1.0, -2.0, 13.0])
 
 
 def test_probe_summaries_change_one_thing_each():
@@ -87,6 +100,8 @@ def test_smoke_run_writes_the_tables(tiny_tldr, tmp_path):
         "| 1", "| 2", "| 4"]
     assert "3 validation posts, 4 samples each" in report
     assert "What the SFT policy's samples get wrong (12 samples)" in report
+    start = report.split("PPO's critic at its start")[1].split("\n")[0]
+    assert len(re.findall(r"\*\*-?\d+\.\d{3}\*\*", start)) == 2  # the EOS token's and the other tokens' mean TD error
     curve = report.split("| updates | swap accuracy |\n|---|---|\n")[1].splitlines()
     assert [row.split(" |")[0] for row in curve] == ["| 0", "| 2"]  # before training, and after the last update
     assert all(0.0 <= float(row.split("|")[2]) <= 1.0 for row in curve)
