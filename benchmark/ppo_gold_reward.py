@@ -11,7 +11,10 @@ is the truth:
   starts from the RM (Detail 22), the KL penalty, the EOS trick, GAE, whitening and the PPO epochs;
 - beside it, ppo.py with the RM, for as many updates;
 - the gold reward normalised as the RM is (Detail 15): less the mean gold score of the train split's reference
-  summaries, so that the references score 0 on average, as they do by the RM (--normalised_gold_updates).
+  summaries, so that the references score 0 on average, as they do by the RM (--normalised_gold_updates);
+- with --zero_critic_head, every run's critic starts with its head zeroed (its first values 0) instead of as the RM
+  (Detail 22), whose outputs before the EOS were never trained (Detail 13): does the critic's start steer PPO's
+  first updates? (`rm_diagnostics.py` measures that start: the first TD errors of the EOS token and the others.)
 
 Every run uses the main job's PPO settings (read from {models}/ppo_{seed}/args.json); only the number of
 updates and the output folders differ. This is a diagnostic, not RLHF: it reads the gold judge, which nothing on
@@ -20,17 +23,19 @@ the pipeline's path does.
     python benchmark/ppo_gold_reward.py          # after tiny.sh: gold reward at 20 and 80 updates, RM at 80 (~12 min)
     python benchmark/ppo_gold_reward.py --models /tmp/m --seed 2 --gold_updates 20 --rm_updates 40
     python benchmark/ppo_gold_reward.py --gold_updates --normalised_gold_updates 20 40 --rm_updates   # ~4 min
+    python benchmark/ppo_gold_reward.py --gold_updates --normalised_gold_updates 20 --rm_updates 20 --zero_critic_head
 
 Writes {models}/ppo_gold_reward/: report.md (and prints it), curves.png, a folder per run with its ppo.log (follow
 a run with `tail -f`). Each call starts its runs afresh. The other mode,
 
     python benchmark/ppo_gold_reward.py ppo <ppo.py's flags>
 
-is ppo.py itself with the gold reward (what the runs above call); `ppo --normalised <ppo.py's flags>`, with the
-normalised one.
+is ppo.py itself with the gold reward (what the runs above call); `ppo --normalised ...` with the normalised one,
+`ppo --rm ...` with the RM, and `--zero_critic_head` after `ppo` with the critic's head zeroed.
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -42,6 +47,8 @@ import time
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+
+CRITIC_NOTE = ", critic head zeroed"  # the label of a --zero_critic_head run
 
 # The main job's PPO settings that every run here repeats (paths, seed, scale knobs, every algorithm setting).
 # The rest of args.json is either what this script sets (updates, folders, evaluations) or derived by ppo.py.
@@ -78,20 +85,22 @@ def reference_mean_gold(tokenizer, train) -> float:
     return sum(scores) / len(scores)
 
 
-def ppo_with_gold_reward(ppo_argv: list, normalised: bool = False) -> None:
-    """Run ppo.py's main() with `get_score` replaced by the gold judge (decoding with ppo.py's own tokenizer);
-    `normalised`: less the references' mean gold score, so that they score 0 on average, as the RM's do (Detail 15)."""
+def ppo_variant(ppo_argv: list, reward: str = "gold", zero_critic_head: bool = False) -> None:
+    """Run ppo.py's main() with `reward`: "gold" (`get_score` replaced by the gold judge, decoding with ppo.py's own
+    tokenizer), "normalised gold" (the same less the references' mean gold score, so that they score 0 on average, as
+    the RM's do: Detail 15) or "RM" (ppo.py's own); `zero_critic_head`: the critic starts from the RM with its head
+    zeroed (every first value 0) instead of the RM itself (Detail 22), a diagnostic of the critic's start."""
     import torch
 
     import ppo
 
     tokenizers, shift = [], [0.0]
-    ppo_inputs = ppo.ppo_inputs
+    ppo_inputs, load_fp32 = ppo.ppo_inputs, ppo.load_fp32
 
     def inputs_keeping_the_tokenizer(args, accelerator):
         loaded = ppo_inputs(args, accelerator)  # (dataset, eval splits, tokenizer, recorded)
         tokenizers.append(loaded[2])
-        if normalised:
+        if reward == "normalised gold":
             shift[0] = reference_mean_gold(loaded[2], loaded[0]["train"])
             accelerator.print(f"gold reward less the train references' mean gold score, {shift[0]:.4f}")
         return loaded
@@ -100,7 +109,24 @@ def ppo_with_gold_reward(ppo_argv: list, normalised: bool = False) -> None:
         scores = gold_scores(tokenizers[0], query_responses, pad_token_id, context_length)
         return torch.tensor(scores, dtype=torch.float32, device=query_responses.device) - shift[0]
 
-    ppo.ppo_inputs, ppo.get_score = inputs_keeping_the_tokenizer, gold_score
+    scalar_models = []
+
+    def load_zeroing_the_critic_head(model_class, path: str, flag: str):
+        model = load_fp32(model_class, path, flag)
+        if model_class is ppo.ScalarModel:
+            scalar_models.append(model)
+            if len(scalar_models) == 1:  # ppo.py's main() loads the critic first, then the reward model
+                with torch.no_grad():
+                    model.head.weight.zero_()
+                    model.head.bias.zero_()
+                print("the critic's head zeroed: every first value is 0", flush=True)
+        return model
+
+    ppo.ppo_inputs = inputs_keeping_the_tokenizer
+    if reward != "RM":
+        ppo.get_score = gold_score
+    if zero_critic_head:
+        ppo.load_fp32 = load_zeroing_the_critic_head
     sys.argv = ["ppo.py", *ppo_argv]
     finished = False
     try:  # as ppo.py's own __main__
@@ -226,27 +252,33 @@ def parse_args() -> argparse.Namespace:
                              "(Detail 15's shift, which the RM has: the references score 0 on average)")
     parser.add_argument("--rm_updates", type=int, nargs="*", default=[80],
                         help="an RM-reward run of each length (the main job's own PPO run is shown too)")
+    parser.add_argument("--zero_critic_head", action="store_true",
+                        help="every run's critic starts from the RM with its head zeroed (first values 0), not the RM "
+                             "itself (Detail 22): does the critic's start steer PPO's first updates?")
     parser.add_argument("--eval_every", type=int, default=5, help="updates between the evaluations of a run's curve")
     parser.add_argument("--runs_dir", default=os.path.join(ROOT, "runs"),
                         help="where the main job's ppo.py wrote <run_name>/ (tiny.sh runs it at the repository root)")
     return parser.parse_args()
 
 
-def run_ppo(reward: str, updates: int, main_job: dict, out: str, eval_every: int, started: float) -> tuple:
-    """One PPO run with the main job's settings, the gold judge's or the RM's reward, in out/<reward>_<updates>:
-    (its validation samples, its evaluation curve); exits with the log's tail when the run fails. `started`: when
-    the first run began (for the progress line)."""
+def run_ppo(reward: str, updates: int, main_job: dict, out: str, eval_every: int, started: float,
+            zero_critic_head: bool = False) -> tuple:
+    """One PPO run with the main job's settings, the gold judge's or the RM's reward (ppo_variant), in
+    out/<reward>_<updates>[_zero_critic]: (its validation samples, its evaluation curve); exits with the log's tail
+    when the run fails. `started`: when the first run began (for the progress line)."""
     from tiny_report import read_csv
 
-    name = f"{reward.lower().replace(' ', '_')}_{updates}"
+    name = f"{reward.lower().replace(' ', '_')}_{updates}" + ("_zero_critic" if zero_critic_head else "")
     run_dir = os.path.join(out, name)
     shutil.rmtree(run_dir, ignore_errors=True)  # a run starts afresh (ppo.py refuses a used output folder)
     os.makedirs(run_dir)
     flags = ppo_flags(main_job, updates, os.path.abspath(os.path.join(run_dir, "ppo")), f"ppo_{name}", eval_every)
-    command = {"gold": [sys.executable, os.path.abspath(__file__), "ppo"],
-               "normalised gold": [sys.executable, os.path.abspath(__file__), "ppo", "--normalised"],
-               "RM": [sys.executable, os.path.join(ROOT, "ppo.py")]}[reward] + flags
-    print(f"=== PPO, {reward} reward, {updates_text(updates)} ({time.time() - started:.0f} s so far; "
+    variant = {"gold": [], "normalised gold": ["--normalised"], "RM": ["--rm"]}[reward] + (
+        ["--zero_critic_head"] if zero_critic_head else [])
+    command = ([sys.executable, os.path.abspath(__file__), "ppo", *variant] if variant != ["--rm"]
+               else [sys.executable, os.path.join(ROOT, "ppo.py")]) + flags  # ppo.py itself for the plain RM run
+    print(f"=== PPO, {reward} reward{CRITIC_NOTE if zero_critic_head else ''}, {updates_text(updates)} "
+          f"({time.time() - started:.0f} s so far; "
           f"log: {run_dir}/ppo.log)", flush=True)
     with open(os.path.join(run_dir, "ppo.log"), "w") as log:  # its runs/ folder lands in run_dir
         failed = subprocess.run(command, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT).returncode != 0
@@ -286,11 +318,12 @@ def main() -> None:
         curves[f"RM reward, {updates_text(main_job['num_updates'])} (the main job)"] = main_curve
     runs = ([("gold", u) for u in args.gold_updates] + [("normalised gold", u) for u in args.normalised_gold_updates]
             + [("RM", u) for u in args.rm_updates])
+    note = CRITIC_NOTE if args.zero_critic_head else ""
     for reward, updates in runs:
-        rows, curve = run_ppo(reward, updates, main_job, out, args.eval_every, started)
-        entries.append({"label": f"PPO, {reward} reward", "reward": reward, "updates": updates,
+        rows, curve = run_ppo(reward, updates, main_job, out, args.eval_every, started, args.zero_critic_head)
+        entries.append({"label": f"PPO, {reward} reward{note}", "reward": reward, "updates": updates,
                         "vs_references": judge(rows), "vs_sft": judge(rows, sft_rows)})
-        curves[f"{reward} reward, {updates_text(updates)}"] = curve
+        curves[f"{reward} reward{note}, {updates_text(updates)}"] = curve
 
     import torch
 
@@ -309,9 +342,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:3] == ["ppo", "--normalised"]:
-        ppo_with_gold_reward(sys.argv[3:], normalised=True)
-    elif sys.argv[1:2] == ["ppo"]:
-        ppo_with_gold_reward(sys.argv[2:])
+    if sys.argv[1:2] == ["ppo"]:
+        options = list(itertools.takewhile(lambda word: word in ("--normalised", "--rm", "--zero_critic_head"),
+                                           sys.argv[2:]))
+        reward = "normalised gold" if "--normalised" in options else "RM" if "--rm" in options else "gold"
+        ppo_variant(sys.argv[2 + len(options):], reward, "--zero_critic_head" in options)
     else:
         main()

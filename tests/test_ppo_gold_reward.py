@@ -113,4 +113,14 @@ def test_smoke_run_with_both_rewards(tiny_tldr, tmp_path):
     assert "| PPO, normalised gold reward | normalised gold | 1 |" in report
     assert "| SFT | - | 0 |" in report
     assert report.count("| update | reward score |") == 3  # a curve per run here (the main job's run is not there)
+
+    # --zero_critic_head: the RM's reward, the critic's head zeroed (not the reward model's: its scores still differ)
+    result = run_python([sys.executable, str(REPO / "benchmark" / "ppo_gold_reward.py"), "--models", str(models),
+                         "--gold_updates", "--rm_updates", "1", "--eval_every", "1", "--zero_critic_head"], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    assert "the critic's head zeroed: every first value is 0" in (out / "rm_1_zero_critic" / "ppo.log").read_text()
+    rows = list(csv.DictReader(open(out / "rm_1_zero_critic" / "ppo" / "eval_validation.csv")))
+    assert len({row["score"] for row in rows}) > 1
+    report = (out / "report.md").read_text()
+    assert "| PPO, RM reward, critic head zeroed | RM | 1 |" in report and "| PPO, gold reward" not in report
     assert (out / "curves.png").stat().st_size > 0
