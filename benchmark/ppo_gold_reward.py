@@ -122,9 +122,8 @@ def ppo_variant(ppo_argv: list, reward: str = "gold", zero_critic_head: bool = F
                 print("the critic's head zeroed: every first value is 0", flush=True)
         return model
 
-    ppo.ppo_inputs = inputs_keeping_the_tokenizer
     if reward != "RM":
-        ppo.get_score = gold_score
+        ppo.ppo_inputs, ppo.get_score = inputs_keeping_the_tokenizer, gold_score
     if zero_critic_head:
         ppo.load_fp32 = load_zeroing_the_critic_head
     sys.argv = ["ppo.py", *ppo_argv]

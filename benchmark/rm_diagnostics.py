@@ -229,10 +229,11 @@ def diagnose(rows, policy, reward_model, tokenizer, args: argparse.Namespace, wo
             query_responses, _ = ppo.sample_rollout(policy, queries, pad, eos, args.response_length,
                                                     args.temperature + 1e-7, unsampled)
             responses = ppo.truncate_response(query_responses[:, context_length:], eos, pad)
-            scores = ppo.get_reward(reward_model, torch.cat((queries, responses), 1), pad, context_length)[1]
+            reward_logits, scores = ppo.get_reward(reward_model, torch.cat((queries, responses), 1), pad, context_length)
             scores = ppo.eos_trick(scores, (responses == eos).any(1), -1.0)  # as PPO scores them
-            # The critic's values as ppo.py's rollout takes them: the RM's outputs on the untruncated samples.
-            values = ppo.get_values(reward_model, query_responses, pad, context_length)  # (samples, T_resp)
+            # The critic's first values, ppo.get_values' slice of the same forward: (samples, T_resp). Up to the EOS,
+            # where critic_start_td reads them, they do not depend on the tokens after it (causal attention).
+            values = reward_logits[:, context_length - 1:-1]
             eos_errors, token_errors = critic_start_td(values, scores, ppo.response_masks(responses, pad, False)[0])
             eos_td, token_td = eos_td + eos_errors, token_td + token_errors
             scores = scores.tolist()
