@@ -24,6 +24,8 @@ the pipeline's path does.
     python benchmark/ppo_gold_reward.py --models /tmp/m --seed 2 --gold_updates 20 --rm_updates 40
     python benchmark/ppo_gold_reward.py --gold_updates --normalised_gold_updates 20 40 --rm_updates   # ~4 min
     python benchmark/ppo_gold_reward.py --gold_updates --normalised_gold_updates 20 --rm_updates 20 --zero_critic_head
+    python benchmark/ppo_gold_reward.py --gold_updates --normalised_gold_updates 20 --rm_updates 20 \
+        --ppo_flags "--cliprange_value 1e6"     # any ppo.py flags on top of the main job's (here: no value clipping)
 
 Writes {models}/ppo_gold_reward/: report.md (and prints it), curves.png, a folder per run with its ppo.log (follow
 a run with `tail -f`). Each call starts its runs afresh. The other mode,
@@ -39,6 +41,7 @@ import itertools
 import json
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -191,6 +194,11 @@ def run_curve(folder: str, batch_size: int) -> list:
     return points
 
 
+def run_note(zero_critic_head: bool, extra_flags) -> str:
+    """What sets a run apart from the main job's settings, for its labels: ", critic head zeroed, --flag value"."""
+    return (CRITIC_NOTE if zero_critic_head else "") + (f", {' '.join(extra_flags)}" if extra_flags else "")
+
+
 def updates_text(updates: int) -> str:
     """'1 update', '20 updates'."""
     return f"{updates} update{'' if updates == 1 else 's'}"
@@ -254,6 +262,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--zero_critic_head", action="store_true",
                         help="every run's critic starts from the RM with its head zeroed (first values 0), not the RM "
                              "itself (Detail 22): does the critic's start steer PPO's first updates?")
+    parser.add_argument("--ppo_flags", type=shlex.split, default=[],
+                        help="ppo.py flags added to every run after the main job's, as one quoted string (a "
+                             "diagnostic: \"--cliprange_value 1e6\" turns value clipping off); its runs' folders end "
+                             "in _flags")
     parser.add_argument("--eval_every", type=int, default=5, help="updates between the evaluations of a run's curve")
     parser.add_argument("--runs_dir", default=os.path.join(ROOT, "runs"),
                         help="where the main job's ppo.py wrote <run_name>/ (tiny.sh runs it at the repository root)")
@@ -261,22 +273,24 @@ def parse_args() -> argparse.Namespace:
 
 
 def run_ppo(reward: str, updates: int, main_job: dict, out: str, eval_every: int, started: float,
-            zero_critic_head: bool = False) -> tuple:
+            zero_critic_head: bool = False, extra_flags: tuple = ()) -> tuple:
     """One PPO run with the main job's settings, the gold judge's or the RM's reward (ppo_variant), in
-    out/<reward>_<updates>[_zero_critic]: (its validation samples, its evaluation curve); exits with the log's tail
+    out/<reward>_<updates>[_zero_critic][_flags], with `extra_flags` after the main job's: (its validation samples, its evaluation curve); exits with the log's tail
     when the run fails. `started`: when the first run began (for the progress line)."""
     from tiny_report import read_csv
 
-    name = f"{reward.lower().replace(' ', '_')}_{updates}" + ("_zero_critic" if zero_critic_head else "")
+    name = (f"{reward.lower().replace(' ', '_')}_{updates}" + ("_zero_critic" if zero_critic_head else "")
+            + ("_flags" if extra_flags else ""))
     run_dir = os.path.join(out, name)
     shutil.rmtree(run_dir, ignore_errors=True)  # a run starts afresh (ppo.py refuses a used output folder)
     os.makedirs(run_dir)
     flags = ppo_flags(main_job, updates, os.path.abspath(os.path.join(run_dir, "ppo")), f"ppo_{name}", eval_every)
+    flags += list(extra_flags)  # after the main job's: ppo.py takes a flag's last value
     variant = {"gold": [], "normalised gold": ["--normalised"], "RM": ["--rm"]}[reward] + (
         ["--zero_critic_head"] if zero_critic_head else [])
     command = ([sys.executable, os.path.abspath(__file__), "ppo", *variant] if variant != ["--rm"]
                else [sys.executable, os.path.join(ROOT, "ppo.py")]) + flags  # ppo.py itself for the plain RM run
-    print(f"=== PPO, {reward} reward{CRITIC_NOTE if zero_critic_head else ''}, {updates_text(updates)} "
+    print(f"=== PPO, {reward} reward{run_note(zero_critic_head, extra_flags)}, {updates_text(updates)} "
           f"({time.time() - started:.0f} s so far; "
           f"log: {run_dir}/ppo.log)", flush=True)
     with open(os.path.join(run_dir, "ppo.log"), "w") as log:  # its runs/ folder lands in run_dir
@@ -317,9 +331,10 @@ def main() -> None:
         curves[f"RM reward, {updates_text(main_job['num_updates'])} (the main job)"] = main_curve
     runs = ([("gold", u) for u in args.gold_updates] + [("normalised gold", u) for u in args.normalised_gold_updates]
             + [("RM", u) for u in args.rm_updates])
-    note = CRITIC_NOTE if args.zero_critic_head else ""
+    note = run_note(args.zero_critic_head, args.ppo_flags)
     for reward, updates in runs:
-        rows, curve = run_ppo(reward, updates, main_job, out, args.eval_every, started, args.zero_critic_head)
+        rows, curve = run_ppo(reward, updates, main_job, out, args.eval_every, started, args.zero_critic_head,
+                              args.ppo_flags)
         entries.append({"label": f"PPO, {reward} reward{note}", "reward": reward, "updates": updates,
                         "vs_references": judge(rows), "vs_sft": judge(rows, sft_rows)})
         curves[f"{reward} reward{note}, {updates_text(updates)}"] = curve

@@ -124,3 +124,11 @@ def test_smoke_run_with_both_rewards(tiny_tldr, tmp_path):
     report = (out / "report.md").read_text()
     assert "| PPO, RM reward, critic head zeroed | RM | 1 |" in report and "| PPO, gold reward" not in report
     assert (out / "curves.png").stat().st_size > 0
+
+    # --ppo_flags: ppo.py flags after the main job's, here the value clip; the run's own folder and label
+    result = run_python([sys.executable, str(REPO / "benchmark" / "ppo_gold_reward.py"), "--models", str(models),
+                         "--gold_updates", "--rm_updates", "1", "--ppo_flags", "--cliprange_value 1000"], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    ran = json.loads((out / "rm_1_flags" / "ppo" / "args.json").read_text())
+    assert ran["cliprange_value"] == 1000 and ran["cliprange"] == main_job["cliprange"]
+    assert "| PPO, RM reward, --cliprange_value 1000 | RM | 1 |" in (out / "report.md").read_text()
