@@ -274,9 +274,9 @@ def parse_args() -> argparse.Namespace:
 
 def run_ppo(reward: str, updates: int, main_job: dict, out: str, eval_every: int, started: float,
             zero_critic_head: bool = False, extra_flags: tuple = ()) -> tuple:
-    """One PPO run with the main job's settings, the gold judge's or the RM's reward (ppo_variant), in
-    out/<reward>_<updates>[_zero_critic][_flags], with `extra_flags` after the main job's: (its validation samples, its evaluation curve); exits with the log's tail
-    when the run fails. `started`: when the first run began (for the progress line)."""
+    """One PPO run with the main job's settings and `extra_flags` after them, the gold judge's or the RM's reward
+    (ppo_variant), in out/<reward>_<updates>[_zero_critic][_flags]: (its validation samples, its evaluation curve);
+    exits with the log's tail when the run fails. `started`: when the first run began (for the progress line)."""
     from tiny_report import read_csv
 
     name = (f"{reward.lower().replace(' ', '_')}_{updates}" + ("_zero_critic" if zero_critic_head else "")
