@@ -51,8 +51,6 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
 
-CRITIC_NOTE = ", critic head zeroed"  # the label of a --zero_critic_head run
-
 # The main job's PPO settings that every run here repeats (paths, seed, scale knobs, every algorithm setting).
 # The rest of args.json is either what this script sets (updates, folders, evaluations) or derived by ppo.py.
 SAME_AS_MAIN_JOB = ("base_model", "query_dataset", "sft_model_path", "reward_model_path", "seed", "response_length",
@@ -196,7 +194,7 @@ def run_curve(folder: str, batch_size: int) -> list:
 
 def run_note(zero_critic_head: bool, extra_flags) -> str:
     """What sets a run apart from the main job's settings, for its labels: ", critic head zeroed, --flag value"."""
-    return (CRITIC_NOTE if zero_critic_head else "") + (f", {' '.join(extra_flags)}" if extra_flags else "")
+    return (", critic head zeroed" if zero_critic_head else "") + (f", {' '.join(extra_flags)}" if extra_flags else "")
 
 
 def updates_text(updates: int) -> str:

@@ -235,7 +235,8 @@ def diagnose(rows, policy, reward_model, tokenizer, args: argparse.Namespace, wo
             # where critic_start_td reads them, they do not depend on the tokens after it (causal attention).
             values = reward_logits[:, context_length - 1:-1]
             eos_errors, token_errors = critic_start_td(values, scores, ppo.response_masks(responses, pad, False)[0])
-            eos_td, token_td = eos_td + eos_errors, token_td + token_errors
+            eos_td += eos_errors
+            token_td += token_errors
             scores = scores.tolist()
             texts = [tokenizer.decode([t for t in response.tolist() if t != pad], skip_special_tokens=True)
                      for response in responses]
