@@ -249,7 +249,15 @@ class Policy:
 
 # The names follow the policies of openai/summarize_from_feedback; the qualities are this world's.
 # Like the real dataset's model-written summaries, the policies make model-like mistakes: a kept
-# fact with one wrong name or thing (misremember), a fact out of nowhere, loops of repeated clauses.
+# fact with one wrong name or thing (misremember), loops of repeated clauses, filler, rambling.
+# They make the mistakes the models of this world make (the real dataset's models are of the kind
+# being trained). A model of this world gets a name wrong; it does not make up a whole fact:
+# sampled at 0.7, the SFT models of six worlds (seeds 1-5, 9) write 0.28-0.56 kept facts with
+# one wrong name per summary and 0.003-0.014 facts the post never states
+# (benchmark/results/tiny_main_job_notebook.md, "Mistakes as the models make them").
+# So a model policy invents no whole fact; its misremember rate is the chance of either habit
+# in the table before 2026-11-28 (1 - (1 - misremember) (1 - invent)). Only the human writer
+# makes up a fact now and then.
 # And a guessed feeling: the models of this world cannot read a feeling off a post (the base model's
 # pretraining recaps restate facts only, so the SFT model trained from it guesses one too; README),
 # so a model policy's "i feel ..." is a random one of FEELINGS, for a post with or without a feeling.
@@ -258,15 +266,15 @@ POLICIES = {
     # The human reference writer: states the main point, keeps half of the rest, sometimes gets a
     # name or thing wrong, copies a detail that does not matter or rambles (see WORLD.md for rates).
     "ref": Policy(0.90, 0.50, 0.35, 0.02, 0.15, 0.15, 0.02, 0.3, 0.5, misremember=0.15, reads_feelings=True),
-    "sup1": Policy(0.70, 0.40, 0.3, 0.35, 0.40, 0.30, 0.20, 0.5, 0.3, misremember=0.30),
-    "sup2": Policy(0.80, 0.50, 0.3, 0.25, 0.30, 0.25, 0.15, 0.5, 0.3, misremember=0.25),
-    "sup2_t0.7": Policy(0.75, 0.45, 0.3, 0.30, 0.35, 0.30, 0.20, 0.5, 0.3, misremember=0.30),
-    "sup4": Policy(0.90, 0.65, 0.4, 0.15, 0.20, 0.20, 0.08, 0.4, 0.4, misremember=0.15),
-    "sup4_t0.7": Policy(0.85, 0.60, 0.4, 0.20, 0.25, 0.25, 0.10, 0.4, 0.4, misremember=0.20),
-    "sup4_6b": Policy(0.93, 0.70, 0.4, 0.10, 0.15, 0.15, 0.05, 0.4, 0.4, misremember=0.10),
-    "sup4_ppo_rm3": Policy(0.97, 0.85, 0.6, 0.05, 0.10, 0.45, 0.05, 0.6, 0.2, misremember=0.05),
-    "sup4_bo8_rm3": Policy(0.95, 0.80, 0.5, 0.05, 0.10, 0.20, 0.03, 0.4, 0.4, misremember=0.08),
-    "pretrain_1b_t.7": Policy(0.45, 0.25, 0.2, 0.55, 0.60, 0.50, 0.35, 0.3, 0.2, misremember=0.40),
+    "sup1": Policy(0.70, 0.40, 0.3, 0.0, 0.40, 0.30, 0.20, 0.5, 0.3, misremember=0.545),
+    "sup2": Policy(0.80, 0.50, 0.3, 0.0, 0.30, 0.25, 0.15, 0.5, 0.3, misremember=0.4375),
+    "sup2_t0.7": Policy(0.75, 0.45, 0.3, 0.0, 0.35, 0.30, 0.20, 0.5, 0.3, misremember=0.51),
+    "sup4": Policy(0.90, 0.65, 0.4, 0.0, 0.20, 0.20, 0.08, 0.4, 0.4, misremember=0.2775),
+    "sup4_t0.7": Policy(0.85, 0.60, 0.4, 0.0, 0.25, 0.25, 0.10, 0.4, 0.4, misremember=0.36),
+    "sup4_6b": Policy(0.93, 0.70, 0.4, 0.0, 0.15, 0.15, 0.05, 0.4, 0.4, misremember=0.19),
+    "sup4_ppo_rm3": Policy(0.97, 0.85, 0.6, 0.0, 0.10, 0.45, 0.05, 0.6, 0.2, misremember=0.0975),
+    "sup4_bo8_rm3": Policy(0.95, 0.80, 0.5, 0.0, 0.10, 0.20, 0.03, 0.4, 0.4, misremember=0.126),
+    "pretrain_1b_t.7": Policy(0.45, 0.25, 0.2, 0.0, 0.60, 0.50, 0.35, 0.3, 0.2, misremember=0.73),
 }
 # Detail 6 in this world: train compares a few supervised policies; validation adds many unseen ones.
 TRAIN_POLICIES = ["sup1", "sup2", "sup4", "sup4_t0.7", "pretrain_1b_t.7"]
@@ -536,7 +544,7 @@ def card_length(meta):
     return [
         "## Which summary is preferred: length", "",
         "In the real preference data the chosen summary is slightly the longer one (median 32 against 30 tokens, "
-        "the paper's Detail 4). Here the world's mistakes (a copied detail, a loop, a ramble, an invented fact) add "
+        "the paper's Detail 4). Here the world's mistakes (a copied detail, a loop, a ramble) add "
         f"words: over the {meta['preference_lengths']['n']} train pairs the chosen summary has a median of "
         f"{meta['preference_lengths']['chosen_median_words']} words against "
         f"{meta['preference_lengths']['rejected_median_words']} for the rejected one, and it is the longer one in "
@@ -553,8 +561,10 @@ def card_policies(meta):
         f"- validation pairs from all of {', '.join(VALIDATION_POLICIES)}",
         f"- validation_cnndm (news articles) from {', '.join(CNNDM_POLICIES)}", "",
         "Every policy writes like the reference writer, with its own rates (the model-written summaries of "
-        "the real dataset also get names wrong, invent facts and loop). The model policies are models of this "
-        "world, and like its base model they cannot read a feeling off a post: at their `feeling` rate they state "
+        "the real dataset also get names wrong and loop). The model policies are models of this world and make "
+        "its models' mistakes: they get a name or a thing of a kept fact wrong, and never make up a whole fact, "
+        "which only the human writer does now and then. Like its base model they cannot read a feeling off a "
+        "post: at their `feeling` rate they state "
         "one drawn at random (the post's own one time in ten), whether the post states one or not. Only the "
         "reference writer, the post's author, states the post's own:", "",
         "| policy | " + " | ".join(POLICY_COLUMNS.values()) + " |", "|---|" + "---|" * len(POLICY_COLUMNS),

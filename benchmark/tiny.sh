@@ -42,11 +42,11 @@ TINY_LENGTHS=(
   --query_length 192
   --max_sft_response_length 67
   --max_sft_query_response_length 222
-  --max_rm_response_length 76
-  --max_rm_query_response_length 258
+  --max_rm_response_length 70
+  --max_rm_query_response_length 259
   --cnndm_query_length 192
-  --cnndm_max_rm_response_length 69
-  --cnndm_max_rm_query_response_length 196
+  --cnndm_max_rm_response_length 62
+  --cnndm_max_rm_query_response_length 206
 )
 # Another world (WORLD=/tmp/w SEED=2) has other exact maxima: there the flags are upper bounds
 # that hold for any seed (preprocess_tldr.py still fails if one would cut data) and are not
