@@ -7,7 +7,8 @@ the rollout temperature, which differ in what that policy gets wrong. This scrip
 
 - on-policy agreement: for each validation post, N samples of the SFT policy at temperature 0.7; over every pair of
   samples of a post that both the RM and the gold judge separate, how often they prefer the same one
-  (0.5 = the RM ranks a policy's samples at random; PPO can only climb where it is above 0.5);
+  (0.5 = the RM ranks a policy's samples at random; PPO can only climb where it is above 0.5), and the same by
+  what decides a pair (the gold judge's term that differs most: coverage, invented key words, loops, ...);
 - best-of-N (Gao et al. 2023): the gold win rate against the references of the sample the RM picks among the first
   n, beside a random sample and the sample the gold judge would pick (the headroom);
 - probes with hand-made summaries of each post (its facts written out): the RM's preference for the true summary
@@ -56,6 +57,28 @@ def pairwise_agreement(rm_scores: list, gold_scores: list) -> tuple:
             total += 1
             agree += (rm_scores[i] > rm_scores[j]) == (gold_scores[i] > gold_scores[j])
     return agree, total
+
+
+def gold_terms(breakdown: dict, world) -> dict:
+    """A gold_breakdown -> each term's signed part of its score ({coverage, invented, irrelevant, repetition,
+    rambling, empty}; they sum to breakdown["score"])."""
+    w = world.JUDGE_WEIGHTS
+    return {"coverage": w["coverage"] * breakdown["coverage"], "invented": -w["invented"] * breakdown["invented"],
+            "irrelevant": -w["irrelevant"] * breakdown["irrelevant"], "repetition": -w["repetition"] * breakdown["repetition"],
+            "rambling": -w["rambling"] * breakdown["rambling"], "empty": -w["empty"] * (breakdown["n_words"] == 0)}
+
+
+def agreement_by_term(rm_scores: list, gold_scores: list, terms: list) -> dict:
+    """One prompt's samples: RM scores, gold scores and gold_terms -> {term: (agreeing pairs, pairs)}, the pairs of
+    pairwise_agreement, each counted under the term that decides it: the one whose part of the gold score differs
+    most between the two samples (the first such term on a tie)."""
+    counts = {}
+    for i, j in itertools.combinations(range(len(rm_scores)), 2):
+        if rm_scores[i] != rm_scores[j] and gold_scores[i] != gold_scores[j]:
+            term = max(terms[i], key=lambda name: abs(terms[i][name] - terms[j][name]))
+            agree, total = counts.get(term, (0, 0))
+            counts[term] = (agree + ((rm_scores[i] > rm_scores[j]) == (gold_scores[i] > gold_scores[j])), total + 1)
+    return counts
 
 
 def win(score: float, reference_score: float) -> float:
@@ -217,6 +240,7 @@ def diagnose(rows, policy, reward_model, tokenizer, args: argparse.Namespace, wo
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     unsampled = torch.tensor(ppo.unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
     agree = total = 0
+    by_term = {}  # the gold term that decides a pair -> [agreeing pairs, pairs] (agreement_by_term)
     eos_td, token_td = [], []  # critic_start_td of every sample
     mistakes = []  # invented_by_kind of every sample, with whether its post states a feeling
     picks = {n: [] for n in (1, 2, 4, 8, 16, 32) if n <= args.samples}
@@ -241,10 +265,13 @@ def diagnose(rows, policy, reward_model, tokenizer, args: argparse.Namespace, wo
             texts = [tokenizer.decode([t for t in response.tolist() if t != pad], skip_special_tokens=True)
                      for response in responses]
             post = row["query"]  # the gold judge reads the query, as judge.py gives it
-            gold = [world.gold_score(post, text) for text in texts]
+            breakdowns = [world.gold_breakdown(post, text) for text in texts]
+            gold = [breakdown["score"] for breakdown in breakdowns]
             reference = world.gold_score(post, row["summary"])
             a, t = pairwise_agreement(scores, gold)
             agree, total = agree + a, total + t
+            for term, (a, t) in agreement_by_term(scores, gold, [gold_terms(b, world) for b in breakdowns]).items():
+                by_term[term] = [by_term.get(term, [0, 0])[0] + a, by_term.get(term, [0, 0])[1] + t]
             post_feels = bool(set(world.words(post)) & set(world.FEELINGS))
             mistakes += [{**invented_by_kind(post, text, world), "post_feels": post_feels} for text in texts]
             for n in picks:
@@ -261,7 +288,7 @@ def diagnose(rows, policy, reward_model, tokenizer, args: argparse.Namespace, wo
                 kind, true, other = made
                 true, other = summary_scores(reward_model, tokenizer, [row["query_token"]] * 2, [true, other]).tolist()
                 probes[kind].append(true > other)
-    return dict(agree=agree, total=total, mistakes=mistakes, picks=picks, probes=probes, eos_td=eos_td, token_td=token_td)
+    return dict(agree=agree, total=total, by_term=by_term, mistakes=mistakes, picks=picks, probes=probes, eos_td=eos_td, token_td=token_td)
 
 
 def mean(xs: list) -> float:
@@ -277,7 +304,12 @@ def report_lines(found: dict, args: argparse.Namespace, posts: int, sft_path: st
              f"{torch.get_num_threads()} torch threads.", "",
              f"On-policy agreement of the RM with the gold judge: **{agree / max(1, total):.3f}** over {total} pairs "
              "of samples of the same post that both separate (0.5: the RM ranks the policy's samples at random).", "",
-             "| n | gold win rate vs references: first sample | the RM's pick of n | the gold judge's pick of n |",
+             "The same pairs by what decides them: the gold judge's term (`tiny_world.gold_breakdown`, weighted) that "
+             "differs most between the two samples.", "",
+             "| deciding term | share of the pairs | the RM agrees with the gold judge |", "|---|---|---|"]
+    lines += [f"| {term} | {t / max(1, total):.3f} | {a / t:.3f} |"
+              for term, (a, t) in sorted(found["by_term"].items(), key=lambda item: -item[1][1])]
+    lines += ["", "| n | gold win rate vs references: first sample | the RM's pick of n | the gold judge's pick of n |",
              "|---|---|---|---|"]
     for n, results in picks.items():
         lines.append(f"| {n} | {mean([r['first'] for r in results]):.3f} | {mean([r['rm_best'] for r in results]):.3f}"

@@ -19,6 +19,33 @@ def test_pairwise_agreement_by_hand():
     assert diag.pairwise_agreement([0.0, 1.0, 2.0], [0.0, 1.0, 2.0]) == (3, 3)
 
 
+def test_gold_terms_sum_to_the_gold_score():
+    post = "So last week my landlord cancelled my lease.\n\nThen my sister borrowed my car.\n\nIt was rainy."
+    for text in ("landlord cancelled lease", "landlord cancelled car; car car car; i feel hurt", "",
+                 "sister borrowed car and it was rainy and " + "honestly i do not even know anymore " * 3):
+        breakdown = tiny_world.gold_breakdown(post, text)
+        terms = diag.gold_terms(breakdown, tiny_world)
+        assert abs(sum(terms.values()) - breakdown["score"]) < 1e-9, text
+    # an empty summary: no coverage, the empty term alone
+    assert diag.gold_terms(tiny_world.gold_breakdown(post, ""), tiny_world) == {
+        "coverage": 0.0, "invented": -0.0, "irrelevant": -0.0, "repetition": -0.0, "rambling": -0.0, "empty": -2.0}
+
+
+def test_agreement_by_term_by_hand():
+    terms = [{"coverage": 3.0, "invented": 0.0}, {"coverage": 1.5, "invented": -0.8},
+             {"coverage": 3.0, "invented": -0.8}, {"coverage": 3.0, "invented": 0.0}]
+    gold = [sum(t.values()) for t in terms]  # 3.0, 0.7, 2.2, 3.0
+    rm = [1.0, 0.0, 2.0, 0.5]
+    # (0,1): coverage differs by 1.5, invented by 0.8 -> coverage; rm 1 > 0, gold 3.0 > 0.7: agree
+    # (0,2): invented decides; rm 1 < 2, gold 3.0 > 2.2: disagree
+    # (0,3): gold tie, not counted; (1,2): coverage decides (1.5 vs 0): rm 0 < 2, gold 0.7 < 2.2: agree
+    # (1,3): coverage decides; rm 0 < 0.5, gold 0.7 < 3.0: agree; (2,3): invented decides; rm 2 > 0.5, gold 2.2 < 3: no
+    assert diag.agreement_by_term(rm, gold, terms) == {"coverage": (3, 3), "invented": (0, 2)}
+    # the same pairs as pairwise_agreement, split by term
+    assert sum(a for a, _ in diag.agreement_by_term(rm, gold, terms).values()) == diag.pairwise_agreement(rm, gold)[0]
+    assert sum(t for _, t in diag.agreement_by_term(rm, gold, terms).values()) == diag.pairwise_agreement(rm, gold)[1]
+
+
 def test_best_of_n_by_hand():
     rm, gold = [0.1, 0.9, 0.5, 2.0], [1.0, -1.0, 3.0, 0.5]
     assert diag.best_of_n(rm, gold, reference_score=0.5, n=1) == {"first": 1.0, "rm_best": 1.0, "gold_best": 1.0}
@@ -95,6 +122,10 @@ def test_smoke_run_writes_the_tables(tiny_tldr, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = (models / "rm_diagnostics.md").read_text()
     assert "On-policy agreement of the RM with the gold judge" in report
+    total = int(re.search(r"over (\d+) pairs", report).group(1))
+    by_term = report.split("| deciding term |")[1].split("\n\n")[0].splitlines()[2:]
+    shares = [float(row.split(" | ")[1]) for row in by_term]
+    assert total == 0 or abs(sum(shares) - 1) < 0.01  # every counted pair under one term
     best_of_n = report.split("Probes:")[0]  # the best-of-n table: a row per n up to --samples
     assert [line.split(" |")[0] for line in best_of_n.splitlines() if line[:3] in ("| 1", "| 2", "| 4")] == [
         "| 1", "| 2", "| 4"]
