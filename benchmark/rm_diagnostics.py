@@ -63,9 +63,9 @@ def gold_terms(breakdown: dict, world) -> dict:
     """A gold_breakdown -> each term's signed part of its score ({coverage, invented, irrelevant, repetition,
     rambling, empty}; they sum to breakdown["score"])."""
     w = world.JUDGE_WEIGHTS
-    return {"coverage": w["coverage"] * breakdown["coverage"], "invented": -w["invented"] * breakdown["invented"],
-            "irrelevant": -w["irrelevant"] * breakdown["irrelevant"], "repetition": -w["repetition"] * breakdown["repetition"],
-            "rambling": -w["rambling"] * breakdown["rambling"], "empty": -w["empty"] * (breakdown["n_words"] == 0)}
+    penalties = {name: -w[name] * breakdown[name] for name in ("invented", "irrelevant", "repetition", "rambling")}
+    return {"coverage": w["coverage"] * breakdown["coverage"], **penalties,
+            "empty": -w["empty"] * (breakdown["n_words"] == 0)}
 
 
 def agreement_by_term(rm_scores: list, gold_scores: list, terms: list) -> dict:
@@ -271,7 +271,8 @@ def diagnose(rows, policy, reward_model, tokenizer, args: argparse.Namespace, wo
             a, t = pairwise_agreement(scores, gold)
             agree, total = agree + a, total + t
             for term, (a, t) in agreement_by_term(scores, gold, [gold_terms(b, world) for b in breakdowns]).items():
-                by_term[term] = [by_term.get(term, [0, 0])[0] + a, by_term.get(term, [0, 0])[1] + t]
+                counts = by_term.setdefault(term, [0, 0])
+                counts[0], counts[1] = counts[0] + a, counts[1] + t
             post_feels = bool(set(world.words(post)) & set(world.FEELINGS))
             mistakes += [{**invented_by_kind(post, text, world), "post_feels": post_feels} for text in texts]
             for n in picks:
@@ -288,7 +289,8 @@ def diagnose(rows, policy, reward_model, tokenizer, args: argparse.Namespace, wo
                 kind, true, other = made
                 true, other = summary_scores(reward_model, tokenizer, [row["query_token"]] * 2, [true, other]).tolist()
                 probes[kind].append(true > other)
-    return dict(agree=agree, total=total, by_term=by_term, mistakes=mistakes, picks=picks, probes=probes, eos_td=eos_td, token_td=token_td)
+    return dict(agree=agree, total=total, by_term=by_term, mistakes=mistakes, picks=picks, probes=probes,
+                eos_td=eos_td, token_td=token_td)
 
 
 def mean(xs: list) -> float:
