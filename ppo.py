@@ -29,8 +29,7 @@ Logged (TensorBoard, and W&B with --track; x-axis = episodes seen; t runs over a
   objective/kl                mean over responses of sum_t (logp - ref_logp)
   objective/entropy           mean over responses of sum_t of the sampling entropy
   objective/non_score_reward  mean over responses of sum_t -kl_coef * (logp - ref_logp)
-  objective/scores            mean RM score after the EOS trick (-1 for responses without EOS)
-  objective/rlhf_reward       objective/scores + objective/non_score_reward
+  objective/scores | rlhf_reward  mean RM score after the EOS trick (-1 without an EOS) | scores + non_score_reward
   objective/eos_fraction      fraction of responses that contain an EOS
   objective/response_length   mean tokens per response, EOS included
   objective/validation_score  mean RM score of the validation samples (at each evaluation)
@@ -38,8 +37,7 @@ Logged (TensorBoard, and W&B with --track; x-axis = episodes seen; t runs over a
   policy/clipfrac             fraction of valid tokens whose ratio was clipped
   policy/ratio                mean ratio exp(logp_new - logp_old) over valid tokens, all epochs
   policy/ratio_first_epoch[_max_deviation]  its mean (max |ratio - 1|) before the first step: 1 up to (bf16) noise
-  policy/loss                 clipped policy loss
-  policy/lr                   learning rate of the update
+  policy/loss | lr            clipped policy loss | learning rate of the update
   value/loss                  0.5 * clipped squared error of the values
   value/clipfrac              fraction of value tokens where the clipped error was the larger
   time/episodes_per_second    episodes / wall time since the start
@@ -186,6 +184,8 @@ class Args:
     """Score of a response without EOS (Detail 23; paper: -1)"""
     score_after_eos: bool = False
     """Add the score one token after the EOS, as the reference code does (default: on the EOS, as the paper)"""
+    zero_critic_head: bool = False
+    """Start the critic's head at 0 (first values 0), its backbone still the RM's (default: the RM's head too, Detail 22). For short runs: the head's outputs before the EOS were never trained (Detail 13), and over 20 updates, not the paper's 1,953, they steer PPO toward an early EOS (benchmark/results/compare_worlds_rebuilt.md)"""
 
     # derived (computed right after parsing; not flags)
     world_size: tyro.conf.Suppress[int] = 1
@@ -429,9 +429,10 @@ def main() -> None:
     policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
     ref_policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
     # Detail 22: Value model initialised from the RM
-    # The critic is a second, trainable copy of the RM, with the head's bias that normalises it (Detail 15).
-    # Its first values are the RM's per-token outputs.
+    # The critic: a trainable copy of the RM, its head's normalising bias (Detail 15) too; first values: its outputs.
     critic = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
+    if args.zero_critic_head:  # first values 0, the backbone still the RM's: a short run's start (see Args)
+        torch.nn.init.zeros_(critic.head.weight), torch.nn.init.zeros_(critic.head.bias)
     reward_model = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
     refuse(vocabulary_problems(args, tokenizer, policy, critic))
     unsampled = torch.tensor(unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)), device=accelerator.device)

@@ -15,6 +15,8 @@ is the truth:
 - with --zero_critic_head, every run's critic starts with its head zeroed (its first values 0) instead of as the RM
   (Detail 22), whose outputs before the EOS were never trained (Detail 13): does the critic's start steer PPO's
   first updates? (`rm_diagnostics.py` measures that start: the first TD errors of the EOS token and the others.)
+  The main job zeroes it too since 2026-11-28 (tiny.sh passes ppo.py's --zero_critic_head, and every run here
+  repeats the main job's flags); `--ppo_flags "--no-zero-critic-head"` starts every run from the RM's head.
 
 Every run uses the main job's PPO settings (read from {models}/ppo_{seed}/args.json); only the number of
 updates and the output folders differ. This is a diagnostic, not RLHF: it reads the gold judge, which nothing on
@@ -58,7 +60,7 @@ SAME_AS_MAIN_JOB = ("base_model", "query_dataset", "sft_model_path", "reward_mod
                     "num_minibatches", "local_micro_batch_size", "local_rollout_forward_batch_size",
                     "local_eval_batch_size", "num_ppo_epochs", "kl_coef", "gamma", "lam", "cliprange",
                     "cliprange_value", "vf_coef", "whiten_rewards", "non_eos_penalty", "penalty_reward_value",
-                    "score_after_eos")
+                    "score_after_eos", "zero_critic_head")
 
 
 def gold_scores(tokenizer, query_responses, pad_token_id: int, context_length: int) -> list:
@@ -90,13 +92,13 @@ def ppo_variant(ppo_argv: list, reward: str = "gold", zero_critic_head: bool = F
     """Run ppo.py's main() with `reward`: "gold" (`get_score` replaced by the gold judge, decoding with ppo.py's own
     tokenizer), "normalised gold" (the same less the references' mean gold score, so that they score 0 on average, as
     the RM's do: Detail 15) or "RM" (ppo.py's own); `zero_critic_head`: the critic starts from the RM with its head
-    zeroed (every first value 0) instead of the RM itself (Detail 22), a diagnostic of the critic's start."""
+    zeroed (every first value 0: ppo.py's --zero_critic_head) instead of the RM itself (Detail 22)."""
     import torch
 
     import ppo
 
     tokenizers, shift = [], [0.0]
-    ppo_inputs, load_fp32 = ppo.ppo_inputs, ppo.load_fp32
+    ppo_inputs = ppo.ppo_inputs
 
     def inputs_keeping_the_tokenizer(args, accelerator):
         loaded = ppo_inputs(args, accelerator)  # (dataset, eval splits, tokenizer, recorded)
@@ -110,23 +112,11 @@ def ppo_variant(ppo_argv: list, reward: str = "gold", zero_critic_head: bool = F
         scores = gold_scores(tokenizers[0], query_responses, pad_token_id, context_length)
         return torch.tensor(scores, dtype=torch.float32, device=query_responses.device) - shift[0]
 
-    scalar_models = []
-
-    def load_zeroing_the_critic_head(model_class, path: str, flag: str):
-        model = load_fp32(model_class, path, flag)
-        if model_class is ppo.ScalarModel:
-            scalar_models.append(model)
-            if len(scalar_models) == 1:  # ppo.py's main() loads the critic first, then the reward model
-                with torch.no_grad():
-                    model.head.weight.zero_()
-                    model.head.bias.zero_()
-                print("the critic's head zeroed: every first value is 0", flush=True)
-        return model
-
     if reward != "RM":
         ppo.ppo_inputs, ppo.get_score = inputs_keeping_the_tokenizer, gold_score
-    if zero_critic_head:
-        ppo.load_fp32 = load_zeroing_the_critic_head
+    if zero_critic_head:  # ppo.py's own flag, after the main job's flags (the last one counts)
+        ppo_argv = [*ppo_argv, "--zero_critic_head"]
+        print("the critic's head zeroed: every first value is 0", flush=True)
     sys.argv = ["ppo.py", *ppo_argv]
     finished = False
     try:  # as ppo.py's own __main__
@@ -140,7 +130,7 @@ def ppo_flags(main_job: dict, updates: int, output_dir: str, run_name: str, eval
     """ppo.py's flags for a run like the main job's (its args.json), with `updates` updates."""
     flags = []
     for key in SAME_AS_MAIN_JOB:
-        value = main_job[key]
+        value = main_job.get(key)  # None: a flag the main job's ppo.py did not have yet (it ran at the default)
         if isinstance(value, bool):
             flags.append(f"--{'' if value else 'no-'}{key.replace('_', '-')}")
         elif value is not None:

@@ -567,6 +567,54 @@ def test_smoke_run_saves_policy_and_samples(tiny_tldr, tmp_path):
     assert len(scalars["objective/validation_score"]) == 2  # after update 1 (eval_every) and at the end
 
 
+ZERO_HEAD_PROBE = """
+import sys
+
+import torch
+
+sys.path.insert(0, sys.argv.pop(1))
+import ppo
+
+first, rollout = {}, ppo.rollout
+
+
+def recording(args, policy, ref_policy, critic, reward_model, queries, sample, pad_token_id, *rest):
+    batch, seconds = rollout(args, policy, ref_policy, critic, reward_model, queries, sample, pad_token_id, *rest)
+    if not first:  # the first rollout: values of the critic and, for the same rows, of the RM it was copied from
+        first["values"] = batch["values"]
+        first["rm"] = ppo.get_values(reward_model, batch["query_responses"], pad_token_id, queries.shape[1])
+        first["same_backbone"] = all(torch.equal(a, b) for a, b in zip(critic.backbone.parameters(),
+                                                                       reward_model.backbone.parameters()))
+    return batch, seconds
+
+
+ppo.rollout = recording
+sys.argv = ["ppo.py", *sys.argv[1:]]
+ppo.main()
+print("probe", first["values"].abs().max().item(), first["rm"].abs().max().item(), first["same_backbone"])
+"""
+
+
+@pytest.mark.parametrize("zero_head", [False, True])
+def test_zero_critic_head_starts_every_value_at_zero(tiny_tldr, tmp_path, zero_head):
+    """--zero_critic_head: the first rollout's values are all 0 where the RM's own are not, the backbone still the
+    RM's; without it (Detail 22) the critic's first values are the RM's."""
+    make_reward_model(tmp_path / "rm")
+    (tmp_path / "probe.py").write_text(ZERO_HEAD_PROBE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, str(tmp_path / "probe.py"), str(REPO), "--base_model", str(WORLD / "pythia-tiny"),
+           "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
+           "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / "ppo"), "--run_name", "zero",
+           "--total_episodes", "8", "--batch_size", "8", "--local_micro_batch_size", "8", "--response_length", "8",
+           "--num_eval_samples", "0"] + (["--zero_critic_head"] if zero_head else [])
+    result = run_python(cmd, cwd=tmp_path, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    values, rm, same_backbone = result.stdout.split("probe ")[-1].split()
+    assert float(rm) > 1e-3 and same_backbone == "True"
+    assert float(values) == 0.0 if zero_head else float(values) == pytest.approx(float(rm), abs=1e-6)
+    assert json.loads((tmp_path / "ppo" / "args.json").read_text())["zero_critic_head"] is zero_head
+
+
 def test_prompt_order_reshuffles_at_each_pass():
     """Prompts without replacement within a pass, a fresh order for the next pass, alike on every rank."""
     from ppo import episode_order
