@@ -126,16 +126,28 @@ def ppo_variant(ppo_argv: list, reward: str = "gold", zero_critic_head: bool = F
         ppo.leave_process_group(finished)
 
 
-def ppo_flags(main_job: dict, updates: int, output_dir: str, run_name: str, eval_every: int) -> list:
-    """ppo.py's flags for a run like the main job's (its args.json), with `updates` updates."""
+def job_root(models: str, main_job: dict) -> str:
+    """The folder the main job ran in, against which its args.json's relative paths resolve. tiny.sh runs at the
+    root of its checkout and writes $MODELS/ppo_{seed}: `models` less the relative $MODELS the args.json's
+    output_dir names (/clone/models/tiny and models/tiny/ppo_1 -> /clone); else this checkout's root."""
+    output_dir = str(main_job.get("output_dir") or "")
+    relative = os.path.dirname(os.path.normpath(output_dir))
+    absolute = os.path.abspath(models)
+    if output_dir and relative and not os.path.isabs(output_dir) and absolute.endswith(os.sep + relative):
+        return absolute[: -len(relative) - 1]
+    return ROOT
+
+
+def ppo_flags(main_job: dict, updates: int, output_dir: str, run_name: str, eval_every: int, root: str = ROOT) -> list:
+    """ppo.py's flags for a run like the main job's (its args.json), with `updates` updates; `root`: job_root."""
     flags = []
     for key in SAME_AS_MAIN_JOB:
         value = main_job.get(key)  # None: a flag the main job's ppo.py did not have yet (it ran at the default)
         if isinstance(value, bool):
             flags.append(f"--{'' if value else 'no-'}{key.replace('_', '-')}")
         elif value is not None:
-            # A path relative to where tiny.sh ran (the repository root); a Hub id stays as it is.
-            at_root = os.path.join(ROOT, str(value))
+            # A path relative to where tiny.sh ran (its checkout's root); a Hub id stays as it is.
+            at_root = os.path.join(root, str(value))
             flags += [f"--{key}", at_root if not os.path.isabs(str(value)) and os.path.exists(at_root) else str(value)]
     return flags + ["--total_episodes", str(updates * main_job["batch_size"]), "--output_dir", output_dir,
                     "--run_name", run_name, "--eval_every", str(eval_every)]
@@ -255,13 +267,14 @@ def parse_args() -> argparse.Namespace:
                              "diagnostic: \"--cliprange_value 1e6\" turns value clipping off); its runs' folders end "
                              "in _flags")
     parser.add_argument("--eval_every", type=int, default=5, help="updates between the evaluations of a run's curve")
-    parser.add_argument("--runs_dir", default=os.path.join(ROOT, "runs"),
-                        help="where the main job's ppo.py wrote <run_name>/ (tiny.sh runs it at the repository root)")
+    parser.add_argument("--runs_dir", default=None,
+                        help="where the main job's ppo.py wrote <run_name>/ (default: runs/ of the checkout the main "
+                             "job ran in, see job_root)")
     return parser.parse_args()
 
 
 def run_ppo(reward: str, updates: int, main_job: dict, out: str, eval_every: int, started: float,
-            zero_critic_head: bool = False, extra_flags: tuple = ()) -> tuple:
+            zero_critic_head: bool = False, extra_flags: tuple = (), root: str = ROOT) -> tuple:
     """One PPO run with the main job's settings and `extra_flags` after them, the gold judge's or the RM's reward
     (ppo_variant), in out/<reward>_<updates>[_zero_critic][_flags]: (its validation samples, its evaluation curve);
     exits with the log's tail when the run fails. `started`: when the first run began (for the progress line)."""
@@ -272,7 +285,7 @@ def run_ppo(reward: str, updates: int, main_job: dict, out: str, eval_every: int
     run_dir = os.path.join(out, name)
     shutil.rmtree(run_dir, ignore_errors=True)  # a run starts afresh (ppo.py refuses a used output folder)
     os.makedirs(run_dir)
-    flags = ppo_flags(main_job, updates, os.path.abspath(os.path.join(run_dir, "ppo")), f"ppo_{name}", eval_every)
+    flags = ppo_flags(main_job, updates, os.path.abspath(os.path.join(run_dir, "ppo")), f"ppo_{name}", eval_every, root)
     flags += list(extra_flags)  # after the main job's: ppo.py takes a flag's last value
     variant = {"gold": [], "normalised gold": ["--normalised"], "RM": ["--rm"]}[reward] + (
         ["--zero_critic_head"] if zero_critic_head else [])
@@ -314,7 +327,9 @@ def main() -> None:
         entries.append({"label": "PPO, the main job", "reward": "RM", "updates": main_job["num_updates"],
                         "vs_references": judge(main_rows), "vs_sft": judge(main_rows, sft_rows)})
     curves, started = {}, time.time()
-    main_curve = run_curve(os.path.join(args.runs_dir, main_job["run_name"]), main_job["batch_size"])
+    root = job_root(args.models, main_job)  # the main job's relative paths (models, data, world) resolve there
+    runs_dir = args.runs_dir or os.path.join(root, "runs")
+    main_curve = run_curve(os.path.join(runs_dir, main_job["run_name"]), main_job["batch_size"])
     if main_curve:
         curves[f"RM reward, {updates_text(main_job['num_updates'])} (the main job)"] = main_curve
     runs = ([("gold", u) for u in args.gold_updates] + [("normalised gold", u) for u in args.normalised_gold_updates]
@@ -322,7 +337,7 @@ def main() -> None:
     note = run_note(args.zero_critic_head, args.ppo_flags)
     for reward, updates in runs:
         rows, curve = run_ppo(reward, updates, main_job, out, args.eval_every, started, args.zero_critic_head,
-                              args.ppo_flags)
+                              args.ppo_flags, root)
         entries.append({"label": f"PPO, {reward} reward{note}", "reward": reward, "updates": updates,
                         "vs_references": judge(rows), "vs_sft": judge(rows, sft_rows)})
         curves[f"{reward} reward{note}, {updates_text(updates)}"] = curve

@@ -110,8 +110,9 @@ stage "dpo" python dpo.py --sft_model_path "$MODELS/sft_$SEED" --label_dataset "
 # and one departure from the paper's recipe for a run of 20 updates (the paper's has 1,953):
 # --zero_critic_head starts the critic's head at 0 (its backbone is still the RM's, Detail 22). The
 # RM head's outputs before the EOS were never trained (Detail 13); as first values they pushed PPO
-# toward an early EOS on three of five worlds (first TD error +3 to +5), and with the head zeroed PPO
-# ended higher on all five (SFT + 0.112 on average -> + 0.194; benchmark/results/compare_worlds_rebuilt.md).
+# toward an early EOS on three of five worlds (first TD error +3 to +5). With the head zeroed PPO ended
+# higher on four of five and level on the fifth (seed 1, -0.004): SFT + 0.112 on average -> + 0.193
+# (benchmark/results/compare_worlds_rebuilt.md).
 # An evaluation every PPO_EVAL_EVERY updates (runs/$PPO_RUN/samples_validation_<episode>.csv) gives the
 # report its over-optimisation curve.
 PPO_RUN=tiny_ppo_$SEED

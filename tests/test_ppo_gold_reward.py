@@ -52,6 +52,23 @@ def test_reference_mean_gold_is_the_mean_judge_score_of_the_references():
     assert tiny_world.gold_score(POST, references[0].strip()) != tiny_world.gold_score(POST, references[1].strip())
 
 
+def test_job_root_resolves_the_main_jobs_relative_paths_in_its_own_checkout(tmp_path):
+    """A main job run in another clone (its args.json: models/tiny/...) resolves there, not in this checkout."""
+    main_job = {"output_dir": "models/tiny/ppo_1", "sft_model_path": "models/tiny/sft_1", "batch_size": 64}
+    (tmp_path / "clone" / "models" / "tiny" / "sft_1").mkdir(parents=True)
+    root = gold_reward.job_root(str(tmp_path / "clone" / "models" / "tiny"), main_job)
+    assert root == str(tmp_path / "clone")
+    flags = gold_reward.ppo_flags(main_job, 1, "/out", "run", 1, root=root)
+    assert flags[flags.index("--sft_model_path") + 1] == str(tmp_path / "clone" / "models" / "tiny" / "sft_1")
+    assert gold_reward.job_root("/elsewhere/clone/models/tiny", main_job) == "/elsewhere/clone"
+    assert gold_reward.job_root("/elsewhere/clone/models/tiny/", main_job) == "/elsewhere/clone"
+    assert gold_reward.job_root("/tmp/m5", {"output_dir": "/tmp/m5/ppo_5"}) == gold_reward.ROOT  # absolute paths
+    assert gold_reward.job_root("/tmp/other", main_job) == gold_reward.ROOT  # no such relative part: this checkout
+    flags = gold_reward.ppo_flags(main_job, 1, "/out", "run", 1, root="/elsewhere/clone")
+    # models/tiny/sft_1 does not exist under /elsewhere/clone: kept as given (a Hub id would be too)
+    assert flags[flags.index("--sft_model_path") + 1] == "models/tiny/sft_1"
+
+
 def test_judge_counts_wins_and_leaves_ties_out():
     good, worse = "landlord cancelled lease; sister borrowed car", "landlord cancelled lease"
     rows = [{"query": POST, "response": good, "reference": worse},  # win
