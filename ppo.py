@@ -26,9 +26,8 @@ updates) the RM scores the policy's summaries of validation prompts (temperature
         --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_rollout_forward_batch_size 16 --track
 
 Logged (TensorBoard, and W&B with --track; x-axis = episodes seen; t runs over a response's valid tokens):
-  objective/kl                mean over responses of sum_t (logp - ref_logp)
+  objective/kl | non_score_reward  mean over responses of sum_t (logp - ref_logp) | the same x -kl_coef
   objective/entropy           mean over responses of sum_t of the sampling entropy
-  objective/non_score_reward  mean over responses of sum_t -kl_coef * (logp - ref_logp)
   objective/scores | rlhf_reward  mean RM score after the EOS trick (-1 without an EOS) | scores + non_score_reward
   objective/eos_fraction      fraction of responses that contain an EOS
   objective/response_length   mean tokens per response, EOS included

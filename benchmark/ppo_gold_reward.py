@@ -35,7 +35,7 @@ a run with `tail -f`). Each call starts its runs afresh. The other mode,
     python benchmark/ppo_gold_reward.py ppo <ppo.py's flags>
 
 is ppo.py itself with the gold reward (what the runs above call); `ppo --normalised ...` with the normalised one,
-`ppo --rm ...` with the RM, and `--zero_critic_head` after `ppo` with the critic's head zeroed.
+and `ppo --rm ...` with the RM (ppo.py's own flags follow, --zero_critic_head among them).
 """
 
 import argparse
@@ -88,11 +88,10 @@ def reference_mean_gold(tokenizer, train) -> float:
     return sum(scores) / len(scores)
 
 
-def ppo_variant(ppo_argv: list, reward: str = "gold", zero_critic_head: bool = False) -> None:
+def ppo_variant(ppo_argv: list, reward: str = "gold") -> None:
     """Run ppo.py's main() with `reward`: "gold" (`get_score` replaced by the gold judge, decoding with ppo.py's own
     tokenizer), "normalised gold" (the same less the references' mean gold score, so that they score 0 on average, as
-    the RM's do: Detail 15) or "RM" (ppo.py's own); `zero_critic_head`: the critic starts from the RM with its head
-    zeroed (every first value 0: ppo.py's --zero_critic_head) instead of the RM itself (Detail 22)."""
+    the RM's do: Detail 15) or "RM" (ppo.py's own)."""
     import torch
 
     import ppo
@@ -114,9 +113,6 @@ def ppo_variant(ppo_argv: list, reward: str = "gold", zero_critic_head: bool = F
 
     if reward != "RM":
         ppo.ppo_inputs, ppo.get_score = inputs_keeping_the_tokenizer, gold_score
-    if zero_critic_head:  # ppo.py's own flag, after the main job's flags (the last one counts)
-        ppo_argv = [*ppo_argv, "--zero_critic_head"]
-        print("the critic's head zeroed: every first value is 0", flush=True)
     sys.argv = ["ppo.py", *ppo_argv]
     finished = False
     try:  # as ppo.py's own __main__
@@ -286,15 +282,18 @@ def run_ppo(reward: str, updates: int, main_job: dict, out: str, eval_every: int
     shutil.rmtree(run_dir, ignore_errors=True)  # a run starts afresh (ppo.py refuses a used output folder)
     os.makedirs(run_dir)
     flags = ppo_flags(main_job, updates, os.path.abspath(os.path.join(run_dir, "ppo")), f"ppo_{name}", eval_every, root)
+    flags += ["--zero_critic_head"] if zero_critic_head else []  # ppo.py's own flag
     flags += list(extra_flags)  # after the main job's: ppo.py takes a flag's last value
-    variant = {"gold": [], "normalised gold": ["--normalised"], "RM": ["--rm"]}[reward] + (
-        ["--zero_critic_head"] if zero_critic_head else [])
+    variant = {"gold": [], "normalised gold": ["--normalised"], "RM": ["--rm"]}[reward]
     command = ([sys.executable, os.path.abspath(__file__), "ppo", *variant] if variant != ["--rm"]
                else [sys.executable, os.path.join(ROOT, "ppo.py")]) + flags  # ppo.py itself for the plain RM run
     print(f"=== PPO, {reward} reward{run_note(zero_critic_head, extra_flags)}, {updates_text(updates)} "
           f"({time.time() - started:.0f} s so far; "
           f"log: {run_dir}/ppo.log)", flush=True)
     with open(os.path.join(run_dir, "ppo.log"), "w") as log:  # its runs/ folder lands in run_dir
+        if zero_critic_head:
+            log.write("the critic's head zeroed: every first value is 0\n")
+            log.flush()
         failed = subprocess.run(command, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT).returncode != 0
     if failed:
         with open(os.path.join(run_dir, "ppo.log")) as log:
@@ -360,9 +359,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["ppo"]:
-        options = list(itertools.takewhile(lambda word: word in ("--normalised", "--rm", "--zero_critic_head"),
-                                           sys.argv[2:]))
+        options = list(itertools.takewhile(lambda word: word in ("--normalised", "--rm"), sys.argv[2:]))
         reward = "normalised gold" if "--normalised" in options else "RM" if "--rm" in options else "gold"
-        ppo_variant(sys.argv[2 + len(options):], reward, "--zero_critic_head" in options)
+        ppo_variant(sys.argv[2 + len(options):], reward)
     else:
         main()
