@@ -1,5 +1,5 @@
-"""The benchmarks' own arithmetic, against hand-computed values: the sampling roofline (benchmark/sampling.py) and
-gpu_check.py's report."""
+"""The benchmarks' own arithmetic, against hand-computed values: the sampling roofline (benchmark/sampling.py and
+sampling_split.py) and gpu_check.py's report."""
 
 import re
 import sys
@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 
 import sampling  # noqa: E402
+import sampling_split  # noqa: E402
 
 
 def test_sampling_floor_adds_the_attentions_cache_reads_where_they_outlast_its_flops():
@@ -26,6 +27,14 @@ def test_sampling_floor_adds_the_attentions_cache_reads_where_they_outlast_its_f
     assert floor["seconds"] == pytest.approx((164 + 76) / 10 + 24 / 10)  # the attention's FLOPs outlast its bytes
     slow_memory = sampling.sampling_floor(config, 1, 2, 2, peak=10.0, bandwidth=10.0)
     assert slow_memory["seconds"] == pytest.approx((164 + 76) / 10 + 48 / 10)  # and here its bytes outlast its FLOPs
+
+
+def test_prefill_floor_counts_each_querys_real_tokens_only():
+    config = SimpleNamespace(hidden_size=2, num_hidden_layers=1, intermediate_size=4, vocab_size=3)
+    # Queries of 1 and 2 real tokens: 3 tokens x 64 + 2 last-token logits x 12 + attention 8 x (1 x 1 + 2 x 1.5) = 248.
+    assert sampling_split.prefill_flops(config, [1, 2]) == pytest.approx(248)
+    # One query without pads: the prefill part of sampling.py's count (a call of one token: no step).
+    assert sampling_split.prefill_flops(config, [2]) == pytest.approx(sampling.sampling_flops(config, 1, 2, 1)) == 164
 
 
 def test_query128_response_bounds_hold_the_committed_worlds_responses():
