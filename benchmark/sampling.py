@@ -170,6 +170,16 @@ def measure(name: str, rounds: int, response_length: int, temperature: float) ->
             "shape": (policy.config, queries.shape[0], queries.shape[1], response_length)}
 
 
+def write_report(lines: list, path: str, script: str) -> None:
+    """Print the report `lines` with the command that made it (`script` and this process's flags), and write it to `path`."""
+    command = " ".join([script, *sys.argv[1:]])
+    report = "\n".join([*lines, f"Command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} python {command}`"])
+    print("\n" + report)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as file:
+        file.write(report + "\n")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", choices=("tiny", "5m"), default=["tiny", "5m"])
@@ -211,13 +221,7 @@ def main():
         lines += ["", f"Fast path vs HF generate per round: {', '.join(f'{r:.2f}x' for r in per_round)}. "
                   f"First call of the fast path (compiling its step): {result['compile_seconds']:.1f} s. "
                   f"FLOPs per call: {result['flops'] / 1e9:.2f} G.", ""]
-    lines.append(f"Command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} python benchmark/sampling.py "
-                 f"{' '.join(sys.argv[1:])}`")
-    report = "\n".join(lines)
-    print("\n" + report)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as file:
-        file.write(report + "\n")
+    write_report(lines, args.out, "benchmark/sampling.py")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sampling import ROOT, load_config, matmul_peak, read_bandwidth  # noqa: E402  (puts ROOT on sys.path too)
+from sampling import ROOT, load_config, matmul_peak, read_bandwidth, write_report  # noqa: E402  (puts ROOT on sys.path too)
 
 
 def best_seconds(function, repeats: int, warmup: int = 2) -> float:
@@ -163,13 +163,7 @@ def main():
                   f"{pieces['whole call (fast path)'][0]:.3f} s. The step's attention (its {result['layers']} layers, "
                   f"as compiled, on a {result['cache_mb']:.0f} MB cache) is {attention * 1e3:.2f} ms of its "
                   f"{step * 1e3:.2f} ms.", ""]
-    lines.append(f"Command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} python "
-                 f"{' '.join(['benchmark/sampling_split.py', *sys.argv[1:]])}`")
-    report = "\n".join(lines)
-    print("\n" + report)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as file:
-        file.write(report + "\n")
+    write_report(lines, args.out, "benchmark/sampling_split.py")
 
 
 if __name__ == "__main__":
