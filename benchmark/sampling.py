@@ -62,14 +62,20 @@ def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     return data.numel() * 4 / best
 
 
+def matmul_flops_per_token(config) -> int:
+    """Multiply-adds x 2 of one token through every layer's QKV and output projections and its MLP (no unembedding)."""
+    hidden, inner = config.hidden_size, config.intermediate_size
+    return 2 * config.num_hidden_layers * (4 * hidden * hidden + 2 * hidden * inner)
+
+
 def sampling_floor(config, rows: int, context_length: int, response_length: int, peak: float, bandwidth: float) -> dict:
     """Seconds of a sampling call at the roofline of one thread, whose kernels run one after another: the prefill's
     FLOPs at `peak`; then per one-token step, the projections' and unembedding's FLOPs at `peak` (their weights are
     read once per step, alongside far more FLOPs) plus the attention's own floor, the larger of its FLOPs at `peak`
     and the bytes of the KV cache it reads (pads included, fp32) at `bandwidth`. Also the attention's bytes alone."""
-    hidden, layers, inner = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    hidden, layers = config.hidden_size, config.num_hidden_layers
     prefill = sampling_flops(config, rows, context_length, 1)
-    matmuls = rows * (2 * layers * (4 * hidden * hidden + 2 * hidden * inner) + 2 * hidden * config.vocab_size)
+    matmuls = rows * (matmul_flops_per_token(config) + 2 * hidden * config.vocab_size)
     attention = [(2 * 2 * layers * hidden * rows * columns, 4 * 2 * layers * rows * hidden * columns)  # (FLOPs, bytes)
                  for columns in range(context_length + 1, context_length + response_length)]
     seconds = (prefill + matmuls * len(attention)) / peak + sum(max(flops / peak, size / bandwidth)
@@ -81,8 +87,8 @@ def sampling_floor(config, rows: int, context_length: int, response_length: int,
 def sampling_flops(config, rows: int, context_length: int, response_length: int) -> float:
     """Multiply-adds x 2 of one sampling call: a prefill of rows x context tokens (logits of the last one only) and
     response_length - 1 one-token steps with logits, attention over every cached column (pads included)."""
-    hidden, layers, inner = config.hidden_size, config.num_hidden_layers, config.intermediate_size
-    per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * inner)  # QKV + output projections, MLP
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    per_token = matmul_flops_per_token(config)
     unembed = 2 * hidden * config.vocab_size
     attention = lambda queries, keys: 2 * 2 * layers * hidden * queries * keys  # QK^T and AV
     prefill = rows * (context_length * per_token + unembed + attention(context_length, (context_length + 1) / 2))

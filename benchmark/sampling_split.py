@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sampling import ROOT, load_config, matmul_peak, read_bandwidth, write_report  # noqa: E402  (puts ROOT on sys.path too)
+# noqa: E402 below: sampling must be importable first; importing it also puts ROOT on sys.path
+from sampling import (ROOT, load_config, matmul_flops_per_token, matmul_peak, read_bandwidth,  # noqa: E402
+                      write_report)
 
 
 def best_seconds(function, repeats: int, warmup: int = 2) -> float:
@@ -48,9 +50,8 @@ def best_seconds(function, repeats: int, warmup: int = 2) -> float:
 def prefill_flops(config, lengths: list) -> float:
     """Multiply-adds x 2 of a prefill over queries of `lengths` real tokens (pads not counted): every token through
     the projections and the MLP, the logits of each query's last token, and causal attention (QK^T and AV)."""
-    hidden, layers, inner = config.hidden_size, config.num_hidden_layers, config.intermediate_size
-    per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * inner)
-    return float(sum(length * per_token + 2 * hidden * config.vocab_size
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    return float(sum(length * matmul_flops_per_token(config) + 2 * hidden * config.vocab_size
                      + 2 * 2 * layers * hidden * length * (length + 1) / 2 for length in lengths))
 
 
@@ -69,14 +70,12 @@ def split(name: str, repeats: int, response_length: int, temperature: float, pea
     policy, queries, pad_id, unsampled, label = load_config(name)
     config = policy.config
     rows, context_length = queries.shape
-    hidden, layers, inner, vocab = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
-    heads = config.num_attention_heads
+    hidden, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
     columns = context_length + response_length  # the static cache's width
     attention_mask = queries != pad_id
     position_ids = (attention_mask.long().cumsum(1) - 1).masked_fill(~attention_mask, 0)
     input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * inner)  # QKV + output projections, MLP
-    step_matmuls = rows * (per_token + 2 * hidden * vocab)
+    step_matmuls = rows * (matmul_flops_per_token(config) + 2 * hidden * config.vocab_size)
     cache_bytes = 4 * 2 * layers * rows * hidden * columns  # keys and values of every layer, fp32
     pieces = {}
     with torch.no_grad():
