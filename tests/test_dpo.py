@@ -240,9 +240,15 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
     (other_ids / "args.json").write_text(json.dumps({"pad_token_id": 5, "eos_token_id": EOS}))
     cases.append((["--label_dataset", str(other_ids / "preference"), "--output_dir", str(tmp_path / "d")],
                   "was tokenized with {'eos_token_id': 0, 'pad_token_id': 5}"))
+    # One pass over the pairs in batches larger than the split: no update at all, so the run asks for episodes.
+    pairs = len(datasets.load_from_disk(str(small_world / "preference"))["train"])
+    cases.append((["--label_dataset", str(small_world / "preference"), "--output_dir", str(tmp_path / "e"),
+                   "--num_train_epochs", "1", "--batch_size", str(8 * pairs)],  # the last --batch_size counts
+                  f"its train split ({pairs} pairs) x --num_train_epochs 1 is less than one batch of {8 * pairs}: "
+                  "pass --total_episodes"))
     results = early_exits([(tmp_path, REPO / "dpo.py", base + flags) for flags, _ in cases], env=ENV)
     for (_, message), result in zip(cases, results):
         assert result.returncode != 0 and "SetupError" in result.stderr and message in result.stderr, result.stderr[-2000:]
         assert "Loading weights" not in result.stdout + result.stderr
-    assert not any((tmp_path / name).exists() for name in "acd")
+    assert not any((tmp_path / name).exists() for name in "acde")
     assert sorted(os.listdir(tmp_path / "b")) == ["args.json", "eval_metrics.json"] and not (tmp_path / "runs").exists()

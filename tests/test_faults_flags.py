@@ -126,3 +126,23 @@ def test_scheduler_check_judges_as_a_real_optimizer_would():
         for name, error in verdicts.items():
             problem = module.scheduler_problem(name)
             assert (problem is None) == (error is None) and (error is None or error in problem), (module, name)
+    for module in (sft, reward, dpo):  # it builds, but steps on a metric the stages never pass
+        assert module.scheduler_problem("reduce_lr_on_plateau") == (
+            "--scheduler reduce_lr_on_plateau: it needs a metric at every step; want e.g. cosine, linear or constant")
+
+
+def test_paths_that_cannot_work_are_named(tmp_path):
+    """Path flags are checked with the rest: an --output_dir that is a file, a missing --judged_file, a --gold_judge
+    folder without world.json; and DPO's --label_smoothing, which IPO has not."""
+    a_file, empty = str(WORLD / "world.json"), str(tmp_path)
+    for script, (module, flag_problems) in STAGES.items():
+        base = {"base_model": BASE} if script == "sft.py" else {}
+        assert flag_problems(module.Args(output_dir=a_file, **base), 1) == [
+            f"--output_dir {a_file} is a file: choose a folder"], script
+    assert reward.reward_flag_problems(reward.Args(judged_file="/no/such.csv", gold_judge=empty), 1) == [
+        "--judged_file /no/such.csv: no such file (want judge.py's judged/<run>.csv)",
+        f"--gold_judge {empty}: no world.json there (want a tiny world folder)"]
+    assert dpo.dpo_flag_problems(dpo.Args(ipo=True, label_smoothing=0.1, gold_judge=empty), 1) == [
+        "--label_smoothing 0.1 with --ipo: want 0 (IPO has no label smoothing)",
+        f"--gold_judge {empty}: no world.json there (want a tiny world folder)"]
+    assert dpo.dpo_flag_problems(dpo.Args(ipo=True, gold_judge=str(WORLD)), 1) == []  # a world folder; IPO alone

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import reward
-from conftest import REPO, WORLD, multi_process_slot, run_python
+from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python
 from ppo import (PolicyAndValueWrapper, ScalarModel, compute_gae, compute_rewards, disable_dropout, eos_trick,
                  first_true_indices, gather_logprobs, generate, get_reward, get_score, get_values, masked_mean,
                  ppo_batch_sizes, response_outputs,
@@ -539,15 +539,20 @@ def test_smoke_run_saves_policy_and_samples(tiny_tldr, tmp_path):
            "--total_episodes", "32", "--batch_size", "16", "--num_minibatches", "2", "--local_micro_batch_size", "4",
            "--local_rollout_forward_batch_size", "8", "--response_length", "20", "--lr", "1e-4",
            "--eval_every", "1", "--num_eval_samples", "8", "--local_eval_batch_size", "8"]
-    # Interrupted after update 1 (as a time-limited job), then resumed from its checkpoint.
-    result = run_python(cmd + ["--stop_after_updates", "1"], cwd=tmp_path, env=env, timeout=600)
+    # Interrupted after update 1 (as a time-limited job), then resumed from its checkpoint. Both starts carry
+    # --resume, as every start of a SLURM task does (benchmark/slurm/): the first finds no checkpoint and starts at 0.
+    result = run_python(cmd + ["--stop_after_updates", "1", "--resume"], cwd=tmp_path, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"--resume: no checkpoint in {out / 'checkpoints'}, starting at update 0" in result.stdout
     assert "2 updates of 16 episodes" in result.stdout and "stopped after update 1 of 2" in result.stdout
     assert "model of type `scalar_model`" not in result.stdout + result.stderr  # the RM folder's tokenizer loads quietly
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["update_1"]
-    result = run_python(cmd + ["--resume"], cwd=tmp_path, env=env, timeout=600)
+    # The requeued start names no run (as the launchers): it takes the checkpoint's, and logs on under runs/ppo_smoke.
+    unnamed = cmd[: cmd.index("--run_name")] + cmd[cmd.index("--run_name") + 2 :]
+    result = run_python(unnamed + ["--resume"], cwd=tmp_path, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "at update 1" in result.stdout
+    assert [path.name for path in (tmp_path / "runs").iterdir()] == ["ppo_smoke"]
     policy = AutoModelForCausalLM.from_pretrained(out)  # a standard causal-LM folder
     assert policy.config.attention_dropout == 0.0
     assert (out / "tokenizer.json").is_file() and not (out / "checkpoints").exists()
@@ -565,6 +570,29 @@ def test_smoke_run_saves_policy_and_samples(tiny_tldr, tmp_path):
     assert all(abs(r - 1) < 1e-4 for r in scalars["policy/ratio_first_epoch"]), scalars["policy/ratio_first_epoch"]
     assert scalars["objective/kl"][0] == pytest.approx(0.0, abs=1e-4)  # policy = reference before any step
     assert len(scalars["objective/validation_score"]) == 2  # after update 1 (eval_every) and at the end
+
+
+def test_data_without_a_column_or_a_foreign_output_folder_is_refused_before_loading(tiny_tldr, tmp_path):
+    """ppo.py's own inputs: SFT data without the references it scores against, and an output folder of other
+    files; each start names the problem and the fix, and loads no model."""
+    import datasets
+
+    data = datasets.load_from_disk(tiny_tldr / "sft")
+    data["validation"] = data["validation"].remove_columns("reference_response_token")
+    data.save_to_disk(tmp_path / "data" / "sft")
+    (tmp_path / "occupied").mkdir()
+    (tmp_path / "occupied" / "notes.txt").write_text("not a run")
+    base = ["--sft_model_path", WORLD / "pythia-tiny", "--reward_model_path", WORLD / "pythia-tiny"]
+    cases = {f"{tmp_path / 'data' / 'sft'} lacks ['validation.reference_response_token']: build it with "
+             "preprocess_tldr.py": ["--query_dataset", tmp_path / "data" / "sft", "--output_dir", tmp_path / "out"],
+             f"--output_dir {tmp_path / 'occupied'} is not empty and has no args.json: choose an empty or new folder":
+                 ["--query_dataset", tiny_tldr / "sft", "--output_dir", tmp_path / "occupied"]}
+    results = early_exits([(tmp_path, REPO / "ppo.py", base + flags) for flags in cases.values()],
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+    for message, result in zip(cases, results):
+        assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+        assert "Loading weights" not in result.stdout + result.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "occupied"]
 
 
 ZERO_HEAD_PROBE = """

@@ -393,11 +393,16 @@ def test_missing_inputs_stop_before_anything_is_written(chained, pythia_like, tm
 def test_a_model_of_another_base_is_never_picked_up(chained, tmp_path):
     """A run for another base model looks in its own folders, and refuses an SFT model trained from another base."""
     other = ["--base_model", "EleutherAI/pythia-2.8b-deduped"]
-    ppo, rm = early_exits([(chained, REPO / "ppo.py", other),  # one interpreter for both (conftest.early_exits)
-                             (chained, REPO / "reward.py", other + ["--sft_model_path", chained / "models" / NAME / "sft_1"])],
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+    sft_model = ["--sft_model_path", chained / "models" / NAME / "sft_1"]
+    ppo, rm, dpo, ppo_given = early_exits(  # one interpreter for all four (conftest.early_exits)
+        [(chained, REPO / "ppo.py", other), (chained, REPO / "reward.py", other + sft_model),
+         (chained, REPO / "dpo.py", other + sft_model), (chained, REPO / "ppo.py", other + sft_model)],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
     assert "--sft_model_path models/EleutherAI/pythia-2.8b-deduped/sft_1: no such folder" in ppo.stderr
-    assert f"was fine-tuned from {NAME}, not from --base_model EleutherAI/pythia-2.8b-deduped" in rm.stderr
+    for result in (rm, dpo):
+        assert f"was fine-tuned from {NAME}, not from --base_model EleutherAI/pythia-2.8b-deduped" in result.stderr
+    assert (f"--sft_model_path {sft_model[1]} was trained from {NAME}, not from --base_model "
+            f"EleutherAI/pythia-2.8b-deduped: pass --base_model {NAME} or another --sft_model_path") in ppo_given.stderr
     assert not (chained / "models" / "EleutherAI").exists()
 
 
