@@ -12,7 +12,7 @@ import pytest
 from conftest import run_python
 
 import preprocess_tldr as pre
-from test_preprocess import (EOS, flag_args, make_tokenizer, preference_row, reference_flags, sft_row,
+from test_preprocess import (flag_args, make_tokenizer, preference_row, reference_flags, sft_row,
                              smoke_sources, write_world)
 
 

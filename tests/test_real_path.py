@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python, tiny_lengths
 import reward
-from ppo import (PolicyAndValueWrapper, cast_parameters, disable_dropout, eval_batches, first_true_indices, generate,
+from ppo import (PolicyAndValueWrapper, cast_parameters, disable_dropout, eval_batches, generate,
                  gpu_problem, last_hidden_states, load_fp32, mask_logits, model_name, response_masks, response_window,
                  rotary_problem, sample_rollout, trained_width, unsampled_token_ids)
 
