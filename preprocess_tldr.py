@@ -566,7 +566,8 @@ def validate_rows(rows, split: str, kind: str) -> None:
         problem = row_problem(row, kind)
         if problem is not None:  # SFT rows have an `id`, preference rows an `info.id`
             row_id = row["info"].get("id") if isinstance(row.get("info"), dict) else row.get("id")
-            raise DataError(f"split '{split}', row {i} (id {row_id!r}): {problem}")
+            named = "no id" if row_id is None else f"id {row_id!r}"  # a preference row whose `info` is broken has none
+            raise DataError(f"split '{split}', row {i} ({named}): {problem}")
 
 
 def duplicate_id_problem(ids_by_split: dict) -> Optional[str]:

@@ -370,3 +370,27 @@ def test_interrupted_run_writes_results_and_counts_calls_in_flight(tmp_path, ser
     result = results(out)
     assert result["this_run"]["possibly_billed_twice"] == len(abandoned) == result["totals"]["possibly_billed_twice"]
     assert result["runs"]["sft"]["judged"] == 8 and {row: verdicts(out)[row] for row in before} == before
+
+
+def test_unreadable_tables_and_a_bad_endpoint_are_named_without_the_secret(tmp_path, monkeypatch, capsys):
+    """read_inputs: an $OPENAI_BASE_URL that is no URL (its credentials never shown); once the flags are fine, a
+    table with no rows and one without the reference column, both in one message; nothing written."""
+    header_only = tmp_path / "sft.csv"
+    header_only.write_text("query,response,reference\n")
+    no_reference = tmp_path / "ppo.csv"
+    no_reference.write_text("query,response\npost,summary\n")
+    monkeypatch.setenv("OPENAI_BASE_URL", "ftp://user:hunter2-secret@judge.example")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-not-real")
+    args = judge.Args(output_dir=str(tmp_path / "out"), tables=(f"sft_1={header_only}", f"ppo_1={no_reference}"))
+    with pytest.raises(SystemExit) as stop:
+        judge.read_inputs(args)
+    assert str(stop.value.code) == ("judge.py: cannot start (nothing was written):\n  $OPENAI_BASE_URL (not shown: "
+                                    "it may hold a key): want http(s)://host[:port][/path]")
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://user:hunter2-secret@judge.example:8080/v1")  # a URL: the tables next
+    with pytest.raises(SystemExit) as stop:
+        judge.read_inputs(args)
+    message = str(stop.value.code)
+    assert f"--tables sft_1={header_only}: {header_only}: no data rows" in message
+    assert (f"--tables ppo_1={no_reference}: {no_reference}: missing columns ['reference'] "
+            "(want query, response, reference)") in message
+    assert "hunter2" not in message + capsys.readouterr().out and not (tmp_path / "out").exists()

@@ -51,6 +51,8 @@ def old_output(tmp_path_factory, tok):
     ("sft", lambda row: row.update(summary=" \n "), "expected a non-empty summary"),
     ("tldr", lambda row: row["summaries"][0].update(text=" "), "expected summaries[0].text to hold a summary"),
     ("cnndm", lambda row: row["summaries"][1].update(text="  "), "expected summaries[1].text to hold a summary"),
+    ("tldr", lambda row: row["summaries"][1].update(policy=None), "expected summaries[1].policy to be a string, got None"),
+    ("tldr", lambda row: row.update(info="a post"), "expected `info` to be a dict, got 'a post'"),  # its id is gone
 ])
 def test_empty_summaries_raise_naming_split_and_row(kind, change, expected):
     good = sft_row("ok") if kind == "sft" else preference_row("ok", cnndm=kind == "cnndm")
@@ -59,7 +61,8 @@ def test_empty_summaries_raise_naming_split_and_row(kind, change, expected):
     pre.validate_rows([good], "train", kind)
     with pytest.raises(pre.DataError) as error:
         pre.validate_rows([good, good, bad], "train", kind)
-    assert "split 'train', row 2 (id 'bad3')" in str(error.value) and expected in str(error.value)
+    named = "no id" if expected.startswith("expected `info`") else "id 'bad3'"
+    assert f"split 'train', row 2 ({named}): {expected}" in str(error.value)
 
 
 def test_duplicate_sft_ids_name_both_rows():
