@@ -369,14 +369,18 @@ def test_prefill_by_length_equals_one_forward(tiny_tldr, groups):
         assert torch.equal(dropped, (~attention_mask[longest]).expand_as(dropped))
 
 
+@pytest.mark.parametrize("parallel_residual", [True, False])  # Pythia's layers, and GPT-NeoX's other kind
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])  # the last-layer shortcut, and the plain fallback
-def test_windowed_training_forward_equals_full_forward(tiny_tldr, attention):
+def test_windowed_training_forward_equals_full_forward(tiny_tldr, attention, parallel_residual):
     """PPO's training forward (response_logits_and_values: response_window + PolicyAndValueWrapper, only the columns
     used, logits and values only at the trained positions) gives the full forward's logits and values there."""
     policy, critic = tiny_models()
     for model in (policy, critic.backbone):
         model.set_attn_implementation(attention)
         assert model.config._attn_implementation == attention
+        for layer in model.base_model.layers:  # read at every forward: x + attn(ln1(x)), then + mlp(ln2(that))
+            assert layer.use_parallel_residual
+            layer.use_parallel_residual = parallel_residual
     queries = padded_queries(tiny_tldr, 6)
     context, length, n = queries.shape[1], 12, 9  # train response positions 0 ... 8 of 12
     torch.manual_seed(2)
@@ -570,6 +574,40 @@ def test_smoke_run_saves_policy_and_samples(tiny_tldr, tmp_path):
     assert all(abs(r - 1) < 1e-4 for r in scalars["policy/ratio_first_epoch"]), scalars["policy/ratio_first_epoch"]
     assert scalars["objective/kl"][0] == pytest.approx(0.0, abs=1e-4)  # policy = reference before any step
     assert len(scalars["objective/validation_score"]) == 2  # after update 1 (eval_every) and at the end
+
+
+def test_fast_sampling_run_equals_the_plain_run(tiny_tldr, tmp_path):
+    """ppo.py --fast_sampling (StaticSampler for the rollouts and the evaluation, its step compiled, as the SLURM
+    launchers run it) against the same run with HF generate: the same evaluation samples, the same logged statistics
+    and final weights up to float rounding (the two forwards sum in other orders)."""
+    from safetensors.torch import load_file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    make_reward_model(tmp_path / "rm")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    runs = {}
+    for name, fast in (("plain", []), ("fast", ["--fast_sampling"])):
+        cmd = [sys.executable, str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"),
+               "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
+               "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / name), "--run_name", name,
+               "--total_episodes", "32", "--batch_size", "16", "--num_minibatches", "2", "--local_micro_batch_size", "4",
+               "--local_rollout_forward_batch_size", "8", "--response_length", "20", "--lr", "1e-4",
+               "--eval_every", "1", "--num_eval_samples", "8", "--local_eval_batch_size", "8", *fast]
+        result = run_python(cmd, cwd=tmp_path, env=env, timeout=900)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        events = EventAccumulator(str(tmp_path / "runs" / name))
+        events.Reload()
+        runs[name] = {tag: [event.value for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+                      if not tag.startswith("time/")}
+    plain, fast = ((tmp_path / name / "eval_validation.csv").read_text() for name in ("plain", "fast"))
+    assert fast == plain and len(plain.splitlines()) > 8  # the same 8 samples, word for word
+    assert sorted(runs["fast"]) == sorted(runs["plain"]) and len(runs["plain"]["objective/kl"]) == 2
+    for tag, values in runs["plain"].items():
+        assert runs["fast"][tag] == pytest.approx(values, rel=1e-4, abs=1e-4), tag
+    weights = [load_file(tmp_path / name / "model.safetensors") for name in ("plain", "fast")]
+    assert max((weights[0][key] - weights[1][key]).abs().max().item() for key in weights[0]) < 1e-5
+    assert max((weights[0][key] - load_file(WORLD / "pythia-tiny" / "model.safetensors")[key]).abs().max().item()
+               for key in weights[0]) > 1e-5  # both runs trained: their agreement is not that of untouched weights
 
 
 def test_data_without_a_column_or_a_foreign_output_folder_is_refused_before_loading(tiny_tldr, tmp_path):
