@@ -347,16 +347,21 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
     other_ids = tmp_path / "other_ids"  # Detail 3: data tokenized with other pad / eos ids than the model's
     shutil.copytree(small_world, other_ids)
     (other_ids / "args.json").write_text(json.dumps({"pad_token_id": 5, "eos_token_id": 0}))
-    starts = [(small_world / "sft", "a"), (small_world / "preference", "b"), (other_ids / "preference", "c")]
-    wrong, taken, mismatch = early_exits([  # one interpreter for the three starts (conftest.early_exits)
-        (tmp_path, REPO / "reward.py", base + ["--label_dataset", labels, "--output_dir", tmp_path / out])
-        for labels, out in starts], env=ENV)
+    pairs = len(datasets.load_from_disk(str(small_world / "preference"))["train"])
+    too_few = ["--num_train_epochs", "1", "--batch_size", str(8 * pairs)]  # one pass, no whole batch: no update
+    starts = [(small_world / "sft", "a", []), (small_world / "preference", "b", []),
+              (other_ids / "preference", "c", []), (small_world / "preference", "d", too_few)]
+    wrong, taken, mismatch, short = early_exits([  # one interpreter for the four starts (conftest.early_exits)
+        (tmp_path, REPO / "reward.py", base + ["--label_dataset", labels, "--output_dir", tmp_path / out, *extra])
+        for labels, out, extra in starts], env=ENV)
     assert wrong.returncode != 0 and "SetupError" in wrong.stderr and "lacks ['validation'" in wrong.stderr
     assert taken.returncode != 0 and "holds a different run" in taken.stderr
     assert mismatch.returncode != 0 and "was tokenized with {'pad_token_id': 5, 'eos_token_id': 0}" in mismatch.stderr
-    for result in (wrong, taken, mismatch):
+    assert short.returncode != 0 and (f"its train split ({pairs} pairs) x --num_train_epochs 1 is less than one batch "
+                                      f"of {8 * pairs}: pass --total_episodes") in short.stderr, short.stderr[-2000:]
+    for result in (wrong, taken, mismatch, short):
         assert "Loading weights" not in result.stdout + result.stderr
-    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+    assert not any((tmp_path / name).exists() for name in "acd")
     assert sorted(os.listdir(tmp_path / "b")) == ["args.json", "eval_metrics.json"]  # untouched
 
 

@@ -266,15 +266,20 @@ def bad_input(case, tiny_tldr, single_run, tmp_path):
         config = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
         (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<|endoftext|>"}))
         return flags + ["--base_model", tmp_path / "model"], "pad token '<|endoftext|>' is its EOS token"
+    if case == "batch above the split":  # one epoch in batches larger than the train split: no update at all
+        rows = len(datasets.load_from_disk(str(tiny_tldr / "sft"))["train"])
+        return flags + ["--total_episodes", "None", "--num_train_epochs", "1", "--batch_size", str(8 * rows)], (
+            f"its train split ({rows} rows) x --num_train_epochs 1 is less than one batch of {8 * rows}: "
+            "pass --total_episodes")
     return flags + ["--batch_size", "10"], "--batch_size 10 is not a positive multiple of --local_micro_batch_size 4"
 
 
-BAD_INPUTS = ["missing column", "different run", "pad is eos", "batch does not divide"]
+BAD_INPUTS = ["missing column", "different run", "pad is eos", "batch above the split", "batch does not divide"]
 
 
 @pytest.fixture(scope="module")
 def bad_input_starts(tiny_tldr, single_run, tmp_path_factory):
-    """{case: (its working folder, the error it must raise, the start's CompletedProcess)}: the four starts run in one
+    """{case: (its working folder, the error it must raise, the start's CompletedProcess)}: the starts run in one
     interpreter (conftest.early_exits), each in a folder of its own."""
     cases = {}
     for case in BAD_INPUTS:
