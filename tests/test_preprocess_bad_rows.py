@@ -54,7 +54,7 @@ def old_output(tmp_path_factory, tok):
     ("tldr", lambda row: row["summaries"][1].update(policy=None), "expected summaries[1].policy to be a string, got None"),
     ("tldr", lambda row: row.update(info="a post"), "expected `info` to be a dict, got 'a post'"),  # its id is gone
 ])
-def test_empty_summaries_raise_naming_split_and_row(kind, change, expected):
+def test_bad_rows_raise_naming_split_and_row(kind, change, expected):
     good = sft_row("ok") if kind == "sft" else preference_row("ok", cnndm=kind == "cnndm")
     bad = sft_row("bad3") if kind == "sft" else preference_row("bad3", cnndm=kind == "cnndm")
     change(bad)
