@@ -504,6 +504,27 @@ def test_length_check():
     assert "--max_sft_response_length is 60" in mismatch and "pass --max_sft_response_length 53" in mismatch
 
 
+
+def test_length_report_prints_every_flag_then_names_each_problem(capsys):
+    """report_lengths: the table of every flag against the data (to copy values from), then one DataError naming
+    each flag that cuts data or, with the exact check, differs; without the exact check only a cut fails."""
+    checks = [("query_length", 192, {"sft/train query_token_len": 192}, True),
+              ("max_sft_response_length", 60, {"sft/train reference_response_token_len": 67}, True),
+              ("max_rm_response_length", 80, {"preference/train chosen_token_len": 70}, True)]
+    with pytest.raises(pre.DataError) as error:
+        pre.report_lengths(checks, check_length_correctness=True)
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 4 and table[2].split() == ["max_sft_response_length", "60", "67", "sft/train",
+                                                     "reference_response_token_len"]
+    problems = str(error.value).splitlines()
+    assert problems[0] == "length flags do not match the data:" and len(problems) == 3
+    assert "--max_sft_response_length 60, so data would be cut: pass --max_sft_response_length 67" in problems[1]
+    assert "--max_rm_response_length is 80 but the longest is 70" in problems[2]
+    with pytest.raises(pre.DataError) as error:
+        pre.report_lengths(checks, check_length_correctness=False)
+    assert len(str(error.value).splitlines()) == 2  # the cut only
+    pre.report_lengths([checks[0], checks[2]], check_length_correctness=False)  # nothing cut, nothing exact: passes
+
 def test_length_check_passes_on_cnndm_shaped_rows(tok):
     """CNN/DM queries end in a newline that the reference strips: the widths it computed (2021 for Pythia) pass."""
     articles = ["the dog sat on the log.\nthe bird sat on the cat.", "my cat and my dog sat on the mat.",
