@@ -394,3 +394,16 @@ def test_unreadable_tables_and_a_bad_endpoint_are_named_without_the_secret(tmp_p
     assert (f"--tables ppo_1={no_reference}: {no_reference}: missing columns ['reference'] "
             "(want query, response, reference)") in message
     assert "hunter2" not in message + capsys.readouterr().out and not (tmp_path / "out").exists()
+
+
+def test_an_output_folder_that_cannot_be_made_is_named(tmp_path):
+    """start_outputs: --output_dir below a file cannot be created; the exit names the flag, the OS error and the fix."""
+    a_file = tmp_path / "results.csv"
+    a_file.write_text("not a folder")
+    args = judge.Args(output_dir=str(a_file / "judge"))
+    with pytest.raises(SystemExit) as stop:
+        judge.start_outputs(args, {"prompt_version": "v1"})
+    message = str(stop.value.code)
+    assert message.startswith(f"judge.py: --output_dir {a_file / 'judge'}: cannot create it (")
+    assert "Not a directory" in message and message.endswith("); choose a writable folder")
+    assert a_file.read_text() == "not a folder"
