@@ -456,7 +456,7 @@ def main() -> None:
     optimizer = adamw(model.parameters(), args, accelerator.device)  # fused on a GPU (below the fence)
     model, optimizer = accelerator.prepare(model, optimizer)
     ref_policy, reward_model = frozen_like_trained(accelerator, args.offload, model, ref_policy, reward_model)
-    start_update = resume(accelerator, args, resume_from, model, optimizer, None)
+    start_update = resume(accelerator, args, resume_from, model, optimizer)
     unwrapped = accelerator.unwrap_model(model)  # sampling and the rollout's forwards use the plain modules
     # HF generate's sampling (softmax(logits / T), [PAD] and unowned rows masked), as a loop that stops once every
     # row has its EOS, or as the fast path (a static cache and a compiled step): the same samples either way.
@@ -534,7 +534,7 @@ def main() -> None:
                    "time/episodes_per_second": (episode - start_update * args.batch_size) / (time.time() - start_clock)}
         log_update(writer, progress, episode, {**means, **timings, "policy/lr": lr})
         # A nan / inf stops every rank here: no checkpoint of it replaces a good one, no rollout samples from it.
-        check_and_checkpoint(accelerator, args, update + 1, losses, run_name, model, optimizer, None)
+        check_and_checkpoint(accelerator, args, update + 1, losses, run_name, model, optimizer)
         if args.eval_every and (update + 1) % args.eval_every == 0 and update + 1 < args.num_updates:
             evaluate(("validation",), episode)
     if stop_at < args.num_updates:  # a time-limited job: the checkpoint is written, continue with --resume
@@ -969,11 +969,11 @@ def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:
     return sorted({tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)})
 
 
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
     """(B, T) bool -> (B,): index of the first True of each row, T for a row without one."""
     row_len = bools.size(-1)
     # (B, T): a False costs T + its index, a True just its index; the minimum is the first True
-    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    zero_or_index = row_len * (~bools).long() + torch.arange(row_len, device=bools.device)
     return torch.min(zero_or_index, dim=-1).values
 
 
@@ -1527,14 +1527,14 @@ def git_commit(folder: str) -> Optional[str]:
 # Fault handling and checkpoints.
 
 
-def check_and_checkpoint(accelerator, args, updates_done: int, losses: torch.Tensor, run_name: str, model, optimizer,
-                         scheduler) -> None:
+def check_and_checkpoint(accelerator, args, updates_done: int, losses: torch.Tensor, run_name: str, model,
+                         optimizer) -> None:
     """All ranks: stop all on a non-finite loss or weight; save a checkpoint every --save_every and at --stop_after_updates."""
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     if not all_finite(accelerator, model, losses):
         raise FloatingPointError(nonfinite_message(updates_done, args.num_updates, checkpoints))
     if (args.save_every and updates_done % args.save_every == 0) or updates_done == args.stop_after_updates:
-        save_checkpoint(accelerator, checkpoints, updates_done, run_name, model, optimizer, scheduler)
+        save_checkpoint(accelerator, checkpoints, updates_done, run_name, model, optimizer)
 
 
 def all_finite(accelerator, model, losses: torch.Tensor) -> bool:
@@ -1555,10 +1555,10 @@ def nonfinite_message(update: int, num_updates: int, checkpoints: str) -> str:
             f"update {update}) in a new --output_dir; --resume with these flags continues from the kept checkpoint")
 
 
-def resume(accelerator, args, resume_from: Optional[tuple], model, optimizer, scheduler) -> int:
+def resume(accelerator, args, resume_from: Optional[tuple], model, optimizer) -> int:
     """All ranks: the update to start at, after loading `resume_from` ((update, path) or None) when there is one."""
     if resume_from is not None:
-        load_checkpoint(accelerator, resume_from[1], model, optimizer, scheduler)  # also the RNG states of that update
+        load_checkpoint(accelerator, resume_from[1], model, optimizer)  # also the RNG states of that update
         accelerator.print(f"resumed from {resume_from[1]} at update {resume_from[0]}")
         return resume_from[0]
     if args.resume:
@@ -1574,7 +1574,7 @@ def latest_checkpoint(folder: str) -> Optional[tuple]:
     return max(complete) if complete else None
 
 
-def save_checkpoint(accelerator, folder: str, update: int, run_name: str, model, optimizer, scheduler) -> None:
+def save_checkpoint(accelerator, folder: str, update: int, run_name: str, model, optimizer) -> None:
     """All ranks: write {folder}/update_{update} whole (as update_{update}.partial, then renamed), then drop older ones."""
     # A kill at any moment leaves the previous checkpoint or this one complete on disk: the older ones
     # go only after the rename has made this one complete (and the loop saves only finite weights).
@@ -1587,9 +1587,8 @@ def save_checkpoint(accelerator, folder: str, update: int, run_name: str, model,
     save_training_state(accelerator, partial, model, optimizer)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        # JSON, not pickle: the scheduler's state_dict and the counters are plain numbers.
+        # JSON, not pickle: the counters are plain numbers (PPO anneals its lr by hand: no scheduler to save).
         state = {"update": update, "run_name": run_name, "accelerator_step": accelerator.step,
-                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                  "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None}
         with open(os.path.join(partial, "trainer_state.json"), "w") as file:
             json.dump(state, file)
@@ -1619,7 +1618,7 @@ def save_training_state(accelerator, folder: str, model, optimizer) -> None:
     save_rng_state(os.path.join(folder, f"rng_state_{accelerator.process_index}"))
 
 
-def load_checkpoint(accelerator, path: str, model, optimizer, scheduler) -> dict:
+def load_checkpoint(accelerator, path: str, model, optimizer) -> dict:
     """All ranks: restore what save_checkpoint wrote in `path`, unpickling nothing; its trainer_state.json."""
     with open(os.path.join(path, "trainer_state.json")) as file:
         state = json.load(file)
@@ -1648,8 +1647,6 @@ def load_checkpoint(accelerator, path: str, model, optimizer, scheduler) -> dict
             index, key = name.split(".", 1)
             optimizer_state.setdefault(int(index), {})[key] = tensor
         optimizer.load_state_dict({"state": optimizer_state, "param_groups": param_groups})
-    if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"])
     if accelerator.scaler is not None and state["scaler"] is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
     accelerator.step = state["accelerator_step"]  # where accumulate() is within an update: 0 mod the accumulation

@@ -518,11 +518,11 @@ def trim_right_padding(query_responses: torch.Tensor, pad_token_id: int) -> torc
     return query_responses[:, :int(used.max()) + 1 if len(used) else 1]
 
 
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
     """(B, T) bool -> (B,): index of the first True of each row, T for a row without one."""
     row_len = bools.size(-1)
     # (B, T): a False costs T + its index, a True just its index; the minimum is the first True
-    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    zero_or_index = row_len * (~bools).long() + torch.arange(row_len, device=bools.device)
     return torch.min(zero_or_index, dim=-1).values
 
 

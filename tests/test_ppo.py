@@ -495,6 +495,63 @@ def test_scalar_model_copies_agree(tmp_path):
         assert torch.equal(get_reward(ours, ids, PAD, 4)[1], reward.get_reward(theirs, ids, PAD, 4)[1])
 
 
+CHECKPOINT_HELPERS = ("check_and_checkpoint", "resume", "save_checkpoint", "load_checkpoint")
+
+
+def without_scheduler(node):
+    """A helper's syntax tree as it reads when its `scheduler` is always None (PPO anneals its lr by hand): no
+    `scheduler` parameter or argument, no `if scheduler is not None:` block, no "scheduler" entry in a dict."""
+    import ast
+
+    class Fold(ast.NodeTransformer):
+        def visit_arguments(self, node):
+            node.args = [a for a in node.args if a.arg != "scheduler"]
+            return node
+
+        def visit_Call(self, node):
+            self.generic_visit(node)
+            node.args = [a for a in node.args if not (isinstance(a, ast.Name) and a.id == "scheduler")]
+            return node
+
+        def visit_If(self, node):
+            if ast.unparse(node.test) == "scheduler is not None" and not node.orelse:
+                return None
+            return self.generic_visit(node)
+
+        def visit_Dict(self, node):
+            self.generic_visit(node)
+            kept = [(k, v) for k, v in zip(node.keys, node.values) if not (isinstance(k, ast.Constant) and k.value == "scheduler")]
+            node.keys, node.values = [k for k, _ in kept], [v for _, v in kept]
+            return node
+
+    return Fold().visit(node)
+
+
+def test_checkpoint_copies_agree():
+    """ppo.py's checkpoint helpers are the other stages' copies with their scheduler (always None in PPO) folded
+    away, and the other stages' copies are the same code: listed in AGREEING_COPIES (tests/test_conventions.py)."""
+    import ast
+
+    def helpers(script: str, fold: bool = False) -> dict:
+        tree = ast.parse((REPO / script).read_text())
+        found = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in CHECKPOINT_HELPERS}
+        assert sorted(found) == sorted(CHECKPOINT_HELPERS), script
+        for node in found.values():
+            if isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+                node.body = node.body[1:]  # docstrings may differ
+        return {name: ast.dump(without_scheduler(node) if fold else node) for name, node in found.items()}
+
+    ppo_copies = helpers("ppo.py")
+    assert helpers("ppo.py", fold=True) == ppo_copies  # nothing about a scheduler is left in PPO's copies
+    shared = helpers("sft.py")
+    for script in ("reward.py", "dpo.py"):
+        assert helpers(script) == shared, script
+    folded = helpers("sft.py", fold=True)
+    for name in CHECKPOINT_HELPERS:
+        assert shared[name] != folded[name], name  # each shared copy does use its scheduler ...
+        assert ppo_copies[name] == folded[name], name  # ... and PPO's is that copy without it
+
+
 def test_first_epoch_ratio_is_one_on_tiny_model(tiny_tldr):
     """Behaviour log-probs from the rollout's scores = the training forward's (train mode), so the first ratio is 1."""
     policy, critic = tiny_models(early_eos=True)
