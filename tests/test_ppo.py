@@ -2,6 +2,7 @@
 on the tiny model, and a subprocess smoke run on the tiny world (whole file: well under 3 min on CPU).
 """
 
+import ast
 import csv
 import json
 import os
@@ -501,8 +502,6 @@ CHECKPOINT_HELPERS = ("check_and_checkpoint", "resume", "save_checkpoint", "load
 def without_scheduler(node):
     """A helper's syntax tree as it reads when its `scheduler` is always None (PPO anneals its lr by hand): no
     `scheduler` parameter or argument, no `if scheduler is not None:` block, no "scheduler" entry in a dict."""
-    import ast
-
     class Fold(ast.NodeTransformer):
         def visit_arguments(self, node):
             node.args = [a for a in node.args if a.arg != "scheduler"]
@@ -520,7 +519,8 @@ def without_scheduler(node):
 
         def visit_Dict(self, node):
             self.generic_visit(node)
-            kept = [(k, v) for k, v in zip(node.keys, node.values) if not (isinstance(k, ast.Constant) and k.value == "scheduler")]
+            kept = [(k, v) for k, v in zip(node.keys, node.values)
+                    if not (isinstance(k, ast.Constant) and k.value == "scheduler")]
             node.keys, node.values = [k for k, _ in kept], [v for _, v in kept]
             return node
 
@@ -530,11 +530,10 @@ def without_scheduler(node):
 def test_checkpoint_copies_agree():
     """ppo.py's checkpoint helpers are the other stages' copies with their scheduler (always None in PPO) folded
     away, and the other stages' copies are the same code: listed in AGREEING_COPIES (tests/test_conventions.py)."""
-    import ast
-
     def helpers(script: str, fold: bool = False) -> dict:
         tree = ast.parse((REPO / script).read_text())
-        found = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in CHECKPOINT_HELPERS}
+        found = {node.name: node for node in tree.body
+                 if isinstance(node, ast.FunctionDef) and node.name in CHECKPOINT_HELPERS}
         assert sorted(found) == sorted(CHECKPOINT_HELPERS), script
         for node in found.values():
             if isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
