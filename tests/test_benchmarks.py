@@ -78,3 +78,33 @@ def test_gpu_check_report_has_every_stage_and_the_update_split_by_hand():
     # training phase (2.2 s) is 1.38x it, at 32 x 6e12 / 2.2 = 87 TFLOP/s = 44% of the 200 TFLOP/s peak
     assert "32 such passes" in report and "floor 1.60 s; measured 2.20 s = 1.38x the floor" in report
     assert "87 TFLOP/s = 44% of the matmul peak" in report
+
+
+def test_compile_training_pads_each_row_as_it_says():
+    """benchmark/compile_training.py's micro-batches: row i left-padded by first_pad + (10 i mod 150) tokens, never
+    the whole query, so the two batches give two window widths."""
+    import compile_training
+
+    ids = compile_training.padded_batch(context=512, first_pad=40, device="cpu")
+    assert ids.shape == (16, 512 + 53)
+    pads = (ids == compile_training.PAD).sum(1).tolist()
+    assert pads == [40 + (10 * i) % 150 for i in range(16)]  # 40, 50, ..., 180
+    assert (ids[:, :40] == compile_training.PAD).all() and (ids[:, 180:] != compile_training.PAD).all()
+    short = compile_training.padded_batch(context=32, first_pad=40, device="cpu")
+    assert ((short == compile_training.PAD).sum(1) == 31).all()  # clamped: each row keeps one query token
+
+
+def test_compile_training_smoke_run_on_cpu():
+    """The benchmark end to end on the tiny shape in fp32 (inductor on CPU): a row per window width, ratios that
+    are the ms columns' quotient, and the two compiles' seconds."""
+    from conftest import REPO, run_python
+
+    result = run_python([sys.executable, REPO / "benchmark" / "compile_training.py", "--size", "tiny", "--context", "32",
+                         "--repeats", "1", "--allow_cpu"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", result.stdout, re.M)
+    assert [int(width) for width, *_ in rows] == [84, 53]  # 32 + 53 - 1 columns, then all but the 31 shared pads
+    for _, eager, compiled, ratio in rows:  # the ratio of the unrounded times: allow the ms columns' rounding
+        eager, compiled = float(eager), float(compiled)
+        assert float(ratio) == pytest.approx(compiled / eager, abs=0.05 / eager + 0.05 * compiled / eager ** 2 + 5e-4)
+    assert re.search(r"compile: first call [\d.]+ s, the second width [\d.]+ s", result.stdout)

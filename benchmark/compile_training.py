@@ -1,0 +1,118 @@
+"""PPO's training pass, eager against each GPT-NeoX layer compiled on its own (regional compilation).
+
+One pass = ppo.py's PPO-epoch forward of policy and critic (PolicyAndValueWrapper through
+response_logits_and_values: the response window, the last layer at the response positions only)
+and its backward, on a random-init Pythia shape, at a micro-batch of 16 rows of `context` + 53
+tokens. Two micro-batches of different left padding give two window widths, as PPO's micro-batches
+do: the first compiles the layer's graph for one shape, the second for any width (dynamic shapes).
+ppo.py does not compile its training pass: this measures what it would gain.
+
+    python benchmark/compile_training.py                      # Pythia-1B shape, bf16 on one GPU (~1 min)
+    python benchmark/compile_training.py --size tiny --context 32 --allow_cpu   # a smoke run on CPU
+
+Prints a markdown table: ms per pass (the mean of --repeats after one warm-up call of each width),
+eager and compiled, the seconds the two compiles took, and the peak GPU memory.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [REPO, os.path.join(REPO, "benchmark")]
+
+import ppo  # noqa: E402
+from gpu_check import SIZES  # noqa: E402
+
+PAD, ROWS, RESPONSE = 1, 16, 53
+
+
+def padded_batch(context: int, first_pad: int, device: str) -> torch.Tensor:
+    """(16, context + 53) random ids; row i left-padded by first_pad + (10 i mod 150) tokens, at most context - 1."""
+    ids = torch.randint(2, 1000, (ROWS, context + RESPONSE), device=device)
+    for i in range(ROWS):
+        ids[i, :min(first_pad + (10 * i) % 150, context - 1)] = PAD
+    return ids
+
+
+def build_models(size: str, device: str, dtype: torch.dtype) -> tuple:
+    """A random-init policy of Pythia's settings at `size` and a ScalarModel critic on the same config."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(**SIZES[size], max_position_embeddings=2048, hidden_act="gelu", layer_norm_eps=1e-5,
+                           use_parallel_residual=True, tie_word_embeddings=False, attention_bias=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                           hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "sdpa"  # what ppo.py's windowed last layer runs on
+    torch.manual_seed(0)
+    with torch.device(device):
+        policy = GPTNeoXForCausalLM(config).to(dtype)
+        base_config = {k: v for k, v in policy.base_model.config.to_dict().items() if k != "_name_or_path"}
+        critic = ppo.ScalarModel(ppo.ScalarModelConfig(base_config=base_config)).to(dtype)
+    return policy, critic
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="1b", help="model shape (default: Pythia-1B)")
+    parser.add_argument("--context", type=int, default=512, help="query tokens per row (default: the paper's 512)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed passes per width and mode")
+    parser.add_argument("--allow_cpu", action="store_true", help="run without CUDA, in fp32 (a smoke run)")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.allow_cpu:
+        sys.exit("compile_training.py: no CUDA device; pass --allow_cpu for a smoke run on CPU")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    policy, critic = build_models(args.size, device, dtype)
+    model = ppo.PolicyAndValueWrapper(policy, critic).train()
+    batches = [padded_batch(args.context, first_pad, device) for first_pad in (0, 40)]
+    widths = [ppo.response_window(ids, PAD, args.context, RESPONSE)[0].size(1) for ids in batches]
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def step(ids: torch.Tensor) -> None:  # the PPO epochs' forward and backward, a stand-in loss
+        logits, values = ppo.response_logits_and_values(model, ids, PAD, args.context, RESPONSE)
+        (logits.float().logsumexp(-1).mean() + values.float().mean()).backward()
+        model.zero_grad(set_to_none=True)
+
+    def milliseconds() -> list:  # per width: one warm-up, then the mean of --repeats
+        out = []
+        for ids in batches:
+            step(ids)
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.repeats):
+                step(ids)
+            sync()
+            out.append(1000 * (time.perf_counter() - start) / args.repeats)
+        return out
+
+    eager = milliseconds()
+    compile_seconds = []
+    for layer in (*policy.base_model.layers, *critic.backbone.layers):
+        layer.compile()  # one graph for every layer of either model; the last layer's pieces stay eager
+    for ids in batches:  # the first width compiles a static graph, the second a dynamic one
+        sync()
+        start = time.perf_counter()
+        step(ids)
+        sync()
+        compile_seconds.append(time.perf_counter() - start)
+    compiled = milliseconds()
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    print(f"{device_name}, {dtype}, size {args.size}, {ROWS} rows of {args.context} + {RESPONSE} tokens, torch {torch.__version__}")
+    print("| window width | eager ms | per-layer compiled ms | compiled / eager |")
+    print("|---|---|---|---|")
+    for width, e, c in zip(widths, eager, compiled):
+        print(f"| {width} | {e:.1f} | {c:.1f} | {c / e:.3f} |")
+    print(f"compile: first call {compile_seconds[0]:.1f} s, the second width {compile_seconds[1]:.1f} s")
+    if device == "cuda":
+        print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
