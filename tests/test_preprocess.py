@@ -504,7 +504,6 @@ def test_length_check():
     assert "--max_sft_response_length is 60" in mismatch and "pass --max_sft_response_length 53" in mismatch
 
 
-
 def test_length_report_prints_every_flag_then_names_each_problem(capsys):
     """report_lengths: the table of every flag against the data (to copy values from), then one DataError naming
     each flag that cuts data or, with the exact check, differs; without the exact check only a cut fails."""
@@ -524,6 +523,7 @@ def test_length_report_prints_every_flag_then_names_each_problem(capsys):
         pre.report_lengths(checks, check_length_correctness=False)
     assert len(str(error.value).splitlines()) == 2  # the cut only
     pre.report_lengths([checks[0], checks[2]], check_length_correctness=False)  # nothing cut, nothing exact: passes
+
 
 def test_length_check_passes_on_cnndm_shaped_rows(tok):
     """CNN/DM queries end in a newline that the reference strips: the widths it computed (2021 for Pythia) pass."""
