@@ -135,6 +135,8 @@ class Args:
     """Sampling temperature of the evaluation (paper: 0.01)"""
     fast_sampling: bool = False
     """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop, 1.35-1.96x faster than HF generate on CPU, 1.8-2.1x the plain loop at 1B on one H100 / H200; its compile (25-60 s per process and rank, cold) pays off only after ~20-200 updates on a CPU, hence off by default (the SLURM launchers turn it on; benchmark/README.md); not with ZeRO-3"""
+    compile_training: bool = False
+    """Compile each GPT-NeoX layer of policy and critic but the last (torch.compile, one region a layer) for the PPO epochs' forwards and backwards only: the same outputs; its pass took 0.89x the eager one at 1B on one H200 (benchmark/compile_training.py) and 0.98x on a CPU; compiles in ~15-20 s per process; not with ZeRO-3"""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of policy and critic (memory for compute)"""
     offload: bool = False
@@ -433,14 +435,13 @@ def main() -> None:
     if args.zero_critic_head:  # first values 0, the backbone still the RM's: a short run's start (see Args)
         torch.nn.init.zeros_(critic.head.weight), torch.nn.init.zeros_(critic.head.bias)
     reward_model = load_fp32(ScalarModel, args.reward_model_path, "--reward_model_path")
-    refuse(vocabulary_problems(args, tokenizer, policy, critic))
+    refuse(model_problems(args, tokenizer, policy, critic))
     unsampled = torch.tensor(unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)), device=accelerator.device)
     # Detail 7: Disable dropout
     # With dropout on, two forwards of the same ids differ: the first PPO ratio would not be 1, the scores noisy.
     for model in (policy, ref_policy, critic, reward_model):
         disable_dropout(model)
-    for model in (ref_policy, reward_model):
-        model.eval().requires_grad_(False)
+    ref_policy.eval().requires_grad_(False), reward_model.eval().requires_grad_(False)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         critic.backbone.gradient_checkpointing_enable()
@@ -452,7 +453,7 @@ def main() -> None:
     # Detail 20: PPO setup
     # Table 7: AdamW (eps 1e-5) with lr 3e-6 decayed linearly, one optimizer over policy and critic.
     # Batch 512 in 1 minibatch, 4 epochs, KL 0.05, gamma 1, lambda 0.95, clips 0.2 / 0.2, vf 0.1, T 0.7.
-    model = PolicyAndValueWrapper(policy, critic)  # one module: one prepare, one optimizer, one backward
+    model = PolicyAndValueWrapper(policy, critic, args.compile_training)  # one prepare, one optimizer, one backward
     optimizer = adamw(model.parameters(), args, accelerator.device)  # fused on a GPU (below the fence)
     model, optimizer = accelerator.prepare(model, optimizer)
     ref_policy, reward_model = frozen_like_trained(accelerator, args.offload, model, ref_policy, reward_model)
@@ -655,21 +656,43 @@ def response_logits_and_values_by_length(model, query_responses: torch.Tensor, p
 class PolicyAndValueWrapper(torch.nn.Module):
     """Policy and critic as one module: one accelerator.prepare, one optimizer, one backward."""
 
-    def __init__(self, policy: torch.nn.Module, critic: torch.nn.Module):
+    def __init__(self, policy: torch.nn.Module, critic: torch.nn.Module, compile_layers: bool = False):
         super().__init__()
         self.policy, self.critic = policy, critic
+        # --compile_training: each backbone's layers but the last, compiled for this forward only (compiled_layers).
+        # A tuple, not a ModuleList: the compiled wrappers share the layers' parameters and register none.
+        self.compiled = tuple(map(compiled_layers, (policy.base_model, critic.backbone))) if compile_layers else (None, None)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 num_outputs: int) -> tuple:
         """== (policy logits, critic outputs)[:, -num_outputs:]: (B, T) ids, mask, positions -> ((B, n, V), (B, n))."""
-        policy_hidden = last_hidden_states(self.policy.base_model, input_ids, attention_mask, position_ids, num_outputs)
-        critic_hidden = last_hidden_states(self.critic.backbone, input_ids, attention_mask, position_ids, num_outputs)
+        policy_hidden = last_hidden_states(self.policy.base_model, input_ids, attention_mask, position_ids, num_outputs,
+                                           self.compiled[0])
+        critic_hidden = last_hidden_states(self.critic.backbone, input_ids, attention_mask, position_ids, num_outputs,
+                                           self.compiled[1])
         return self.policy.get_output_embeddings()(policy_hidden), self.critic.head(critic_hidden).squeeze(-1)
 
 
+def compiled_layers(backbone, backend: str = "inductor") -> list:
+    """== backbone.layers[:-1]: the same layers, each wrapped by torch.compile (one region a layer).
+
+    Speed only (--compile_training; tests/test_ppo.py checks the outputs and gradients against the eager
+    layers). Every layer runs the same code, so one graph serves them all. It is compiled for any number
+    of rows and any width (dynamic shapes), as the window's width changes from one micro-batch to the next.
+    Later calls compile again only for a window without pads (no mask: a second graph), or once if the
+    first width equalled a weight's size (dynamo then takes it for that size). Only PolicyAndValueWrapper,
+    the PPO epochs' forward, runs the wrappers: sampling and scoring call the layers themselves, eagerly
+    (HF generate's growing cache would recompile at every step). Regional rather than whole-model
+    compilation: it compiles in seconds, not a minute, for most of the gain (benchmark/compile_training.py).
+    main refuses other backbones before this runs (model_problems)."""
+    return [torch.compile(layer, backend=backend, dynamic=True) for layer in backbone.layers[:-1]]
+
+
 def last_hidden_states(backbone, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                       num_positions: int) -> torch.Tensor:
-    """== backbone(input_ids, attention_mask, position_ids).last_hidden_state[:, -num_positions:]: (B, num_positions, d)."""
+                       num_positions: int, layers: Optional[list] = None) -> torch.Tensor:
+    """== backbone(input_ids, attention_mask, position_ids).last_hidden_state[:, -num_positions:]: (B, num_positions, d).
+
+    `layers`: what runs in place of backbone.layers[:-1], i.e. their compiled forms (compiled_layers)."""
     if not (isinstance(backbone, GPTNeoXModel) and backbone.config._attn_implementation == "sdpa"):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         return hidden.last_hidden_state[:, -num_positions:]
@@ -682,7 +705,7 @@ def last_hidden_states(backbone, input_ids: torch.Tensor, attention_mask: torch.
     mask = create_causal_mask(config=backbone.config, inputs_embeds=hidden, attention_mask=attention_mask,
                               past_key_values=None, position_ids=position_ids)  # (B, 1, T, T) or None: causal only
     cos, sin = backbone.rotary_emb(hidden, position_ids=position_ids)
-    for layer in backbone.layers[:-1]:
+    for layer in layers or backbone.layers[:-1]:
         hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin))
     layer, attention = backbone.layers[-1], backbone.layers[-1].attention
     qkv = attention.query_key_value(layer.input_layernorm(hidden))  # (B, T, 3 * d)
@@ -1212,6 +1235,10 @@ def start_ppo_accelerator(args) -> Accelerator:
     deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
     problems = ppo_flag_problems(args, accelerator.num_processes)
+    if args.compile_training and accelerator.device.type == "cpu" and accelerator.mixed_precision == "bf16":
+        # Inductor's C++ code for the layers' bf16 backward fails to build (torch 2.13, dynamic shapes).
+        problems.append("--compile_training with bf16 on a CPU: torch's compiler cannot build the layers' bf16 "
+                        "backward for a CPU, and on a CPU the flag gains nothing (0.98x): drop --compile_training")
     if problems:
         raise SetupError("ppo.py cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
     args.world_size = accelerator.num_processes
@@ -1423,8 +1450,14 @@ def vocabulary_problem(tokenizer, rows: int, what: str) -> Optional[str]:
             "with this tokenizer; use models and data made from one base model")
 
 
-def vocabulary_problems(args, tokenizer, policy, critic) -> Optional[str]:
-    """vocabulary_problem of the policy (--sft_model_path), else of the critic, the RM's copy (--reward_model_path)."""
+def model_problems(args, tokenizer, policy, critic) -> Optional[str]:
+    """vocabulary_problem of the policy (--sft_model_path), else of the critic, the RM's copy (--reward_model_path),
+    else a --compile_training that compiled_layers cannot serve."""
+    for backbone, flag in ((policy.base_model, "--sft_model_path"), (critic.backbone, "--reward_model_path")):
+        attention = getattr(backbone.config, "_attn_implementation", None)
+        if args.compile_training and not (isinstance(backbone, GPTNeoXModel) and attention == "sdpa"):
+            return (f"--compile_training compiles GPT-NeoX layers run by SDPA; {flag} {getattr(args, flag[2:])} is "
+                    f"{type(backbone).__name__} with {attention!r} attention: drop --compile_training")
     return (vocabulary_problem(tokenizer, policy.get_input_embeddings().weight.size(0),
                                f"--sft_model_path {args.sft_model_path}")
             or vocabulary_problem(tokenizer, critic.backbone.get_input_embeddings().weight.size(0),

@@ -1,6 +1,7 @@
 """The real path on a GPU, in one command: a Pythia-1B-shaped model through SFT, RM, DPO and PPO updates.
 
-One SFT, one RM, one DPO and two PPO updates (twice: HF generate, then --fast_sampling) at the paper's
+One SFT, one RM, one DPO and two PPO updates (twice: plain, then with both fast paths, --fast_sampling
+--compile_training) at the paper's
 per-GPU batch (SFT 16 samples in micro-batches of 1, RM and DPO 8 pairs in micro-batches of 1, PPO 64
 episodes in micro-batches of 16 with rollouts of 64: benchmark/knobs.sh at 1B), each through
 `accelerate launch` with the paper's DeepSpeed ZeRO-2 bf16 config on one process, each stage
@@ -11,10 +12,9 @@ Pythia), the data the tiny world's posts joined into queries that fill the paper
 With --hub, the real EleutherAI/pythia-1b-deduped checkpoint instead.
 
 Printed and written to benchmark/results/gpu_check.md: the device and versions; per stage its wall
-time and peak GPU memory; the second PPO update's time split with each sampler (generation /
-scoring / training; the first one's includes compiling the fast sampler's step); the training
-phase against its floor (plain forward + backward passes, and the bf16 matmul peak measured in the
-same run); the first-epoch ratio (mean, and max |ratio - 1| over tokens); the windowed training
+time and peak GPU memory; the second PPO update's time split in each run (generation / scoring /
+training; the first update's includes compiling the fast paths); each run's training phase against
+its floor (plain forward + backward passes, and the bf16 matmul peak measured in the same run); the first-epoch ratio (mean, and max |ratio - 1| over tokens); the windowed training
 forward against the plain full forward (max |difference| of the logits, bf16); decode tokens/s at
 the paper's rollout batch of the fast path (StaticSampler) and of the plain loop (sample_rollout),
 and how many of their tokens agree.
@@ -270,11 +270,11 @@ def main() -> None:
               if args.launcher == "deepspeed" else [sys.executable])
     model_name = os.path.basename(model) if not args.hub else model
     memory = {}
-    # Each stage finds the last one's output at its default path; PPO runs twice, the second time with the
-    # fast sampler (its own run name and output folder).
+    # Each stage finds the last one's output at its default path; PPO runs twice, the second time with both
+    # fast paths: the sampler and the compiled training layers (its own run name and output folder).
     stages = {"sft": ("sft.py", []), "reward": ("reward.py", []), "dpo": ("dpo.py", []),
               "ppo": ("ppo.py", ["--run_name", "ppo"]),
-              "ppo_fast": ("ppo.py", ["--fast_sampling", "--run_name", "ppo_fast",
+              "ppo_fast": ("ppo.py", ["--fast_sampling", "--compile_training", "--run_name", "ppo_fast",
                                       "--output_dir", os.path.join(args.work, "models", model_name, "ppo_fast")])}
     for stage, (script, extra) in stages.items():
         log = os.path.join(args.work, f"{stage}.log")
@@ -294,39 +294,46 @@ def main() -> None:
 
 
 def training_line(stats: dict, stats_fast: dict, checks: dict) -> str:
-    """The PPO training phase against its floor: epochs x micro-batches x 2 models of plain forward + backward."""
+    """Each run's PPO training phase against its floor: epochs x micro-batches x 2 models of plain forward + backward."""
     from ppo import Args
 
     flags = STAGE_FLAGS["ppo.py"]
     micro_batches = int(flags[flags.index("--batch_size") + 1]) // int(flags[flags.index("--local_micro_batch_size") + 1])
     passes = Args.num_ppo_epochs * micro_batches * 2  # policy and critic (the same backbone)
     floor = passes * checks["step_seconds"]
-    training = min(stats["time/training"][-1], stats_fast["time/training"][-1])
-    achieved = passes * checks["step_flops"] / training
+
+    def measured(stats: dict) -> str:
+        training = stats["time/training"][-1]
+        achieved = passes * checks["step_flops"] / training
+        return (f"{training:.2f} s = {training / floor:.2f}x the floor, {achieved / 1e12:.0f} TFLOP/s = "
+                f"{achieved / checks['peak_flops']:.0%} of the matmul peak")
+
+    eager, compiled = stats["time/training"][-1], stats_fast["time/training"][-1]
     return (f"Training phase against its floor (bf16, the same run): a plain forward + backward of the policy at a "
             f"micro-batch of 16 x 565 tokens takes {checks['step_seconds'] * 1e3:.0f} ms, "
             f"{checks['step_flops'] / checks['step_seconds'] / 1e12:.0f} TFLOP/s, "
             f"{checks['step_flops'] / checks['step_seconds'] / checks['peak_flops']:.0%} of the measured bf16 matmul "
             f"peak ({checks['peak_flops'] / 1e12:.0f} TFLOP/s; 6 x {checks['weights'] / 1e9:.2f} B non-embedding "
             f"weights x tokens). PPO's training phase is {passes} such passes ({Args.num_ppo_epochs} epochs x "
-            f"{micro_batches} micro-batches x policy and critic): floor {floor:.2f} s; measured {training:.2f} s = {training / floor:.2f}x the floor, "
-            f"{achieved / 1e12:.0f} TFLOP/s = {achieved / checks['peak_flops']:.0%} of the matmul peak.")
+            f"{micro_batches} micro-batches x policy and critic): floor {floor:.2f} s. Measured: eager layers "
+            f"{measured(stats)}; compiled layers (--compile_training) {measured(stats_fast)}; compiled / eager "
+            f"{compiled / eager:.3f}.")
 
 
 def report_lines(args, name: str, versions: str, timings: dict, memory: dict, stats: dict, stats_fast: dict,
                  checks: dict) -> list:
     """The lines of gpu_check.md: device, stages, the PPO update's split, ratio, floor, window and decode checks."""
     # the second update's split: the first one's generation includes compiling the fast path's decode step
-    def update_split(stats: dict, sampler: str) -> str:
+    def update_split(stats: dict, run: str) -> str:
         split = {phase: stats[f"time/{phase}"][-1] for phase in ("generation", "scoring", "training")}
         total = sum(split.values())
-        return (f"| {sampler} | {total:.2f} | " + " | ".join(f"{split[phase]:.2f} ({split[phase] / total:.0%})"
+        return (f"| {run} | {total:.2f} | " + " | ".join(f"{split[phase]:.2f} ({split[phase] / total:.0%})"
                                                            for phase in ("generation", "scoring", "training")) + " |")
 
     precision = "bf16" if args.launcher == "deepspeed" else "fp32"
     from ppo import Args
 
-    defaults_fast = Args.fast_sampling
+    defaults_fast, defaults_compiled = Args.fast_sampling, Args.compile_training
     lines = [
         "# benchmark/gpu_check.sh", "",
         f"- device: **{name}**", f"- {versions}",
@@ -338,12 +345,13 @@ def report_lines(args, name: str, versions: str, timings: dict, memory: dict, st
         f"| RM, 1 update | 8 pairs x 1 | {timings['reward']:.0f} | {memory['reward']} |",
         f"| DPO, 1 update | 8 pairs x 1 | {timings['dpo']:.0f} | {memory['dpo']} |",
         f"| PPO, 2 updates | 64 episodes, micro 16, rollout 64 | {timings['ppo']:.0f} | {memory['ppo']} |",
-        f"| PPO, 2 updates, --fast_sampling | the same | {timings['ppo_fast']:.0f} | {memory['ppo_fast']} |", "",
-        f"PPO update, the second of each run (the first one's generation includes compiling the fast sampler's step; "
-        f"ppo.py's default is --fast_sampling {defaults_fast}), seconds:", "",
-        "| sampler | update | generation | scoring | training |", "|---|---|---|---|---|",
-        update_split(stats, "HF generate (default)" if not defaults_fast else "HF generate (--no-fast_sampling)"),
-        update_split(stats_fast, "StaticSampler (--fast_sampling)"), "",
+        f"| PPO, 2 updates, --fast_sampling --compile_training | the same | {timings['ppo_fast']:.0f} | "
+        f"{memory['ppo_fast']} |", "",
+        f"PPO update, the second of each run (the first one includes compiling the fast paths; ppo.py's defaults are "
+        f"--fast_sampling {defaults_fast}, --compile_training {defaults_compiled}), seconds:", "",
+        "| run | update | generation | scoring | training |", "|---|---|---|---|---|",
+        update_split(stats, "HF generate, eager layers" + ("" if defaults_fast or defaults_compiled else " (the defaults)")),
+        update_split(stats_fast, "StaticSampler, compiled layers (--fast_sampling --compile_training)"), "",
         f"First-epoch ratio ({precision} sampling loop vs {precision} training forward): mean "
         f"{stats['policy/ratio_first_epoch'][0]:.5f}, max |ratio - 1| {stats['policy/ratio_first_epoch_max_deviation'][0]:.4f}; "
         f"KL to the reference at the first update {stats['objective/kl'][0]:.5f}.", "",

@@ -57,7 +57,8 @@ def test_query128_response_bounds_hold_the_committed_worlds_responses():
 
 def test_gpu_check_report_has_every_stage_and_the_update_split_by_hand():
     """benchmark/gpu_check.py's report from made-up measurements: a row per stage (DPO included), the second PPO
-    update's split per sampler, and the training phase against its floor, each against hand-computed values."""
+    update's split per run (plain, then both fast paths), and each run's training phase against its floor, each against
+    hand-computed values."""
     import gpu_check
 
     args = SimpleNamespace(launcher="deepspeed", hub=False, size="1b")
@@ -65,19 +66,22 @@ def test_gpu_check_report_has_every_stage_and_the_update_split_by_hand():
     memory = {stage: f"{gib:.2f} GiB" for stage, gib in zip(timings, (17.0, 16.0, 18.9, 53.1, 57.6))}
     stats = {"time/generation": [9.0, 0.5], "time/scoring": [1.0, 0.3], "time/training": [5.0, 2.2],
              "policy/ratio_first_epoch": [1.0], "policy/ratio_first_epoch_max_deviation": [0.05], "objective/kl": [0.0]}
-    stats_fast = {**stats, "time/generation": [30.0, 0.25], "time/training": [5.0, 2.4]}
+    stats_fast = {**stats, "time/generation": [30.0, 0.25], "time/training": [5.0, 2.0]}
     checks = {"step_seconds": 0.05, "step_flops": 6e12, "peak_flops": 2e14, "weights": 1e9, "window_max_abs_diff": 0.0,
               "window_mean_abs_diff": 0.0, "logit_scale": 1.0, "fast_tokens_per_second": 2.0, "fast_seconds": 1.0,
               "plain_tokens_per_second": 1.0, "plain_seconds": 2.0, "same_tokens": 1.0}
     report = "\n".join(gpu_check.report_lines(args, "a GPU", "versions", timings, memory, stats, stats_fast, checks))
     assert "| DPO, 1 update | 8 pairs x 1 | 48 | 18.90 GiB |" in report
-    # the second update: 0.5 + 0.3 + 2.2 = 3.0 s (17% / 10% / 73%), with the fast sampler 0.25 + 0.3 + 2.4 = 2.95 s
-    assert "| HF generate (default) | 3.00 | 0.50 (17%) | 0.30 (10%) | 2.20 (73%) |" in report
-    assert "| StaticSampler (--fast_sampling) | 2.95 | 0.25 (8%) | 0.30 (10%) | 2.40 (81%) |" in report
-    # 4 PPO epochs x (64 / 16) micro-batches x policy and critic = 32 passes of 0.05 s: a floor of 1.60 s; the faster
-    # training phase (2.2 s) is 1.38x it, at 32 x 6e12 / 2.2 = 87 TFLOP/s = 44% of the 200 TFLOP/s peak
-    assert "32 such passes" in report and "floor 1.60 s; measured 2.20 s = 1.38x the floor" in report
-    assert "87 TFLOP/s = 44% of the matmul peak" in report
+    # the second update: 0.5 + 0.3 + 2.2 = 3.0 s (17% / 10% / 73%), with the fast paths 0.25 + 0.3 + 2.0 = 2.55 s
+    assert "| HF generate, eager layers (the defaults) | 3.00 | 0.50 (17%) | 0.30 (10%) | 2.20 (73%) |" in report
+    assert ("| StaticSampler, compiled layers (--fast_sampling --compile_training) | 2.55 | 0.25 (10%) | 0.30 (12%) | "
+            "2.00 (78%) |") in report
+    # 4 PPO epochs x (64 / 16) micro-batches x policy and critic = 32 passes of 0.05 s: a floor of 1.60 s. The eager
+    # run's training phase (2.2 s) is 1.38x it, at 32 x 6e12 / 2.2 = 87 TFLOP/s = 44% of the 200 TFLOP/s peak; the
+    # compiled run's (2.0 s) 1.25x, 96 TFLOP/s = 48%; 2.0 / 2.2 = 0.909
+    assert "32 such passes" in report and "floor 1.60 s. Measured: eager layers 2.20 s = 1.38x the floor" in report
+    assert "87 TFLOP/s = 44% of the matmul peak; compiled layers (--compile_training) 2.00 s = 1.25x the floor" in report
+    assert "96 TFLOP/s = 48% of the matmul peak; compiled / eager 0.909." in report
 
 
 def test_compile_training_pads_each_row_as_it_says():

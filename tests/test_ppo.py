@@ -443,6 +443,63 @@ def test_training_forward_by_length_equals_one_forward(tiny_tldr, monkeypatch, g
     torch.testing.assert_close(grouped[2], one[2], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])  # dynamo's graph run eagerly; the compiler's own code
+def test_compiled_layers_give_the_eager_outputs_and_gradients(tiny_tldr, backend):
+    """--compile_training (compiled_layers: each layer but the last wrapped by torch.compile, used by the PPO epochs'
+    forward only) gives the eager forward's logits, values and gradients, over micro-batches of three window widths
+    and row counts; the first call compiles a graph for any shape, so the later ones compile nothing."""
+    import ppo
+    from torch._dynamo.utils import counters
+
+    policy, critic = tiny_models()
+    eager = PolicyAndValueWrapper(policy, critic).train()
+    compiled = PolicyAndValueWrapper(policy, critic).train()  # the same modules, parameters and all
+    compiled.compiled = tuple(ppo.compiled_layers(backbone, backend) for backbone in (policy.base_model, critic.backbone))
+    assert len(compiled.compiled[0]) == len(policy.base_model.layers) - 1
+    assert sorted(dict(compiled.named_parameters())) == sorted(dict(eager.named_parameters()))  # none added
+    queries = padded_queries(tiny_tldr, 40)
+    torch.manual_seed(5)
+    torch._dynamo.reset()
+    graphs = [counters["stats"]["unique_graphs"]]
+    widths = []
+    # Widths 91, 103, 117 (none the hidden size, 96: a width equal to a weight's size would be compiled as that size).
+    for rows in ([0, 1, 2, 3, 4], [10, 11, 12, 13], [30, 31, 32, 33, 34, 35]):  # ever fewer left pads
+        query_responses = torch.cat((queries[rows], torch.randint(2, 200, (len(rows), 12))), 1)
+        widths.append(response_window(query_responses, PAD, queries.shape[1], 9)[0].shape[1])
+        outputs = []
+        for model in (eager, compiled):
+            logits, values = response_logits_and_values(model, query_responses, PAD, queries.shape[1], 9)
+            loss = torch.log_softmax(logits, -1)[..., 5].mean() + values.square().mean()
+            grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+            outputs.append((logits.detach(), values.detach(), torch.cat([g.flatten() for g in grads])))
+        graphs.append(counters["stats"]["unique_graphs"])
+        for ours, theirs in zip(outputs[1], outputs[0]):
+            if backend == "aot_eager":  # the same kernels in the same order
+                assert torch.equal(ours, theirs)
+            else:  # inductor fuses the elementwise work: its own float rounding
+                torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert widths == [91, 103, 117]
+    assert graphs[1] - graphs[0] == 1 and graphs[3] == graphs[2] == graphs[1], graphs
+
+
+def test_compiled_training_refuses_what_it_cannot_compile():
+    """model_problems: --compile_training on a backbone without SDPA attention names the model and the fix; without
+    the flag the same models pass."""
+    from types import SimpleNamespace
+
+    import ppo
+    from transformers import AutoTokenizer
+
+    policy, critic = tiny_models()
+    critic.backbone.set_attn_implementation("eager")
+    tokenizer = AutoTokenizer.from_pretrained(WORLD / "pythia-tiny")
+    args = SimpleNamespace(compile_training=True, sft_model_path="sft", reward_model_path="rm")
+    assert ppo.model_problems(args, tokenizer, policy, critic) == (
+        "--compile_training compiles GPT-NeoX layers run by SDPA; --reward_model_path rm is GPTNeoXModel with 'eager' "
+        "attention: drop --compile_training")
+    assert ppo.model_problems(SimpleNamespace(**{**vars(args), "compile_training": False}), tokenizer, policy, critic) is None
+
+
 def test_reference_forward_and_values_equal_the_full_forward(tiny_tldr):
     """The rollout's reference forward (response_logits: the response window only) = the full forward's
     logits[:, context_length - 1 : -1]; get_values = the critic's per-token outputs at the same positions."""
@@ -787,33 +844,78 @@ def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
     assert all(abs(e.value - 1) < 1e-4 for e in events.Scalars("policy/ratio_first_epoch"))
 
 
+def run_deepspeed_ppo(tiny_tldr, tmp_path, name, *extra, env=None):
+    """ppo.py as the paper launches it, on 2 CPU processes of DeepSpeed ZeRO-2 (fp32), one update of 16 episodes
+    from the tiny base and tmp_path/rm, into tmp_path/name (its run: tmp_path/runs/name)."""
+    import socket
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
+    env.pop("ACCELERATE_USE_CPU", None)  # ENV_NOTES: CPU DeepSpeed must not set it (it would drop DeepSpeed)
+    with socket.socket() as sock:  # a free port: other test sessions may launch at the same time
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "benchmark/accelerate/deepspeed_zero2.yaml"), "--num_processes", "2", "--mixed_precision", "no",
+           "--main_process_port", str(port), str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"),
+           "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
+           "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / name), "--run_name", name,
+           "--total_episodes", "16", "--batch_size", "16", "--local_micro_batch_size", "4",
+           "--local_rollout_forward_batch_size", "8", "--response_length", "16", "--local_eval_batch_size", "2",
+           "--lr", "1e-3", "--length_groups", "2", *extra]  # 2 forwards, 1 backward
+    with multi_process_slot(2):
+        result = run_python(cmd, cwd=tmp_path, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+
+
+def test_compiled_training_under_deepspeed_matches_eager(tiny_tldr, tmp_path):
+    """--compile_training inside the DeepSpeed ZeRO-2 engine (2 CPU processes; its gradient hooks after the compiled
+    backward): the layers really compiled (inductor wrote its kernels), and the update ends where the eager one does,
+    up to float rounding (inductor fuses the elementwise work)."""
+    from safetensors.torch import load_file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    make_reward_model(tmp_path / "rm")
+    stats = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile_training"])):
+        kernels = tmp_path / f"inductor_{name}"
+        run_deepspeed_ppo(tiny_tldr, tmp_path, name, "--num_eval_samples", "0", *extra,
+                          env={"TORCHINDUCTOR_CACHE_DIR": str(kernels)})
+        assert any(kernels.rglob("*.py")) == (name == "compiled")  # the eager run compiles nothing
+        events = EventAccumulator(str(tmp_path / "runs" / name))
+        events.Reload()
+        stats[name] = {tag: events.Scalars(tag)[0].value for tag in events.Tags()["scalars"] if not tag.startswith("time/")}
+    assert json.loads((tmp_path / "compiled" / "args.json").read_text())["compile_training"] is True
+    assert sorted(stats["compiled"]) == sorted(stats["eager"]) and "policy/approxkl" in stats["eager"]
+    for tag, value in stats["eager"].items():
+        assert stats["compiled"][tag] == pytest.approx(value, rel=1e-3, abs=1e-5), tag
+    eager, compiled = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("eager", "compiled"))
+    start = load_file(str(WORLD / "pythia-tiny" / "model.safetensors"))
+    moved = max((eager[k] - start[k]).abs().max().item() for k in eager)
+    apart = max((eager[k] - compiled[k]).abs().max().item() for k in eager)
+    assert moved > 1e-4 and apart < 0.01 * moved, (moved, apart)
+
+
+def test_compiled_training_is_refused_in_bf16_on_a_cpu(tmp_path):
+    """Inductor cannot build the layers' bf16 backward for a CPU (torch 2.13): a bf16 launch with --compile_training
+    on a CPU stops before loading anything, naming the flag."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "ACCELERATE_MIXED_PRECISION": "bf16",
+           "ACCELERATE_USE_CPU": "true"}  # a CPU rehearsal on purpose (accelerate launch --cpu --mixed_precision bf16)
+    result, = early_exits([(tmp_path, REPO / "ppo.py", ["--compile_training", "--output_dir", tmp_path / "out"])], env=env)
+    assert result.returncode != 0
+    assert "--compile_training with bf16 on a CPU" in result.stderr and "drop --compile_training" in result.stderr
+    assert "Loading weights" not in result.stdout + result.stderr and not (tmp_path / "out").exists()
+
+
 def test_deepspeed_offload_matches_deepspeed(tiny_tldr, tmp_path):
     """--offload (reference policy and RM as ZeRO-3 engines, parameters on the CPU; the paper's 6.9B setting)
     trains like the plain DeepSpeed ZeRO-2 launch: 2 CPU processes each, same weights, same samples."""
-    import socket
-
     from safetensors.torch import load_file
 
     make_reward_model(tmp_path / "rm")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    env.pop("ACCELERATE_USE_CPU", None)  # ENV_NOTES: CPU DeepSpeed must not set it (it would drop DeepSpeed)
     for name, extra in (("plain", []), ("offload", ["--offload"])):
-        with socket.socket() as sock:  # a free port: other test sessions may launch at the same time
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO / "benchmark/accelerate/deepspeed_zero2.yaml"), "--num_processes", "2", "--mixed_precision", "no",
-               "--main_process_port", str(port), str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"),
-               "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
-               "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / name), "--run_name", name,
-               "--total_episodes", "16", "--batch_size", "16", "--local_micro_batch_size", "4",
-               "--local_rollout_forward_batch_size", "8", "--response_length", "16", "--num_eval_samples", "5",
-               "--local_eval_batch_size", "2", "--lr", "1e-3", "--length_groups", "2", *extra]  # 2 forwards, 1 backward
         # 5 eval rows on 2 ranks in batches of 2: rank 0 has 3 rows (2 batches), rank 1 two (1 batch). The
         # ZeRO-3 engines gather parameters in every forward, so unequal batch counts would hang here.
-        with multi_process_slot(2):
-            result = run_python(cmd, cwd=tmp_path, env=env, timeout=300)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        run_deepspeed_ppo(tiny_tldr, tmp_path, name, "--num_eval_samples", "5", *extra)
     assert json.loads((tmp_path / "offload" / "args.json").read_text())["offload"] is True
     plain, offload = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("plain", "offload"))
     start = load_file(str(WORLD / "pythia-tiny" / "model.safetensors"))
