@@ -1,7 +1,8 @@
 """The real path on a GPU, in one command: a Pythia-1B-shaped model through SFT, RM, DPO and PPO updates.
 
 One SFT, one RM, one DPO and two PPO updates (twice: plain, then with both fast paths, --fast_sampling
---compile_training) at the paper's
+--compile_training; should the compiled run fail, it runs again with --fast_sampling alone and the
+report names the error) at the paper's
 per-GPU batch (SFT 16 samples in micro-batches of 1, RM and DPO 8 pairs in micro-batches of 1, PPO 64
 episodes in micro-batches of 16 with rollouts of 64: benchmark/knobs.sh at 1B), each through
 `accelerate launch` with the paper's DeepSpeed ZeRO-2 bf16 config on one process, each stage
@@ -31,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -130,6 +132,16 @@ def run(command: list, log: str, env: dict) -> float:
     if result.returncode != 0:
         raise SystemExit(f"failed ({result.returncode}): {' '.join(command)}\n" + open(log).read()[-4000:])
     return time.time() - start
+
+
+def last_error(log: str) -> str:
+    """The last line of `log` that states an exception and its message (not the launcher's ChildFailedError), with
+    the next line if it ends in a colon; else the log's last line: for the report."""
+    lines = [line.strip() for line in open(log).read().splitlines() if line.strip()] or ["(empty log)"]
+    errors = [i for i, line in enumerate(lines)
+              if re.search(r"\w+(Error|Exception): \S", line) and "ChildFailedError" not in line]
+    i = errors[-1] if errors else len(lines) - 1
+    return " ".join(lines[i:i + 2] if lines[i].endswith(":") else lines[i:i + 1])[:400]
 
 
 def peak_memory(log: str) -> str:
@@ -272,28 +284,43 @@ def main() -> None:
     memory = {}
     # Each stage finds the last one's output at its default path; PPO runs twice, the second time with both
     # fast paths: the sampler and the compiled training layers (its own run name and output folder).
+    fast_flags, compile_failure = ["--fast_sampling", "--compile_training"], None
+    fast_output = os.path.join(args.work, "models", model_name, "ppo_fast")
     stages = {"sft": ("sft.py", []), "reward": ("reward.py", []), "dpo": ("dpo.py", []),
               "ppo": ("ppo.py", ["--run_name", "ppo"]),
-              "ppo_fast": ("ppo.py", ["--fast_sampling", "--compile_training", "--run_name", "ppo_fast",
-                                      "--output_dir", os.path.join(args.work, "models", model_name, "ppo_fast")])}
+              "ppo_fast": ("ppo.py", ["--run_name", "ppo_fast", "--output_dir", fast_output])}
     for stage, (script, extra) in stages.items():
         log = os.path.join(args.work, f"{stage}.log")
-        timings[stage] = run([*launch, os.path.join(REPO, script), "--base_model", model, *STAGE_FLAGS[script], *extra],
-                             log, env)
+        command = [*launch, os.path.join(REPO, script), "--base_model", model, *STAGE_FLAGS[script], *extra]
+        try:
+            timings[stage] = run(command + (fast_flags if stage == "ppo_fast" else []), log, env)
+        except SystemExit:
+            if stage != "ppo_fast":
+                raise
+            # A compiler failure must not cost the rest of a GPU session's only check: note it, and time
+            # the fast sampler alone.
+            compile_failure = last_error(log)
+            print(f"--compile_training failed ({compile_failure}): the fast run again with --fast_sampling only",
+                  flush=True)
+            fast_flags.remove("--compile_training")
+            os.replace(log, os.path.join(args.work, "ppo_fast_compile_failed.log"))  # kept for a look
+            for folder in (fast_output, os.path.join(args.work, "runs", "ppo_fast")):
+                shutil.rmtree(folder, ignore_errors=True)
+            timings[stage] = run(command + fast_flags, log, env)
         memory[stage] = peak_memory(log)
         print(f"{stage}: {timings[stage]:.0f} s, peak GPU memory {memory[stage]}", flush=True)
     stats, stats_fast = (scalars_of(os.path.join(args.work, "runs", name)) for name in ("ppo", "ppo_fast"))
     pad_id = json.load(open(os.path.join(args.work, "models", model_name, "sft_1", "args.json")))["pad_token_id"]
     checks = forward_checks(os.path.join(args.work, "models", model_name, "sft_1"), pad_id, device)
 
-    lines = report_lines(args, name, versions, timings, memory, stats, stats_fast, checks)
+    lines = report_lines(args, name, versions, timings, memory, stats, stats_fast, checks, compile_failure)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as file:
         file.write("\n".join(lines))
     print("\n".join(lines))
 
 
-def training_line(stats: dict, stats_fast: dict, checks: dict) -> str:
+def training_line(stats: dict, stats_fast: dict, checks: dict, compile_failure: Optional[str] = None) -> str:
     """Each run's PPO training phase against its floor: epochs x micro-batches x 2 models of plain forward + backward."""
     from ppo import Args
 
@@ -309,6 +336,10 @@ def training_line(stats: dict, stats_fast: dict, checks: dict) -> str:
                 f"{achieved / checks['peak_flops']:.0%} of the matmul peak")
 
     eager, compiled = stats["time/training"][-1], stats_fast["time/training"][-1]
+    if compile_failure is None:
+        fast = f"compiled layers (--compile_training) {measured(stats_fast)}; compiled / eager {compiled / eager:.3f}."
+    else:
+        fast = f"the fast run's eager layers {measured(stats_fast)} (--compile_training failed: {compile_failure})."
     return (f"Training phase against its floor (bf16, the same run): a plain forward + backward of the policy at a "
             f"micro-batch of 16 x 565 tokens takes {checks['step_seconds'] * 1e3:.0f} ms, "
             f"{checks['step_flops'] / checks['step_seconds'] / 1e12:.0f} TFLOP/s, "
@@ -316,12 +347,11 @@ def training_line(stats: dict, stats_fast: dict, checks: dict) -> str:
             f"peak ({checks['peak_flops'] / 1e12:.0f} TFLOP/s; 6 x {checks['weights'] / 1e9:.2f} B non-embedding "
             f"weights x tokens). PPO's training phase is {passes} such passes ({Args.num_ppo_epochs} epochs x "
             f"{micro_batches} micro-batches x policy and critic): floor {floor:.2f} s. Measured: eager layers "
-            f"{measured(stats)}; compiled layers (--compile_training) {measured(stats_fast)}; compiled / eager "
-            f"{compiled / eager:.3f}.")
+            f"{measured(stats)}; {fast}")
 
 
 def report_lines(args, name: str, versions: str, timings: dict, memory: dict, stats: dict, stats_fast: dict,
-                 checks: dict) -> list:
+                 checks: dict, compile_failure: Optional[str] = None) -> list:
     """The lines of gpu_check.md: device, stages, the PPO update's split, ratio, floor, window and decode checks."""
     # the second update's split: the first one's generation includes compiling the fast path's decode step
     def update_split(stats: dict, run: str) -> str:
@@ -334,6 +364,7 @@ def report_lines(args, name: str, versions: str, timings: dict, memory: dict, st
     from ppo import Args
 
     defaults_fast, defaults_compiled = Args.fast_sampling, Args.compile_training
+    fast_flags = "--fast_sampling" + (" --compile_training" if compile_failure is None else "")
     lines = [
         "# benchmark/gpu_check.sh", "",
         f"- device: **{name}**", f"- {versions}",
@@ -345,17 +376,18 @@ def report_lines(args, name: str, versions: str, timings: dict, memory: dict, st
         f"| RM, 1 update | 8 pairs x 1 | {timings['reward']:.0f} | {memory['reward']} |",
         f"| DPO, 1 update | 8 pairs x 1 | {timings['dpo']:.0f} | {memory['dpo']} |",
         f"| PPO, 2 updates | 64 episodes, micro 16, rollout 64 | {timings['ppo']:.0f} | {memory['ppo']} |",
-        f"| PPO, 2 updates, --fast_sampling --compile_training | the same | {timings['ppo_fast']:.0f} | "
-        f"{memory['ppo_fast']} |", "",
+        f"| PPO, 2 updates, {fast_flags} | the same | {timings['ppo_fast']:.0f} | {memory['ppo_fast']} |", "",
         f"PPO update, the second of each run (the first one includes compiling the fast paths; ppo.py's defaults are "
         f"--fast_sampling {defaults_fast}, --compile_training {defaults_compiled}), seconds:", "",
         "| run | update | generation | scoring | training |", "|---|---|---|---|---|",
         update_split(stats, "HF generate, eager layers" + ("" if defaults_fast or defaults_compiled else " (the defaults)")),
-        update_split(stats_fast, "StaticSampler, compiled layers (--fast_sampling --compile_training)"), "",
+        update_split(stats_fast, f"StaticSampler, {'eager' if compile_failure else 'compiled'} layers ({fast_flags})"),
+        *([] if compile_failure is None else [f"--compile_training failed, so the fast run sampled with StaticSampler "
+                                              f"only: {compile_failure}"]), "",
         f"First-epoch ratio ({precision} sampling loop vs {precision} training forward): mean "
         f"{stats['policy/ratio_first_epoch'][0]:.5f}, max |ratio - 1| {stats['policy/ratio_first_epoch_max_deviation'][0]:.4f}; "
         f"KL to the reference at the first update {stats['objective/kl'][0]:.5f}.", "",
-        training_line(stats, stats_fast, checks), "",
+        training_line(stats, stats_fast, checks, compile_failure), "",
         f"Windowed training forward vs the plain full forward (bf16, 16 rows of 512 + 53): max |logit difference| "
         f"{checks['window_max_abs_diff']:.4f}, mean {checks['window_mean_abs_diff']:.5f} (mean |logit| "
         f"{checks['logit_scale']:.2f}).", "",

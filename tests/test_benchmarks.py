@@ -55,22 +55,28 @@ def test_query128_response_bounds_hold_the_committed_worlds_responses():
     assert "--no-check_length_correctness" in random_world.Q128_LENGTHS
 
 
+def made_up_measurements(fast_training: float) -> tuple:
+    """gpu_check.report_lines' arguments but the last, made up: the second update's training phase took 2.2 s in the
+    plain run and `fast_training` s in the fast one."""
+    args = SimpleNamespace(launcher="deepspeed", hub=False, size="1b")
+    timings = {"sft": 41.0, "reward": 46.0, "dpo": 48.0, "ppo": 49.0, "ppo_fast": 89.0}
+    memory = {stage: f"{gib:.2f} GiB" for stage, gib in zip(timings, (17.0, 16.0, 18.9, 53.1, 57.6))}
+    stats = {"time/generation": [9.0, 0.5], "time/scoring": [1.0, 0.3], "time/training": [5.0, 2.2],
+             "policy/ratio_first_epoch": [1.0], "policy/ratio_first_epoch_max_deviation": [0.05], "objective/kl": [0.0]}
+    stats_fast = {**stats, "time/generation": [30.0, 0.25], "time/training": [5.0, fast_training]}
+    checks = {"step_seconds": 0.05, "step_flops": 6e12, "peak_flops": 2e14, "weights": 1e9, "window_max_abs_diff": 0.0,
+              "window_mean_abs_diff": 0.0, "logit_scale": 1.0, "fast_tokens_per_second": 2.0, "fast_seconds": 1.0,
+              "plain_tokens_per_second": 1.0, "plain_seconds": 2.0, "same_tokens": 1.0}
+    return args, "a GPU", "versions", timings, memory, stats, stats_fast, checks
+
+
 def test_gpu_check_report_has_every_stage_and_the_update_split_by_hand():
     """benchmark/gpu_check.py's report from made-up measurements: a row per stage (DPO included), the second PPO
     update's split per run (plain, then both fast paths), and each run's training phase against its floor, each against
     hand-computed values."""
     import gpu_check
 
-    args = SimpleNamespace(launcher="deepspeed", hub=False, size="1b")
-    timings = {"sft": 41.0, "reward": 46.0, "dpo": 48.0, "ppo": 49.0, "ppo_fast": 89.0}
-    memory = {stage: f"{gib:.2f} GiB" for stage, gib in zip(timings, (17.0, 16.0, 18.9, 53.1, 57.6))}
-    stats = {"time/generation": [9.0, 0.5], "time/scoring": [1.0, 0.3], "time/training": [5.0, 2.2],
-             "policy/ratio_first_epoch": [1.0], "policy/ratio_first_epoch_max_deviation": [0.05], "objective/kl": [0.0]}
-    stats_fast = {**stats, "time/generation": [30.0, 0.25], "time/training": [5.0, 2.0]}
-    checks = {"step_seconds": 0.05, "step_flops": 6e12, "peak_flops": 2e14, "weights": 1e9, "window_max_abs_diff": 0.0,
-              "window_mean_abs_diff": 0.0, "logit_scale": 1.0, "fast_tokens_per_second": 2.0, "fast_seconds": 1.0,
-              "plain_tokens_per_second": 1.0, "plain_seconds": 2.0, "same_tokens": 1.0}
-    report = "\n".join(gpu_check.report_lines(args, "a GPU", "versions", timings, memory, stats, stats_fast, checks))
+    report = "\n".join(gpu_check.report_lines(*made_up_measurements(fast_training=2.0)))
     assert "| DPO, 1 update | 8 pairs x 1 | 48 | 18.90 GiB |" in report
     # the second update: 0.5 + 0.3 + 2.2 = 3.0 s (17% / 10% / 73%), with the fast paths 0.25 + 0.3 + 2.0 = 2.55 s
     assert "| HF generate, eager layers (the defaults) | 3.00 | 0.50 (17%) | 0.30 (10%) | 2.20 (73%) |" in report
@@ -82,6 +88,32 @@ def test_gpu_check_report_has_every_stage_and_the_update_split_by_hand():
     assert "32 such passes" in report and "floor 1.60 s. Measured: eager layers 2.20 s = 1.38x the floor" in report
     assert "87 TFLOP/s = 44% of the matmul peak; compiled layers (--compile_training) 2.00 s = 1.25x the floor" in report
     assert "96 TFLOP/s = 48% of the matmul peak; compiled / eager 0.909." in report
+
+
+def test_gpu_check_reports_a_failed_compile_and_the_fast_sampler_alone(tmp_path):
+    """When ppo.py --compile_training fails on the GPU, gpu_check.py reruns the fast run with --fast_sampling only:
+    its report labels that run's layers eager, names the error (last_error: the log's last line naming one), and
+    gives no compiled / eager ratio."""
+    import gpu_check
+
+    log = tmp_path / "ppo_fast.log"
+    log.write_text("loading\nValueError: an earlier one\ntorch._inductor.exc.InductorError: CppCompileError: C++ compile "
+                   "error\n  error_file: <N/A>\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+                   "  rank 0 exited\n")
+    assert gpu_check.last_error(str(log)) == "torch._inductor.exc.InductorError: CppCompileError: C++ compile error"
+    log.write_text("a\nb\n\n")
+    assert gpu_check.last_error(str(log)) == "b"  # no line names an error: the last line
+    log.write_text("SetupError: ppo.py cannot start (nothing was loaded or written):\n  --compile_training with bf16\nc\n")
+    assert gpu_check.last_error(str(log)) == ("SetupError: ppo.py cannot start (nothing was loaded or written): "
+                                              "--compile_training with bf16")  # the message's next line too
+    report = "\n".join(gpu_check.report_lines(*made_up_measurements(fast_training=2.4), "InductorError: boom"))
+    assert "| PPO, 2 updates, --fast_sampling | the same | 89 | 57.60 GiB |" in report
+    assert "| StaticSampler, eager layers (--fast_sampling) | 2.95 | 0.25 (8%) | 0.30 (10%) | 2.40 (81%) |" in report
+    assert "--compile_training failed, so the fast run sampled with StaticSampler only: InductorError: boom" in report
+    # 2.4 s against the 1.60 s floor: 1.50x; 32 x 6e12 / 2.4 = 80 TFLOP/s = 40% of the peak
+    assert ("the fast run's eager layers 2.40 s = 1.50x the floor, 80 TFLOP/s = 40% of the matmul peak "
+            "(--compile_training failed: InductorError: boom).") in report
+    assert "compiled / eager" not in report and "--compile_training |" not in report
 
 
 def test_compile_training_pads_each_row_as_it_says():
