@@ -136,7 +136,7 @@ class Args:
     fast_sampling: bool = False
     """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop, 1.35-1.96x faster than HF generate on CPU, 1.8-2.1x the plain loop at 1B on one H100 / H200; its compile (25-60 s per process and rank, cold) pays off only after ~20-200 updates on a CPU, hence off by default (the SLURM launchers turn it on; benchmark/README.md); not with ZeRO-3"""
     compile_training: bool = False
-    """Compile each GPT-NeoX layer of policy and critic but the last (torch.compile, one region a layer) for the PPO epochs' forwards and backwards only: the same outputs; its pass took 0.89x the eager one at 1B on one H200 (benchmark/compile_training.py) and 0.98x on a CPU; compiles in ~15-20 s per process; not with ZeRO-3"""
+    """Compile each GPT-NeoX layer of policy and critic but the last (torch.compile, one region a layer) for the PPO epochs' forwards and backwards only: the same outputs up to float rounding; layers so compiled took 0.89x the eager pass at 1B on one H200 (benchmark/compile_training.py; not yet timed inside ppo.py, hence off) and 0.98x on a CPU; compiles in ~15-20 s per process; not with ZeRO-3"""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of policy and critic (memory for compute)"""
     offload: bool = False
@@ -1451,8 +1451,8 @@ def vocabulary_problem(tokenizer, rows: int, what: str) -> Optional[str]:
 
 
 def model_problems(args, tokenizer, policy, critic) -> Optional[str]:
-    """vocabulary_problem of the policy (--sft_model_path), else of the critic, the RM's copy (--reward_model_path),
-    else a --compile_training that compiled_layers cannot serve."""
+    """A --compile_training that compiled_layers cannot serve, else vocabulary_problem of the policy
+    (--sft_model_path), else of the critic, the RM's copy (--reward_model_path)."""
     for backbone, flag in ((policy.base_model, "--sft_model_path"), (critic.backbone, "--reward_model_path")):
         attention = getattr(backbone.config, "_attn_implementation", None)
         if args.compile_training and not (isinstance(backbone, GPTNeoXModel) and attention == "sdpa"):
