@@ -443,8 +443,8 @@ def main() -> None:
         disable_dropout(model)
     ref_policy.eval().requires_grad_(False), reward_model.eval().requires_grad_(False)
     if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-        critic.backbone.gradient_checkpointing_enable()
+        policy.activation_checkpointing_enable()
+        critic.backbone.activation_checkpointing_enable()
     if args.offload:  # the frozen models as ZeRO-3 inference engines, their parameters on the CPU (6.9B)
         ref_policy, reward_model = offload_frozen_models(accelerator, args, ref_policy, reward_model)
     run_name, writer = start_ppo_logging(args, accelerator, resume_from, recorded)

@@ -689,17 +689,18 @@ def test_smoke_run_saves_policy_and_samples(tiny_tldr, tmp_path):
     assert len(scalars["objective/validation_score"]) == 2  # after update 1 (eval_every) and at the end
 
 
-def test_fast_sampling_run_equals_the_plain_run(tiny_tldr, tmp_path):
+def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_path):
     """ppo.py --fast_sampling (StaticSampler for the rollouts and the evaluation, its step compiled, as the SLURM
-    launchers run it) against the same run with HF generate: the same evaluation samples, the same logged statistics
-    and final weights up to float rounding (the two forwards sum in other orders)."""
+    launchers run it) and ppo.py --gradient_checkpointing (activations recomputed in the backward) against the same
+    run with HF generate and stored activations: the same evaluation samples, the same logged statistics and final
+    weights up to float rounding (the forwards sum in other orders)."""
     from safetensors.torch import load_file
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     make_reward_model(tmp_path / "rm")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     runs = {}
-    for name, fast in (("plain", []), ("fast", ["--fast_sampling"])):
+    for name, fast in (("plain", []), ("fast", ["--fast_sampling"]), ("checkpointed", ["--gradient_checkpointing"])):
         cmd = [sys.executable, str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"),
                "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
                "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / name), "--run_name", name,
@@ -712,15 +713,18 @@ def test_fast_sampling_run_equals_the_plain_run(tiny_tldr, tmp_path):
         events.Reload()
         runs[name] = {tag: [event.value for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]
                       if not tag.startswith("time/")}
-    plain, fast = ((tmp_path / name / "eval_validation.csv").read_text() for name in ("plain", "fast"))
-    assert fast == plain and len(plain.splitlines()) > 8  # the same 8 samples, word for word
-    assert sorted(runs["fast"]) == sorted(runs["plain"]) and len(runs["plain"]["objective/kl"]) == 2
-    for tag, values in runs["plain"].items():
-        assert runs["fast"][tag] == pytest.approx(values, rel=1e-4, abs=1e-4), tag
-    weights = [load_file(tmp_path / name / "model.safetensors") for name in ("plain", "fast")]
-    assert max((weights[0][key] - weights[1][key]).abs().max().item() for key in weights[0]) < 1e-5
-    assert max((weights[0][key] - load_file(WORLD / "pythia-tiny" / "model.safetensors")[key]).abs().max().item()
-               for key in weights[0]) > 1e-5  # both runs trained: their agreement is not that of untouched weights
+    plain = (tmp_path / "plain" / "eval_validation.csv").read_text()
+    assert len(plain.splitlines()) > 8 and len(runs["plain"]["objective/kl"]) == 2
+    start = load_file(WORLD / "pythia-tiny" / "model.safetensors")
+    weights = load_file(tmp_path / "plain" / "model.safetensors")
+    assert max((weights[key] - start[key]).abs().max().item() for key in weights) > 1e-5  # the runs trained: their
+    for name in ("fast", "checkpointed"):  # agreement is not that of untouched weights
+        assert (tmp_path / name / "eval_validation.csv").read_text() == plain, name  # the same 8 samples, word for word
+        assert sorted(runs[name]) == sorted(runs["plain"])
+        for tag, values in runs["plain"].items():
+            assert runs[name][tag] == pytest.approx(values, rel=1e-4, abs=1e-4), (name, tag)
+        other = load_file(tmp_path / name / "model.safetensors")
+        assert max((weights[key] - other[key]).abs().max().item() for key in weights) < 1e-5, name
 
 
 def test_data_without_a_column_or_a_foreign_output_folder_is_refused_before_loading(tiny_tldr, tmp_path):
