@@ -59,6 +59,11 @@ export ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-benchmark/accelerate/deepspeed_zer
 # FAST_SAMPLING=0 samples with HF generate.
 export FAST_SAMPLING=${FAST_SAMPLING:-1}
 
+# PPO's training forward with each transformer layer compiled (ppo.py --compile_training): 0.89x the
+# eager pass at 1B on one H200, timed outside ppo.py only (benchmark/compile_training.py). Off until
+# benchmark/gpu_check.sh, whose second PPO run uses it, has timed it inside ppo.py. COMPILE_TRAINING=1 turns it on.
+export COMPILE_TRAINING=${COMPILE_TRAINING:-0}
+
 # Tracking: the paper's runs log to W&B (TRACK=0 turns it off); PUSH=1 also pushes each model.
 export TRACK=${TRACK:-1}
 export PUSH=${PUSH:-0}

@@ -239,6 +239,17 @@ def test_ppo_samples_with_the_fast_path_at_every_size(dry_runs):
             assert not any("fast_sampling" in command["flags"] for command in dry_runs[stage])
 
 
+def test_ppo_compiles_its_training_layers_only_when_asked(dry_runs):
+    """knobs.sh's COMPILE_TRAINING is 0 until a GPU check has timed ppo.py --compile_training: no task compiles by
+    default, and COMPILE_TRAINING=1 reaches every PPO task and no other stage's."""
+    assert dry_runs["ppo"] and not any("compile_training" in command["flags"] for command in dry_runs["ppo"])
+    for stage in STAGES:
+        result = bash(str(SLURM / f"{stage}.sbatch"), "--dry-run", env={"COMPILE_TRAINING": "1"})
+        assert result.returncode == 0, result.stderr
+        commands = parse_dry_run(result.stdout)
+        assert commands and all(("compile_training" in command["flags"]) == (stage == "ppo") for command in commands)
+
+
 def test_accelerate_config_is_the_papers():
     config = yaml.safe_load((REPO / "benchmark" / "accelerate" / "deepspeed_zero2.yaml").read_text())
     assert config["distributed_type"] == "DEEPSPEED" and config["deepspeed_config"]["zero_stage"] == 2
