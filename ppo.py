@@ -136,7 +136,7 @@ class Args:
     fast_sampling: bool = False
     """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop, 1.35-1.96x faster than HF generate on CPU, 1.8-2.1x the plain loop at 1B on one H100 / H200; its compile (25-60 s per process and rank, cold) pays off only after ~20-200 updates on a CPU, hence off by default (the SLURM launchers turn it on; benchmark/README.md); not with ZeRO-3"""
     compile_training: bool = False
-    """Compile each GPT-NeoX layer of policy and critic but the last (torch.compile, one region a layer) for the PPO epochs' forwards and backwards only: the same outputs up to float rounding; layers so compiled took 0.89x the eager pass at 1B on one H200 (benchmark/compile_training.py; not yet timed inside ppo.py, hence off) and 0.98x on a CPU; compiles in ~15-20 s per process; not with ZeRO-3"""
+    """Compile each GPT-NeoX layer of policy and critic but the last (torch.compile, one region a layer) for the PPO epochs' forwards and backwards only: the same outputs up to float rounding; layers so compiled took 0.89x the eager pass at 1B on one H200 (benchmark/compile_training.py; not yet timed inside ppo.py, hence off) and 0.95-0.99x on a CPU; compiles in ~15-20 s per process; not with ZeRO-3"""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of policy and critic (memory for compute)"""
     offload: bool = False
@@ -1238,7 +1238,7 @@ def start_ppo_accelerator(args) -> Accelerator:
     if args.compile_training and accelerator.device.type == "cpu" and accelerator.mixed_precision == "bf16":
         # Inductor's C++ code for the layers' bf16 backward fails to build (torch 2.13, dynamic shapes).
         problems.append("--compile_training with bf16 on a CPU: torch's compiler cannot build the layers' bf16 "
-                        "backward for a CPU, and on a CPU the flag gains nothing (0.98x): drop --compile_training")
+                        "backward for a CPU, and on a CPU the flag gains little (0.95-0.99x): drop --compile_training")
     if problems:
         raise SetupError("ppo.py cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
     args.world_size = accelerator.num_processes
