@@ -1,26 +1,26 @@
 """The real path on a GPU, in one command: a Pythia-1B-shaped model through SFT, RM, DPO and PPO updates.
 
-One SFT, one RM, one DPO and two PPO updates (twice: plain, then with both fast paths, --fast_sampling
---compile_training; should the compiled run fail, it runs again with --fast_sampling alone and the
-report names the error) at the paper's
-per-GPU batch (SFT 16 samples in micro-batches of 1, RM and DPO 8 pairs in micro-batches of 1, PPO 64
-episodes in micro-batches of 16 with rollouts of 64: benchmark/knobs.sh at 1B), each through
-`accelerate launch` with the paper's DeepSpeed ZeRO-2 bf16 config on one process, each stage
-loading the previous one's output. No Hub needed: the model is Pythia-1B's architecture (hidden
-2048, 16 layers, 8 heads, rotary 25%, 50304 embedding rows) with random weights saved in fp16 as
-the Hub's are, the tokenizer the tiny world's (its [PAD] appended after the last token, as for
-Pythia), the data the tiny world's posts joined into queries that fill the paper's 512 tokens.
-With --hub, the real EleutherAI/pythia-1b-deduped checkpoint instead.
+One SFT, one RM, one DPO and two PPO updates at the paper's per-GPU batch (SFT 16 samples in
+micro-batches of 1, RM and DPO 8 pairs in micro-batches of 1, PPO 64 episodes in micro-batches of 16
+with rollouts of 64: benchmark/knobs.sh at 1B), each through `accelerate launch` with the paper's
+DeepSpeed ZeRO-2 bf16 config on one process, each stage loading the previous one's output. PPO runs
+twice: plain, then with both fast paths (--fast_sampling --compile_training); should the compiled run
+fail, it runs again with --fast_sampling alone and the report names the error. No Hub needed: the
+model is Pythia-1B's architecture (hidden 2048, 16 layers, 8 heads, rotary 25%, 50304 embedding rows)
+with random weights saved in fp16 as the Hub's are, the tokenizer the tiny world's (its [PAD] appended
+after the last token, as for Pythia), the data the tiny world's posts joined into queries that fill
+the paper's 512 tokens. With --hub, the real EleutherAI/pythia-1b-deduped checkpoint instead.
 
 Printed and written to benchmark/results/gpu_check.md: the device and versions; per stage its wall
 time and peak GPU memory; the second PPO update's time split in each run (generation / scoring /
 training; the first update's includes compiling the fast paths); each run's training phase against
-its floor (plain forward + backward passes, and the bf16 matmul peak measured in the same run); the first-epoch ratio (mean, and max |ratio - 1| over tokens); the windowed training
-forward against the plain full forward (max |difference| of the logits, bf16); decode tokens/s at
-the paper's rollout batch of the fast path (StaticSampler) and of the plain loop (sample_rollout),
-and how many of their tokens agree.
+its floor (plain forward + backward passes, and the bf16 matmul peak measured in the same run); the
+first-epoch ratio (mean, and max |ratio - 1| over tokens); the windowed training forward against the
+plain full forward (max |difference| of the logits, bf16); decode tokens/s at the paper's rollout
+batch of the fast path (StaticSampler) and of the plain loop (sample_rollout), and how many of their
+tokens agree.
 
-    bash benchmark/gpu_check.sh                       # any CUDA machine, ~5 min on one H100 or H200
+    bash benchmark/gpu_check.sh                       # any CUDA machine, ~5-8 min on one H100 or H200
     python benchmark/gpu_check.py --size tiny --launcher plain --allow_cpu --out /tmp/check.md   # CPU smoke
 """
 
@@ -353,7 +353,7 @@ def training_line(stats: dict, stats_fast: dict, checks: dict, compile_failure: 
 def report_lines(args, name: str, versions: str, timings: dict, memory: dict, stats: dict, stats_fast: dict,
                  checks: dict, compile_failure: Optional[str] = None) -> list:
     """The lines of gpu_check.md: device, stages, the PPO update's split, ratio, floor, window and decode checks."""
-    # the second update's split: the first one's generation includes compiling the fast path's decode step
+    # the second update's split: the first one includes compiling the fast paths (sampling step, training layers)
     def update_split(stats: dict, run: str) -> str:
         split = {phase: stats[f"time/{phase}"][-1] for phase in ("generation", "scoring", "training")}
         total = sum(split.values())
