@@ -700,13 +700,13 @@ def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_
     make_reward_model(tmp_path / "rm")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     runs = {}
-    for name, fast in (("plain", []), ("fast", ["--fast_sampling"]), ("checkpointed", ["--gradient_checkpointing"])):
+    for name, extra in (("plain", []), ("fast", ["--fast_sampling"]), ("checkpointed", ["--gradient_checkpointing"])):
         cmd = [sys.executable, str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"),
                "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
                "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / name), "--run_name", name,
                "--total_episodes", "32", "--batch_size", "16", "--num_minibatches", "2", "--local_micro_batch_size", "4",
                "--local_rollout_forward_batch_size", "8", "--response_length", "20", "--lr", "1e-4",
-               "--eval_every", "1", "--num_eval_samples", "8", "--local_eval_batch_size", "8", *fast]
+               "--eval_every", "1", "--num_eval_samples", "8", "--local_eval_batch_size", "8", *extra]
         result = run_python(cmd, cwd=tmp_path, env=env, timeout=900)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         events = EventAccumulator(str(tmp_path / "runs" / name))
