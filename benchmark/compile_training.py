@@ -11,7 +11,9 @@ builds it (ppo.compiled_layers: one graph for every layer, for any width), on th
     python benchmark/compile_training.py --size tiny --context 32 --allow_cpu   # a smoke run on CPU
 
 Prints a markdown table: ms per pass (the mean of --repeats after one warm-up call of each width),
-eager and compiled, the seconds the two compiles took, and the peak GPU memory.
+eager and compiled, the seconds the two compiles took, and the peak GPU memory. With --profile N, also
+each mode's N costliest ops (CUDA kernels on a GPU) and how busy the device was: where the pass's
+time goes, for what might come after compiling.
 """
 
 import argparse
@@ -55,12 +57,41 @@ def build_models(size: str, device: str, dtype: torch.dtype) -> tuple:
     return policy, critic
 
 
+def profile_lines(name: str, step, repeats: int, top: int, device: str) -> str:
+    """`repeats` calls of `step` under torch.profiler -> a markdown table of its `top` ops by self time on the device
+    (CUDA kernels; CPU ops without CUDA), per pass, and how much of the wall time the device was busy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    step()  # warm: no compile, no allocator growth inside the profile
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / repeats * 1e3
+    # Self time on the device for CUDA kernels; on a CPU, self CPU time of the ops.
+    own = (lambda event: event.self_device_time_total) if device == "cuda" else (lambda event: event.self_cpu_time_total)
+    events = sorted((event for event in prof.key_averages() if own(event) > 0), key=own, reverse=True)
+    busy = sum(own(event) for event in events) / repeats / 1e3  # ms per pass
+    lines = [f"{name}: {wall:.1f} ms a pass (wall, under the profiler), {busy:.1f} ms of it busy on the "
+             f"{'GPU' if device == 'cuda' else 'CPU, summed over threads'}", "",
+             "| op | ms a pass | share of busy | calls a pass |", "|---|---|---|---|"]
+    for event in events[:top]:
+        lines.append(f"| {event.key[:90]} | {own(event) / repeats / 1e3:.2f} | {own(event) / repeats / 1e3 / busy:.0%} "
+                     f"| {event.count / repeats:.0f} |")
+    return "\n".join(lines + [""])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="1b", help="model shape (default: Pythia-1B)")
     parser.add_argument("--context", type=int, default=512, help="query tokens per row (default: the paper's 512)")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes per width and mode")
     parser.add_argument("--allow_cpu", action="store_true", help="run without CUDA, in fp32 (a smoke run)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile --repeats passes of each mode (first width) and print its N costliest ops")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.allow_cpu:
@@ -112,6 +143,8 @@ def main() -> None:
           f"(its first compiled call)")
     if device == "cuda":
         print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
+    for name, model in (("eager", eager_model), ("--compile_training", compiled_model)) if args.profile else ():
+        print(profile_lines(name, lambda: step(model, batches[0]), args.repeats, args.profile, device))
 
 
 if __name__ == "__main__":

@@ -132,11 +132,11 @@ def test_compile_training_pads_each_row_as_it_says():
 
 def test_compile_training_smoke_run_on_cpu():
     """The benchmark end to end on the tiny shape in fp32 (inductor on CPU): a row per window width, ratios that
-    are the ms columns' quotient, and the two compiles' seconds."""
+    are the ms columns' quotient, the two compiles' seconds, and with --profile each mode's costliest ops."""
     from conftest import REPO, run_python
 
     result = run_python([sys.executable, REPO / "benchmark" / "compile_training.py", "--size", "tiny", "--context", "32",
-                         "--repeats", "1", "--allow_cpu"], timeout=300)
+                         "--repeats", "1", "--allow_cpu", "--profile", "3"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", result.stdout, re.M)
     assert [int(width) for width, *_ in rows] == [84, 53]  # 32 + 53 - 1 columns, then all but the 31 shared pads
@@ -144,3 +144,12 @@ def test_compile_training_smoke_run_on_cpu():
         eager, compiled = float(eager), float(compiled)
         assert float(ratio) == pytest.approx(compiled / eager, abs=0.05 / eager + 0.05 * compiled / eager ** 2 + 5e-4)
     assert re.search(r"compile: first call [\d.]+ s, the second width [\d.]+ s", result.stdout)
+    # --profile 3: per mode, the busy time and its three costliest ops, their shares falling and at most 100% in all
+    for mode in ("eager", "--compile_training"):
+        head = re.search(rf"^{re.escape(mode)}: ([\d.]+) ms a pass \(wall, under the profiler\), ([\d.]+) ms of it busy",
+                         result.stdout, re.M)
+        assert head, result.stdout[-2000:]
+        table = result.stdout[head.end():].split("| op | ms a pass | share of busy | calls a pass |")[1]
+        rows = re.findall(r"^\| (.+?) \| ([\d.]+) \| (\d+)% \| (\d+) \|$", table.split("\n\n")[0], re.M)
+        assert len(rows) == 3 and [float(ms) for _, ms, *_ in rows] == sorted((float(ms) for _, ms, *_ in rows), reverse=True)
+        assert sum(int(share) for _, _, share, _ in rows) <= 101  # shares of the busy time, rounded
