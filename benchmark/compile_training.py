@@ -60,6 +60,7 @@ def build_models(size: str, device: str, dtype: torch.dtype) -> tuple:
 def profile_lines(name: str, step, repeats: int, top: int, device: str) -> str:
     """`repeats` calls of `step` under torch.profiler -> a markdown table of its `top` ops by self time on the device
     (CUDA kernels; CPU ops without CUDA), per pass, and how much of the wall time the device was busy."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -71,8 +72,12 @@ def profile_lines(name: str, step, repeats: int, top: int, device: str) -> str:
         if device == "cuda":
             torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / repeats * 1e3
-    # Self time on the device for CUDA kernels; on a CPU, self CPU time of the ops.
-    own = (lambda event: event.self_device_time_total) if device == "cuda" else (lambda event: event.self_cpu_time_total)
+    # On a GPU the kernels' own time (not the CPU ops that launched them, which would count it twice); on a CPU the
+    # ops' self time.
+    if device == "cuda":
+        own = lambda event: event.self_device_time_total if event.device_type == DeviceType.CUDA else 0  # noqa: E731
+    else:
+        own = lambda event: event.self_cpu_time_total  # noqa: E731
     events = sorted((event for event in prof.key_averages() if own(event) > 0), key=own, reverse=True)
     busy = sum(own(event) for event in events) / repeats / 1e3  # ms per pass
     lines = [f"{name}: {wall:.1f} ms a pass (wall, under the profiler), {busy:.1f} ms of it busy on the "
