@@ -441,10 +441,8 @@ def main() -> None:
     # With dropout on, two forwards of the same ids differ: the first PPO ratio would not be 1, the scores noisy.
     for model in (policy, ref_policy, critic, reward_model):
         disable_dropout(model)
-    ref_policy.eval().requires_grad_(False), reward_model.eval().requires_grad_(False)
-    if args.gradient_checkpointing:
-        policy.activation_checkpointing_enable()
-        critic.backbone.activation_checkpointing_enable()
+    for model in (ref_policy, reward_model):
+        model.eval().requires_grad_(False)
     if args.offload:  # the frozen models as ZeRO-3 inference engines, their parameters on the CPU (6.9B)
         ref_policy, reward_model = offload_frozen_models(accelerator, args, ref_policy, reward_model)
     run_name, writer = start_ppo_logging(args, accelerator, resume_from, recorded)
@@ -453,7 +451,8 @@ def main() -> None:
     # Detail 20: PPO setup
     # Table 7: AdamW (eps 1e-5) with lr 3e-6 decayed linearly, one optimizer over policy and critic.
     # Batch 512 in 1 minibatch, 4 epochs, KL 0.05, gamma 1, lambda 0.95, clips 0.2 / 0.2, vf 0.1, T 0.7.
-    model = PolicyAndValueWrapper(policy, critic, args.compile_training)  # one prepare, one optimizer, one backward
+    # One module: one prepare, one optimizer, one backward (and --compile_training, --gradient_checkpointing).
+    model = PolicyAndValueWrapper(policy, critic, args.compile_training, args.gradient_checkpointing)
     optimizer = adamw(model.parameters(), args, accelerator.device)  # fused on a GPU (below the fence)
     model, optimizer = accelerator.prepare(model, optimizer)
     ref_policy, reward_model = frozen_like_trained(accelerator, args.offload, model, ref_policy, reward_model)
@@ -654,11 +653,16 @@ def response_logits_and_values_by_length(model, query_responses: torch.Tensor, p
 
 
 class PolicyAndValueWrapper(torch.nn.Module):
-    """Policy and critic as one module: one accelerator.prepare, one optimizer, one backward."""
+    """Policy and critic as one module: one accelerator.prepare, one optimizer, one backward (and how that backward
+    runs: compiled layers, recomputed activations)."""
 
-    def __init__(self, policy: torch.nn.Module, critic: torch.nn.Module, compile_layers: bool = False):
+    def __init__(self, policy: torch.nn.Module, critic: torch.nn.Module, compile_layers: bool = False,
+                 checkpoint_activations: bool = False):
         super().__init__()
         self.policy, self.critic = policy, critic
+        if checkpoint_activations:  # --gradient_checkpointing: recomputed in the backward, memory for compute
+            policy.activation_checkpointing_enable()
+            critic.backbone.activation_checkpointing_enable()
         # --compile_training: each backbone's layers but the last, compiled for this forward only (compiled_layers).
         # A tuple, not a ModuleList: the compiled wrappers share the layers' parameters and register none.
         self.compiled = tuple(map(compiled_layers, (policy.base_model, critic.backbone))) if compile_layers else (None, None)
@@ -688,12 +692,17 @@ def compiled_layers(backbone, backend: str = "inductor") -> list:
     return [torch.compile(layer, backend=backend, dynamic=True) for layer in backbone.layers[:-1]]
 
 
+def sdpa_gpt_neox(backbone) -> bool:
+    """Whether `backbone` is a GPT-NeoX model run by SDPA: the one whose layers last_hidden_states calls itself."""
+    return isinstance(backbone, GPTNeoXModel) and getattr(backbone.config, "_attn_implementation", None) == "sdpa"
+
+
 def last_hidden_states(backbone, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                        num_positions: int, layers: Optional[list] = None) -> torch.Tensor:
     """== backbone(input_ids, attention_mask, position_ids).last_hidden_state[:, -num_positions:]: (B, num_positions, d).
 
     `layers`: what runs in place of backbone.layers[:-1], i.e. their compiled forms (compiled_layers)."""
-    if not (isinstance(backbone, GPTNeoXModel) and backbone.config._attn_implementation == "sdpa"):
+    if not sdpa_gpt_neox(backbone):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         return hidden.last_hidden_state[:, -num_positions:]
     # GPT-NeoX's forward, except that the LAST layer computes only the positions asked for: it
@@ -1454,8 +1463,8 @@ def model_problems(args, tokenizer, policy, critic) -> Optional[str]:
     """A --compile_training that compiled_layers cannot serve, else vocabulary_problem of the policy
     (--sft_model_path), else of the critic, the RM's copy (--reward_model_path)."""
     for backbone, flag in ((policy.base_model, "--sft_model_path"), (critic.backbone, "--reward_model_path")):
-        attention = getattr(backbone.config, "_attn_implementation", None)
-        if args.compile_training and not (isinstance(backbone, GPTNeoXModel) and attention == "sdpa"):
+        if args.compile_training and not sdpa_gpt_neox(backbone):
+            attention = getattr(backbone.config, "_attn_implementation", None)
             return (f"--compile_training compiles GPT-NeoX layers run by SDPA; {flag} {getattr(args, flag[2:])} is "
                     f"{type(backbone).__name__} with {attention!r} attention: drop --compile_training")
     return (vocabulary_problem(tokenizer, policy.get_input_embeddings().weight.size(0),

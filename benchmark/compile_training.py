@@ -72,12 +72,11 @@ def profile_lines(name: str, step, repeats: int, top: int, device: str) -> str:
         if device == "cuda":
             torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / repeats * 1e3
-    # On a GPU the kernels' own time (not the CPU ops that launched them, which would count it twice); on a CPU the
-    # ops' self time.
-    if device == "cuda":
-        own = lambda event: event.self_device_time_total if event.device_type == DeviceType.CUDA else 0  # noqa: E731
-    else:
-        own = lambda event: event.self_cpu_time_total  # noqa: E731
+    def own(event) -> float:  # microseconds of `event` itself, over all calls
+        if device == "cuda":  # the kernels' own time, not also that of the CPU ops that launched them
+            return event.self_device_time_total if event.device_type == DeviceType.CUDA else 0
+        return event.self_cpu_time_total
+
     events = sorted((event for event in prof.key_averages() if own(event) > 0), key=own, reverse=True)
     busy = sum(own(event) for event in events) / repeats / 1e3  # ms per pass
     lines = [f"{name}: {wall:.1f} ms a pass (wall, under the profiler), {busy:.1f} ms of it busy on the "

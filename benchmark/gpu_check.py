@@ -284,16 +284,16 @@ def main() -> None:
     memory = {}
     # Each stage finds the last one's output at its default path; PPO runs twice, the second time with both
     # fast paths: the sampler and the compiled training layers (its own run name and output folder).
-    fast_flags, compile_failure = ["--fast_sampling", "--compile_training"], None
+    compile_failure = None
     fast_output = os.path.join(args.work, "models", model_name, "ppo_fast")
     stages = {"sft": ("sft.py", []), "reward": ("reward.py", []), "dpo": ("dpo.py", []),
               "ppo": ("ppo.py", ["--run_name", "ppo"]),
-              "ppo_fast": ("ppo.py", ["--run_name", "ppo_fast", "--output_dir", fast_output])}
+              "ppo_fast": ("ppo.py", ["--fast_sampling", "--run_name", "ppo_fast", "--output_dir", fast_output])}
     for stage, (script, extra) in stages.items():
         log = os.path.join(args.work, f"{stage}.log")
         command = [*launch, os.path.join(REPO, script), "--base_model", model, *STAGE_FLAGS[script], *extra]
         try:
-            timings[stage] = run(command + (fast_flags if stage == "ppo_fast" else []), log, env)
+            timings[stage] = run(command + (["--compile_training"] if stage == "ppo_fast" else []), log, env)
         except SystemExit:
             if stage != "ppo_fast":
                 raise
@@ -302,11 +302,10 @@ def main() -> None:
             compile_failure = last_error(log)
             print(f"--compile_training failed ({compile_failure}): the fast run again with --fast_sampling only",
                   flush=True)
-            fast_flags.remove("--compile_training")
             os.replace(log, os.path.join(args.work, "ppo_fast_compile_failed.log"))  # kept for a look
             for folder in (fast_output, os.path.join(args.work, "runs", "ppo_fast")):
                 shutil.rmtree(folder, ignore_errors=True)
-            timings[stage] = run(command + fast_flags, log, env)
+            timings[stage] = run(command, log, env)
         memory[stage] = peak_memory(log)
         print(f"{stage}: {timings[stage]:.0f} s, peak GPU memory {memory[stage]}", flush=True)
     stats, stats_fast = (scalars_of(os.path.join(args.work, "runs", name)) for name in ("ppo", "ppo_fast"))
