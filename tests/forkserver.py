@@ -10,7 +10,7 @@ out), stdin from /dev/null, stdout and stderr into files at the file-descriptor 
 its traceback and is exit status 1; at the end it waits for its threads and runs the atexit handlers, as the
 interpreter's own shutdown does. It differs from a fresh interpreter only in what it has imported already:
 third-party libraries, never a module of this repository (they are imported to find the libraries they need, then
-forgotten). The random state is a fresh interpreter's: seeded from the OS, anew in every child (Python's `random`
+forgotten); and in one DeepSpeed op that it never builds, an inference-only all-reduce (see preload). The random state is a fresh interpreter's: seeded from the OS, anew in every child (Python's `random`
 reseeds itself after a fork; numpy and torch are reseeded here).
 
 Fork safety: the server forks only while it runs no Python thread but its main one (checked at start) and has run
@@ -61,6 +61,11 @@ def preload():
     for name in PRELOAD_SCRIPTS + PRELOAD_LIBRARIES:
         importlib.import_module(name)
     sys.path[:] = saved_path
+    # One difference from a fresh interpreter, on purpose: DeepSpeed's CPU shared-memory all-reduce is marked
+    # unbuildable. A machine's first DeepSpeed launch would compile it with g++ (50-100 s of CI's two cores on
+    # every fresh machine, held by one 2-rank test while the other waits). It serves tensor-parallel inference only
+    # (deepspeed.comm's inference_all_reduce); ZeRO's collectives go through the process group with or without it.
+    sys.modules["deepspeed.ops"].__compatible_ops__["deepspeed_shm_comm"] = False
     for name, module in list(sys.modules.items()):  # the repository's modules, not a virtualenv inside it
         file = os.path.abspath(getattr(module, "__file__", None) or "/")
         if file.startswith(REPO + os.sep) and not file.startswith(os.path.abspath(sys.prefix) + os.sep):

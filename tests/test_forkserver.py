@@ -157,3 +157,17 @@ def test_a_launch_forks_its_ranks_as_fresh_ones_would_run(tmp_path):
     assert "exitcode  : 7" in results["forked", "fail"].stderr
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "ranks.py")], capture_output=True, text=True).stdout
     assert leftover == "", leftover
+
+
+SHM_OP = '''from deepspeed.comm.torch import build_shm_op
+print("shm op:", build_shm_op())
+'''
+
+
+def test_a_start_never_builds_deepspeeds_inference_all_reduce(tmp_path):
+    """The one thing a start does not do as a fresh interpreter would: build DeepSpeed's CPU shared-memory all-reduce
+    (g++, 50-100 s on a fresh machine). DeepSpeed's comm backend then has no such op, as where it cannot be built."""
+    (tmp_path / "shm.py").write_text(SHM_OP)
+    result = run_python([sys.executable, str(tmp_path / "shm.py")], cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "shm op: None" in result.stdout and "built successfully" not in result.stdout + result.stderr
