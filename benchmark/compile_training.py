@@ -5,10 +5,12 @@ response_logits_and_values: the response window, the last layer at the response 
 and its backward, on a random-init Pythia shape, at a micro-batch of 16 rows of `context` + 53
 tokens. Two micro-batches of different left padding give two window widths, as PPO's micro-batches
 do. The compiled side is PolicyAndValueWrapper(..., compile_layers=True), as ppo.py --compile_training
-builds it (ppo.compiled_layers: one graph for every layer, for any width), on the same modules.
+builds it (ppo.compiled_layers: one graph for every layer, for any width), on the same modules; --backend
+aot_eager swaps inductor for dynamo's graphs run with the eager kernels.
 
     python benchmark/compile_training.py                      # Pythia-1B shape, bf16 on one GPU (~1 min)
     python benchmark/compile_training.py --size tiny --context 32 --allow_cpu   # a smoke run on CPU
+    python benchmark/compile_training.py --backend aot_eager  # dynamo's graphs run eagerly: its overhead alone
 
 Prints a markdown table: ms per pass (the mean of --repeats after one warm-up call of each width),
 eager and compiled, the seconds the two compiles took, and the peak GPU memory. With --profile N, also
@@ -94,6 +96,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="query tokens per row (default: the paper's 512)")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes per width and mode")
     parser.add_argument("--allow_cpu", action="store_true", help="run without CUDA, in fp32 (a smoke run)")
+    parser.add_argument("--backend", choices=["inductor", "aot_eager"], default="inductor",
+                        help="torch.compile's backend (default: ppo.py's, inductor); aot_eager runs dynamo's "
+                             "graphs with the eager kernels, which shows what the compiled code itself gains")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile --repeats passes of each mode (first width) and print its N costliest ops")
     args = parser.parse_args()
@@ -103,7 +108,10 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     policy, critic = build_models(args.size, device, dtype)
     eager_model = ppo.PolicyAndValueWrapper(policy, critic).train()
-    compiled_model = ppo.PolicyAndValueWrapper(policy, critic, compile_layers=True).train()  # the same modules
+    compiled_model = ppo.PolicyAndValueWrapper(policy, critic).train()  # the same modules
+    # What compile_layers=True sets (ppo.py --compile_training: inductor), with --backend's compiler.
+    compiled_model.compiled = tuple(ppo.compiled_layers(backbone, args.backend)
+                                    for backbone in (policy.base_model, critic.backbone))
     batches = [padded_batch(args.context, first_pad, device) for first_pad in (0, 40)]
     widths = [ppo.response_window(ids, PAD, args.context, RESPONSE)[0].size(1) for ids in batches]
 
@@ -138,7 +146,8 @@ def main() -> None:
         compile_seconds.append(time.perf_counter() - start)
     compiled = milliseconds(compiled_model)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    print(f"{device_name}, {dtype}, size {args.size}, {ROWS} rows of {args.context} + {RESPONSE} tokens, torch {torch.__version__}")
+    print(f"{device_name}, {dtype}, size {args.size}, {ROWS} rows of {args.context} + {RESPONSE} tokens, backend "
+          f"{args.backend}, torch {torch.__version__}")
     print("| window width | eager ms | --compile_training ms | compiled / eager |")
     print("|---|---|---|---|")
     for width, e, c in zip(widths, eager, compiled):

@@ -131,13 +131,16 @@ def test_compile_training_pads_each_row_as_it_says():
 
 
 def test_compile_training_smoke_run_on_cpu():
-    """The benchmark end to end on the tiny shape in fp32 (inductor on CPU): a row per window width, ratios that
-    are the ms columns' quotient, the two compiles' seconds, and with --profile each mode's costliest ops."""
+    """The benchmark end to end on the tiny shape in fp32: a row per window width, ratios that are the ms columns'
+    quotient, the two compiles' seconds, and with --profile each mode's costliest ops. With --backend aot_eager:
+    inductor's C++ build of the same layers (~60 s of a fresh CI machine) is what test_ppo.py's
+    test_compiled_layers_give_the_eager_outputs_and_gradients[inductor] checks."""
     from conftest import REPO, run_python
 
     result = run_python([sys.executable, REPO / "benchmark" / "compile_training.py", "--size", "tiny", "--context", "32",
-                         "--repeats", "1", "--allow_cpu", "--profile", "3"], timeout=300)
+                         "--repeats", "1", "--allow_cpu", "--profile", "3", "--backend", "aot_eager"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "backend aot_eager" in result.stdout
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", result.stdout, re.M)
     assert [int(width) for width, *_ in rows] == [84, 53]  # 32 + 53 - 1 columns, then all but the 31 shared pads
     for _, eager, compiled, ratio in rows:  # the ratio of the unrounded times: allow the ms columns' rounding
