@@ -4,8 +4,8 @@ One pass = ppo.py's PPO-epoch forward of policy and critic (PolicyAndValueWrappe
 response_logits_and_values: the response window, the last layer at the response positions only)
 and its backward, on a random-init Pythia shape, at a micro-batch of 16 rows of `context` + 53
 tokens. Two micro-batches of different left padding give two window widths, as PPO's micro-batches
-do. The compiled side is PolicyAndValueWrapper(..., compile_layers=True), as ppo.py --compile_training
-builds it (ppo.compiled_layers: one graph for every layer, for any width), on the same modules; --backend
+do. The compiled side is PolicyAndValueWrapper on the same modules, its layers compiled as ppo.py
+--compile_training compiles them (ppo.compiled_layers: one graph for every layer, for any width); --backend
 aot_eager swaps inductor for dynamo's graphs run with the eager kernels.
 
     python benchmark/compile_training.py                      # Pythia-1B shape, bf16 on one GPU (~1 min)

@@ -10,8 +10,9 @@ out), stdin from /dev/null, stdout and stderr into files at the file-descriptor 
 its traceback and is exit status 1; at the end it waits for its threads and runs the atexit handlers, as the
 interpreter's own shutdown does. It differs from a fresh interpreter only in what it has imported already:
 third-party libraries, never a module of this repository (they are imported to find the libraries they need, then
-forgotten); and in one DeepSpeed op that it never builds, an inference-only all-reduce (see preload). The random state is a fresh interpreter's: seeded from the OS, anew in every child (Python's `random`
-reseeds itself after a fork; numpy and torch are reseeded here).
+forgotten); and in one DeepSpeed op that it never builds, an inference-only all-reduce (see preload). The random
+state is a fresh interpreter's: seeded from the OS, anew in every child (Python's `random` reseeds itself after a
+fork; numpy and torch are reseeded here).
 
 Fork safety: the server forks only while it runs no Python thread but its main one (checked at start) and has run
 no torch parallel region, so no child inherits a half-made thread pool. The native threads that numpy's OpenBLAS

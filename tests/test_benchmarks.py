@@ -138,7 +138,8 @@ def test_compile_training_smoke_run_on_cpu():
     from conftest import REPO, run_python
 
     result = run_python([sys.executable, REPO / "benchmark" / "compile_training.py", "--size", "tiny", "--context", "32",
-                         "--repeats", "1", "--allow_cpu", "--profile", "3", "--backend", "aot_eager"], timeout=300)
+                         "--repeats", "1", "--allow_cpu", "--profile", "3", "--backend", "aot_eager"],
+                        timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "backend aot_eager" in result.stdout
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", result.stdout, re.M)
