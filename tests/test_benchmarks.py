@@ -132,8 +132,8 @@ def test_compile_training_pads_each_row_as_it_says():
 
 def test_compile_training_smoke_run_on_cpu():
     """The benchmark end to end on the tiny shape in fp32: a row per window width, ratios that are the ms columns'
-    quotient, the two compiles' seconds, and with --profile each mode's costliest ops. With --backend aot_eager:
-    inductor's C++ build of the same layers (~60 s of a fresh CI machine) is what test_ppo.py's
+    quotient, the two compiles' seconds, and with --profile each mode's costliest ops. It runs --backend aot_eager:
+    inductor's C++ build (~60 s on a fresh CI machine) through the same ppo.compiled_layers is what test_ppo.py's
     test_compiled_layers_give_the_eager_outputs_and_gradients[inductor] checks."""
     from conftest import REPO, run_python
 
