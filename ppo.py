@@ -16,7 +16,7 @@ updates) the RM scores the policy's summaries of validation prompts (temperature
     # tiny world, offline, 1.5-2.7 min on 2 CPU cores (as benchmark/tiny.sh): win rate vs the references 0.514 (SFT 0.336)
     python ppo.py --base_model assets/tiny_world/pythia-tiny --query_dataset data/tiny_tldr/sft \
         --sft_model_path models/tiny/sft_1 --reward_model_path models/tiny/reward_1 \
-        --output_dir models/tiny/ppo_1 --total_episodes 1280 --batch_size 64 --local_micro_batch_size 16 \
+        --output_dir models/tiny/ppo_1 --seed 1 --total_episodes 1280 --batch_size 64 --local_micro_batch_size 16 \
         --lr 1e-4 --response_length 44 --local_eval_batch_size 128 --eval_every 5 --zero_critic_head
     # one GPU, Pythia 1B, bf16 (512 = 4 x 128 accumulation steps): models/EleutherAI/pythia-1b-deduped/{sft,reward}_1
     accelerate launch --num_processes 1 --mixed_precision bf16 ppo.py \

@@ -19,10 +19,10 @@ or is killed leaves the previous outputs whole (and a watcher process deletes th
     python preprocess_tldr.py --base_model assets/tiny_world/pythia-tiny \
         --sft_dataset assets/tiny_world/tldr_3_filtered \
         --preference_dataset assets/tiny_world/summarize_from_feedback \
-        --output_dir data/tiny_tldr --query_length 192 --max_sft_response_length 44 \
-        --max_sft_query_response_length 226 --max_rm_response_length 53 \
-        --max_rm_query_response_length 237 --cnndm_query_length 192 \
-        --cnndm_max_rm_response_length 44 --cnndm_max_rm_query_response_length 192
+        --output_dir data/tiny_tldr --query_length 192 --max_sft_response_length 67 \
+        --max_sft_query_response_length 222 --max_rm_response_length 70 \
+        --max_rm_query_response_length 259 --cnndm_query_length 192 \
+        --cnndm_max_rm_response_length 62 --cnndm_max_rm_query_response_length 206
     # the paper's datasets with the Pythia tokenizer (every length flag at its paper value), into
     # data/EleutherAI/pythia-1b-deduped/tldr, where sft.py / reward.py / dpo.py / ppo.py look by default
     python preprocess_tldr.py --base_model EleutherAI/pythia-1b-deduped

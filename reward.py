@@ -20,11 +20,11 @@ mean reward of 0; then the RM is evaluated on `validation` (TL;DR) and `validati
     {output_dir}/checkpoints/         the latest --save_every checkpoint (no pickle), removed when the run ends
     runs/{run_name}/                  TensorBoard
 
-    # tiny world, offline, 2 CPU cores, 7-11 min (as benchmark/tiny.sh, after sft.py): accuracy 0.709, CNN/DM 0.703
+    # tiny world, offline, 2 CPU cores, 6-11 min (as benchmark/tiny.sh, after sft.py): accuracy 0.703, CNN/DM 0.555
     python reward.py --sft_model_path models/tiny/sft_1 --label_dataset data/tiny_tldr/preference \
-        --query_dataset data/tiny_tldr/sft --output_dir models/tiny/reward_1 --lr 3e-4 \
-        --batch_size 32 --local_micro_batch_size 32 --num_train_epochs 3 --local_eval_batch_size 64 \
-        --gold_judge assets/tiny_world
+        --query_dataset data/tiny_tldr/sft --output_dir models/tiny/reward_1 --seed 1 --lr 3e-4 \
+        --batch_size 32 --local_micro_batch_size 32 --length_groups 4 --num_train_epochs 3 \
+        --local_eval_batch_size 64 --gold_judge assets/tiny_world
     # one GPU, Pythia 1B, bf16 autocast (global batch 64 = 8 x 8 accumulation steps): reads
     # models/EleutherAI/pythia-1b-deduped/sft_1 and data/EleutherAI/pythia-1b-deduped/tldr, writes .../reward_1
     accelerate launch --num_processes 1 --mixed_precision bf16 reward.py \

@@ -13,9 +13,9 @@ reward.py, dpo.py and ppo.py load with `from_pretrained`:
     {output_dir}/checkpoints/     the latest --save_every checkpoint (no pickle), removed when the run ends
     runs/{run_name}/              TensorBoard
 
-    # tiny world, offline, 2 CPU cores, ~1.5 min (benchmark/tiny.sh runs this)
-    python sft.py --base_model assets/tiny_world/pythia-tiny --query_dataset data/tiny_tldr/sft \
-        --output_dir models/tiny/sft_1 --lr 2e-3 --batch_size 16 --local_micro_batch_size 16 \
+    # tiny world, offline, 2 CPU cores, ~2 min (benchmark/tiny.sh runs this)
+    python sft.py --base_model assets/tiny_world/pythia-tiny --query_dataset data/tiny_tldr/sft --seed 1 \
+        --output_dir models/tiny/sft_1 --lr 2e-3 --batch_size 16 --local_micro_batch_size 16 --length_groups 2 \
         --total_episodes 9600 --response_length 44 --local_eval_batch_size 128
     # one GPU, Pythia 1B, bf16 autocast (global batch 128 = 16 x 8 accumulation steps): reads
     # data/EleutherAI/pythia-1b-deduped/tldr/sft, writes models/EleutherAI/pythia-1b-deduped/sft_1

@@ -14,6 +14,7 @@ a checker that silently stopped checking would be noticed.
   f. `python <script> --help` exits 0 and lists every flag (subprocess)
   g. every repository path that README.md names exists
   h. a stage reads as the algorithm above one fence line, its plumbing and fast paths below
+  i. each stage's front page runs the tiny world with the flags benchmark/tiny.sh gives it (subprocess: bash)
 
 Tests about stage scripts are parametrized over the scripts that exist, so they grow as stages land.
 """
@@ -21,11 +22,13 @@ Tests about stage scripts are parametrized over the scripts that exist, so they 
 import ast
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -906,3 +909,131 @@ def test_fence_checker_catches_misplaced_code():
     assert teardown != good
     assert check_fence(teardown, "d.py") == []  # main() inside a try / finally still runs last
 
+
+
+
+# ---------------------------------------------------------------------------------------------
+# i. The front page's tiny-world command is the one benchmark/tiny.sh runs
+# ---------------------------------------------------------------------------------------------
+
+# Stages whose module docstring shows a `# tiny world` command (judge.py's example is generic).
+TINY_COMMAND_STAGES = ("preprocess_tldr.py", "sft.py", "reward.py", "dpo.py", "ppo.py")
+# Flags tiny.sh passes for its own bookkeeping, which a reader's run need not copy: the PPO run's name,
+# which its report reads the evaluation curve from.
+BOOKKEEPING_FLAGS = {"--run_name"}
+
+
+def tiny_sh_commands(repo: Path, scratch: Path) -> list[list[str]]:
+    """The `python ...` commands of benchmark/tiny.sh on the committed world, its variables at their defaults.
+
+    tiny.sh runs in `scratch`, a copy of its folder layout, with `python` a shell function that records its
+    arguments: nothing runs and nothing outside `scratch` is touched (tiny.sh removes a runs/ folder)."""
+    (scratch / "benchmark").mkdir(parents=True)
+    (scratch / "benchmark" / "tiny.sh").write_text((repo / "benchmark" / "tiny.sh").read_text())
+    (scratch / "assets" / "tiny_world").mkdir(parents=True)
+    (scratch / "assets" / "tiny_world" / "world.json").write_text("{}")  # built: tiny.sh skips the build
+    log = scratch / "python_calls"
+    record = 'python() { printf "%s\\0" "$@" "--end--" >> "$CALLS"; }; export -f python; bash benchmark/tiny.sh'
+    subprocess.run(["bash", "-c", record], cwd=scratch, check=True, capture_output=True, timeout=SUBPROCESS_TIMEOUT_S,
+                   env={"PATH": os.environ["PATH"], "HOME": str(scratch), "CALLS": str(log)})
+    commands, command = [], []
+    for arg in log.read_text().split("\0")[:-1]:
+        if arg == "--end--":
+            commands.append(command)
+            command = []
+        else:
+            command.append(arg)
+    return commands
+
+
+def docstring_tiny_command(source: str) -> list[str]:
+    """The command under the `# tiny world` comment of a script's module docstring, as arguments after `python`."""
+    lines = (ast.get_docstring(ast.parse(source)) or "").splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip().startswith("# tiny world")), None)
+    if start is None:
+        return []
+    command = ""
+    for line in lines[start + 1:]:
+        if line.strip().startswith("#"):
+            continue  # the comment's own continuation lines
+        command += line.strip().removesuffix("\\")
+        if not line.rstrip().endswith("\\"):
+            break
+    return shlex.split(command)[1:]  # without `python`
+
+
+def flag_values(args: list[str]) -> dict[str, tuple]:
+    """[script, --flag, value, ..., --switch, ...] -> {--flag: (value, ...), --switch: ()}."""
+    flags, flag = {}, None
+    for arg in args[1:]:
+        if arg.startswith("--"):
+            flag = arg
+            flags[flag] = ()
+        else:
+            flags[flag] += (arg,)
+    return flags
+
+
+def shown_value(values: Optional[tuple]) -> str:
+    """A flag's values as a message shows them: `(absent)`, `(set)` for a switch, else the values."""
+    return "(absent)" if values is None else " ".join(values) or "(set)"
+
+
+def check_tiny_commands(sources: dict[str, str], commands: list[list[str]]) -> list[str]:
+    """Each script's docstring command must pass the flags of one of tiny.sh's commands for that script, no more, no
+    less (BOOKKEEPING_FLAGS aside, in any order): a reader who runs the front pages one by one runs the main job."""
+    problems = []
+    for script, source in sources.items():
+        shown = docstring_tiny_command(source)
+        if not shown:
+            problems.append(f"{script}: no `# tiny world` command in its module docstring")
+            continue
+        if shown[0] != script:
+            problems.append(f"{script}: its docstring's tiny-world command runs {shown[0]}")
+            continue
+        shown_flags = {k: v for k, v in flag_values(shown).items() if k not in BOOKKEEPING_FLAGS}
+        runs = [{k: v for k, v in flag_values(c).items() if k not in BOOKKEEPING_FLAGS} for c in commands
+                if c and c[0] == script]
+        if not runs:
+            problems.append(f"{script}: benchmark/tiny.sh never runs it")
+        elif shown_flags not in runs:
+            run = min(runs, key=lambda flags: len(set(flags.items()) ^ set(shown_flags.items())))
+            differences = [f"{flag} {shown_value(shown_flags.get(flag))} in the docstring, "
+                           f"{shown_value(run.get(flag))} in tiny.sh"
+                           for flag in sorted(set(shown_flags) | set(run)) if shown_flags.get(flag) != run.get(flag)]
+            problems.append(f"{script}: its docstring's tiny-world command is not tiny.sh's: " + "; ".join(differences))
+    return problems
+
+
+def test_front_pages_run_the_main_job(tmp_path):
+    commands = tiny_sh_commands(REPO, tmp_path)
+    assert [c[0] for c in commands if c[0].endswith(".py")][:2] == ["preprocess_tldr.py", "sft.py"], commands
+    sources = {name: (REPO / name).read_text() for name in TINY_COMMAND_STAGES}
+    problems = check_tiny_commands(sources, commands)
+    assert not problems, "\n".join(problems)
+
+
+def test_tiny_command_checker_catches_drift():
+    commands = [["-c", "print(1)"], ["sft.py", "--lr", "2e-3", "--seed", "1", "--fast"],
+                ["sft.py", "--lr", "2e-3", "--total_episodes", "0"], ["ppo.py", "--lr", "1e-4", "--run_name", "x"]]
+    page = ('"""Doc.\n\n    # tiny world, offline\n    python {} \\\n        {}\n'
+            '    # another\n    python {} --lr 9\n"""\n')
+    sources = {
+        "sft.py": page.format("sft.py", "--seed 1 --lr 2e-3 --fast", "sft.py"),  # tiny.sh's first sft.py, reordered
+        "ppo.py": page.format("ppo.py", "--lr 1e-4", "ppo.py"),  # --run_name is bookkeeping
+    }
+    assert check_tiny_commands(sources, commands) == []
+    drifted = {
+        "sft.py": page.format("sft.py", "--seed 1 --lr 3e-3", "sft.py"),
+        "ppo.py": page.format("dpo.py", "--lr 1e-4", "dpo.py"),
+        "dpo.py": page.format("dpo.py", "--lr 1e-4", "dpo.py"),
+        "reward.py": '"""Doc without a command."""\n',
+    }
+    problems = check_tiny_commands(drifted, commands)
+    assert problems == [
+        "sft.py: its docstring's tiny-world command is not tiny.sh's: "
+        "--fast (absent) in the docstring, (set) in tiny.sh; --lr 3e-3 in the docstring, 2e-3 in tiny.sh",
+        "ppo.py: its docstring's tiny-world command runs dpo.py",
+        "dpo.py: benchmark/tiny.sh never runs it",
+        "reward.py: no `# tiny world` command in its module docstring",
+    ], problems
