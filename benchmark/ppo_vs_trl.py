@@ -27,10 +27,10 @@ import tempfile
 import threading
 import time
 
-import torch
-
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sampling import matmul_peak  # noqa: E402  (the roofline's peak: the same measure as sampling.py's)
+
 SIDES = {"ours": "ppo.py, fast sampling (StaticSampler)", "ours_plain": "ppo.py, plain sampling loop",
          "trl": "TRL 1.12.0 PPOTrainer"}
 
@@ -86,18 +86,6 @@ def update_memory(runs: list) -> str:
     if runs[0][1] is None:
         return "n/a"
     return f"{max(m[1] for m in runs):.3f} (+{max(m[1] - m[2] for m in runs):.3f})"
-
-
-def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of the fastest of `repeats` (size x size) @ (size x size) fp32 matmuls at this process's thread count."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best
 
 
 def phase_flops(config: dict, batch: int, query_length: int, response_length: int, epochs: int) -> dict:
