@@ -963,14 +963,15 @@ def docstring_tiny_command(source: str) -> list[str]:
 
 
 def flag_values(args: list[str]) -> dict[str, tuple]:
-    """[script, --flag, value, ..., --switch, ...] -> {--flag: (value, ...), --switch: ()}."""
+    """[script, --flag, value, ..., --switch, ...] -> {--flag: (value, ...), --switch: ()}; values before the first
+    flag under None."""
     flags, flag = {}, None
     for arg in args[1:]:
         if arg.startswith("--"):
             flag = arg
             flags[flag] = ()
         else:
-            flags[flag] += (arg,)
+            flags[flag] = flags.get(flag, ()) + (arg,)
     return flags
 
 
@@ -1023,6 +1024,7 @@ def test_tiny_command_checker_catches_drift():
         "ppo.py": page.format("ppo.py", "--lr 1e-4", "ppo.py"),  # --run_name is bookkeeping
     }
     assert check_tiny_commands(sources, commands) == []
+    assert flag_values(["x.py", "a", "--b", "1", "2", "--c"]) == {None: ("a",), "--b": ("1", "2"), "--c": ()}
     drifted = {
         "sft.py": page.format("sft.py", "--seed 1 --lr 3e-3", "sft.py"),
         "ppo.py": page.format("dpo.py", "--lr 1e-4", "dpo.py"),
