@@ -657,15 +657,17 @@ class PolicyAndValueWrapper(torch.nn.Module):
     runs: compiled layers, recomputed activations)."""
 
     def __init__(self, policy: torch.nn.Module, critic: torch.nn.Module, compile_layers: bool = False,
-                 checkpoint_activations: bool = False):
+                 checkpoint_activations: bool = False, backend: str = "inductor"):
         super().__init__()
         self.policy, self.critic = policy, critic
         if checkpoint_activations:  # --gradient_checkpointing: recomputed in the backward, memory for compute
             policy.activation_checkpointing_enable()
             critic.backbone.activation_checkpointing_enable()
-        # --compile_training: each backbone's layers but the last, compiled for this forward only (compiled_layers).
-        # A tuple, not a ModuleList: the compiled wrappers share the layers' parameters and register none.
-        self.compiled = tuple(map(compiled_layers, (policy.base_model, critic.backbone))) if compile_layers else (None, None)
+        # --compile_training: each backbone's layers but the last, compiled for this forward only (compiled_layers,
+        # with torch.compile's `backend`). A tuple, not a ModuleList: the compiled wrappers share the layers'
+        # parameters and register none.
+        self.compiled = (tuple(compiled_layers(backbone, backend) for backbone in (policy.base_model, critic.backbone))
+                         if compile_layers else (None, None))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 num_outputs: int) -> tuple:

@@ -4,8 +4,8 @@ One pass = ppo.py's PPO-epoch forward of policy and critic (PolicyAndValueWrappe
 response_logits_and_values: the response window, the last layer at the response positions only)
 and its backward, on a random-init Pythia shape, at a micro-batch of 16 rows of `context` + 53
 tokens. Two micro-batches of different left padding give two window widths, as PPO's micro-batches
-do. The compiled side is PolicyAndValueWrapper on the same modules, its layers compiled as ppo.py
---compile_training compiles them (ppo.compiled_layers: one graph for every layer, for any width); --backend
+do. The compiled side is PolicyAndValueWrapper(..., compile_layers=True) on the same modules, as ppo.py
+--compile_training builds it (ppo.compiled_layers: one graph for every layer, for any width); --backend
 aot_eager swaps inductor for dynamo's graphs run with the eager kernels.
 
     python benchmark/compile_training.py                      # Pythia-1B shape, bf16 on one GPU (~1 min)
@@ -108,10 +108,8 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     policy, critic = build_models(args.size, device, dtype)
     eager_model = ppo.PolicyAndValueWrapper(policy, critic).train()
-    compiled_model = ppo.PolicyAndValueWrapper(policy, critic).train()  # the same modules
-    # What compile_layers=True sets (ppo.py --compile_training: inductor), with --backend's compiler.
-    compiled_model.compiled = tuple(ppo.compiled_layers(backbone, args.backend)
-                                    for backbone in (policy.base_model, critic.backbone))
+    compiled_model = ppo.PolicyAndValueWrapper(policy, critic, compile_layers=True,  # the same modules
+                                               backend=args.backend).train()
     batches = [padded_batch(args.context, first_pad, device) for first_pad in (0, 40)]
     widths = [ppo.response_window(ids, PAD, args.context, RESPONSE)[0].size(1) for ids in batches]
 

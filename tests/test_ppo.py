@@ -448,13 +448,11 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients(tiny_tldr, backend
     """--compile_training (compiled_layers: each layer but the last wrapped by torch.compile, used by the PPO epochs'
     forward only) gives the eager forward's logits, values and gradients, over micro-batches of three window widths
     and row counts; the first call compiles a graph for any shape, so the later ones compile nothing."""
-    import ppo
     from torch._dynamo.utils import counters
 
     policy, critic = tiny_models()
     eager = PolicyAndValueWrapper(policy, critic).train()
-    compiled = PolicyAndValueWrapper(policy, critic).train()  # the same modules, parameters and all
-    compiled.compiled = tuple(ppo.compiled_layers(backbone, backend) for backbone in (policy.base_model, critic.backbone))
+    compiled = PolicyAndValueWrapper(policy, critic, compile_layers=True, backend=backend).train()  # the same modules
     assert len(compiled.compiled[0]) == len(policy.base_model.layers) - 1
     assert sorted(dict(compiled.named_parameters())) == sorted(dict(eager.named_parameters()))  # none added
     queries = padded_queries(tiny_tldr, 40)
