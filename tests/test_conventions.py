@@ -12,7 +12,7 @@ a checker that silently stopped checking would be noticed.
      and comments aside, or copies cut to what each stage uses, with a test that they agree
   e. importing a stage script runs nothing (subprocess)
   f. `python <script> --help` exits 0 and lists every flag (subprocess)
-  g. every repository path that README.md names exists
+  g. every repository path that README.md, benchmark/README.md and docs/details.md name exists
   h. a stage reads as the algorithm above one fence line, its plumbing and fast paths below
   i. each stage's front page runs the tiny world with the flags benchmark/tiny.sh gives it (subprocess: bash)
 
@@ -739,7 +739,7 @@ def test_help_checker_catches_missing_flags(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# g. Every path the README names exists
+# g. Every path the README and the manuals beside it name exists
 # ---------------------------------------------------------------------------------------------
 
 PATHLIKE_SUFFIXES = (".py", ".sh", ".md", ".txt", ".yaml", ".yml", ".json", ".png")
@@ -779,13 +779,16 @@ def readme_paths(text: str) -> list[str]:
     return paths
 
 
-def check_readme_paths(text: str, repo: Path) -> list[str]:
+def check_readme_paths(text: str, repo: Path, doc: str = "README.md") -> list[str]:
     """Paths under an existing top-level entry, or with a repository file type, must exist.
 
+    `doc`: the document's path in the repository. A path it names may be written from the repository's root or
+    from the document's own folder (benchmark/README.md names `tiny.sh` and `results/sampling.md`).
     Exempt: run-time outputs (data/, runs/, models/, output/, wandb/, anchored .gitignore entries),
     Hub ids (`Org/name`: no file type, first part not a top-level entry), other artifacts (`args.json`).
     """
-    top = {p.name for p in repo.iterdir()} - {".git"}
+    bases = list(dict.fromkeys((repo, (repo / doc).parent)))
+    top = {p.name for base in bases for p in base.iterdir()} - {".git"}
     gitignore = repo / ".gitignore"
     anchored = re.findall(r"^/([^/\s*]+)/?\s*$", gitignore.read_text(), re.M) if gitignore.is_file() else []
     generated = GENERATED_DIRS | set(anchored)
@@ -794,15 +797,26 @@ def check_readme_paths(text: str, repo: Path) -> list[str]:
         parts = Path(path.removeprefix("./")).parts
         if not parts or parts[0] in generated or not (parts[0] in top or path.endswith(REQUIRED_SUFFIXES)):
             continue
-        exists = any(repo.glob(path.removeprefix("./"))) if "*" in path else (repo / path).exists()
-        if not exists:
-            problems.append(f"README.md names {path}, which does not exist")
+        relative = path.removeprefix("./")
+        if not any(any(base.glob(relative)) if "*" in path else (base / relative).exists() for base in bases):
+            problems.append(f"{doc} names {path}, which does not exist")
     return problems
 
 
 def test_readme_paths_exist():
     assert README.is_file(), "README.md is missing"
     problems = check_readme_paths(README.read_text(), REPO)
+    assert not problems, "\n".join(problems)
+
+
+# The manuals beside the README (not the dated records under benchmark/results/, which keep the names of their day).
+MANUALS = ("benchmark/README.md", "docs/details.md")
+
+
+@pytest.mark.parametrize("doc", MANUALS)
+def test_manual_paths_exist(doc):
+    assert (REPO / doc).is_file(), f"{doc} is missing"
+    problems = check_readme_paths((REPO / doc).read_text(), REPO, doc)
     assert not problems, "\n".join(problems)
 
 
@@ -830,6 +844,14 @@ def test_readme_checker_catches_missing_paths(tmp_path):
         "README.md names dpo.py, which does not exist",
         "README.md names reward.py, which does not exist",
     ], problems
+    # A manual in a subfolder may name paths from its own folder as well as from the root.
+    (tmp_path / "benchmark" / "results").mkdir()
+    (tmp_path / "benchmark" / "results" / "sampling.md").write_text("")
+    manual = ("Run `bash launch_sft.sh`, then `benchmark/launch_sft.sh` again; "
+              "read `results/sampling.md`, `results/gone.md`, `run.sh`.")
+    problems = check_readme_paths(manual, tmp_path, "benchmark/README.md")
+    assert problems == ["benchmark/README.md names results/gone.md, which does not exist",
+                        "benchmark/README.md names run.sh, which does not exist"], problems
 
 
 # ---------------------------------------------------------------------------------------------
