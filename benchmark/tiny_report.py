@@ -173,28 +173,51 @@ def overoptimisation_curve(tables: dict, batch_size: int, gold: Callable[[str, s
     return points
 
 
+def digits_apart(value: float, *others: float, digits: int = 3) -> int:
+    """The fewest decimals, from `digits` up to 6, at which `value` prints unlike each of `others` it differs from
+    (by more than float rounding, 1e-9).
+
+    A finding's number beside its bar: 104 wins of 231 (0.4502) printed as 0.450 would seem to meet a bar of
+    0.45 that it misses, so it is printed as 0.4502."""
+    decimals = digits
+    while decimals < 6 and any(abs(value - other) > 1e-9 and f"{value:.{decimals}f}" == f"{other:.{decimals}f}"
+                               for other in others):
+        decimals += 1
+    return decimals
+
+
 def findings(art: dict) -> list:
     """The paper's findings, each against its bar in miniature: [{finding, bar, measured, holds}], holds None where a
-    stage did not run (or, for the over-optimisation curve, where there is no bar: it is shown, not judged)."""
+    stage did not run (or, for the over-optimisation curve, where there is no bar: it is shown, not judged).
+    A number that would print as its bar or as the number it is compared with gets the decimals that tell them apart."""
     runs, rows = art["judge"] or {}, []
     add = lambda finding, bar, measured, holds: rows.append(  # noqa: E731
         {"finding": finding, "bar": bar, "measured": measured, "holds": holds})
-    ci = lambda run: f"{run['win_rate']:.3f} [{run['ci_low']:.3f}, {run['ci_high']:.3f}]"  # noqa: E731
+
+    def ci(run: dict, *others: float) -> str:
+        rate = run["win_rate"]
+        return f"{rate:.{digits_apart(rate, *others)}f} [{run['ci_low']:.3f}, {run['ci_high']:.3f}]"
+
     sft, ppo, dpo = runs.get("sft"), runs.get("ppo"), runs.get("dpo")
     low, high = SFT_WIN_RATE_RANGE
     add("Fig. 1: SFT loses to the references", f"SFT's win rate in [{low:.2f}, {high:.2f}]",
-        ci(sft) if sft else "not run", low <= sft["win_rate"] <= high if sft else None)
+        ci(sft, low, high) if sft else "not run", low <= sft["win_rate"] <= high if sft else None)
     add("Fig. 1: PPO is at least even with the references", f"PPO's win rate >= {PPO_MIN_WIN_RATE:.2f}",
-        ci(ppo) if ppo else "not run", ppo["win_rate"] >= PPO_MIN_WIN_RATE if ppo else None)
+        ci(ppo, PPO_MIN_WIN_RATE) if ppo else "not run", ppo["win_rate"] >= PPO_MIN_WIN_RATE if ppo else None)
     both = sft is not None and ppo is not None
+    gain = ppo["win_rate"] - sft["win_rate"] if both else None
+    # 1e-12: a gain of exactly 0.20 (0.6 against 0.4) is 0.19999999999999996 in floating point, and meets the bar.
     add("Fig. 1: RLHF (PPO) beats SFT", f"PPO >= SFT + {PPO_MIN_GAIN:.2f}",
-        f"PPO - SFT = {ppo['win_rate'] - sft['win_rate']:+.3f}" if both else "not run",
-        ppo["win_rate"] >= sft["win_rate"] + PPO_MIN_GAIN if both else None)
+        f"PPO - SFT = {gain:+.{digits_apart(gain, PPO_MIN_GAIN)}f}" if both else "not run",
+        gain >= PPO_MIN_GAIN - 1e-12 if both else None)
+    apart = digits_apart(ppo["ci_low"], sft["ci_high"]) if both else 3
     add("Fig. 1: ... beyond the noise", "PPO's CI above SFT's",
-        f"PPO's lower bound {ppo['ci_low']:.3f}, SFT's upper bound {sft['ci_high']:.3f}" if both else "not run",
-        ppo["ci_low"] > sft["ci_high"] if both else None)
-    add("Fig. 1: DPO beats SFT", "DPO's win rate > SFT's", f"DPO {ci(dpo)}" if dpo and sft else "not run",
-        dpo["win_rate"] > sft["win_rate"] if dpo and sft else None)
+        f"PPO's lower bound {ppo['ci_low']:.{apart}f}, SFT's upper bound {sft['ci_high']:.{apart}f}" if both
+        else "not run", ppo["ci_low"] > sft["ci_high"] if both else None)
+    apart = digits_apart(dpo["win_rate"], sft["win_rate"]) if dpo and sft else 3
+    add("Fig. 1: DPO beats SFT", "DPO's win rate > SFT's",
+        (f"DPO {ci(dpo, sft['win_rate'])}" + (f" (SFT {sft['win_rate']:.{apart}f})" if apart > 3 else ""))
+        if dpo and sft else "not run", dpo["win_rate"] > sft["win_rate"] if dpo and sft else None)
     for method in ("ppo", "dpo"):  # the issue's bars are against the references; the direct comparison is shown
         run = art["head_to_head"].get(method)
         add(f"{method.upper()} against SFT, head to head (the gold judge)", "shown, no bar",
@@ -203,7 +226,7 @@ def findings(art: dict) -> list:
     for split, bar, finding in (("validation", RM_MIN_ACCURACY, "Fig. 4: the RM learns the labels"),
                                 ("validation_cnndm", CNNDM_MIN_ACCURACY, "Fig. 4: the RM transfers to news (CNN/DM)")):
         value = rm.get((split, "labels"))
-        add(finding, f"accuracy >= {bar:.2f}", "not run" if value is None else f"{value:.3f}",
+        add(finding, f"accuracy >= {bar:.2f}", "not run" if value is None else f"{value:.{digits_apart(value, bar)}f}",
             value >= bar if value is not None else None)
     reliance = length_reliance(art["rm_rows"].get("validation") or [])
     add("The RM and length: how often it prefers the shorter summary (TL;DR validation)", "shown, no bar",
@@ -211,8 +234,9 @@ def findings(art: dict) -> list:
         f"of the time where the chosen is the longer" if reliance else "not run", None)
     value, theirs = rm.get(("validation", "labels")), implicit.get(("validation", "labels"))
     known = value is not None and theirs is not None
+    apart = digits_apart(theirs, value) if known else 3
     add("Fig. 6: DPO's implicit reward is the weaker RM", "its accuracy < the RM's (TL;DR validation)",
-        f"DPO {theirs:.3f}, RM {value:.3f}" if known else "not run", theirs < value if known else None)
+        f"DPO {theirs:.{apart}f}, RM {value:.{apart}f}" if known else "not run", theirs < value if known else None)
     fig8 = fig8_comparison(art["judged"].get("sft"), art["judged"].get("ppo"))
     if fig8 is None:
         measured = "not run"

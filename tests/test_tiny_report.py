@@ -44,6 +44,38 @@ def test_wilson_interval_by_hand():
     assert all(math.isnan(x) for x in tiny_report.wilson_interval(0, 0))
 
 
+def test_digits_apart_by_hand():
+    assert tiny_report.digits_apart(104 / 231, 0.10, 0.45) == 4  # 0.4502: at 3 decimals it would print as the bar 0.450
+    assert tiny_report.digits_apart(0.70004, 0.70) == 5 and tiny_report.digits_apart(0.699, 0.70) == 3
+    assert tiny_report.digits_apart(0.45, 0.45) == 3  # equal: nothing to tell apart
+    assert tiny_report.digits_apart(0.45000001, 0.45) == 6  # at most 6 decimals
+    assert tiny_report.digits_apart(0.6 - 0.4, 0.20) == 3  # 0.19999999999999996: float rounding, not a difference
+    assert tiny_report.digits_apart(0.0004, 0.0, digits=2) == 4
+
+
+def test_findings_show_the_decimals_that_decide_a_bar():
+    """A number that would print as its bar, or as the number it is compared with, is printed with more decimals, and
+    a gain of exactly the bar meets it despite float rounding."""
+    def run(wins, judged):
+        low, high = tiny_report.wilson_interval(wins, judged)
+        return {"win_rate": wins / judged, "ci_low": low, "ci_high": high}
+
+    art = {"judge": {"sft": run(104, 231), "ppo": run(6, 10), "dpo": run(1040, 2309)}, "head_to_head": {},
+           "rm": {"eval/rm/validation/accuracy": 0.69996, "eval/rm/validation_cnndm/accuracy": 0.61},
+           "dpo": {"eval/dpo/validation/accuracy": 0.69994}, "rm_rows": {}, "judged": {}, "curve": [], "timings": []}
+    rows = {row["finding"]: (row["measured"], row["holds"]) for row in tiny_report.findings(art)}
+    assert rows["Fig. 1: SFT loses to the references"] == ("0.4502 [0.387, 0.515]", False)
+    assert rows["Fig. 1: DPO beats SFT"][0].startswith("DPO 0.4504 [") and rows["Fig. 1: DPO beats SFT"][0].endswith(
+        "] (SFT 0.4502)")
+    assert rows["Fig. 4: the RM learns the labels"] == ("0.69996", False)
+    assert rows["Fig. 4: the RM transfers to news (CNN/DM)"] == ("0.610", True)
+    assert rows["Fig. 6: DPO's implicit reward is the weaker RM"] == ("DPO 0.6999, RM 0.7000", True)
+    art["judge"] = {"sft": run(4, 10), "ppo": run(6, 10)}  # PPO - SFT is 0.2 exactly
+    rows = {row["finding"]: (row["measured"], row["holds"]) for row in tiny_report.findings(art)}
+    assert rows["Fig. 1: RLHF (PPO) beats SFT"] == ("PPO - SFT = +0.200", True)
+    assert rows["Fig. 1: PPO is at least even with the references"][0].startswith("0.600 [")
+
+
 def test_length_buckets_by_hand():
     rows = [dict(ours_words=o, other_words=r, preferred=p) for o, r, p in [
         (10, 10, "ours"),  # log 1 = 0 -> [-0.15, 0.15)
