@@ -45,7 +45,7 @@ def test_wilson_interval_by_hand():
 
 
 def test_digits_apart_by_hand():
-    assert tiny_report.digits_apart(104 / 231, 0.10, 0.45) == 4  # 0.4502: at 3 decimals it would print as the bar 0.450
+    assert tiny_report.digits_apart(104 / 231, 0.10, 0.45) == 4  # 0.4502: 3 decimals would print the bar, 0.450
     assert tiny_report.digits_apart(0.70004, 0.70) == 5 and tiny_report.digits_apart(0.699, 0.70) == 3
     assert tiny_report.digits_apart(0.45, 0.45) == 3  # equal: nothing to tell apart
     assert tiny_report.digits_apart(0.45000001, 0.45) == 6  # at most 6 decimals
