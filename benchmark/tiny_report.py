@@ -173,15 +173,18 @@ def overoptimisation_curve(tables: dict, batch_size: int, gold: Callable[[str, s
     return points
 
 
+FLOAT_ROUNDING = 1e-9  # win rates differ by at least 1 / judged^2 (~4e-6); below this, two numbers are the same
+
+
 def digits_apart(value: float, *others: float, digits: int = 3) -> int:
     """The fewest decimals, from `digits` up to 6, at which `value` prints unlike each of `others` it differs from
-    (by more than float rounding, 1e-9).
+    (by more than FLOAT_ROUNDING).
 
     A finding's number beside its bar: 104 wins of 231 (0.4502) printed as 0.450 would seem to meet a bar of
     0.45 that it misses, so it is printed as 0.4502."""
     decimals = digits
-    while decimals < 6 and any(abs(value - other) > 1e-9 and f"{value:.{decimals}f}" == f"{other:.{decimals}f}"
-                               for other in others):
+    while decimals < 6 and any(abs(value - other) > FLOAT_ROUNDING
+                               and f"{value:.{decimals}f}" == f"{other:.{decimals}f}" for other in others):
         decimals += 1
     return decimals
 
@@ -194,29 +197,29 @@ def findings(art: dict) -> list:
     add = lambda finding, bar, measured, holds: rows.append(  # noqa: E731
         {"finding": finding, "bar": bar, "measured": measured, "holds": holds})
 
-    def ci(run: dict, *others: float) -> str:
-        rate = run["win_rate"]
-        return f"{rate:.{digits_apart(rate, *others)}f} [{run['ci_low']:.3f}, {run['ci_high']:.3f}]"
+    def ci(run: dict, decimals: int = 3) -> str:
+        return f"{run['win_rate']:.{decimals}f} [{run['ci_low']:.3f}, {run['ci_high']:.3f}]"
 
     sft, ppo, dpo = runs.get("sft"), runs.get("ppo"), runs.get("dpo")
     low, high = SFT_WIN_RATE_RANGE
     add("Fig. 1: SFT loses to the references", f"SFT's win rate in [{low:.2f}, {high:.2f}]",
-        ci(sft, low, high) if sft else "not run", low <= sft["win_rate"] <= high if sft else None)
+        ci(sft, digits_apart(sft["win_rate"], low, high)) if sft else "not run", low <= sft["win_rate"] <= high if sft else None)
     add("Fig. 1: PPO is at least even with the references", f"PPO's win rate >= {PPO_MIN_WIN_RATE:.2f}",
-        ci(ppo, PPO_MIN_WIN_RATE) if ppo else "not run", ppo["win_rate"] >= PPO_MIN_WIN_RATE if ppo else None)
+        ci(ppo, digits_apart(ppo["win_rate"], PPO_MIN_WIN_RATE)) if ppo else "not run",
+        ppo["win_rate"] >= PPO_MIN_WIN_RATE if ppo else None)
     both = sft is not None and ppo is not None
     gain = ppo["win_rate"] - sft["win_rate"] if both else None
-    # 1e-12: a gain of exactly 0.20 (0.6 against 0.4) is 0.19999999999999996 in floating point, and meets the bar.
+    # A gain of exactly 0.20 (0.6 against 0.4) is 0.19999999999999996 in floating point, and meets the bar.
     add("Fig. 1: RLHF (PPO) beats SFT", f"PPO >= SFT + {PPO_MIN_GAIN:.2f}",
         f"PPO - SFT = {gain:+.{digits_apart(gain, PPO_MIN_GAIN)}f}" if both else "not run",
-        gain >= PPO_MIN_GAIN - 1e-12 if both else None)
+        gain >= PPO_MIN_GAIN - FLOAT_ROUNDING if both else None)
     apart = digits_apart(ppo["ci_low"], sft["ci_high"]) if both else 3
     add("Fig. 1: ... beyond the noise", "PPO's CI above SFT's",
         f"PPO's lower bound {ppo['ci_low']:.{apart}f}, SFT's upper bound {sft['ci_high']:.{apart}f}" if both
         else "not run", ppo["ci_low"] > sft["ci_high"] if both else None)
     apart = digits_apart(dpo["win_rate"], sft["win_rate"]) if dpo and sft else 3
     add("Fig. 1: DPO beats SFT", "DPO's win rate > SFT's",
-        (f"DPO {ci(dpo, sft['win_rate'])}" + (f" (SFT {sft['win_rate']:.{apart}f})" if apart > 3 else ""))
+        (f"DPO {ci(dpo, apart)}" + (f" (SFT {sft['win_rate']:.{apart}f})" if apart > 3 else ""))
         if dpo and sft else "not run", dpo["win_rate"] > sft["win_rate"] if dpo and sft else None)
     for method in ("ppo", "dpo"):  # the issue's bars are against the references; the direct comparison is shown
         run = art["head_to_head"].get(method)
