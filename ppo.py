@@ -533,10 +533,11 @@ def main() -> None:
         timings = {"time/generation": generation_time, "time/scoring": scoring_time, "time/training": training_time,
                    "time/episodes_per_second": (episode - start_update * args.batch_size) / (time.time() - start_clock)}
         log_update(writer, progress, episode, {**means, **timings, "policy/lr": lr})
-        # A nan / inf stops every rank here: no checkpoint of it replaces a good one, no rollout samples from it.
-        check_and_checkpoint(accelerator, args, update + 1, losses, run_name, model, optimizer)
-        if args.eval_every and (update + 1) % args.eval_every == 0 and update + 1 < args.num_updates:
+        # Evaluate, then checkpoint: the checkpoint's random state is then the next update's (resumed = uninterrupted).
+        due = args.eval_every and (update + 1) % args.eval_every == 0 and update + 1 < args.num_updates
+        if due and all_finite(accelerator, model, losses):  # a nan / inf policy is not sampled
             evaluate(("validation",), episode)
+        check_and_checkpoint(accelerator, args, update + 1, losses, run_name, model, optimizer)  # stops on a nan / inf
     if stop_at < args.num_updates:  # a time-limited job: the checkpoint is written, continue with --resume
         return stop_early(accelerator, writer, stop_at, args.num_updates)
 

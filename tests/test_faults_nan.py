@@ -38,7 +38,7 @@ def stage_command(script, tiny_tldr, tmp_path):
     return ["--base_model", BASE, "--query_dataset", tiny_tldr / "sft", "--sft_model_path", BASE,
             "--reward_model_path", tmp_path / "rm", "--total_episodes", "32", "--batch_size", "8",
             "--local_micro_batch_size", "4", "--local_rollout_forward_batch_size", "8", "--response_length", "8",
-            "--num_eval_samples", "8", "--local_eval_batch_size", "8", "--num_ppo_epochs", "1"]
+            "--num_eval_samples", "8", "--local_eval_batch_size", "8", "--num_ppo_epochs", "1", "--eval_every", "2"]
 
 
 @pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py", "ppo.py"])
@@ -72,3 +72,6 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(script, tiny_tldr,
         model = AutoModelForCausalLM.from_pretrained(BASE)
     model.load_state_dict(tensors, strict=True)  # loads into the stage's model
     assert not (out / "model.safetensors").exists() and not (out / "eval_metrics.json").exists()
+    if script == "ppo.py":  # --eval_every 2: the evaluation due at the non-finite update did not sample its policy
+        samples = sorted(path.name for path in (tmp_path / "runs").glob("*/samples_validation_*.csv"))
+        assert samples == [f"samples_validation_{8 * update}.csv" for update in range(2, stopped_at, 2)], samples

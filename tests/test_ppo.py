@@ -691,22 +691,26 @@ def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_
     """ppo.py --fast_sampling (StaticSampler for the rollouts and the evaluation, its step compiled, as the SLURM
     launchers run it) and ppo.py --gradient_checkpointing (activations recomputed in the backward) against the same
     run with HF generate and stored activations: the same evaluation samples, the same logged statistics and final
-    weights up to float rounding (the forwards sum in other orders)."""
+    weights up to float rounding (the forwards sum in other orders). And the plain run stopped after its first update
+    (its evaluation and checkpoint written) and resumed: the uninterrupted run bit for bit, samples included."""
     from safetensors.torch import load_file
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     make_reward_model(tmp_path / "rm")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     runs = {}
-    for name, extra in (("plain", []), ("fast", ["--fast_sampling"]), ("checkpointed", ["--gradient_checkpointing"])):
+    resumed = [["--save_every", "1", "--stop_after_updates", "1", "--resume"], ["--save_every", "1", "--resume"]]
+    for name, starts in (("plain", [[]]), ("fast", [["--fast_sampling"]]),
+                         ("checkpointed", [["--gradient_checkpointing"]]), ("resumed", resumed)):
         cmd = [sys.executable, str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"),
                "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
                "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / name), "--run_name", name,
                "--total_episodes", "32", "--batch_size", "16", "--num_minibatches", "2", "--local_micro_batch_size", "4",
                "--local_rollout_forward_batch_size", "8", "--response_length", "20", "--lr", "1e-4",
-               "--eval_every", "1", "--num_eval_samples", "8", "--local_eval_batch_size", "8", *extra]
-        result = run_python(cmd, cwd=tmp_path, env=env, timeout=900)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+               "--eval_every", "1", "--num_eval_samples", "8", "--local_eval_batch_size", "8"]
+        for extra in starts:
+            result = run_python(cmd + extra, cwd=tmp_path, env=env, timeout=900)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         events = EventAccumulator(str(tmp_path / "runs" / name))
         events.Reload()
         runs[name] = {tag: [event.value for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]
@@ -723,6 +727,14 @@ def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_
             assert runs[name][tag] == pytest.approx(values, rel=1e-4, abs=1e-4), (name, tag)
         other = load_file(tmp_path / name / "model.safetensors")
         assert max((weights[key] - other[key]).abs().max().item() for key in weights) < 1e-5, name
+    # The resumed run: its evaluation after update 1 came before its checkpoint, so update 2 drew from the random
+    # state the uninterrupted run had there (before ppo.py evaluated first, the weights differed by ~1e-3).
+    assert (tmp_path / "resumed" / "eval_validation.csv").read_text() == plain
+    assert (tmp_path / "runs" / "resumed" / "samples_validation_16.csv").read_text() == (
+        tmp_path / "runs" / "plain" / "samples_validation_16.csv").read_text()
+    assert runs["resumed"] == runs["plain"]  # every logged statistic, to the bit
+    resumed_weights = load_file(tmp_path / "resumed" / "model.safetensors")
+    assert all(torch.equal(weights[key], resumed_weights[key]) for key in weights)
 
 
 def test_data_without_a_column_or_a_foreign_output_folder_is_refused_before_loading(tiny_tldr, tmp_path):
