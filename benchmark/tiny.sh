@@ -59,7 +59,7 @@ else
     --cnndm_max_rm_response_length 96 --cnndm_max_rm_query_response_length 288 --no-check-length-correctness)
 fi
 
-stage() {  # stage NAME COMMAND...: run one stage, time it (appended to $TIMINGS)
+timed() {  # timed NAME COMMAND...: run a command, its seconds appended to $TIMINGS as NAME's
   local name=$1; shift
   echo "=== $name: $*"
   local t0=$SECONDS
@@ -68,8 +68,40 @@ stage() {  # stage NAME COMMAND...: run one stage, time it (appended to $TIMINGS
 }
 
 if [[ ! -f "$WORLD/world.json" ]]; then
-  stage "tiny world" python tiny_world.py --out_dir "$WORLD" --seed "$SEED"
+  timed "tiny world" python tiny_world.py --out_dir "$WORLD" --seed "$SEED"
 fi
+
+# Interrupted? Run the same command again. The stages that finished are kept, and the stage that was
+# running continues from its last checkpoint (--save_every, --resume: bit for bit as if never stopped),
+# while the code (the top-level scripts), the world, the environment above and the stage's command stay
+# the same; otherwise that stage and every later one run afresh. `rm -rf $MODELS` runs the whole job again.
+STAGES=$MODELS/.stages  # per stage: NAME.started (its key), NAME.done (its key and timings row)
+mkdir -p "$STAGES"
+JOB_KEY=$( { find . -maxdepth 1 -name '*.py' -print0 | sort -z | xargs -0 -r cat; cat "$MODELS/environment.json"
+             find "$WORLD" -type f -not -path '*/.cache/*' -print0 | sort -z | xargs -0 -r cat; } | sha256sum)
+RERUN=  # set by the first stage that runs: every later one runs too
+stage() {  # [CLEAR=path] stage NAME COMMAND...: run a stage of the job (timed), or keep its earlier result
+  local name=$1; shift
+  local key record out="" resumed="" arg previous=""
+  key=$(printf '%s\n' "$JOB_KEY" "$@" | sha256sum | cut -c1-32)
+  record=$STAGES/${name//[^a-z]/_}
+  for arg in "$@"; do [[ $previous == --output_dir ]] && out=$arg; previous=$arg; done
+  if [[ -z $RERUN && -d $out && -f $record.done && $(cut -f1 "$record.done") == "$key" ]]; then
+    echo "=== $name: kept, finished by an earlier start of this job with the same code, world, environment and command"
+    cut -f2- "$record.done" | sed 's/\t/ (an earlier start)\t/' >> "$TIMINGS"  # its timings row, marked
+    return
+  fi
+  RERUN=1
+  rm -f "$record.done"
+  if [[ -f $record.started && $(cat "$record.started") == "$key" ]]; then  # this stage's own earlier start
+    compgen -G "$out/checkpoints/update_*" > /dev/null && resumed=" (resumed)"
+  else  # another command, code or world: nothing of an earlier start is continued
+    rm -rf "$out/checkpoints" ${CLEAR:+"$CLEAR"}
+  fi
+  echo "$key" > "$record.started"
+  timed "$name$resumed" "$@"
+  printf '%s\t%s\n' "$key" "$(tail -n 1 "$TIMINGS")" > "$record.done"
+}
 stage "preprocess" python preprocess_tldr.py --base_model "$WORLD/pythia-tiny" \
   --sft_dataset "$WORLD/tldr_3_filtered" --preference_dataset "$WORLD/summarize_from_feedback" \
   --output_dir "$DATA" "${LENGTHS[@]}"
@@ -83,7 +115,8 @@ stage "sft: base model" python sft.py "${SFT_TINY[@]}" --total_episodes 0 --outp
 # --length_groups: speed only, each micro-batch in forwards of ~8 rows sorted by length (fewer pads;
 # 1.38x SFT and 1.14x RM updates side by side at 2 threads, benchmark/results/{sft_length_groups,reward_pair_rows}.md).
 stage "sft" python sft.py "${SFT_TINY[@]}" --output_dir "$MODELS/sft_$SEED" \
-  --lr 2e-3 --batch_size 16 --local_micro_batch_size 16 --length_groups 2 --total_episodes 9600
+  --lr 2e-3 --batch_size 16 --local_micro_batch_size 16 --length_groups 2 --total_episodes 9600 \
+  --save_every 100 --resume
 
 # Reward model (reward.py), initialised from the SFT model. Scale knobs only (lr, batch, epochs):
 # 3 passes over the 16,384 pairs in updates of 32 at lr 3e-4. On a 96x3 model a pass over 4,096 pairs
@@ -95,7 +128,7 @@ stage "sft" python sft.py "${SFT_TINY[@]}" --output_dir "$MODELS/sft_$SEED" \
 stage "reward" python reward.py --sft_model_path "$MODELS/sft_$SEED" --label_dataset "$DATA/preference" \
   --query_dataset "$DATA/sft" --output_dir "$MODELS/reward_$SEED" --seed "$SEED" --lr 3e-4 \
   --batch_size 32 --local_micro_batch_size 32 --length_groups 4 --num_train_epochs 3 --local_eval_batch_size 64 \
-  --gold_judge "$WORLD"
+  --gold_judge "$WORLD" --save_every 128 --resume
 
 # DPO (dpo.py): policy and reference from the SFT model, the RM's pairs in the RM's order, its
 # implicit reward evaluated like the RM. Scale knobs only (lr, pairs); beta 0.05, the loss and the
@@ -106,7 +139,8 @@ stage "reward" python reward.py --sft_model_path "$MODELS/sft_$SEED" --label_dat
 # (benchmark/results/tiny_main_job_notebook.md, "DPO at the paper's batch").
 stage "dpo" python dpo.py --sft_model_path "$MODELS/sft_$SEED" --label_dataset "$DATA/preference" \
   --query_dataset "$DATA/sft" --output_dir "$MODELS/dpo_$SEED" --seed "$SEED" --lr 1e-4 --batch_size 64 \
-  --local_micro_batch_size 32 --total_episodes 1280 --response_length 44 --local_eval_batch_size 64 --gold_judge "$WORLD"
+  --local_micro_batch_size 32 --total_episodes 1280 --response_length 44 --local_eval_batch_size 64 \
+  --gold_judge "$WORLD" --save_every 5 --resume
 
 # PPO (ppo.py): policy and reference from the SFT model, critic and reward from the RM. Scale knobs,
 # and one departure from the paper's recipe for a run of 20 updates (the paper's has 1,953):
@@ -117,13 +151,12 @@ stage "dpo" python dpo.py --sft_model_path "$MODELS/sft_$SEED" --label_dataset "
 # (benchmark/results/compare_worlds_rebuilt.md).
 # An evaluation every PPO_EVAL_EVERY updates (runs/$PPO_RUN/samples_validation_<episode>.csv) gives the
 # report its over-optimisation curve.
-PPO_RUN=tiny_ppo_$SEED
-rm -rf "runs/$PPO_RUN"  # a previous run's evaluations would mix into the curve
-stage "ppo" python ppo.py --base_model "$WORLD/pythia-tiny" --query_dataset "$DATA/sft" \
+PPO_RUN=tiny_ppo_$SEED  # a fresh start clears it (CLEAR): an earlier run's evaluations would mix into the curve
+CLEAR="runs/$PPO_RUN" stage "ppo" python ppo.py --base_model "$WORLD/pythia-tiny" --query_dataset "$DATA/sft" \
   --sft_model_path "$MODELS/sft_$SEED" --reward_model_path "$MODELS/reward_$SEED" \
   --output_dir "$MODELS/ppo_$SEED" --seed "$SEED" --run_name "$PPO_RUN" --total_episodes ${PPO_EPISODES:-1280} \
   --batch_size 64 --local_micro_batch_size 16 --lr ${PPO_LR:-1e-4} --response_length 44 --local_eval_batch_size 128 \
-  --eval_every ${PPO_EVAL_EVERY:-5} --zero_critic_head
+  --eval_every ${PPO_EVAL_EVERY:-5} --zero_critic_head --save_every 5 --resume
 
 # The tiny world's gold judge (judge.py): win rates against the human reference summaries (Figure 1),
 # and PPO's and DPO's head to head against SFT.

@@ -941,8 +941,8 @@ def test_fence_checker_catches_misplaced_code():
 # Stages whose module docstring shows a `# tiny world` command (judge.py's example is generic).
 TINY_COMMAND_STAGES = ("preprocess_tldr.py", "sft.py", "reward.py", "dpo.py", "ppo.py")
 # Flags tiny.sh passes for its own bookkeeping, which a reader's run need not copy: the PPO run's name,
-# which its report reads the evaluation curve from.
-BOOKKEEPING_FLAGS = {"--run_name"}
+# which its report reads the evaluation curve from, and the checkpoints that let a second start continue.
+BOOKKEEPING_FLAGS = {"--run_name", "--save_every", "--resume"}
 
 
 def tiny_sh_commands(repo: Path, scratch: Path) -> list[list[str]]:

@@ -76,6 +76,20 @@ def test_findings_show_the_decimals_that_decide_a_bar():
     assert rows["Fig. 1: PPO is at least even with the references"][0].startswith("0.600 [")
 
 
+def test_time_is_judged_unless_a_stage_was_resumed():
+    """tiny.sh's rows: a stage kept from an earlier start was timed whole and counts; one resumed from a checkpoint
+    timed only its rest, so the total is shown but not judged against the budget."""
+    art = {"judge": {}, "head_to_head": {}, "rm": {}, "dpo": {}, "rm_rows": {}, "judged": {}, "curve": [],
+           "timings": [("tiny world", 900.0), ("preprocess (an earlier start)", 30.0), ("sft", 100.0)]}
+    time = lambda: next(row for row in tiny_report.findings(art) if row["finding"].startswith("Time"))  # noqa: E731
+    assert (time()["measured"], time()["holds"]) == ("2 min 10 s", True)  # the world's build apart
+    art["timings"] += [("reward (resumed)", 700.0)]
+    assert (time()["measured"], time()["holds"]) == ("13 min 50 s (not judged: reward (resumed) timed only the part "
+                                                     "after its checkpoint)", None)
+    art["timings"] = [("reward (resumed) (an earlier start)", 10.0)]  # kept later: still resumed
+    assert time()["holds"] is None
+
+
 def test_length_buckets_by_hand():
     rows = [dict(ours_words=o, other_words=r, preferred=p) for o, r, p in [
         (10, 10, "ours"),  # log 1 = 0 -> [-0.15, 0.15)
