@@ -95,9 +95,9 @@ stage() {  # [CLEAR=path] stage NAME COMMAND...: run a stage of the job (timed),
   rm -f "$record.done"
   if [[ -f $record.started && $(cat "$record.started") == "$key" ]]; then  # this stage's own earlier start
     compgen -G "$out/checkpoints/update_*" > /dev/null && resumed=" (resumed)"
-  else  # another command, code or world: nothing of an earlier start is continued
-    rm -rf "$out/checkpoints" ${CLEAR:+"$CLEAR"}
-  fi
+  elif [[ $out == "$MODELS"/* ]]; then  # another command, code or world: nothing of an earlier start is kept
+    rm -rf "$out" ${CLEAR:+"$CLEAR"}
+  fi  # (preprocess_tldr.py replaces its own outputs in $DATA)
   echo "$key" > "$record.started"
   timed "$name$resumed" "$@"
   printf '%s\t%s\n' "$key" "$(tail -n 1 "$TIMINGS")" > "$record.done"

@@ -92,8 +92,9 @@ def test_a_start_after_an_interruption_keeps_finished_stages_and_resumes_the_one
     # Another PPO lr: the stages before PPO are kept, PPO starts afresh (its earlier samples cleared), then the rest.
     stale = tmp_path / "runs" / "tiny_ppo_1" / "samples_validation_9999.csv"
     stale.write_text("an evaluation of the PPO run at the other lr")
+    (tmp_path / "models" / "tiny" / "ppo_1" / "args.json").write_text('{"lr": 0.0001}')  # ppo.py would refuse it
     status, called, rows, _ = start(tmp_path, PPO_LR="2e-4")
-    assert not stale.exists()
+    assert not stale.exists() and not (tmp_path / "models" / "tiny" / "ppo_1" / "args.json").exists()
     assert status == 0 and called == [("ppo.py", True, False, "2e-4"), ("judge.py", False, False, None),
                                       ("tiny_report.py", False, False, None)]
     assert rows[:5] == [f"{name} (an earlier start)" for name in ("preprocess", "sft: base model", "sft",
