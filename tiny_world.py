@@ -25,7 +25,8 @@ model outputs (`judge.py --judge gold`), so it accepts any text.
     python tiny_world.py                                  # rebuilds assets/tiny_world (~5 min on 2 cores)
     python tiny_world.py --out_dir /tmp/w --seed 2        # another world
 
-Same seed, same bytes: every file is a deterministic function of the arguments.
+Same seed, same bytes: every file is a deterministic function of the arguments. A build killed while pretraining
+continues from its last checkpoint (`{out_dir}/.pretraining/`, every 250 steps) when started again.
 """
 
 import json
@@ -33,6 +34,7 @@ import math
 import os
 import random
 import re
+import shutil
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -441,15 +443,19 @@ def train_tokenizer(texts, vocab_size):
                                    pad_token="[PAD]", padding_side="right", model_max_length=2048)
 
 
-def pretrain(model, documents, pad_id, steps, batch_size, lr, seed):
-    """Next-token pretraining on tokenized documents (lists of ids); returns the per-step losses."""
+def pretrain(model, documents, pad_id, steps, batch_size, lr, seed, checkpoint=None, identity=None, save_every=250):
+    """Next-token pretraining on tokenized documents (lists of ids); returns the per-step losses.
+
+    With `checkpoint` (a folder), the state after every `save_every` steps is kept there (weights, optimizer, random
+    states, losses; no pickle), and a build killed while pretraining continues from it, bit for bit, when started
+    again with the same `identity` (the world's arguments). An interrupted build of another world starts afresh."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    losses = load_pretraining(checkpoint, identity, model, optimizer, generator) if checkpoint else []
     model.train()
-    losses = []
-    for step in range(steps):
+    for step in range(len(losses), steps):
         batch = [documents[i] for i in torch.randint(0, len(documents), (batch_size,), generator=generator)]
         width = max(len(d) for d in batch)
         ids = torch.tensor([d + [pad_id] * (width - len(d)) for d in batch])  # (B, T) right-padded
@@ -464,8 +470,59 @@ def pretrain(model, documents, pad_id, steps, batch_size, lr, seed):
         losses.append(loss.item())
         if step % 100 == 0 or step == steps - 1:
             print(f"pretrain step {step}/{steps} loss {loss.item():.3f}", flush=True)
+        if checkpoint and (step + 1) % save_every == 0 and step + 1 < steps:
+            save_pretraining(checkpoint, identity, losses, model, optimizer, generator)
     model.eval()
     return losses
+
+
+def save_pretraining(folder, identity, losses, model, optimizer, generator):
+    """The pretraining's state after len(losses) steps into `folder`, whole: written beside it, then renamed."""
+    import torch
+    from safetensors.torch import save_file
+
+    partial = folder + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    state = optimizer.state_dict()  # AdamW: {"state": {index: {name: tensor}}, "param_groups": [plain values]}
+    tensors = {f"model.{name}": value.contiguous() for name, value in model.state_dict().items()}
+    tensors.update({f"optimizer.{index}.{name}": value for index, values in state["state"].items()
+                    for name, value in values.items()})
+    tensors.update({"rng.torch": torch.get_rng_state(), "rng.generator": generator.get_state()})
+    save_file(tensors, os.path.join(partial, "state.safetensors"))
+    with open(os.path.join(partial, "state.json"), "w") as f:
+        json.dump({"identity": identity, "losses": losses, "param_groups": state["param_groups"]}, f)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.rename(partial, folder)
+
+
+def load_pretraining(folder, identity, model, optimizer, generator):
+    """Restore what save_pretraining kept in `folder` -> its losses; [] (nothing restored) if there is none
+    or it belongs to a world with other arguments."""
+    import torch
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(os.path.join(folder, "state.json")):
+        return []
+    with open(os.path.join(folder, "state.json")) as f:
+        saved = json.load(f)
+    if saved["identity"] != identity:
+        print(f"{folder} holds the pretraining of a world with other arguments: pretraining from step 0")
+        return []
+    tensors = load_file(os.path.join(folder, "state.safetensors"))
+    model.load_state_dict({name[len("model."):]: value for name, value in tensors.items() if name.startswith("model.")})
+    optimizer_state = {}
+    for name, value in tensors.items():
+        if name.startswith("optimizer."):
+            index, key = name[len("optimizer."):].split(".", 1)
+            optimizer_state.setdefault(int(index), {})[key] = value
+    for group in saved["param_groups"]:
+        group["betas"] = tuple(group["betas"])  # JSON has no tuples
+    optimizer.load_state_dict({"state": optimizer_state, "param_groups": saved["param_groups"]})
+    torch.set_rng_state(tensors["rng.torch"])
+    generator.set_state(tensors["rng.generator"])
+    print(f"pretraining continues from {folder} at step {len(saved['losses'])}", flush=True)
+    return saved["losses"]
 
 
 def recap_skill(model, tokenizer, seed, n=200):
@@ -774,11 +831,14 @@ def build_base_model(args, tokenizer, corpus, model_dir):
         use_parallel_residual=True, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = GPTNeoXForCausalLM(config)
     documents = [tokenizer(text).input_ids[: args.pretrain_seq_len] + [tokenizer.eos_token_id] for text in corpus]
-    losses = pretrain(model, documents, tokenizer.pad_token_id, args.pretrain_steps,
-                      args.pretrain_batch_size, args.pretrain_lr, args.seed) or [float("nan")]
+    checkpoint = os.path.join(args.out_dir, ".pretraining")  # where a killed build continues from (removed below)
+    identity = json.loads(json.dumps({k: v for k, v in asdict(args).items() if k != "out_dir"}))  # as JSON reads it
+    losses = pretrain(model, documents, tokenizer.pad_token_id, args.pretrain_steps, args.pretrain_batch_size,
+                      args.pretrain_lr, args.seed, checkpoint, identity) or [float("nan")]
     # The saved config turns dropout on for whoever loads the model (the modules built above keep theirs).
     model.config.hidden_dropout = model.config.attention_dropout = args.dropout
     model.save_pretrained(model_dir)
+    shutil.rmtree(checkpoint, ignore_errors=True)
     return model, losses, recap_skill(model, tokenizer, args.seed, args.recap_posts)
 
 

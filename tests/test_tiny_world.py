@@ -309,3 +309,49 @@ def test_model_policies_guess_feelings_and_the_writer_states_the_posts_own():
     with_feeling = [post == said for post, said in stated["model"] if post]
     assert len(with_feeling) > 50 and sum(with_feeling) / len(with_feeling) < 0.3  # about 1 in 10: a guess
     assert any(not post for post, _ in stated["model"])  # and for posts that state none
+
+
+def test_pretraining_killed_after_a_checkpoint_continues_bit_for_bit(tmp_path):
+    """tiny_world.pretrain keeping its state every 2 steps, killed in its 5th step and started again on a new model
+    (as a new process would be): the uninterrupted run's losses and weights, to the bit (dropout's random draws
+    included). A checkpoint of a world with other arguments is not continued."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=32, max_position_embeddings=64, hidden_dropout=0.1, attention_dropout=0.1)
+
+    def new_model():
+        torch.manual_seed(0)
+        return GPTNeoXForCausalLM(config)
+
+    class Killed(Exception):
+        pass
+
+    class KilledAfter(list):
+        """The documents, until `reads` of them have been read."""
+        def __init__(self, documents, reads):
+            super().__init__(documents)
+            self.reads = reads
+
+        def __getitem__(self, index):
+            self.reads -= 1
+            if self.reads < 0:
+                raise Killed
+            return super().__getitem__(index)
+
+    rng = random.Random(0)
+    documents = [[rng.randrange(1, 64) for _ in range(rng.randrange(3, 12))] for _ in range(20)]
+    plain_model = new_model()
+    plain = tw.pretrain(plain_model, documents, 0, 6, 4, 1e-2, 1)  # 6 steps of 4 documents, no checkpoint
+    folder = str(tmp_path / ".pretraining")
+    with pytest.raises(Killed):  # 4 steps of 4 documents read, killed in the 5th
+        tw.pretrain(new_model(), KilledAfter(documents, 4 * 4 + 2), 0, 6, 4, 1e-2, 1, folder, {"seed": 1}, save_every=2)
+    assert len(json.loads(Path(folder, "state.json").read_text())["losses"]) == 4
+    resumed_model, read = new_model(), KilledAfter(documents, 1000)
+    assert tw.pretrain(resumed_model, read, 0, 6, 4, 1e-2, 1, folder, {"seed": 1}, save_every=2) == plain
+    assert 1000 - read.reads == 2 * 4  # only the last 2 steps ran
+    assert all(torch.equal(a, b) for a, b in zip(plain_model.state_dict().values(), resumed_model.state_dict().values()))
+    read = KilledAfter(documents, 1000)
+    assert tw.pretrain(new_model(), read, 0, 6, 4, 1e-2, 1, folder, {"seed": 2}, save_every=2) == plain
+    assert 1000 - read.reads == 6 * 4  # another world's checkpoint: all 6 steps
