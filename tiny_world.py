@@ -781,6 +781,7 @@ def build_world(args, with_model=True):
         json.dump(meta, f, indent=2, sort_keys=True)
     with open(os.path.join(args.out_dir, "WORLD.md"), "w") as f:
         f.write(world_card(json.loads(json.dumps(meta, sort_keys=True))))  # the card of world.json as read back
+    shutil.rmtree(os.path.join(args.out_dir, ".pretraining"), ignore_errors=True)  # the world is whole: no resuming
     print(f"tiny world written to {args.out_dir} in {time.time() - start:.1f}s; noise ceiling "
           + ", ".join(f"{k} {v:.3f}" for k, v in meta["noise_ceiling"].items()))
     return meta
@@ -831,14 +832,13 @@ def build_base_model(args, tokenizer, corpus, model_dir):
         use_parallel_residual=True, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = GPTNeoXForCausalLM(config)
     documents = [tokenizer(text).input_ids[: args.pretrain_seq_len] + [tokenizer.eos_token_id] for text in corpus]
-    checkpoint = os.path.join(args.out_dir, ".pretraining")  # where a killed build continues from (removed below)
+    checkpoint = os.path.join(args.out_dir, ".pretraining")  # where a killed build continues from (build_world)
     identity = json.loads(json.dumps({k: v for k, v in asdict(args).items() if k != "out_dir"}))  # as JSON reads it
     losses = pretrain(model, documents, tokenizer.pad_token_id, args.pretrain_steps, args.pretrain_batch_size,
                       args.pretrain_lr, args.seed, checkpoint, identity) or [float("nan")]
     # The saved config turns dropout on for whoever loads the model (the modules built above keep theirs).
     model.config.hidden_dropout = model.config.attention_dropout = args.dropout
     model.save_pretrained(model_dir)
-    shutil.rmtree(checkpoint, ignore_errors=True)
     return model, losses, recap_skill(model, tokenizer, args.seed, args.recap_posts)
 
 
