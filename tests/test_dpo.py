@@ -176,6 +176,15 @@ def resumed_run(small_world, tmp_path_factory):
     return output_dir
 
 
+def test_resumed_run_is_the_uninterrupted_run_bit_for_bit(resumed_run, small_world, tmp_path):
+    """The same run, never stopped: the same policy to the bit and the same samples, byte for byte."""
+    out = tmp_path / "dpo"
+    run_dpo(small_world, out, "--local_micro_batch_size", "4", "--gold_judge", str(WORLD))
+    whole, resumed = load_file(out / "model.safetensors"), load_file(resumed_run / "model.safetensors")
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[key], resumed[key]) for key in whole)
+    assert (out / "eval_validation.csv").read_bytes() == (resumed_run / "eval_validation.csv").read_bytes()
+
+
 def test_run_interrupted_and_resumed_writes_policy_tables_and_samples(resumed_run):
     out = resumed_run
     for name in ("model.safetensors", "config.json", "tokenizer.json", "args.json", "eval_validation.csv",

@@ -289,6 +289,18 @@ def resumed_run(small_world, tmp_path_factory):
     return output_dir
 
 
+def test_resumed_run_is_the_uninterrupted_run_bit_for_bit(resumed_run, small_world, tmp_path):
+    """The same run, never stopped: the same weights to the bit and the same evaluation table, byte for byte."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "rm"
+    run_reward(small_world, out, "--local_micro_batch_size", "4", "--gold_judge", str(WORLD),
+               "--judged_file", str(small_world / "judged.csv"))
+    whole, resumed = load_file(out / "model.safetensors"), load_file(resumed_run / "model.safetensors")
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[key], resumed[key]) for key in whole)
+    assert (out / "eval_validation.csv").read_bytes() == (resumed_run / "eval_validation.csv").read_bytes()
+
+
 def test_run_interrupted_and_resumed_writes_a_normalised_portable_rm(resumed_run, small_world, tmp_path):
     out = resumed_run
     assert_each_pair_once_per_epoch(out, processes=1)
