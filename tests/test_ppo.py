@@ -728,7 +728,7 @@ def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_
         other = load_file(tmp_path / name / "model.safetensors")
         assert max((weights[key] - other[key]).abs().max().item() for key in weights) < 1e-5, name
     # The resumed run: its evaluation after update 1 came before its checkpoint, so update 2 drew from the random
-    # state the uninterrupted run had there (before ppo.py evaluated first, the weights differed by ~1e-3).
+    # state the uninterrupted run had there (with the checkpoint before the evaluation, the final samples differed).
     assert (tmp_path / "resumed" / "eval_validation.csv").read_text() == plain
     assert (tmp_path / "runs" / "resumed" / "samples_validation_16.csv").read_text() == (
         tmp_path / "runs" / "plain" / "samples_validation_16.csv").read_text()
