@@ -1145,7 +1145,7 @@ def log_update(writer, progress, episode: int, logged: dict) -> None:
 # Run setup: flags, inputs, tokenizer, models, logging.
 # The prompts, and the human references that the evaluation scores beside the samples.
 REQUIRED_COLUMNS = ("query_token", "reference_response_token")
-RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
+RESUME_FLAGS = ("resume", "stop_after_updates", "run_name", "save_every")  # none changes what the run computes
 POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
 NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
 AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")

@@ -476,7 +476,7 @@ def write_summaries(staging: str, rows: list, csv_name: str, wandb_key: Optional
 
 # Run setup: flags, inputs, tokenizer, models, logging.
 # Flags that may change between an interrupted run and its resumption (see output_dir_problem).
-RESUME_FLAGS = ("resume", "stop_after_updates", "run_name")
+RESUME_FLAGS = ("resume", "stop_after_updates", "run_name", "save_every")  # none changes what the run computes
 # Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
 POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
 NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")

@@ -202,6 +202,23 @@ def test_output_dir_problem(tmp_path):
     assert sft.output_dir_problem(str(tmp_path), {**flags, "seed": 2}, ("resume",)) is None
 
 
+def test_a_run_resumes_with_another_checkpoint_cadence(tmp_path):
+    """--save_every only says when checkpoints are written: a run continued with another cadence (say, a SLURM
+    job requeued after SAVE_EVERY_* changed) is the same run, in every training stage."""
+    import dpo
+    import ppo
+    import reward
+
+    assert sft.RESUME_FLAGS == reward.RESUME_FLAGS == dpo.RESUME_FLAGS == ppo.RESUME_FLAGS
+    flags = {"seed": 1, "save_every": 100, "resume": False}
+    (tmp_path / "args.json").write_text(json.dumps(flags))
+    (tmp_path / "checkpoints" / "update_100").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "update_100" / "trainer_state.json").write_text("{}")
+    assert sft.output_dir_problem(str(tmp_path), {**flags, "save_every": 50, "resume": True}, sft.RESUME_FLAGS) is None
+    problem = sft.output_dir_problem(str(tmp_path), {**flags, "seed": 2, "resume": True}, sft.RESUME_FLAGS)
+    assert "holds a different run (seed=1 there, 2 now)" in problem
+
+
 def test_missing_columns():
     table = datasets.Dataset.from_dict({"query_token": [[1]], "reference_response_token": [[1]]})
     data = datasets.DatasetDict(train=table, validation=table)
