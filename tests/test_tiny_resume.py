@@ -3,8 +3,8 @@ running continues from its checkpoint, and a change of code or of a stage's comm
 
 The stages are stood in for by a `python` on PATH that records each call and writes what a stage leaves
 behind (its output folder; a checkpoint when told to die mid-run), so the job's bookkeeping runs in seconds.
-That a resumed stage gives the uninterrupted stage's result is each script's own test (test_ppo.py,
-test_sft.py, test_faults_kill.py)."""
+That a resumed stage gives the uninterrupted stage's result is each script's own test (test_sft.py,
+test_reward.py, test_dpo.py, test_ppo.py)."""
 
 import json
 import os
