@@ -267,7 +267,7 @@ def findings(art: dict) -> list:
     resumed = [name for name, _ in art["timings"] if RESUMED in name]
     measured = f"{total // 60:.0f} min {total % 60:.0f} s" if stages else "no timings.tsv"
     if resumed:
-        measured += f" (not judged: {', '.join(resumed)} timed only the part after its checkpoint)"
+        measured += f" (not judged: {'; '.join(resumed)}: continued from a checkpoint, so timed only in part)"
     add("Time: the main job on 2 CPU cores", f"<= {TIME_BUDGET_S // 60} min of stages (a world's build apart)",
         measured, total <= TIME_BUDGET_S if stages and not resumed else None)
     return rows

@@ -84,8 +84,8 @@ def test_time_is_judged_unless_a_stage_was_resumed():
     time = lambda: next(row for row in tiny_report.findings(art) if row["finding"].startswith("Time"))  # noqa: E731
     assert (time()["measured"], time()["holds"]) == ("2 min 10 s", True)  # the world's build apart
     art["timings"] += [("reward (resumed)", 700.0)]
-    assert (time()["measured"], time()["holds"]) == ("13 min 50 s (not judged: reward (resumed) timed only the part "
-                                                     "after its checkpoint)", None)
+    assert (time()["measured"], time()["holds"]) == ("13 min 50 s (not judged: reward (resumed): continued from a "
+                                                     "checkpoint, so timed only in part)", None)
     art["timings"] = [("reward (resumed) (an earlier start)", 10.0)]  # kept later: still resumed
     assert time()["holds"] is None
 
