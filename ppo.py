@@ -533,10 +533,9 @@ def main() -> None:
         timings = {"time/generation": generation_time, "time/scoring": scoring_time, "time/training": training_time,
                    "time/episodes_per_second": (episode - start_update * args.batch_size) / (time.time() - start_clock)}
         log_update(writer, progress, episode, {**means, **timings, "policy/lr": lr})
-        # Evaluate, then checkpoint: the checkpoint's random state is then the next update's (resumed = uninterrupted).
         due = args.eval_every and (update + 1) % args.eval_every == 0 and update + 1 < args.num_updates
         if due and all_finite(accelerator, model, losses):  # a nan / inf policy is not sampled
-            evaluate(("validation",), episode)
+            evaluate(("validation",), episode)  # before the checkpoint: a resumed run draws what an unbroken one draws
         check_and_checkpoint(accelerator, args, update + 1, losses, run_name, model, optimizer)  # stops on a nan / inf
     if stop_at < args.num_updates:  # a time-limited job: the checkpoint is written, continue with --resume
         return stop_early(accelerator, writer, stop_at, args.num_updates)

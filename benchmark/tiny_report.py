@@ -204,7 +204,8 @@ def findings(art: dict) -> list:
     sft, ppo, dpo = runs.get("sft"), runs.get("ppo"), runs.get("dpo")
     low, high = SFT_WIN_RATE_RANGE
     add("Fig. 1: SFT loses to the references", f"SFT's win rate in [{low:.2f}, {high:.2f}]",
-        ci(sft, digits_apart(sft["win_rate"], low, high)) if sft else "not run", low <= sft["win_rate"] <= high if sft else None)
+        ci(sft, digits_apart(sft["win_rate"], low, high)) if sft else "not run",
+        low <= sft["win_rate"] <= high if sft else None)
     add("Fig. 1: PPO is at least even with the references", f"PPO's win rate >= {PPO_MIN_WIN_RATE:.2f}",
         ci(ppo, digits_apart(ppo["win_rate"], PPO_MIN_WIN_RATE)) if ppo else "not run",
         ppo["win_rate"] >= PPO_MIN_WIN_RATE if ppo else None)

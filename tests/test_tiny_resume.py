@@ -26,7 +26,8 @@ script, flags = os.path.basename(args[0]), args[1:]
 out = flags[flags.index("--output_dir") + 1] if "--output_dir" in flags else None
 checkpoint = os.path.join(out or "", "checkpoints", "update_2")
 with open(os.environ["CALLS"], "a") as file:
-    file.write(json.dumps({{"script": script, "resume": "--resume" in flags, "from_checkpoint": os.path.isdir(checkpoint),
+    file.write(json.dumps({{"script": script, "resume": "--resume" in flags,
+                           "from_checkpoint": os.path.isdir(checkpoint),
                            "lr": flags[flags.index("--lr") + 1] if "--lr" in flags else None}}) + "\\n")
 if out:
     os.makedirs(out, exist_ok=True)

@@ -351,7 +351,8 @@ def test_pretraining_killed_after_a_checkpoint_continues_bit_for_bit(tmp_path):
     resumed_model, read = new_model(), KilledAfter(documents, 1000)
     assert tw.pretrain(resumed_model, read, 0, 6, 4, 1e-2, 1, folder, {"seed": 1}, save_every=2) == plain
     assert 1000 - read.reads == 2 * 4  # only the last 2 steps ran
-    assert all(torch.equal(a, b) for a, b in zip(plain_model.state_dict().values(), resumed_model.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(plain_model.state_dict().values(),
+                                                 resumed_model.state_dict().values()))
     read = KilledAfter(documents, 1000)
     assert tw.pretrain(new_model(), read, 0, 6, 4, 1e-2, 1, folder, {"seed": 2}, save_every=2) == plain
     assert 1000 - read.reads == 6 * 4  # another world's checkpoint: all 6 steps
