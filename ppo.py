@@ -71,7 +71,7 @@ from huggingface_hub.utils import HFValidationError
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
-from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig,
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache,
                           GPTNeoXModel, PretrainedConfig, PreTrainedModel, StaticCache)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
@@ -461,7 +461,7 @@ def main() -> None:
     # HF generate's sampling (softmax(logits / T), [PAD] and unowned rows masked), as a loop that stops once every
     # row has its EOS, or as the fast path (a static cache and a compiled step): the same samples either way.
     sample_responses = StaticSampler(args.local_rollout_forward_batch_size) if args.fast_sampling else sample_rollout
-    sample_summaries = summary_sampler(args, pad_id, eos_id, eval_temperature, unsampled)  # HF generate, or fast
+    sample_summaries = summary_sampler(args, pad_id, eos_id, eval_temperature, unsampled)  # the same, at T_eval
     evaluate = functools.partial(evaluate_and_log, accelerator, args, dataset, unwrapped.policy, reward_model,
                                  tokenizer, sample_summaries, writer, run_name)
 
@@ -759,13 +759,13 @@ def trained_width(sequence_lengths: torch.Tensor, response_length: int, score_af
     return max(1, min(response_length, int(sequence_lengths.max()) + 1 + int(score_after_eos)))
 
 
-# Sampling: the plain loop (HF generate's draws), its fast path, and HF generate for evaluation.
+# Sampling: the plain loop (HF generate's draws) and its fast path, for rollouts and evaluations.
 
 
 def sample_rollout(model, queries: torch.Tensor, pad_token_id: int, eos_token_id: int, response_length: int,
                    temperature: float, unsampled: torch.Tensor) -> tuple:
-    """== generate(model, queries, pad_token_id, GenerationConfig(temperature, response_length new tokens, `unsampled`
-    suppressed)) up to each row's EOS: ((B, T_q + T_resp) ids, (B, T_resp, V) scores = logits / T).
+    """== HF generate (sft.py's `generate`) with GenerationConfig(temperature, response_length new tokens, `unsampled`
+    suppressed) up to each row's EOS: ((B, T_q + T_resp) ids, (B, T_resp, V) scores = logits / T).
 
     A plain KV-cache loop that stops once EVERY row holds an EOS (tests/test_ppo.py checks the equality). The tokens
     after a row's EOS are never used (truncated, masked, causal attention): the steps after the last row's EOS only
@@ -941,33 +941,15 @@ def decode_step(model, token: torch.Tensor, position_ids: torch.Tensor, attentio
     return sampling_distribution(logits[:, -1], temperature, unsampled)
 
 
-def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config) -> tuple:
-    """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores)."""
-    context_length = queries.shape[1]
-    attention_mask = queries != pad_token_id  # (B, T_q)
-    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    # generate() fills unset fields from the model's own generation_config: its eos id would stop
-    # early or, with min_new_tokens, forbid EOS altogether. Without eos / pad ids every row gets
-    # exactly max_new_tokens tokens and EOS is handled afterwards by truncate_response.
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = None
-    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
-    # (B, T_q + T_resp): the original queries (with their pads) ++ the new tokens
-    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), torch.stack(output.scores, 1)
-
-
 def summary_sampler(args, pad_token_id: int, eos_token_id: int, temperature: float, unsampled: torch.Tensor):
-    """The evaluation's sampler: (policy, (B, T_q) queries) -> (B, T_q + T_resp) queries ++ ids sampled at
-    `temperature`, EOS cut later; HF generate, or StaticSampler with --fast_sampling (the same tokens)."""
-    if args.fast_sampling:
-        sampler = StaticSampler(args.local_eval_batch_size)
-        return lambda policy, queries: sampler(policy, queries, pad_token_id, eos_token_id, args.response_length,
-                                               temperature, unsampled)[0]
-    config = GenerationConfig(
-        max_new_tokens=args.response_length, min_new_tokens=args.response_length,  # always the full length
-        temperature=temperature, top_k=0, top_p=1.0, do_sample=True,  # pure temperature sampling
-        return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled.tolist())  # never [PAD] / unowned rows
-    return lambda policy, queries: generate(policy, queries, pad_token_id, config)[0]
+    """The evaluation's sampler: (policy, (B, T_q) queries) -> ((B, T_q + T_resp) queries ++ ids sampled at
+    `temperature`, EOS cut later; (B, T_resp, V) scores): the rollout's sampler, or StaticSampler with --fast_sampling."""
+    # sample_rollout, not HF generate: the same tokens (tests/test_ppo.py), and it stops once every row has ended.
+    # A row whose logits / T overflow is drawn uniformly (sampling_distribution) where generate's multinomial would
+    # crash, and ppo_evaluate refuses it with a message that says why.
+    sample = StaticSampler(args.local_eval_batch_size) if args.fast_sampling else sample_rollout
+    return lambda policy, queries: sample(policy, queries, pad_token_id, eos_token_id, args.response_length,
+                                          temperature, unsampled)
 
 
 # Helpers of the maths above.
@@ -1056,11 +1038,12 @@ def episode_order(num_rows: int, num_episodes: int, seed: int) -> torch.Tensor:
 @torch.no_grad()
 def ppo_evaluate(accelerator, policy, reward_model, dataset, tokenizer, sample_summaries,
                  local_eval_batch_size: int) -> tuple:
-    """All ranks: sample (`sample_summaries(policy, (B, T_q) queries)` -> (B, T_q + T_resp)) and score `dataset`
-    -> ({score, reference_score, eos_fraction, response_length}, rows in split order)."""
+    """All ranks: sample (`sample_summaries(policy, (B, T_q) queries)` -> ((B, T_q + T_resp) ids, scores)) and score
+    `dataset` -> ({score, reference_score, eos_fraction, response_length}, rows in split order, number of prompts
+    whose sampling scores were not finite, over all ranks)."""
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     policy.eval()
-    rows = []
+    rows, nonfinite = [], torch.zeros(1, device=accelerator.device)
     batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
     for indices, real in tqdm(batches, desc="eval", disable=not accelerator.is_main_process):
         batch = dataset[indices]
@@ -1068,7 +1051,11 @@ def ppo_evaluate(accelerator, policy, reward_model, dataset, tokenizer, sample_s
         references = batch["reference_response_token"].to(accelerator.device)  # (B, T_ref), right-padded
         context_length = queries.shape[1]
         with accelerator.autocast():
-            query_responses = sample_summaries(policy, queries)
+            query_responses, sample_scores = sample_summaries(policy, queries)
+            # Finite weights may still give logits / T_eval beyond the float range (T_eval 0.01): such a row was drawn
+            # uniformly (sampling_distribution), and is counted, not passed off as the policy's summary.
+            nonfinite += (~torch.isfinite(sample_scores[:real])).flatten(1).any(1).sum()
+            del sample_scores  # (B, T_resp, V)
             responses = truncate_response(query_responses[:, context_length:], eos_id, pad_id)  # (B, T_resp)
             scores = get_score(reward_model, torch.cat((queries, responses), 1), pad_id, context_length)
             reference_scores = get_score(reward_model, torch.cat((queries, references), 1), pad_id, context_length)
@@ -1081,12 +1068,13 @@ def ppo_evaluate(accelerator, policy, reward_model, dataset, tokenizer, sample_s
                          "reference_score": reference_scores[j].item(),
                          "eos": bool((responses[j] == eos_id).any()), "length": int((responses[j] != pad_id).sum())})
     policy.train()
+    nonfinite = int(accelerator.reduce(nonfinite, reduction="sum").item())  # every rank learns of any rank's
     rows = sorted(gather_object(rows), key=lambda row: row["index"])  # every rank's rows, in split order
     metrics = {"score": float(np.mean([row["score"] for row in rows])),
                "reference_score": float(np.mean([row["reference_score"] for row in rows])),
                "eos_fraction": float(np.mean([row["eos"] for row in rows])),
                "response_length": float(np.mean([row["length"] for row in rows]))}
-    return metrics, rows
+    return metrics, rows, nonfinite
 
 
 def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
@@ -1110,8 +1098,10 @@ def evaluate_and_log(accelerator, args, dataset, policy, reward_model, tokenizer
         eval_set = dataset[split].with_format("torch", columns=list(REQUIRED_COLUMNS))
         if args.num_eval_samples is not None:
             eval_set = eval_set.select(range(min(args.num_eval_samples, len(eval_set))))
-        metrics, rows = ppo_evaluate(accelerator, policy, reward_model, eval_set, tokenizer, sample_summaries,
-                                     args.local_eval_batch_size)
+        metrics, rows, nonfinite = ppo_evaluate(accelerator, policy, reward_model, eval_set, tokenizer,
+                                                sample_summaries, args.local_eval_batch_size)
+        if nonfinite:  # every rank raises
+            raise FloatingPointError(overflow_message(args, split, episode, nonfinite, len(eval_set)))
         out[split] = metrics
         if accelerator.is_main_process:
             for key, value in metrics.items():
@@ -1127,6 +1117,17 @@ def evaluate_and_log(accelerator, args, dataset, policy, reward_model, tokenizer
                 wandb.log({f"eval/ppo/{split}/samples": wandb.Table(dataframe=table)})
             print(f"eval/{split} after {episode} episodes: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return out
+
+
+def overflow_message(args, split: str, episode: int, nonfinite: int, prompts: int) -> str:
+    """Why the evaluation of `split` after `episode` episodes stops: the policy's logits / T_eval are not finite."""
+    last = latest_checkpoint(os.path.join(args.output_dir, "checkpoints"))
+    kept = (f"the last checkpoint, {last[1]} (update {last[0]}), is kept as it was" if last else
+            "no checkpoint was written before it")
+    return (f"the evaluation of {split} after {episode} episodes: the policy's logits divided by the evaluation "
+            f"temperature ({args.eval_temperature}) are not finite (inf or nan) for {nonfinite} of {prompts} prompts, "
+            f"though its weights are finite: they have grown too large. Nothing of this evaluation is written; {kept}. "
+            "Try a lower --lr in a new --output_dir")
 
 
 def log_update(writer, progress, episode: int, logged: dict) -> None:
@@ -1763,7 +1764,7 @@ def save_ppo(accelerator, args, run_name: str, writer, model, tokenizer, all_met
         return
     policy = accelerator.unwrap_model(model).policy
     policy_state = {key[len("policy."):]: value for key, value in state_dict.items() if key.startswith("policy.")}
-    # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
+    # Saved, they let a plain `model.generate` elsewhere stop at EOS (an SFT model from the Hub may lack them).
     policy.generation_config.eos_token_id = tokenizer.eos_token_id
     policy.generation_config.pad_token_id = tokenizer.pad_token_id
     staging = staging_folder(args.output_dir)  # swapped in whole once complete

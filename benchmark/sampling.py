@@ -1,8 +1,9 @@
 """Sampling speed side by side: ppo.py's fast path (StaticSampler) against HF generate and the plain KV-cache loop.
 
-Four sides: HF generate as ppo.py's evaluation calls it; HF generate with transformers' own fast path (a static
-cache and its compiled forward: cache_implementation="static", a CompileConfig allowed on every device); ppo.py's
-plain loop (sample_rollout); ppo.py's fast path (StaticSampler).
+Four sides: HF generate as sft.py's and dpo.py's evaluations call it (ppo.py's did until it sampled its evaluations
+with the rollout's samplers); HF generate with transformers' own fast path (a static cache and its compiled forward:
+cache_implementation="static", a CompileConfig allowed on every device); ppo.py's plain loop (sample_rollout);
+ppo.py's fast path (StaticSampler).
 
 Same model, same 64 queries, same seed, temperature 0.7, [PAD] and the unowned embedding rows masked, every one of
 the response tokens sampled on every side (no stop at EOS), fp32, no grad, one process. Each round runs every side
@@ -127,7 +128,8 @@ def measure(name: str, rounds: int, response_length: int, temperature: float) ->
     """Time the samplers on configuration `name`, alternating; check they draw the same tokens."""
     from transformers import CompileConfig, GenerationConfig
 
-    from ppo import StaticSampler, generate, sample_rollout
+    from ppo import StaticSampler, sample_rollout
+    from sft import generate
 
     policy, queries, pad_id, unsampled, label = load_config(name)
     config = GenerationConfig(max_new_tokens=response_length, min_new_tokens=response_length,

@@ -14,11 +14,12 @@ import torch
 import reward
 from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python
 from ppo import (PolicyAndValueWrapper, ScalarModel, compute_gae, compute_rewards, disable_dropout, eos_trick,
-                 first_true_indices, gather_logprobs, generate, get_reward, get_score, get_values, masked_mean,
+                 first_true_indices, gather_logprobs, get_reward, get_score, get_values, masked_mean,
                  ppo_batch_sizes, response_outputs,
                  mask_logits, ppo_losses, prefill_by_length, response_logits, response_logits_and_values, response_masks,
                  response_window, sample_rollout, truncate_response, unsampled_token_ids, whiten, SetupError,
                  StaticSampler, draw_tokens)
+from sft import generate  # HF generate, as sft.py's and dpo.py's evaluations call it
 
 EOS, PAD = 0, 1  # the tiny world's ids (data/tiny_tldr/args.json)
 
@@ -281,6 +282,52 @@ def assert_same_samples(sampler, policy, queries, length, temperature, unsampled
     assert (scores[sampled_steps][:, unsampled] == torch.finfo(torch.float32).min).all()
     assert not torch.isin(sampled[:, queries.shape[1]:], unsampled).any()
     return sampled
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_evaluation_refuses_a_policy_whose_logits_overflow_at_its_temperature(fast, tiny_tldr, tmp_path, monkeypatch):
+    """Finite weights whose logits / T_eval (0.01) pass the float range: the evaluation stops with a
+    FloatingPointError that says so (how many prompts, the temperature, --lr) and writes no sample table. Before, HF
+    generate's multinomial crashed on it ("probability tensor contains either inf, nan ...") and the fast path
+    drew those rows uniformly and scored them as the policy's summaries. A sound policy is sampled as before."""
+    import types
+
+    import datasets
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer
+
+    import ppo
+
+    monkeypatch.chdir(tmp_path)
+    make_reward_model(tmp_path / "rm")
+    reward_model = ppo.ScalarModel.from_pretrained(tmp_path / "rm").eval()
+    policy, _ = tiny_models()
+    tokenizer = AutoTokenizer.from_pretrained(WORLD / "pythia-tiny")
+    ppo.add_pad_token(tokenizer)
+    unsampled, temperature = unsampled_ids(policy), 0.01 + 1e-7
+    args = types.SimpleNamespace(num_eval_samples=6, local_eval_batch_size=4, eval_temperature=0.01, track=False,
+                                 fast_sampling=False, response_length=8, output_dir=str(tmp_path / "out"))
+    sample = StaticSampler(4, backend=None) if fast else sample_rollout  # (the fast path's step run eagerly)
+    sampler = lambda model, queries: sample(model, queries, PAD, EOS, 8, temperature, unsampled)  # noqa: E731
+    dataset = {"validation": datasets.load_from_disk(tiny_tldr / "sft")["validation"]}
+    evaluate = lambda: ppo.evaluate_and_log(Accelerator(cpu=True), args, dataset, policy, reward_model,  # noqa: E731
+                                            tokenizer, sampler, None, "overflow", ("validation",), 64)
+    eval_set = dataset["validation"].with_format("torch", columns=["query_token", "reference_response_token"])
+    metrics, rows, nonfinite = ppo.ppo_evaluate(Accelerator(cpu=True), policy, reward_model,
+                                                eval_set.select(range(6)), tokenizer, sampler, 4)
+    assert nonfinite == 0 and len(rows) == 6 and 0 <= metrics["eos_fraction"] <= 1  # the sound policy
+    with torch.no_grad():
+        policy.get_output_embeddings().weight.mul_(1e36)
+        logits = policy(input_ids=eval_set[:2]["query_token"].masked_fill(eval_set[:2]["query_token"] == PAD, 0)).logits
+    assert all(torch.isfinite(parameter).all() for parameter in policy.parameters())
+    assert not torch.isfinite(logits[:, -1] / temperature).all()  # the overflow is at the temperature's division
+    with pytest.raises(FloatingPointError) as error:
+        evaluate()
+    message = str(error.value)
+    assert "evaluation of validation after 64 episodes" in message and "temperature (0.01)" in message
+    assert "of 6 prompts" in message and "weights are finite" in message and "--lr" in message
+    assert "no checkpoint was written before it" in message
+    assert not (tmp_path / "runs").exists()  # no sample table of this evaluation
 
 
 def test_static_sampler_draws_what_the_plain_loop_draws(tiny_tldr):

@@ -30,9 +30,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python, tiny_lengths
 import reward
-from ppo import (PolicyAndValueWrapper, cast_parameters, disable_dropout, eval_batches, generate,
-                 gpu_problem, last_hidden_states, load_fp32, mask_logits, model_name, response_masks, response_window,
+from ppo import (PolicyAndValueWrapper, cast_parameters, disable_dropout, eval_batches, gpu_problem,
+                 last_hidden_states, load_fp32, mask_logits, model_name, response_masks, response_window,
                  rotary_problem, sample_rollout, trained_width, unsampled_token_ids)
+from sft import generate  # HF generate, as sft.py's and dpo.py's evaluations call it
 
 EOS = 0
 NAME = "pythia-like"  # the fixture's folder name: default paths go to data/pythia-like, models/pythia-like
@@ -166,7 +167,8 @@ def queries_of(tokenizer, n, width=40):
 
 def test_sampling_never_emits_pad_or_unowned_ids_even_when_they_are_likeliest(pythia_like):
     """A hook makes [PAD] and an unowned row the likeliest tokens by far: unmasked sampling emits them at
-    once; the rollout loop and every evaluation sampler (generate with suppress_tokens) never do."""
+    once; the rollout loop (ppo.py's rollouts and evaluations) and generate with suppress_tokens (sft.py's and
+    dpo.py's evaluations) never do."""
     from transformers import GenerationConfig
 
     policy, tokenizer = tiny_policy(pythia_like)
