@@ -14,7 +14,8 @@ the paper's 512 tokens. With --hub, the real EleutherAI/pythia-1b-deduped checkp
 Printed and written to benchmark/results/gpu_check.md: the device and versions; per stage its wall
 time and peak GPU memory; the second PPO update's time split in each run (generation / scoring /
 training; the first update's includes compiling the fast paths); each run's training phase against
-its floor (plain forward + backward passes, and the bf16 matmul peak measured in the same run); the
+its floor (plain forward + backward passes, and the bf16 matmul peak measured in the same run), and that pass at
+micro-batches of 32 and 64 rows (does a larger --local_micro_batch_size train faster per row?); the
 first-epoch ratio (mean, and max |ratio - 1| over tokens); the windowed training forward against the
 plain full forward (max |difference| of the logits, bf16); decode tokens/s at the paper's rollout
 batch of the fast path (StaticSampler) and of the plain loop (sample_rollout), and how many of their
@@ -232,9 +233,22 @@ def training_floor(policy, pad_id: int, device: str) -> dict:
         policy.zero_grad(set_to_none=True)
 
     step_seconds = seconds(step, 5)
+    # The same pass at larger micro-batches (the 16 rows repeated): does the GPU run a PPO micro-batch of 32 or 64
+    # (--local_micro_batch_size, memory permitting) faster per row? None where it ran out of memory.
+    per_16_rows = {}
+    base_ids, base_mask = ids, mask
+    for factor in (2, 4):
+        ids, mask = base_ids.repeat(factor, 1), base_mask.repeat(factor, 1)
+        try:
+            per_16_rows[rows * factor] = seconds(step, 3) / factor
+        except torch.cuda.OutOfMemoryError:
+            per_16_rows[rows * factor] = None
+        policy.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
     weights = sum(p.numel() for name, p in policy.named_parameters() if "embed_in" not in name)  # LM head counted
-    return {"peak_flops": peak, "step_seconds": step_seconds, "step_flops": 6 * weights * ids.numel(),
-            "weights": weights}
+    return {"peak_flops": peak, "step_seconds": step_seconds, "step_flops": 6 * weights * base_ids.numel(),
+            "weights": weights, "per_16_rows": per_16_rows}
 
 
 def main() -> None:
@@ -346,7 +360,18 @@ def training_line(stats: dict, stats_fast: dict, checks: dict, compile_failure: 
             f"peak ({checks['peak_flops'] / 1e12:.0f} TFLOP/s; 6 x {checks['weights'] / 1e9:.2f} B non-embedding "
             f"weights x tokens). PPO's training phase is {passes} such passes ({Args.num_ppo_epochs} epochs x "
             f"{micro_batches} micro-batches x policy and critic): floor {floor:.2f} s. Measured: eager layers "
-            f"{measured(stats)}; {fast}")
+            f"{measured(stats)}; {fast} {larger_micro_batches(checks)}")
+
+
+def larger_micro_batches(checks: dict) -> str:
+    """The floor's pass at micro-batches of 32 and 64 rows, per 16 rows, against the pass at 16."""
+    def one(rows: int, seconds: Optional[float]) -> str:
+        if seconds is None:
+            return f"{rows} rows out of memory"
+        return f"{rows} rows {seconds * 1e3:.0f} ms ({seconds / checks['step_seconds']:.2f}x)"
+
+    return ("The same pass at larger micro-batches (--local_micro_batch_size), per 16 rows: "
+            + ", ".join(one(rows, seconds) for rows, seconds in checks["per_16_rows"].items()) + ".")
 
 
 def report_lines(args, name: str, versions: str, timings: dict, memory: dict, stats: dict, stats_fast: dict,

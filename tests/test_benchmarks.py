@@ -66,7 +66,8 @@ def made_up_measurements(fast_training: float) -> tuple:
     stats_fast = {**stats, "time/generation": [30.0, 0.25], "time/training": [5.0, fast_training]}
     checks = {"step_seconds": 0.05, "step_flops": 6e12, "peak_flops": 2e14, "weights": 1e9, "window_max_abs_diff": 0.0,
               "window_mean_abs_diff": 0.0, "logit_scale": 1.0, "fast_tokens_per_second": 2.0, "fast_seconds": 1.0,
-              "plain_tokens_per_second": 1.0, "plain_seconds": 2.0, "same_tokens": 1.0}
+              "plain_tokens_per_second": 1.0, "plain_seconds": 2.0, "same_tokens": 1.0,
+              "per_16_rows": {32: 0.045, 64: None}}
     return args, "a GPU", "versions", timings, memory, stats, stats_fast, checks
 
 
@@ -88,6 +89,9 @@ def test_gpu_check_report_has_every_stage_and_the_update_split_by_hand():
     assert "32 such passes" in report and "floor 1.60 s. Measured: eager layers 2.20 s = 1.38x the floor" in report
     assert "87 TFLOP/s = 44% of the matmul peak; compiled layers (--compile_training) 2.00 s = 1.25x the floor" in report
     assert "96 TFLOP/s = 48% of the matmul peak; compiled / eager 0.909." in report
+    # the floor's pass at 32 rows took 0.045 s per 16 rows: 0.045 / 0.05 = 0.90x the pass at 16; 64 rows did not fit
+    assert ("The same pass at larger micro-batches (--local_micro_batch_size), per 16 rows: 32 rows 45 ms (0.90x), "
+            "64 rows out of memory.") in report
 
 
 def test_gpu_check_reports_a_failed_compile_and_the_fast_sampler_alone(tmp_path):
