@@ -826,7 +826,7 @@ def panel_rm_accuracy(ax, art: dict) -> None:
     if art["noise_ceiling"] and "validation" in art["noise_ceiling"]:
         ax.axhline(art["noise_ceiling"]["validation"], color="black", linewidth=0.8, linestyle="--",
                        label=f"noise ceiling of the labels ({art['noise_ceiling']['validation']:.2f})")
-    ax.set(ylim=(0, 1.05), ylabel="accuracy on preference pairs", title="Fig. 4: RM accuracy (TL;DR, CNN/DM never trained on)")
+    ax.set(ylim=(0, 1.05), ylabel="accuracy on preference pairs", title="Fig. 4: RM accuracy\n(TL;DR; CNN/DM, never trained on)")
     ax.legend(loc="lower right", fontsize=7)
 
 
