@@ -404,7 +404,8 @@ def report_lines(args, name: str, versions: str, timings: dict, memory: dict, st
         f"PPO update, the second of each run (the first one includes compiling the fast paths; ppo.py's defaults are "
         f"--fast_sampling {defaults_fast}, --compile_training {defaults_compiled}), seconds:", "",
         "| run | update | generation | scoring | training |", "|---|---|---|---|---|",
-        update_split(stats, "HF generate, eager layers" + ("" if defaults_fast or defaults_compiled else " (the defaults)")),
+        update_split(stats, "plain loop (sample_rollout), eager layers"
+                     + ("" if defaults_fast or defaults_compiled else " (the defaults)")),
         update_split(stats_fast, f"StaticSampler, {'eager' if compile_failure else 'compiled'} layers ({fast_flags})"),
         *([] if compile_failure is None else [f"--compile_training failed, so the fast run sampled with StaticSampler "
                                               f"only: {compile_failure}"]), "",

@@ -80,7 +80,9 @@ def test_gpu_check_report_has_every_stage_and_the_update_split_by_hand():
     report = "\n".join(gpu_check.report_lines(*made_up_measurements(fast_training=2.0)))
     assert "| DPO, 1 update | 8 pairs x 1 | 48 | 18.90 GiB |" in report
     # the second update: 0.5 + 0.3 + 2.2 = 3.0 s (17% / 10% / 73%), with the fast paths 0.25 + 0.3 + 2.0 = 2.55 s
-    assert "| HF generate, eager layers (the defaults) | 3.00 | 0.50 (17%) | 0.30 (10%) | 2.20 (73%) |" in report
+    # the plain run samples with ppo.py's own loop (the same tokens as HF generate), which the label names
+    assert ("| plain loop (sample_rollout), eager layers (the defaults) | 3.00 | 0.50 (17%) | 0.30 (10%) | 2.20 (73%) |"
+            in report)
     assert ("| StaticSampler, compiled layers (--fast_sampling --compile_training) | 2.55 | 0.25 (10%) | 0.30 (12%) | "
             "2.00 (78%) |") in report
     # 4 PPO epochs x (64 / 16) micro-batches x policy and critic = 32 passes of 0.05 s: a floor of 1.60 s. The eager
