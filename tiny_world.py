@@ -781,7 +781,8 @@ def build_world(args, with_model=True):
         json.dump(meta, f, indent=2, sort_keys=True)
     with open(os.path.join(args.out_dir, "WORLD.md"), "w") as f:
         f.write(world_card(json.loads(json.dumps(meta, sort_keys=True))))  # the card of world.json as read back
-    shutil.rmtree(os.path.join(args.out_dir, ".pretraining"), ignore_errors=True)  # the world is whole: no resuming
+    for leftover in (".pretraining", ".pretraining.partial"):  # the world is whole: nothing to resume from
+        shutil.rmtree(os.path.join(args.out_dir, leftover), ignore_errors=True)
     print(f"tiny world written to {args.out_dir} in {time.time() - start:.1f}s; noise ceiling "
           + ", ".join(f"{k} {v:.3f}" for k, v in meta["noise_ceiling"].items()))
     return meta
