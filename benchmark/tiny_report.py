@@ -334,7 +334,11 @@ def read_json(path: str) -> Optional[dict]:
     if not os.path.isfile(path):
         return None
     with open(path) as file:
-        return json.load(file)
+        try:
+            return json.load(file)
+        except json.JSONDecodeError as error:  # cut short or edited: name the file, not only the parser's position
+            sys.exit(f"{path}: not valid JSON ({error}). Write it again: `bash benchmark/tiny.sh` rewrites "
+                     "environment.json at every start and reruns a stage whose output folder is gone (rm -r it first).")
 
 
 def read_csv(path: str) -> Optional[list]:

@@ -385,6 +385,18 @@ def test_a_stage_that_did_not_run_reads_not_run(tmp_path):
     tiny_report.plot_report(empty, str(tmp_path / "empty.png"))
 
 
+def test_a_file_cut_short_is_named_with_the_way_to_write_it_again(tmp_path):
+    models = tmp_path / "models"
+    make_run(models, tmp_path / "runs", with_dpo=True)
+    (models / "environment.json").write_text("")  # e.g. the disk filled while tiny.sh wrote it
+    with pytest.raises(SystemExit) as stopped:
+        tiny_report.load_artifacts(str(models), 3, world=None, runs_dir=str(tmp_path / "runs"))
+    assert str(stopped.value).startswith(f"{models / 'environment.json'}: not valid JSON (Expecting value")
+    assert "bash benchmark/tiny.sh" in str(stopped.value)
+    (models / "environment.json").unlink()  # not recorded at all is no error: the report says so
+    assert tiny_report.load_artifacts(str(models), 3, world=None, runs_dir=str(tmp_path / "runs"))["environment"] is None
+
+
 def test_token_view_probabilities_are_the_models(tmp_path):
     """compute_token_view on two tiny random models: each token's probability is the softmax of that
     model's logits at the position before it, over the tokens it can sample (a naive loop recomputes them)."""
