@@ -1311,8 +1311,7 @@ def ppo_tokenizer(args, accelerator, local_dataset: bool) -> tuple:
     built_with = os.path.join(os.path.dirname(os.path.abspath(args.query_dataset)), "args.json")
     data_ids = None
     if local_dataset and os.path.isfile(built_with):
-        with open(built_with) as file:
-            built = json.load(file)
+        built = load_json(built_with)
         data_ids = {key: built.get(key) for key in ("eos_token_id", "pad_token_id")}
     else:
         accelerator.print(f"note: no args.json beside {args.query_dataset}; its eos / pad ids are not checked")
@@ -1363,8 +1362,7 @@ def recorded_base_model(folder: str) -> Optional[str]:
     path = os.path.join(folder, "args.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as file:
-        return json.load(file).get("base_model_name")
+    return load_json(path).get("base_model_name")
 
 
 def input_problem(path: str, flag: str, make: str) -> Optional[str]:
@@ -1385,8 +1383,7 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
         return None
     if os.listdir(output_dir) == ["args.json"]:  # a start that failed before any work: nothing to lose
         return None
-    with open(path) as file:
-        saved = json.load(file)
+    saved = load_json(path)
     changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
                if k not in ignored and saved.get(k) != v]
     if changed:
@@ -1438,8 +1435,7 @@ def recorded_tokenizer_identity(folder: str) -> Optional[str]:
     path = os.path.join(folder, "args.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as file:
-        return json.load(file).get("tokenizer_identity")
+    return load_json(path).get("tokenizer_identity")
 
 
 def identity_problem(sides: dict) -> Optional[str]:
@@ -1537,8 +1533,7 @@ def start_ppo_logging(args, accelerator, resume_from: Optional[tuple], recorded:
     start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
     run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
     if resume_from is not None and args.run_name is None:  # a resumed run logs on into its own folder
-        with open(os.path.join(resume_from[1], "trainer_state.json")) as file:
-            run_name = json.load(file)["run_name"]
+        run_name = load_json(os.path.join(resume_from[1], "trainer_state.json"))["run_name"]
     writer = None
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -1665,8 +1660,7 @@ def save_training_state(accelerator, folder: str, model, optimizer) -> None:
 
 def load_checkpoint(accelerator, path: str, model, optimizer) -> dict:
     """All ranks: restore what save_checkpoint wrote in `path`, unpickling nothing; its trainer_state.json."""
-    with open(os.path.join(path, "trainer_state.json")) as file:
-        state = json.load(file)
+    state = load_json(os.path.join(path, "trainer_state.json"))
     deepspeed = accelerator.state.deepspeed_plugin is not None
     needed = ["deepspeed"] if deepspeed else ["model.safetensors", "optimizer.safetensors", "optimizer.json"]
     missing = [name for name in needed if not os.path.exists(os.path.join(path, name))]
@@ -1683,8 +1677,7 @@ def load_checkpoint(accelerator, path: str, model, optimizer) -> dict:
                              f"delete {path} to resume from an earlier one, or start again without --resume")
     else:
         load_model(accelerator.unwrap_model(model), os.path.join(path, "model.safetensors"))  # copied onto its device
-        with open(os.path.join(path, "optimizer.json")) as file:
-            param_groups = json.load(file)["param_groups"]
+        param_groups = load_json(os.path.join(path, "optimizer.json"))["param_groups"]
         for group in param_groups:
             group["betas"] = tuple(group["betas"])  # JSON has no tuples
         optimizer_state = {}
@@ -1718,8 +1711,7 @@ def load_rng_state(path: str) -> bool:
     """Restore the RNG states save_rng_state wrote at `path`; False if there are none."""
     if not os.path.isfile(path + ".json"):
         return False
-    with open(path + ".json") as file:
-        state = json.load(file)
+    state = load_json(path + ".json")
     random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
     np.random.set_state((state["numpy"][0], np.array(state["numpy"][1], dtype=np.uint32), *state["numpy"][2:]))
     tensors = load_file(path + ".safetensors")
@@ -1818,6 +1810,16 @@ def push_to_hub(output_dir: str, repo_name: str, exp_name: str, hf_entity: Optio
     api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
     api.upload_folder(folder_path=output_dir, repo_id=repo_id, revision=run_name)
     print(f"pushed https://huggingface.co/{repo_id}/tree/{run_name}")
+
+
+def load_json(path: str) -> dict:
+    """The JSON object in the file at `path`; a SetupError naming the file when it is not valid JSON."""
+    with open(path) as file:
+        try:
+            return json.load(file)
+        except json.JSONDecodeError as error:  # edited by hand or cut short: say which file, and what to do
+            raise SetupError(f"{path} is not valid JSON ({error}): it was edited or cut short after it was written. "
+                             "Restore it, or remove the folder it is in and run the stage that wrote it again") from None
 
 
 def write_atomic(path: str, write) -> None:

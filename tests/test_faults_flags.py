@@ -146,3 +146,26 @@ def test_paths_that_cannot_work_are_named(tmp_path):
         "--label_smoothing 0.1 with --ipo: want 0 (IPO has no label smoothing)",
         f"--gold_judge {empty}: no world.json there (want a tiny world folder)"]
     assert dpo.dpo_flag_problems(dpo.Args(ipo=True, gold_judge=str(WORLD)), 1) == []  # a world folder; IPO alone
+
+
+def test_a_json_file_edited_into_invalid_json_is_named(tmp_path):
+    """An args.json, trainer_state.json or world.json that a hand edit (or a full disk) left invalid: the stages say
+    which file and what to do, as a SetupError (its message, no traceback), not a bare JSONDecodeError."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "args.json").write_text('{"lr": 3e-06, "seed": ')  # cut short
+    (out / "events.out.tfevents").write_text("")  # the run's other files: output_dir_problem reads its args.json
+    for module in (sft, reward, dpo, ppo):
+        for read in (lambda: module.output_dir_problem(str(out), {"seed": 1}, ()),
+                     lambda: module.recorded_tokenizer_identity(str(out)),
+                     lambda: module.load_json(str(out / "args.json"))):
+            with pytest.raises(module.SetupError) as raised:
+                read()
+            assert str(raised.value).startswith(f"{out / 'args.json'} is not valid JSON (Expecting value: line 1"), \
+                module.__name__
+            assert "remove the folder it is in and run the stage that wrote it again" in str(raised.value)
+        assert module.load_json(str(WORLD / "world.json"))["args"]["seed"] == 1  # a valid file reads as json.load reads it
+    # and every JSON file the stages read goes through load_json: no bare json.load elsewhere in them
+    for script in STAGES:
+        source = (REPO / script).read_text()
+        assert source.count("json.load(") == 1 and "            return json.load(file)\n" in source, script
