@@ -306,7 +306,7 @@ def test_evaluation_refuses_a_policy_whose_logits_overflow_at_its_temperature(fa
     ppo.add_pad_token(tokenizer)
     unsampled, temperature = unsampled_ids(policy), 0.01 + 1e-7
     args = types.SimpleNamespace(num_eval_samples=6, local_eval_batch_size=4, eval_temperature=0.01, track=False,
-                                 fast_sampling=False, response_length=8, output_dir=str(tmp_path / "out"))
+                                 output_dir=str(tmp_path / "out"))  # the flags evaluate_and_log reads
     sample = StaticSampler(4, backend=None) if fast else sample_rollout  # (the fast path's step run eagerly)
     sampler = lambda model, queries: sample(model, queries, PAD, EOS, 8, temperature, unsampled)  # noqa: E731
     dataset = {"validation": datasets.load_from_disk(tiny_tldr / "sft")["validation"]}
