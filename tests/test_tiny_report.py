@@ -360,6 +360,49 @@ def test_compare_worlds_puts_the_findings_side_by_side(tmp_path):
     assert "python benchmark/tiny_report.py --models" in missing.stderr
 
 
+def test_compare_worlds_draws_the_numbers_of_the_findings_and_reads_its_own_tables_back(tmp_path):
+    """compare_worlds.py --plot: the points are the findings' own numbers (tiny_report's findings of make_run, one run
+    without DPO); a markdown file it wrote, read back, gives the same table, each seed's last column (a later run of a
+    seed replaces an earlier one in a notebook); a file without its table is refused, named."""
+    import compare_worlds
+
+    cards = []
+    for seed, with_dpo in ((3, True), (4, False)):
+        models = tmp_path / f"m{seed}"
+        make_run(models, tmp_path / f"runs{seed}", with_dpo=with_dpo)
+        art = tiny_report.load_artifacts(str(models), 3, world=None, runs_dir=str(tmp_path / f"runs{seed}"))
+        card = {"seed": seed, "world": "w", "environment": None, "findings": tiny_report.findings(art)}
+        write(models / "findings.json", card)
+        cards.append((f"seed {seed}", card))
+    points = compare_worlds.world_points(cards)
+    assert points["seeds"] == [3, 4]
+    assert points["sft"] == [(0.125, 0.09, 0.17)] * 2 and points["ppo"] == [(0.25, 0.2, 0.31)] * 2
+    assert points["dpo"] == [(0.188, 0.14, 0.24), None]  # 48 / 256 = 0.1875, as the report prints it; seed 4: no DPO
+    assert points["gain"] == [0.125, 0.125] and points["gain_holds"] == [False, False]
+    assert points["bars"] == {"sft": (0.10, 0.45), "ppo": 0.50, "gain": 0.20}
+
+    script = [sys.executable, str(REPO / "benchmark" / "compare_worlds.py")]
+    first = run_python(script + [str(tmp_path / "m3"), str(tmp_path / "m4"), "--out", str(tmp_path / "a.md")],
+                       timeout=120)
+    assert first.returncode == 0, first.stderr[-3000:]
+    written = (tmp_path / "a.md").read_text()
+    again = run_python(script + [str(tmp_path / "a.md"), "--out", str(tmp_path / "b.md")], timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "b.md").read_text() == written  # read back: the same table, to the character
+    # A notebook: the table, then a later run of seed 3 with another SFT; its column replaces the first
+    later = written.replace("0.125 [0.090, 0.170]", "0.150 [0.100, 0.200]")
+    assert later != written
+    (tmp_path / "notebook.md").write_text(f"# Notes\n\n{written}\nSeed 3 again:\n\n{later}\nThe end.\n")
+    drawn = run_python(script + [str(tmp_path / "notebook.md"), "--out", str(tmp_path / "c.md"), "--plot",
+                                 str(tmp_path / "worlds.png")], timeout=120)
+    assert drawn.returncode == 0, drawn.stderr[-3000:]
+    assert (tmp_path / "c.md").read_text() == later
+    assert (tmp_path / "worlds.png").read_bytes().startswith(b"\x89PNG") and (tmp_path / "worlds.png").stat().st_size > 10_000
+    (tmp_path / "prose.md").write_text("# Only prose\n\n| a | b |\n|---|---|\n")
+    refused = run_python(script + [str(tmp_path / "prose.md")], timeout=120)
+    assert refused.returncode == 1 and f"{tmp_path / 'prose.md'}: no table of compare_worlds.py in it" in refused.stderr
+
+
 def test_a_stage_that_did_not_run_reads_not_run(tmp_path):
     models = tmp_path / "models"
     make_run(models, tmp_path / "runs", with_dpo=False)
