@@ -40,7 +40,9 @@ def load_runs(folders: tuple) -> list:
         sys.exit("name the folders of the runs to compare, e.g. `python benchmark/compare_worlds.py models/tiny /tmp/m2`")
     runs = []
     for folder in folders:
-        if folder.endswith(".md") and os.path.isfile(folder):
+        if folder.endswith(".md"):  # a table this script wrote (--out), read back
+            if not os.path.isfile(folder):
+                sys.exit(f"{folder}: not found (a markdown file of compare_worlds.py --out, or a folder of tiny.sh's)")
             runs += read_markdown(folder)
             continue
         path = os.path.join(folder, "findings.json")
@@ -58,7 +60,8 @@ def read_markdown(path: str) -> list:
     file), by seed; exits naming the file when it holds no such table."""
     verdicts = {text: holds for holds, text in VERDICT.items()}
     by_seed = {}
-    lines = open(path).read().splitlines()
+    with open(path) as file:
+        lines = file.read().splitlines()
     for start, header in enumerate(lines):
         if not header.startswith("| finding | bar | ") or not header.endswith(" | holds in |"):
             continue

@@ -401,6 +401,8 @@ def test_compare_worlds_draws_the_numbers_of_the_findings_and_reads_its_own_tabl
     (tmp_path / "prose.md").write_text("# Only prose\n\n| a | b |\n|---|---|\n")
     refused = run_python(script + [str(tmp_path / "prose.md")], timeout=120)
     assert refused.returncode == 1 and f"{tmp_path / 'prose.md'}: no table of compare_worlds.py in it" in refused.stderr
+    absent = run_python(script + [str(tmp_path / "absent.md")], timeout=120)
+    assert absent.returncode == 1 and f"{tmp_path / 'absent.md'}: not found" in absent.stderr
 
 
 def test_a_stage_that_did_not_run_reads_not_run(tmp_path):
