@@ -1,7 +1,8 @@
 """Do the paper's findings hold on every world? One table from the findings.json of several benchmark/tiny.sh runs.
 
 Each run's report (benchmark/tiny_report.py) writes {models}/findings.json: every finding of the paper against its
-bar in miniature. This puts them side by side, one column per run, and counts the worlds where each holds.
+bar in miniature. This puts them side by side, one column per run, and counts the worlds where each holds; --plot
+draws the Fig. 1 findings of every run (win rates against the references, and PPO - SFT) against their bars.
 
     WORLD=/tmp/w2 SEED=2 MODELS=/tmp/m2 DATA=/tmp/d2 bash benchmark/tiny.sh   # another world, built and run
     python benchmark/compare_worlds.py models/tiny /tmp/m2                    # its findings beside seed 1's
