@@ -11,6 +11,7 @@ draws the Fig. 1 findings of every run (win rates against the references, and PP
     python benchmark/compare_worlds.py benchmark/results/compare_worlds_rebuilt.md --plot docs/worlds.png
 """
 
+import itertools
 import json
 import os
 import re
@@ -67,8 +68,7 @@ def read_markdown(path: str) -> list:
         if not header.startswith("| finding | bar | ") or not header.endswith(" | holds in |"):
             continue
         names = cells(header)[2:-1]
-        rows = [cells(line) for line in lines[start + 2:]]
-        rows = rows[:next((i for i, row in enumerate(rows) if row is None), len(rows))]  # the table ends
+        rows = [cells(line) for line in itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2:])]
         for column, name in enumerate(names, start=2):
             seed = re.match(r"seed (-?\d+)", name)
             if seed is None:
@@ -88,10 +88,8 @@ def read_markdown(path: str) -> list:
     return [by_seed[seed] for seed in sorted(by_seed)]
 
 
-def cells(line: str) -> Optional[list]:
-    """The cells of a markdown table row, stripped; None for a line that is not a row."""
-    if not line.startswith("|"):
-        return None
+def cells(line: str) -> list:
+    """The cells of a markdown table row, stripped."""
     return [cell.strip() for cell in line.strip().strip("|").split("|")]
 
 
