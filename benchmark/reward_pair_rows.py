@@ -7,7 +7,9 @@
 Every layout trains the same fresh RM (the SFT model + reward.py's head) on the same batches of the
 preference dataset: "two rows" is query+chosen and query+rejected right-padded (get_reward), "one row"
 is query ++ chosen ++ rejected with the rejected summary masked from the chosen one (pair_rewards), and
-"one row, G length groups" the same in G forwards of pairs sorted by length (pair_rewards_by_length).
+"one row, G length groups" the same in G forwards of pairs sorted by length (pair_rewards_by_length). Each row
+layout runs its model's last layer at the two summaries' EOS columns only (reward.hidden_states_at); the same
+layout "..., last layer at every column" runs the plain forward that it equals instead.
 An update = forward, Bradley-Terry loss, backward, AdamW step. The layouts alternate, `--rounds`
 times each, `--updates` timed updates per round after one untimed warm-up update. Before timing,
 every layout's rewards and gradients on the first batch are compared with the two-row layout's.
@@ -18,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 import datasets
 import torch
@@ -28,6 +31,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 sys.path.insert(0, ROOT)
 import reward  # noqa: E402  (the stage script's helpers, imported from the repository root)
 
+EVERY_COLUMN = ", last layer at every column"  # a row layout with reward.hidden_states_at's plain form
+
 
 def fresh_rm(sft_model_path: str, device: str) -> reward.ScalarModel:
     """reward.py's starting point (the SFT backbone, dropout off, the Detail 11 head), seeded alike each time."""
@@ -35,9 +40,20 @@ def fresh_rm(sft_model_path: str, device: str) -> reward.ScalarModel:
     return reward.reward_model_from_sft(sft_model_path).to(device).train()
 
 
+def plain_hidden_states_at(backbone, input_ids, attention_mask, position_ids, positions):
+    """What reward.hidden_states_at equals: the backbone's full forward (the last layer at every column), read at
+    `positions`."""
+    rows = torch.arange(input_ids.size(0), device=input_ids.device)[:, None]
+    return backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+                    ).last_hidden_state[rows, positions]
+
+
 def batch_rewards(model, batch: dict, layout: str, pad_id: int, device: str) -> tuple:
     """((B,) chosen, (B,) rejected) rewards of a batch of pairs in the given layout: "two rows", "one row" or
-    "one row, G length groups"."""
+    "one row, G length groups", the row layouts also as "..., last layer at every column"."""
+    if layout.endswith(EVERY_COLUMN):
+        with mock.patch.object(reward, "hidden_states_at", plain_hidden_states_at):
+            return batch_rewards(model, batch, layout[:-len(EVERY_COLUMN)], pad_id, device)
     size = len(batch["query_token"])
     if layout == "two rows":
         rows = reward.trim_right_padding(torch.cat((batch["query_chosen_token"], batch["query_rejected_token"])), pad_id)
@@ -111,9 +127,11 @@ def render_table(args, device: str, seconds: dict, differences: dict) -> str:
         f"`python benchmark/reward_pair_rows.py --rounds {args.rounds} --updates {args.updates} --length_groups {groups}`: "
         f"{os.path.relpath(args.sft_model_path, ROOT)}, batch {args.batch_size}, median of {args.rounds} alternating rounds of "
         f"{args.updates} updates each.", "",
-        "| layout | pairs / s | vs two rows | vs one row | first batch vs two rows: max abs reward / gradient difference |",
-        "|---|---|---|---|---|",
+        "| layout | pairs / s | vs two rows | vs one row | vs its last layer at every column | first batch vs two rows: "
+        "max abs reward / gradient difference |",
+        "|---|---|---|---|---|---|",
         *[f"| {layout} | {value:.1f} | {value / speed['two rows']:.2f}x | {value / speed['one row']:.2f}x | "
+          + (f"{value / speed[layout + EVERY_COLUMN]:.2f}x" if layout + EVERY_COLUMN in speed else "") + " | "
           + (" / ".join(f"{x:.1e}" for x in differences[layout]) if layout in differences else "") + " |"
           for layout, value in speed.items()], ""])
 
@@ -126,7 +144,9 @@ def main():
         "torch", columns=list(reward.TRAIN_PAIR_COLUMNS + reward.PAIR_COLUMNS))
     batches = [pairs[list(range(start, start + args.batch_size))]
                for start in range(0, (args.updates + 1) * args.batch_size, args.batch_size)]
-    layouts = ["two rows", "one row", *[f"one row, {groups} length groups" for groups in args.length_groups]]
+    layouts = ["two rows"] + [layout + last for layout in ["one row"] + [f"one row, {groups} length groups"
+                                                                      for groups in args.length_groups]
+                              for last in ("", EVERY_COLUMN)]
     differences = compare_first_batch(args, batches[0], layouts, pad_id, device)
     for layout, (reward_diff, grad_diff) in differences.items():
         print(f"first batch, {layout}: max |reward difference| {reward_diff:.2e}, max |gradient difference| {grad_diff:.2e}")

@@ -132,6 +132,47 @@ def test_pair_rewards_match_separate_rows(attention):
     assert torch.allclose(grads_packed, grads_separate, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("parallel_residual", [True, False])
+@pytest.mark.parametrize("mask", ["padding", "4-D", "none"])
+def test_hidden_states_at_equal_the_full_forward_at_those_columns(mask, parallel_residual):
+    """hidden_states_at (the last layer at the asked columns only) == the backbone's full forward read at those
+    columns, outputs and gradients: a (B, T) padding mask, a (B, 1, T, T) boolean mask with position ids (pair_rewards'
+    layout), or none; both of GPT-NeoX's residual forms; the columns in any order, the first and the last among them.
+    In float64, where the two agree to ~1e-14: a wrong mask row or column would not (float32 rounds them ~1e-6
+    apart). (The fallback for other attentions is the full forward itself; test_pair_rewards_match_separate_rows
+    runs it with eager attention.)"""
+    model = tiny_scalar_model(seed=5).train().double()
+    model.backbone.config.use_parallel_residual = parallel_residual
+    for layer in model.backbone.layers:
+        layer.use_parallel_residual = parallel_residual
+    ids = torch.randint(1, 200, (3, 10), generator=torch.Generator().manual_seed(0))
+    padding = torch.ones(3, 10, dtype=torch.bool)
+    padding[0, 7:] = padding[2, :2] = False  # a right-padded row and a left-padded one
+    position_ids = None
+    if mask == "4-D":  # each row reads an arbitrary causal subset, as pair_rewards builds it
+        reads = torch.ones(10, 10, dtype=torch.bool).tril().repeat(3, 1, 1) & padding[:, None, :]
+        reads[1, 6:, 3:6] = False  # columns 6 on do not read columns 3-5 (a rejected summary and the chosen one)
+        attention_mask = (reads | torch.eye(10, dtype=torch.bool))[:, None]
+        position_ids = torch.tensor([list(range(10)), list(range(6)) + list(range(3, 7)), list(range(10))])
+    else:
+        attention_mask = padding if mask == "padding" else torch.ones(3, 10, dtype=torch.long)
+    positions = torch.tensor([[6, 0], [9, 5], [2, 9]])  # (B, 2)
+    rows = torch.arange(3)[:, None]
+    assert reward.sdpa_gpt_neox(model.backbone)  # the fast path proper, not the fallback
+    fast = reward.hidden_states_at(model.backbone, ids, attention_mask, position_ids, positions)  # (B, 2, d)
+    plain = model.backbone(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids
+                           ).last_hidden_state[rows, positions]
+    assert fast.shape == plain.shape == (3, 2, model.config.base_config["hidden_size"])
+    assert torch.allclose(fast, plain, rtol=0, atol=1e-10), (fast - plain).abs().max()
+    parameters = list(model.backbone.parameters())
+    fast_grads = torch.autograd.grad(fast.pow(2).sum(), parameters)
+    plain_grads = torch.autograd.grad(plain.pow(2).sum(), parameters)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-10) for a, b in zip(fast_grads, plain_grads))
+    rewards = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, positions=positions)
+    assert rewards.shape == (3, 2) and torch.allclose(rewards, model.head(plain).squeeze(-1), rtol=0, atol=1e-10)
+    assert (plain[0, 0] - plain[1, 0]).abs().max() > 1e-3  # distinct rows: a mix-up would show
+
+
 @pytest.mark.parametrize("groups", [2, 3, 5])
 def test_pair_rewards_by_length_match_one_forward(groups):
     """The pairs sorted by length into `groups` forwards (the longest pair first in the batch, groups of

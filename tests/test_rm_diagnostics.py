@@ -141,16 +141,21 @@ def test_smoke_run_writes_the_tables(tiny_tldr, tmp_path):
 
 def test_reward_pair_rows_smoke_run_compares_every_layout(tiny_tldr, tmp_path):
     """benchmark/reward_pair_rows.py (the RM layouts' side-by-side speed) on the untuned base model: every layout,
-    length groups included, gives the two-row rewards and gradients, then is timed."""
+    length groups included, with the last layer at the EOS columns only or at every column, gives the two-row rewards
+    and gradients, then is timed."""
     out = tmp_path / "reward_pair_rows.md"
     result = run_python([sys.executable, str(REPO / "benchmark" / "reward_pair_rows.py"), "--sft_model_path",
                          str(WORLD / "pythia-tiny"), "--label_dataset", str(tiny_tldr / "preference"), "--batch_size", "8",
                          "--rounds", "1", "--updates", "1", "--length_groups", "2", "3", "--out", str(out)], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| one row")]
-    assert [row[0] for row in rows] == ["| one row", "| one row, 2 length groups", "| one row, 3 length groups"]
+    every = ", last layer at every column"
+    assert [row[0] for row in rows] == ["| one row", "| one row" + every, "| one row, 2 length groups",
+                                        "| one row, 2 length groups" + every, "| one row, 3 length groups",
+                                        "| one row, 3 length groups" + every]
     for row in rows:  # max |reward difference| / max |gradient difference| against two rows
-        assert all(float(value) < 1e-4 for value in row[4].rstrip(" |").split(" / ")), row
+        assert all(float(value) < 1e-4 for value in row[5].rstrip(" |").split(" / ")), row
+        assert row[4].endswith("x") == (every not in row[0]), row  # a fast layout against its plain form
 
 
 def test_missing_inputs_are_named_with_their_flag(tmp_path):
