@@ -113,7 +113,8 @@ SFT_TINY=(--base_model "$WORLD/pythia-tiny" --query_dataset "$DATA/sft" --seed "
   --response_length 44 --local_eval_batch_size 128)  # 44: above the longest validation reference (38 tokens, seed 1)
 stage "sft: base model" python sft.py "${SFT_TINY[@]}" --total_episodes 0 --output_dir "$MODELS/base_$SEED"
 # --length_groups: speed only, each micro-batch in forwards of ~8 rows sorted by length (fewer pads;
-# 1.38x SFT and 1.14x RM updates side by side at 2 threads, benchmark/results/{sft_length_groups,reward_pair_rows}.md).
+# 1.38x SFT and 1.14x RM updates side by side at 2 threads, benchmark/results/{sft_length_groups,reward_pair_rows}.md;
+# 1.04x for the RM since its last layer runs at the EOS columns only).
 stage "sft" python sft.py "${SFT_TINY[@]}" --output_dir "$MODELS/sft_$SEED" \
   --lr 2e-3 --batch_size 16 --local_micro_batch_size 16 --length_groups 2 --total_episodes 9600 \
   --save_every 100 --resume
