@@ -73,9 +73,6 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache,
                           GPTNeoXModel, PretrainedConfig, PreTrainedModel, StaticCache)
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import create_causal_mask
-from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb
 
 
 @dataclass
@@ -707,11 +704,25 @@ def last_hidden_states(backbone, input_ids: torch.Tensor, attention_mask: torch.
     if not sdpa_gpt_neox(backbone):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         return hidden.last_hidden_state[:, -num_positions:]
+    # The outputs are the full forward's, bit for bit on CPU; on a typical PPO row (a long query, a
+    # short response) this skips most of the last layer.
+    return last_layer_at(backbone, input_ids, attention_mask, position_ids, lambda x: x[:, -num_positions:], layers)
+
+
+def last_layer_at(backbone, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                  select, layers: Optional[list] = None) -> torch.Tensor:
+    """== select(backbone(input_ids, attention_mask, position_ids).last_hidden_state) for a GPT-NeoX run by SDPA,
+    `select` picking k positions along dim 1 of a (B, T, ...) tensor: (B, k, d).
+
+    `layers`: what runs in place of backbone.layers[:-1], i.e. their compiled forms (ppo.py's compiled_layers)."""
+    # transformers internals, used by this fast path only
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb
+
     # GPT-NeoX's forward, except that the LAST layer computes only the positions asked for: it
     # still needs the keys and values of every position, but its queries, attention output and MLP
     # only there (the earlier layers feed keys and values to later positions, so they run in full).
-    # The outputs are the full forward's, bit for bit on CPU; on a typical PPO row (a long query, a
-    # short response) this skips most of the last layer.
     hidden = backbone.embed_in(input_ids)  # (B, T, d)
     mask = create_causal_mask(config=backbone.config, inputs_embeds=hidden, attention_mask=attention_mask,
                               past_key_values=None, position_ids=position_ids)  # (B, 1, T, T) or None: causal only
@@ -723,12 +734,13 @@ def last_hidden_states(backbone, input_ids: torch.Tensor, attention_mask: torch.
     query, key, value = qkv.view(*hidden.shape[:2], -1, 3 * attention.head_size).transpose(1, 2).chunk(3, dim=-1)
     query, key = apply_rotary_pos_emb(query, key, cos, sin)  # (B, heads, T, head_size) each
     if mask is None:
-        mask = torch.ones(hidden.size(1), hidden.size(1), dtype=torch.bool, device=hidden.device).tril()[None, None]
-    attention_output, _ = sdpa_attention_forward(attention, query[:, :, -num_positions:], key, value,
-                                                 mask[:, :, -num_positions:], scaling=attention.scaling,
-                                                 dropout=0.0, is_causal=False)  # (B, num_positions, heads, head_size)
-    attention_output = attention.dense(attention_output.reshape(hidden.size(0), num_positions, -1))
-    residual = hidden[:, -num_positions:]  # (B, num_positions, d)
+        mask = torch.ones(hidden.size(1), hidden.size(1), dtype=torch.bool, device=hidden.device).tril()
+        mask = mask.expand(hidden.size(0), 1, -1, -1)  # (B, 1, T, T)
+    rows_of = lambda x: select(x.transpose(1, 2)).transpose(1, 2)  # noqa: E731  (B, h, T, ...) -> (B, h, k, ...)
+    attention_output, _ = sdpa_attention_forward(attention, rows_of(query), key, value, rows_of(mask),
+                                                 scaling=attention.scaling, dropout=0.0, is_causal=False)
+    attention_output = attention.dense(attention_output.flatten(2))  # (B, k, heads, head_size) -> (B, k, d)
+    residual = select(hidden)  # (B, k, d)
     if layer.use_parallel_residual:
         hidden = layer.mlp(layer.post_attention_layernorm(residual)) + attention_output + residual
     else:

@@ -519,11 +519,6 @@ def hidden_states_at(backbone, input_ids: torch.Tensor, attention_mask: torch.Te
     layers feed keys and values to later columns, so they run in full). The RM reads two columns of a pair's
     row of ~150: the tiny world's 3-layer RM trains 1.21x faster in tiny.sh's layout, 1.40x in one forward
     (benchmark/results/reward_pair_rows.md)."""
-    # transformers internals, used by this fast path only
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import create_causal_mask
-    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb
-
     rows = torch.arange(input_ids.size(0), device=input_ids.device)[:, None]  # (B, 1)
     if not sdpa_gpt_neox(backbone):
         if attention_mask.dim() == 4 and backbone.config._attn_implementation == "eager":
@@ -534,24 +529,41 @@ def hidden_states_at(backbone, input_ids: torch.Tensor, attention_mask: torch.Te
         return hidden.last_hidden_state[rows, positions]
     if position_ids is None:  # as the backbone numbers the columns
         position_ids = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+    return last_layer_at(backbone, input_ids, attention_mask, position_ids, lambda x: x[rows, positions])
+
+
+def last_layer_at(backbone, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                  select, layers: Optional[list] = None) -> torch.Tensor:
+    """== select(backbone(input_ids, attention_mask, position_ids).last_hidden_state) for a GPT-NeoX run by SDPA,
+    `select` picking k positions along dim 1 of a (B, T, ...) tensor: (B, k, d).
+
+    `layers`: what runs in place of backbone.layers[:-1], i.e. their compiled forms (ppo.py's compiled_layers)."""
+    # transformers internals, used by this fast path only
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb
+
+    # GPT-NeoX's forward, except that the LAST layer computes only the positions asked for: it
+    # still needs the keys and values of every position, but its queries, attention output and MLP
+    # only there (the earlier layers feed keys and values to later positions, so they run in full).
     hidden = backbone.embed_in(input_ids)  # (B, T, d)
     mask = create_causal_mask(config=backbone.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                              past_key_values=None, position_ids=position_ids)  # (B, 1, T, T); None: causal only
+                              past_key_values=None, position_ids=position_ids)  # (B, 1, T, T) or None: causal only
     cos, sin = backbone.rotary_emb(hidden, position_ids=position_ids)
-    for layer in backbone.layers[:-1]:
+    for layer in layers or backbone.layers[:-1]:
         hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin))
     layer, attention = backbone.layers[-1], backbone.layers[-1].attention
     qkv = attention.query_key_value(layer.input_layernorm(hidden))  # (B, T, 3 * d)
     query, key, value = qkv.view(*hidden.shape[:2], -1, 3 * attention.head_size).transpose(1, 2).chunk(3, dim=-1)
     query, key = apply_rotary_pos_emb(query, key, cos, sin)  # (B, heads, T, head_size) each
     if mask is None:
-        mask = torch.ones(hidden.size(1), hidden.size(1), dtype=torch.bool, device=hidden.device).tril()[None, None]
-    mask = mask.expand(hidden.size(0), -1, -1, -1)[rows, :, positions].transpose(1, 2)  # (B, 1, k, T): their rows
-    query = query.transpose(1, 2)[rows, positions].transpose(1, 2)  # (B, heads, k, head_size)
-    attention_output, _ = sdpa_attention_forward(attention, query, key, value, mask, scaling=attention.scaling,
-                                                 dropout=0.0, is_causal=False)  # (B, k, heads, head_size)
-    attention_output = attention.dense(attention_output.reshape(*positions.shape, -1))  # (B, k, d)
-    residual = hidden[rows, positions]  # (B, k, d)
+        mask = torch.ones(hidden.size(1), hidden.size(1), dtype=torch.bool, device=hidden.device).tril()
+        mask = mask.expand(hidden.size(0), 1, -1, -1)  # (B, 1, T, T)
+    rows_of = lambda x: select(x.transpose(1, 2)).transpose(1, 2)  # noqa: E731  (B, h, T, ...) -> (B, h, k, ...)
+    attention_output, _ = sdpa_attention_forward(attention, rows_of(query), key, value, rows_of(mask),
+                                                 scaling=attention.scaling, dropout=0.0, is_causal=False)
+    attention_output = attention.dense(attention_output.flatten(2))  # (B, k, heads, head_size) -> (B, k, d)
+    residual = select(hidden)  # (B, k, d)
     if layer.use_parallel_residual:
         hidden = layer.mlp(layer.post_attention_layernorm(residual)) + attention_output + residual
     else:
