@@ -22,7 +22,7 @@ references.
     {output_dir}/checkpoints/         the latest --save_every checkpoint (no pickle), removed when the run ends
     runs/{run_name}/                  TensorBoard
 
-    # tiny world, offline, 2 CPU cores, ~1 min (benchmark/tiny.sh runs this after sft.py; 20 updates of 64:
+    # tiny world, offline, 2 CPU cores, ~40 s (benchmark/tiny.sh runs this after sft.py; 20 updates of 64:
     # implicit-reward accuracy 0.661 on validation, gold win rate vs the references 0.242, SFT's 0.336)
     python dpo.py --sft_model_path models/tiny/sft_1 --label_dataset data/tiny_tldr/preference \
         --query_dataset data/tiny_tldr/sft --output_dir models/tiny/dpo_1 --seed 1 --lr 1e-4 --batch_size 64 \
@@ -198,6 +198,8 @@ def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bo
 
 def pair_logprobs(model, batch: dict, pad_token_id: int) -> tuple:
     """A batch of PAIR_COLUMNS tensors (B rows) -> ((B,) chosen, (B,) rejected) summed response log-probs."""
+    if shared_queries(model, batch, pad_token_id):  # speed only: one row a pair, its query read once
+        return packed_pair_logprobs(model, batch, pad_token_id)
     # (2B, T): chosen rows then rejected rows, one forward pass for both, trimmed to the batch's longest
     query_responses = trim_right_padding(torch.cat((batch["query_chosen_token"], batch["query_rejected_token"])),
                                          pad_token_id)
@@ -397,6 +399,64 @@ def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: tor
     logprobs = F.log_softmax(logits[mask].float(), dim=-1).gather(1, labels[mask].unsqueeze(1)).squeeze(1)  # (N,)
     rows = torch.arange(len(labels), device=labels.device).unsqueeze(1).expand_as(mask)[mask]  # (N,): row of each
     return torch.zeros(len(labels), device=logprobs.device).index_add(0, rows, logprobs)  # (B,): log pi(summary | query)
+
+
+def shared_queries(model, batch: dict, pad_token_id: int) -> bool:
+    """Whether packed_pair_logprobs can read `batch`: each pair's two rows start with the same query tokens, and
+    the model is run by SDPA (which reads a (B, 1, T, T) boolean mask as it is)."""
+    if getattr(getattr(model, "module", model).config, "_attn_implementation", None) != "sdpa":
+        return False
+    chosen, rejected = batch["query_chosen_token"], batch["query_rejected_token"]  # (B, W) each
+    query_length = first_true_indices(batch["query_chosen_token_response_label"] != pad_token_id)  # (B,)
+    same_length = torch.equal(query_length, first_true_indices(batch["query_rejected_token_response_label"] != pad_token_id))
+    in_query = torch.arange(chosen.size(1), device=chosen.device) < query_length[:, None]  # (B, W)
+    return same_length and not ((chosen != rejected) & in_query).any()
+
+
+def packed_pair_logprobs(model, batch: dict, pad_token_id: int) -> tuple:
+    """== (sequence_logprobs(model, query ++ chosen rows, ...), sequence_logprobs(model, query ++ rejected rows, ...)),
+    pair_logprobs' two rows a pair, up to float rounding, from ONE row a pair: query ++ chosen ++ rejected
+    (tests/test_dpo.py checks the equality, gradients included).
+
+    Speed only: a pair's two rows repeat its query, most of their tokens (~110 of ~130 in the tiny world; TL;DR
+    queries run to 512 tokens, summaries to 53), and the policy and the reference read every pair. Here the query
+    is read once. The rejected summary reads the query and itself, not the chosen summary, and its tokens keep the
+    positions they have in their own row. Needs shared_queries(model, batch, pad_token_id)."""
+    chosen, rejected = batch["query_chosen_token"], batch["query_rejected_token"]  # (B, W) right-padded each
+    chosen_labels = batch["query_chosen_token_response_label"]  # (B, W): the query's ids and the pads are [PAD]
+    rejected_labels = batch["query_rejected_token_response_label"]
+    query_length = first_true_indices(chosen_labels != pad_token_id)[:, None]  # (B, 1): the summaries' first column
+    chosen_end = (chosen != pad_token_id).sum(1, keepdim=True)  # (B, 1): first column after the chosen summary
+    chosen_length = chosen_end - query_length  # (B, 1): where the rejected summary sits, the columns it is shifted by
+    row_end = chosen_end + (rejected != pad_token_id).sum(1, keepdim=True) - query_length  # (B, 1): first pad
+    column = torch.arange(int(row_end.max()), device=chosen.device)[None, :]  # (1, T)
+    # (B, T): 0 query, 1 chosen, 2 rejected, 3 pad
+    part = (column >= query_length).long() + (column >= chosen_end).long() + (column >= row_end).long()
+    is_token = part < 3  # (B, T)
+    # (B, T): each token's column in its own row, i.e. its position there (pads read column 0)
+    own_column = torch.where(part == 2, column - chosen_length, column).masked_fill(~is_token, 0)
+    input_ids = torch.where(part == 2, rejected.gather(1, own_column), chosen.gather(1, own_column))  # (B, T)
+    causal = column.T >= column  # (T, T): row = the reading position, column = the read one
+    # (B, T, T): causal, no rejected position reads a chosen one, no position reads a pad; a pad reads itself
+    reads = causal & ~((part[:, :, None] == 2) & (part[:, None, :] == 1)) & is_token[:, None, :]
+    reads = reads | torch.eye(column.size(1), dtype=torch.bool, device=chosen.device)
+    # The LM head from the first column whose logits are read, the shortest query's last token, as sequence_logprobs
+    first = max(int(query_length.min()) - 1, 0)
+    logits = model(input_ids=input_ids.masked_fill(~is_token, 0), attention_mask=reads[:, None],
+                   position_ids=own_column, logits_to_keep=column.size(1) - first, return_dict=True).logits
+    # Each summary token's logits, at the column before it in its own row (sequence_logprobs' mask); the
+    # rejected's past its first token are shifted by the chosen summary, its first is read from the query's last.
+    own = torch.arange(chosen.size(1) - 1, device=chosen.device)[None, :]  # (1, W-1): column t predicts t+1
+    rows, columns, labels = [], [], []
+    for side, (side_labels, shift) in enumerate(((chosen_labels, 0), (rejected_labels, chosen_length))):
+        mask = side_labels[:, 1:] != pad_token_id  # (B, W-1)
+        read = own + shift * (own >= query_length)  # (B, W-1): the packed column of each predicting position
+        rows.append(torch.arange(len(mask), device=mask.device)[:, None].expand_as(mask)[mask] + side * len(mask))
+        columns.append(read[mask] - first)
+        labels.append(side_labels[:, 1:][mask])
+    rows, columns, labels = torch.cat(rows), torch.cat(columns), torch.cat(labels)  # (N,) each
+    logprobs = F.log_softmax(logits[rows % len(chosen), columns].float(), dim=-1).gather(1, labels[:, None]).squeeze(1)
+    return torch.zeros(2 * len(chosen), device=logprobs.device).index_add(0, rows, logprobs).split(len(chosen))
 
 
 def trim_right_padding(query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:

@@ -656,11 +656,23 @@ def score_dataset(accelerator, model, dataset, layouts: dict, pad_token_id: int,
             parts = [batch[column].to(accelerator.device) for column in columns]
             context_length = sum(part.shape[1] for part in parts[:-1])
             query_responses = trim_right_padding(torch.cat(parts, dim=1), pad_token_id)
-            _, scores[name] = get_reward(unwrapped, query_responses, pad_token_id, context_length)
+            scores[name] = rewards_at_eos(unwrapped, query_responses, pad_token_id, context_length)  # (B,)
         rows += [(i, {name: score[j].item() for name, score in scores.items()}) for j, i in enumerate(indices[:real])]
     unwrapped.train()
     rows = sorted(gather_object(rows), key=lambda row: row[0])  # every rank's rows, in dataset order
     return {name: np.array([row[1][name] for row in rows]) for name in layouts}
+
+
+def rewards_at_eos(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+    """== get_reward(model, query_responses, pad_token_id, context_length)[1]: (B,) the reward at each row's EOS,
+    up to float rounding (tests/test_reward.py checks it).
+
+    Speed only: the model's last layer runs at the EOS column alone (hidden_states_at), as in training, where
+    get_reward runs it at every column to return every position's reward logit; scoring reads one."""
+    attention_mask = query_responses != pad_token_id  # (B, T): get_reward's mask, ids and (no) position_ids
+    eos = reward_indices(query_responses, pad_token_id, context_length)  # (B,)
+    return model(input_ids=torch.masked_fill(query_responses, ~attention_mask, 0), attention_mask=attention_mask,
+                 positions=eos[:, None])[:, 0]
 
 
 def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:

@@ -107,6 +107,54 @@ def test_micro_batch_1_and_4_give_the_same_gradient(tiny_tldr):
         assert torch.allclose(gradients[0][name], gradients[1][name], atol=1e-6, rtol=1e-4), name
 
 
+def two_rows_a_pair(model, batch):
+    """The plain form of pair_logprobs: sequence_logprobs of the chosen rows and of the rejected rows, one forward."""
+    rows = dpo.trim_right_padding(torch.cat((batch["query_chosen_token"], batch["query_rejected_token"])), PAD)
+    labels = torch.cat((batch["query_chosen_token_response_label"],
+                        batch["query_rejected_token_response_label"]))[:, :rows.shape[1]]
+    return dpo.sequence_logprobs(model, rows, labels, PAD).split(len(rows) // 2)
+
+
+def hand_pairs(pairs_of_ids, width):
+    """[(query, chosen, rejected)] id lists -> dpo.PAIR_COLUMNS tensors, right-padded to `width`."""
+    pad = lambda row: row + [PAD] * (width - len(row))  # noqa: E731
+    columns = {name: [] for name in dpo.PAIR_COLUMNS}
+    for query, chosen, rejected in pairs_of_ids:
+        for side, summary in (("chosen", chosen), ("rejected", rejected)):
+            columns[f"query_{side}_token"].append(pad(query + summary))
+            columns[f"query_{side}_token_response_label"].append(pad([PAD] * len(query) + summary))
+    return {name: torch.tensor(rows) for name, rows in columns.items()}
+
+
+def test_one_row_a_pair_equals_two_rows_a_pair(tiny_tldr):
+    """packed_pair_logprobs (query ++ chosen ++ rejected in one row) == its docstring's plain form, two rows a pair,
+    log-probs and gradients: the tiny world's pairs, and hand-made ones with queries of different lengths, a
+    rejected summary longer than the chosen one, a row without pads. In float64 (the log-softmax runs in float32 in
+    both, as in training): a rejected token reading the chosen summary, or a wrong position, moves a log-prob by
+    ~1e-2. Pairs whose queries differ, and attentions other than SDPA, take the two rows."""
+    model = tiny_model(seed=3).double().train()
+    hand = hand_pairs([([5, 6, 7, 8, 9, 10], [20, 21, EOS], [30, 31, 32, 33, EOS]),
+                       ([11, 12, 17], [22, EOS], [34, 35, 36, 37, 38, 39, 40, EOS]),  # fills the width: no pad
+                       ([13, 14, 15], [23, 24, 25, 26, EOS], [41, EOS])], width=11)
+    for batch in (pairs(tiny_tldr, 8), hand):
+        assert dpo.shared_queries(model, batch, PAD)
+        packed, plain = dpo.packed_pair_logprobs(model, batch, PAD), two_rows_a_pair(model, batch)
+        assert torch.allclose(torch.cat(packed), torch.cat(plain), rtol=0, atol=1e-5), (packed, plain)
+        assert torch.cat(plain).std() > 0.5  # distinct log-probs: a mix-up of rows or sides would show
+        weights = torch.linspace(-1, 2, 2 * len(packed[0]), dtype=torch.float32)  # any loss of both sides
+        grads = [torch.autograd.grad((torch.cat(logps) * weights).sum(), list(model.parameters()))
+                 for logps in (packed, plain)]
+        for got, expected in zip(*grads):
+            assert torch.allclose(got, expected, rtol=1e-4, atol=1e-6)
+        assert torch.equal(torch.cat(dpo.pair_logprobs(model, batch, PAD)), torch.cat(packed))
+    differing = {name: value.clone() for name, value in hand.items()}
+    differing["query_rejected_token"][1, 0] = 16  # the second pair's rejected row reads another query
+    assert not dpo.shared_queries(model, differing, PAD)
+    assert torch.equal(torch.cat(dpo.pair_logprobs(model, differing, PAD)), torch.cat(two_rows_a_pair(model, differing)))
+    model.set_attn_implementation("eager")
+    assert not dpo.shared_queries(model, hand, PAD)
+
+
 def test_h_is_exactly_zero_at_step_0(tiny_tldr):
     """Detail 7: the policy (train mode) and the reference (eval mode), same weights, dropout off: h = 0 exactly."""
     batch = pairs(tiny_tldr, 8)
@@ -121,6 +169,21 @@ def test_h_is_exactly_zero_at_step_0(tiny_tldr):
         torch.manual_seed(0)
         with_dropout = AutoModelForCausalLM.from_pretrained(BASE).train()  # the tiny model's dropout is 0.1
         assert not torch.equal(dpo.pair_logprobs(with_dropout, batch, PAD)[0], ref_chosen)
+
+
+def test_dpo_pair_rows_benchmark_compares_then_times_both_layouts(tiny_tldr, tmp_path):
+    """benchmark/dpo_pair_rows.py (one row a pair against two, side by side): on the tiny world's pairs and on its
+    synthetic TL;DR-length pairs, the packed layout's log-probs and gradients are the two rows', then both are timed."""
+    for flags in (["--sft_model_path", str(BASE), "--label_dataset", str(tiny_tldr / "preference"), "--batch_size", "4"],
+                  ["--synthetic", "--vocab_size", "256", "--batch_size", "1"]):
+        out = tmp_path / "dpo_pair_rows.md"
+        result = run_python([sys.executable, str(REPO / "benchmark" / "dpo_pair_rows.py"), *flags, "--rounds", "1",
+                             "--updates", "1", "--out", str(out)], timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows = {line.split(" | ")[0]: line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ")}
+        assert float(rows["| two rows"][1]) > 0 and float(rows["| one row"][1]) > 0
+        differences = [float(value) for value in rows["| one row"][3].rstrip(" |").split(" / ")]
+        assert all(value < 1e-4 for value in differences), rows["| one row"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -132,6 +132,21 @@ def test_pair_rewards_match_separate_rows(attention):
     assert torch.allclose(grads_packed, grads_separate, atol=1e-5, rtol=1e-4)
 
 
+def test_rewards_at_eos_equal_get_reward():
+    """rewards_at_eos (evaluation's scoring, the last layer at the EOS column only) == get_reward's EOS rewards:
+    right-padded rows (context 0), left-padded query ++ right-padded response (context = the query's width), a row
+    without pads. In float64, where the two agree to ~1e-14: an EOS read one column off would not."""
+    model = tiny_scalar_model(seed=4).double()
+    right = torch.tensor([[11, 12, 13, 21, 0, PAD, PAD], [14, 15, 16, 17, 22, 23, 0], [18, 24, 0, PAD, PAD, PAD, PAD]])
+    left = torch.tensor([[PAD, PAD, 11, 12, 21, 0, PAD], [13, 14, 15, 16, 22, 23, 0], [PAD, 17, 18, 19, 24, PAD, PAD]])
+    for rows, context_length in ((right, 0), (left, 4)):
+        with torch.no_grad():
+            expected = reward.get_reward(model, rows, PAD, context_length)[1]
+            got = reward.rewards_at_eos(model, rows, PAD, context_length)
+        assert got.shape == (3,) and expected.std() > 0.05  # distinct rewards: a row mix-up would show
+        assert torch.allclose(got, expected, rtol=0, atol=1e-10), (got, expected)
+
+
 @pytest.mark.parametrize("parallel_residual", [True, False])
 @pytest.mark.parametrize("mask", ["padding", "4-D", "none"])
 def test_hidden_states_at_equal_the_full_forward_at_those_columns(mask, parallel_residual):
