@@ -418,7 +418,7 @@ def packed_pair_logprobs(model, batch: dict, pad_token_id: int) -> tuple:
     pair_logprobs' two rows a pair, up to float rounding, from ONE row a pair: query ++ chosen ++ rejected
     (tests/test_dpo.py checks the equality, gradients included).
 
-    Speed only: a pair's two rows repeat its query, most of their tokens (~110 of ~130 in the tiny world; TL;DR
+    Speed only: a pair's two rows repeat its query, most of their tokens (~130 of ~150 in the tiny world; TL;DR
     queries run to 512 tokens, summaries to 53), and the policy and the reference read every pair. Here the query
     is read once. The rejected summary reads the query and itself, not the chosen summary, and its tokens keep the
     positions they have in their own row. Needs shared_queries(model, batch, pad_token_id)."""
