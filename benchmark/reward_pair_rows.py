@@ -13,6 +13,8 @@ layout "..., last layer at every column" runs the plain forward that it equals i
 An update = forward, Bradley-Terry loss, backward, AdamW step. The layouts alternate, `--rounds`
 times each, `--updates` timed updates per round after one untimed warm-up update. Before timing,
 every layout's rewards and gradients on the first batch are compared with the two-row layout's.
+With --query_dataset it also times the RM's scoring (evaluation and normalisation: reward.score_dataset) with the
+last layer at each row's EOS only (reward.rewards_at_eos) against the plain get_reward it equals.
 """
 
 import argparse
@@ -74,6 +76,9 @@ def parse_args() -> argparse.Namespace:
                         help="also time one row per pair in this many forwards by length (reward.py --length_groups)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per layout, alternating")
     parser.add_argument("--updates", type=int, default=20, help="timed updates per round")
+    parser.add_argument("--query_dataset", default=None,
+                        help="also time the RM's scoring (reward.score_dataset) on this SFT dataset's train references")
+    parser.add_argument("--scoring_rows", type=int, default=1024, help="references scored per round (--query_dataset)")
     parser.add_argument("--out", default=None, help="also write the markdown table here")
     return parser.parse_args()
 
@@ -124,7 +129,8 @@ def render_table(args, device: str, seconds: dict, differences: dict) -> str:
     groups = " ".join(str(groups) for groups in args.length_groups)
     return "\n".join([
         f"# RM training: one row per pair vs two rows ({device}, {torch.get_num_threads()} threads)", "",
-        f"`python benchmark/reward_pair_rows.py --rounds {args.rounds} --updates {args.updates} --length_groups {groups}`: "
+        f"`python benchmark/reward_pair_rows.py --rounds {args.rounds} --updates {args.updates} --length_groups {groups}"
+        + (f" --query_dataset {args.query_dataset} --scoring_rows {args.scoring_rows}" if args.query_dataset else "") + "`: "
         f"{os.path.relpath(args.sft_model_path, ROOT)}, batch {args.batch_size}, median of {args.rounds} alternating rounds of "
         f"{args.updates} updates each.", "",
         "| layout | pairs / s | vs two rows | vs one row | vs its last layer at every column | first batch vs two rows: "
@@ -134,6 +140,37 @@ def render_table(args, device: str, seconds: dict, differences: dict) -> str:
           + (f"{value / speed[layout + EVERY_COLUMN]:.2f}x" if layout + EVERY_COLUMN in speed else "") + " | "
           + (" / ".join(f"{x:.1e}" for x in differences[layout]) if layout in differences else "") + " |"
           for layout, value in speed.items()], ""])
+
+
+def time_scoring(args, pad_id: int) -> str:
+    """The normalisation's scoring (reward.score_dataset, both layouts of the SFT references) with
+    reward.rewards_at_eos against the plain get_reward(...)[1] it equals, alternating --rounds times: a table."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    model = fresh_rm(args.sft_model_path, accelerator.device)
+    references = reward.first_rows(datasets.load_from_disk(args.query_dataset)["train"], args.scoring_rows)
+    references = references.with_format("torch", columns=list(reward.REFERENCE_COLUMNS))
+    layouts = {"right": ("query_reference_response_token",), "left": ("query_token", "reference_response_token")}
+    plain = lambda model, rows, pad, context_length: reward.get_reward(model, rows, pad, context_length)[1]  # noqa: E731
+    seconds, scores = {"plain (get_reward)": [], "last layer at the EOS (rewards_at_eos)": []}, {}
+    with torch.no_grad():  # as the stage scores
+        for _ in range(args.rounds):
+            for name in seconds:
+                start = time.perf_counter()
+                with mock.patch.object(reward, "rewards_at_eos", plain if name.startswith("plain") else reward.rewards_at_eos):
+                    scores[name] = reward.score_dataset(accelerator, model, references, layouts, pad_id, 64)
+                seconds[name].append(time.perf_counter() - start)
+                print(f"scoring, {name}: {seconds[name][-1]:.2f} s")
+    difference = max(float(abs(a - b).max()) for a, b in zip(*(scores[name].values() for name in seconds)))
+    base = statistics.median(seconds["plain (get_reward)"])
+    return "\n".join([
+        f"## RM scoring: {len(references)} SFT references in both of the normalisation's layouts (batches of 64, no "
+        f"gradients), median of {args.rounds} alternating rounds", "",
+        "| scoring | seconds (each round) | vs plain | max abs reward difference |", "|---|---|---|---|",
+        *[f"| {name} | {statistics.median(values):.2f} ({', '.join(f'{v:.2f}' for v in values)}) | "
+          f"{base / statistics.median(values):.2f}x | " + ("" if name.startswith("plain") else f"{difference:.1e}") + " |"
+          for name, values in seconds.items()], ""])
 
 
 def main():
@@ -156,6 +193,8 @@ def main():
 
     seconds = time_layouts(layouts, args.rounds, batches, lambda: fresh_rm(args.sft_model_path, device), loss, 1e-3, device)
     table = render_table(args, device, seconds, differences)
+    if args.query_dataset:
+        table += "\n" + time_scoring(args, pad_id)
     print(table)
     if args.out:
         with open(args.out, "w") as file:

@@ -142,12 +142,15 @@ def test_smoke_run_writes_the_tables(tiny_tldr, tmp_path):
 def test_reward_pair_rows_smoke_run_compares_every_layout(tiny_tldr, tmp_path):
     """benchmark/reward_pair_rows.py (the RM layouts' side-by-side speed) on the untuned base model: every layout,
     length groups included, with the last layer at the EOS columns only or at every column, gives the two-row rewards
-    and gradients, then is timed."""
+    and gradients, then is timed; so is the scoring, whose fast path gives get_reward's rewards."""
     out = tmp_path / "reward_pair_rows.md"
     result = run_python([sys.executable, str(REPO / "benchmark" / "reward_pair_rows.py"), "--sft_model_path",
                          str(WORLD / "pythia-tiny"), "--label_dataset", str(tiny_tldr / "preference"), "--batch_size", "8",
-                         "--rounds", "1", "--updates", "1", "--length_groups", "2", "3", "--out", str(out)], timeout=600)
+                         "--rounds", "1", "--updates", "1", "--length_groups", "2", "3", "--query_dataset",
+                         str(tiny_tldr / "sft"), "--scoring_rows", "16", "--out", str(out)], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    scoring = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| last layer at the EOS")]
+    assert len(scoring) == 1 and float(scoring[0][3].rstrip(" |")) < 1e-4  # rewards_at_eos's scores are get_reward's
     rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| one row")]
     every = ", last layer at every column"
     assert [row[0] for row in rows] == ["| one row", "| one row" + every, "| one row, 2 length groups",
