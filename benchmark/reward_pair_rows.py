@@ -153,12 +153,13 @@ def time_scoring(args, pad_id: int) -> str:
     references = references.with_format("torch", columns=list(reward.REFERENCE_COLUMNS))
     layouts = {"right": ("query_reference_response_token",), "left": ("query_token", "reference_response_token")}
     plain = lambda model, rows, pad, context_length: reward.get_reward(model, rows, pad, context_length)[1]  # noqa: E731
-    seconds, scores = {"plain (get_reward)": [], "last layer at the EOS (rewards_at_eos)": []}, {}
+    scorers = {"plain (get_reward)": plain, "last layer at the EOS (rewards_at_eos)": reward.rewards_at_eos}
+    seconds, scores = {name: [] for name in scorers}, {}
     with torch.no_grad():  # as the stage scores
         for _ in range(args.rounds):
             for name in seconds:
                 start = time.perf_counter()
-                with mock.patch.object(reward, "rewards_at_eos", plain if name.startswith("plain") else reward.rewards_at_eos):
+                with mock.patch.object(reward, "rewards_at_eos", scorers[name]):  # what score_dataset calls
                     scores[name] = reward.score_dataset(accelerator, model, references, layouts, pad_id, 64)
                 seconds[name].append(time.perf_counter() - start)
                 print(f"scoring, {name}: {seconds[name][-1]:.2f} s")
