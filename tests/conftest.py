@@ -49,8 +49,11 @@ import pytest  # noqa: E402
 # `.ci/run`'s two workers (pytest-xdist, --dist loadfile) take whole test files, in collection order.
 # xdist's own order (most tests first) left long files with few tests to the end: one worker then ran
 # a 50-75 s file alone. Heaviest first instead (longest processing time first), so that the last files
-# are short. Seconds per file: `pytest tests -n 2 --dist loadfile --durations=0`, setup and calls summed
-# (2026-11-29, the AVX2 EPYC). A stale table only costs balance, never a test; a file not in it counts 10 s.
+# are short: pytest 504 s against 557-562 s side by side with warm caches; from a fresh clone with cold
+# caches (`.ci/run`) 571-574 s against 581 s, where compiling makes test_ppo.py longer and xdist's order
+# nearly balanced already. Seconds per file: `pytest tests -n 2 --dist loadfile --durations=0`, setup and
+# calls summed (2026-11-29, the AVX2 EPYC). A stale table only costs balance, never a test; a file not in
+# it counts 10 s.
 FILE_SECONDS = {"test_ppo.py": 329, "test_judge_faults.py": 76, "test_real_path.py": 75, "test_reward.py": 65,
                 "test_ppo_gold_reward.py": 58, "test_forkserver.py": 50, "test_preprocess_kill.py": 48,
                 "test_dpo.py": 47, "test_tiny_world.py": 33, "test_judge.py": 30, "test_faults_kill.py": 23,
