@@ -1061,3 +1061,11 @@ def test_tiny_command_checker_catches_drift():
         "dpo.py: benchmark/tiny.sh never runs it",
         "reward.py: no `# tiny world` command in its module docstring",
     ], problems
+
+
+def test_test_order_names_existing_files():
+    """conftest.FILE_SECONDS orders the test files for .ci/run's workers: a renamed or deleted file must leave it."""
+    from conftest import FILE_SECONDS
+
+    missing = sorted(name for name in FILE_SECONDS if not (REPO / "tests" / name).is_file())
+    assert not missing, f"tests/conftest.py's FILE_SECONDS names test files that do not exist: {missing}"
