@@ -286,8 +286,12 @@ def test_two_processes_match_one_process(resumed_run, small_world, tmp_path):
     run_dpo(small_world, out, "--local_micro_batch_size", "2", "--gold_judge", str(WORLD), processes=2)
     assert json.loads((out / "args.json").read_text())["world_size"] == 2
     two, one = load_file(str(out / "model.safetensors")), load_file(str(resumed_run / "model.safetensors"))
-    for key in one:  # same pairs per update, mean loss per micro-batch, gradients averaged over ranks
-        assert torch.allclose(one[key], two[key], atol=1e-5), key
+    # Same pairs per update, mean loss per micro-batch, gradients averaged over ranks: the same updates up to
+    # float rounding. AdamW divides by sqrt(v), so rounding in a near-zero gradient becomes a step of up to lr
+    # (1e-3): on an AMD EPYC family 26 (2026-11-30) one process at micro-batch 8 and at 4 already differ by 3.1e-5,
+    # and 2 processes differ from 1 by 1.2e-5. Pairs in another order (--seed 2) move every tensor by 4e-3 or more.
+    for key in one:
+        assert torch.allclose(one[key], two[key], atol=1e-4), key
     # Eval rows of both ranks come back in the split's order, with the same implicit rewards
     for name in ("eval_pairs_validation.csv", "eval_validation.csv"):
         a, b = pd.read_csv(out / name), pd.read_csv(resumed_run / name)
