@@ -251,7 +251,7 @@ def dpo_update(accelerator, model, ref_policy, optimizer, micro_batches: list, p
 def main() -> None:
     """The stage, top to bottom (run at the end of the file, once the plumbing below the fence is defined)."""
     # ---- args & sizes ----
-    args = tyro.cli(Args)
+    args = tyro.cli(Args, use_underscores=True)  # --help shows --flag_name as the docs write it; --flag-name works too
     accelerator = start_accelerator(args, dpo_flag_problems, "dpo.py")  # every flag is checked first
     # Detail 8: Tech stack
     # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.

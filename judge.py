@@ -294,7 +294,7 @@ def judged_rows(run: dict, cache: dict) -> list[dict]:
 
 def main() -> None:
     """The judge, top to bottom (run at the end of the file, once the plumbing below the fence is defined)."""
-    args = tyro.cli(Args)
+    args = tyro.cli(Args, use_underscores=True)  # --help shows --flag_name as the docs write it; --flag-name works too
     # 1. Flags, tables, the endpoint and the key: all checked before anything is written.
     tables, rows, endpoint, secrets = read_inputs(args)
 
@@ -394,7 +394,7 @@ def flag_problems(args: Args) -> list[str]:
         if not sep or ours not in labels or other not in labels:
             problems.append(f"--pairs {pair}: want OURS:OTHER, both labels of --tables {labels}")
     if not args.reference and not args.pairs:
-        problems.append("--no-reference without --pairs: nothing to compare; keep --reference or pass --pairs")
+        problems.append("--no_reference without --pairs: nothing to compare; keep --reference or pass --pairs")
     checks = [("n", args.n == -1 or args.n >= 1, "-1 (all rows) or >= 1"),
               ("temperature", 0 <= args.temperature <= 2, "a number in [0, 2]"),
               ("max_concurrency", args.max_concurrency >= 1, ">= 1"),

@@ -394,7 +394,7 @@ def ppo_epochs(accelerator, model, optimizer, args, batch: dict, context_length:
 def main() -> None:
     """The stage, top to bottom (run at the end of the file, once the plumbing below the fence is defined)."""
     # ---- args & sizes ----
-    args = tyro.cli(Args)
+    args = tyro.cli(Args, use_underscores=True)  # --help shows --flag_name as the docs write it; --flag-name works too
     accelerator = start_ppo_accelerator(args)  # every flag is checked first; sets the derived sizes
     # Detail 8: Tech stack
     # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.

@@ -292,7 +292,7 @@ def length_problem(flag: str, configured: int, maxima: dict, exact: bool) -> Opt
         return f"{where} reaches {computed} tokens > --{flag} {configured}, so data would be cut: pass --{flag} {computed}"
     if exact and computed != configured:
         return (f"--{flag} is {configured} but the longest is {computed} ({where}): pass --{flag} {computed}"
-                " (or --no-check_length_correctness to keep the flag)")
+                " (or --no_check_length_correctness to keep the flag)")
     return None
 
 
@@ -303,7 +303,7 @@ def policy_pair_counts(dataset_dict, splits: tuple) -> dict:
 
 def main() -> None:
     """The stage, top to bottom (run at the end of the file, once the plumbing below the fence is defined)."""
-    args = tyro.cli(Args)
+    args = tyro.cli(Args, use_underscores=True)  # --help shows --flag_name as the docs write it; --flag-name works too
     args.output_dir = args.output_dir or os.path.join("data", model_name(args.base_model), "tldr")
     problems = preprocess_flag_problems(args)  # every flag, before anything is loaded or written
     if problems:

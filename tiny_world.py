@@ -846,4 +846,4 @@ def build_base_model(args, tokenizer, corpus, model_dir):
 if __name__ == "__main__":
     import tyro
 
-    build_world(tyro.cli(Args))
+    build_world(tyro.cli(Args, use_underscores=True))  # --help shows --flag_name as the docs write it; --flag-name works too

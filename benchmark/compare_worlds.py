@@ -199,7 +199,7 @@ def plot_worlds(runs: list, path: str) -> None:
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = tyro.cli(Args, use_underscores=True)  # --help shows --flag_name as the docs write it; --flag-name works too
     runs = load_runs(args.models)
     table = "# The paper's findings on each world\n\n" + comparison_table(runs)
     if args.out:

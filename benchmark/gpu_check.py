@@ -60,7 +60,7 @@ STAGE_FLAGS = {
 LENGTHS = ["--query_length", "512", "--max_sft_response_length", "53", "--max_sft_query_response_length", "562",
            "--max_rm_response_length", "169", "--max_rm_query_response_length", "638", "--cnndm_query_length", "1919",
            "--cnndm_max_rm_response_length", "155", "--cnndm_max_rm_query_response_length", "2021",
-           "--no-check_length_correctness"]  # the paper's budgets; the tiny texts stay under them
+           "--no_check_length_correctness"]  # the paper's budgets; the tiny texts stay under them
 
 
 def pythia_like_tokenizer(folder: str) -> None:

@@ -16,7 +16,7 @@ is the truth:
   (Detail 22), whose outputs before the EOS were never trained (Detail 13): does the critic's start steer PPO's
   first updates? (`rm_diagnostics.py` measures that start: the first TD errors of the EOS token and the others.)
   The main job zeroes it too since 2026-11-28 (tiny.sh passes ppo.py's --zero_critic_head, and every run here
-  repeats the main job's flags); `--ppo_flags=--no-zero-critic-head` starts every run from the RM's head.
+  repeats the main job's flags); `--ppo_flags=--no_zero_critic_head` starts every run from the RM's head.
 
 Every run uses the main job's PPO settings (read from {models}/ppo_{seed}/args.json); only the number of
 updates and the output folders differ. This is a diagnostic, not RLHF: it reads the gold judge, which nothing on

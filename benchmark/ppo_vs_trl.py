@@ -124,7 +124,7 @@ def run_ours(args, workdir: str, index: int, fast: bool = True) -> tuple:
                "--num_minibatches", str(args.num_minibatches), "--num_ppo_epochs", str(args.num_ppo_epochs),
                "--response_length", str(args.response_length), "--temperature", str(args.temperature),
                "--kl_coef", str(args.kl_coef), "--lr", str(args.lr), "--num_eval_samples", "0",
-               "--length_groups", str(args.length_groups), "--fast_sampling" if fast else "--no-fast_sampling"]
+               "--length_groups", str(args.length_groups), "--fast_sampling" if fast else "--no_fast_sampling"]
     _, memory, update_peak, update_start = execute(command, workdir, args.updates)
     events = EventAccumulator(os.path.join(workdir, "runs", run_name))
     events.Reload()

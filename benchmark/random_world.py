@@ -21,11 +21,11 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 WORLD = os.path.join(ROOT, "assets", "tiny_world")
 SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024, vocab_size=4096)
 # Upper bounds on the responses (benchmark/tiny.sh's bounds for worlds of any seed): preprocess_tldr.py fails if
-# one would cut data, and --no-check_length_correctness lets them exceed the data's exact maxima.
+# one would cut data, and --no_check_length_correctness lets them exceed the data's exact maxima.
 Q128_LENGTHS = ["--query_length", "128", "--max_sft_response_length", "96", "--max_sft_query_response_length", "224",
                 "--max_rm_response_length", "96", "--max_rm_query_response_length", "224",
                 "--cnndm_query_length", "128", "--cnndm_max_rm_response_length", "96",
-                "--cnndm_max_rm_query_response_length", "224", "--no-check_length_correctness"]
+                "--cnndm_max_rm_query_response_length", "224", "--no_check_length_correctness"]
 
 
 def query128_data(python: str = sys.executable) -> str:

@@ -56,7 +56,7 @@ if [[ "$(realpath "$WORLD")" == "$(realpath assets/tiny_world)" ]]; then
 else
   LENGTHS=(--query_length 192 --max_sft_response_length 96 --max_sft_query_response_length 288
     --max_rm_response_length 96 --max_rm_query_response_length 288 --cnndm_query_length 192
-    --cnndm_max_rm_response_length 96 --cnndm_max_rm_query_response_length 288 --no-check-length-correctness)
+    --cnndm_max_rm_response_length 96 --cnndm_max_rm_query_response_length 288 --no_check_length_correctness)
 fi
 
 timed() {  # timed NAME COMMAND...: run a command, its seconds appended to $TIMINGS as NAME's

@@ -691,7 +691,7 @@ def section_token_view(art: dict) -> list:
     """Table 8: PPO's summaries token by token, their probabilities under SFT and PPO."""
     lines = ["", "## Table 8: what PPO changed, token by token", ""]
     if not art["tokens"]:
-        lines.append("not computed (no SFT or PPO model, or --no-tokens)")
+        lines.append("not computed (no SFT or PPO model, or --no_tokens)")
     else:
         lines += ["For validation posts where PPO's summary differs from SFT's: each token of PPO's summary with its "
                   "probability under SFT and under PPO (temperature 1). Rank = its rank under SFT: 1 unshifted, "
@@ -915,7 +915,7 @@ def plot_tokens(view: list, path: str) -> None:
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = tyro.cli(Args, use_underscores=True)  # --help shows --flag_name as the docs write it; --flag-name works too
     artifacts = load_artifacts(args.models, args.seed, args.world, args.runs_dir)
     if args.tokens:
         artifacts["tokens"] = compute_token_view(args.models, args.seed)

@@ -52,7 +52,7 @@ def test_query128_response_bounds_hold_the_committed_worlds_responses():
                            ("max_rm_query_response_length", "max_rm_response_length"),
                            ("cnndm_max_rm_query_response_length", "cnndm_max_rm_response_length")):
         assert int(bounds[f"--{flag}"]) >= 128 + int(exact[response]), flag
-    assert "--no-check_length_correctness" in random_world.Q128_LENGTHS
+    assert "--no_check_length_correctness" in random_world.Q128_LENGTHS
 
 
 def made_up_measurements(fast_training: float) -> tuple:

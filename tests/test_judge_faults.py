@@ -87,7 +87,7 @@ def test_flag_problems_name_every_bad_flag(tmp_path):
         assert len(problems) == 1 and problems[0].startswith(start) and "KEY-123456" not in problems[0], problems
     problems = judge.flag_problems(dataclasses.replace(good, tables=("t=missing.csv", "no label")))
     assert problems[0] == "--tables t=missing.csv: no file missing.csv" and problems[1].startswith("--tables entry")
-    assert judge.flag_problems(dataclasses.replace(good, reference=False))[0].startswith("--no-reference")
+    assert judge.flag_problems(dataclasses.replace(good, reference=False))[0].startswith("--no_reference")
 
 
 def test_call_with_retries_counts_abandoned_calls():

@@ -53,7 +53,7 @@ def bash(*args, env=None, timeout=60):
 
 
 def help_flags(text: str) -> set:
-    """Flag names (underscored) of a tyro --help text: the option rows `│ --a-b X`, `│ --c, --no-c`."""
+    """Flag names (underscored) of a tyro --help text: the option rows `│ --a_b X`, `│ --c, --no_c` (or dashed)."""
     flags = set()
     for line in text.splitlines():
         row = re.match(r"^[│|]\s+(--[\w-]+(?:,\s*--[\w-]+)*)", line)

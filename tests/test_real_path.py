@@ -292,7 +292,7 @@ def preprocess(cwd, source, base_model, *flags):
     return run_python([sys.executable, str(REPO / "preprocess_tldr.py"), "--base_model", str(base_model),
                        "--sft_dataset", str(source / "tldr_3_filtered"),
                        "--preference_dataset", str(source / "summarize_from_feedback"),
-                       *tiny_lengths(), "--no-check_length_correctness", *flags], cwd=cwd, timeout=600)
+                       *tiny_lengths(), "--no_check_length_correctness", *flags], cwd=cwd, timeout=600)
 
 
 def stage(cwd, script, *flags, processes=1, bf16=False, check=True):

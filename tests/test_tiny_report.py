@@ -276,7 +276,7 @@ def test_report_has_every_finding_and_the_figure(tmp_path):
     make_run(models, runs, with_dpo=True)
     write(world / "world.json", {"noise_ceiling": {"validation": 0.8355, "validation_cnndm": 0.8427}})
     result = run_python([sys.executable, str(REPO / "benchmark" / "tiny_report.py"), "--models", str(models),
-                         "--seed", "3", "--world", str(world), "--runs_dir", str(runs), "--no-tokens"], timeout=300)
+                         "--seed", "3", "--world", str(world), "--runs_dir", str(runs), "--no_tokens"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = (models / "report.md").read_text()
     assert report in result.stdout
