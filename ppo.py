@@ -1348,12 +1348,12 @@ def ppo_tokenizer(args, accelerator, local_dataset: bool) -> tuple:
 
 
 def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bool:
-    """Refuse pad == EOS, add [PAD] where there is no pad, refuse ids other than `data_ids`; True if added."""
-    # A tokenizer without any pad (Pythia) gets the [PAD] that preprocess_tldr.py added, so the ids agree.
-    # A pad that IS the EOS is refused: every mask `ids != pad` would hide the EOS, and no model would learn to stop.
+    """Refuse pad == EOS, make [PAD] the pad (add_pad_token), refuse ids other than `data_ids`; True if it changed."""
+    # The SFT model's tokenizer gets (or has) the [PAD] that preprocess_tldr.py added, so the ids agree. A pad that
+    # IS the EOS is refused: it marks a model trained by a recipe whose masks `ids != pad` hid the EOS too.
     if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise SetupError(f"the tokenizer's pad token {tokenizer.pad_token!r} is its EOS token: "
-                         "give it a distinct pad token, or none (then [PAD] is added)")
+                         "a model trained with EOS as its pad never learned to stop; use one whose tokenizer pads otherwise")
     added = add_pad_token(tokenizer)
     ours = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     if data_ids is not None and data_ids != ours:
@@ -1425,8 +1425,10 @@ def load_tokenizer(path: str, flag: str):
 
 
 def add_pad_token(tokenizer) -> bool:
-    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
-    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+    """Make [PAD] the pad token of `tokenizer`, whatever pad it came with (none, EOS or another); True if it changed."""
+    # As the reference: transformers 5 loads Pythia's tokenizer with the pad "<|padding|>" (id 1; none under
+    # 4.x), and [PAD] (id 50277) is the pad of the reference's datasets and checkpoints under either version.
+    if tokenizer.pad_token == "[PAD]":
         return False
     tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     return True

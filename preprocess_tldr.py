@@ -129,8 +129,10 @@ class SetupError(ValueError):
 
 
 def add_pad_token(tokenizer) -> bool:
-    """Give `tokenizer` a [PAD] token unless it has a pad token distinct from EOS; True if added."""
-    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+    """Make [PAD] the pad token of `tokenizer`, whatever pad it came with (none, EOS or another); True if it changed."""
+    # As the reference: transformers 5 loads Pythia's tokenizer with the pad "<|padding|>" (id 1; none under
+    # 4.x), and [PAD] (id 50277) is the pad of the reference's datasets and checkpoints under either version.
+    if tokenizer.pad_token == "[PAD]":
         return False
     tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     return True
@@ -313,9 +315,10 @@ def main() -> None:
     tokenizer = load_base_tokenizer(args.base_model)
     assert tokenizer.eos_token is not None, f"{args.base_model}: the tokenizer has no EOS token"
     # Detail 3: Leading space, EOS at the end, a distinct [PAD]
-    # Pythia has no pad token, and the common fix pad = eos would make every loss and attention
-    # mask that ignores pads ignore the EOS too: the SFT model would never learn to stop. A new
-    # [PAD] gets the next free id (50277 for Pythia, inside its 50304-row embedding).
+    # Pythia's tokenizer has no pad token of its own (transformers 5 fills in "<|padding|>", id 1), and
+    # the common fix pad = eos would make every loss and attention mask that ignores pads ignore the
+    # EOS too: the SFT model would never learn to stop. [PAD] gets the next free id, as in the
+    # reference (50277 for Pythia, inside its 50304-row embedding), whatever pad the tokenizer had.
     if add_pad_token(tokenizer):
         print(f"added the pad token {tokenizer.pad_token!r} (id {tokenizer.pad_token_id}) to {args.base_model}")
     pad_id, eos_text = tokenizer.pad_token_id, tokenizer.eos_token

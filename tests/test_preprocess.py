@@ -140,6 +140,16 @@ def test_eos_and_pad_distinct():
     assert pre.add_pad_token(tokenizer) is False  # a distinct pad stays as it is
 
 
+def test_another_pad_is_replaced_by_pad():
+    # transformers 5 loads Pythia's tokenizer with the pad <|padding|> (id 1); the reference's ids have [PAD] at the end
+    tokenizer = make_pythia_like_tokenizer()
+    tokenizer.pad_token = "<|padding|>"
+    assert tokenizer.pad_token_id == 1
+    assert pre.add_pad_token(tokenizer) is True
+    assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == len(tokenizer) - 1
+    assert tokenizer.convert_ids_to_tokens(1) == "<|padding|>"  # kept as a token, no longer the pad
+
+
 def test_pad_equal_to_eos_is_replaced():
     tokenizer = make_tokenizer(pad_token=EOS)
     assert tokenizer.pad_token_id == tokenizer.eos_token_id

@@ -1,5 +1,6 @@
 """The path users run first, seen on CPU: Pythia from the Hub (fp16 weights, an embedding with more
-rows than the tokenizer has tokens, no pad token), bf16, DeepSpeed, and stages that chain by their
+rows than the tokenizer has tokens, no pad token in its files but the pad `<|padding|>` that transformers 5
+gives its tokenizer class), bf16, DeepSpeed, and stages that chain by their
 default paths.
 
 A "Pythia-like" model is made on the fly from the tiny world's pythia-tiny with exactly these
@@ -40,8 +41,9 @@ NAME = "pythia-like"  # the fixture's folder name: default paths go to data/pyth
 
 
 def make_pythia_like(folder):
-    """pythia-tiny as the Hub ships Pythia: fp16 weights; `<|padding|>` at id 1 and no pad token, so the
-    [PAD] the stages add lands at len(tokenizer); an embedding with rows no token owns."""
+    """pythia-tiny as the Hub ships Pythia: fp16 weights; `<|padding|>` at id 1 and no pad token in its files, read
+    by the class Pythia's config names (GPTNeoXTokenizer, which transformers 5 gives the pad `<|padding|>`), so
+    the [PAD] the stages add lands at len(tokenizer); an embedding with rows no token owns."""
     model = AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny", dtype=torch.float32)
     tokenizer_json = json.loads((WORLD / "pythia-tiny" / "tokenizer.json").read_text())
     for token in tokenizer_json["added_tokens"]:
@@ -53,7 +55,8 @@ def make_pythia_like(folder):
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json))
     config = json.loads((WORLD / "pythia-tiny" / "tokenizer_config.json").read_text())
     config.pop("pad_token")
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    config.pop("backend")  # Pythia's tokenizer_config.json names its class and no backend
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPTNeoXTokenizer"}))
     tokens = len(AutoTokenizer.from_pretrained(folder))
     if model.config.vocab_size < tokens + 8:  # Pythia: 50304 rows for 50277 tokens
         model.resize_token_embeddings(64 * (tokens // 64 + 2))
@@ -70,7 +73,10 @@ def pythia_like(tmp_path_factory):
 
 def test_pythia_like_has_pythias_traits(pythia_like):
     tokenizer = AutoTokenizer.from_pretrained(pythia_like)
-    assert tokenizer.pad_token is None and tokenizer.convert_ids_to_tokens(1) == "<|padding|>"
+    assert "pad_token" not in json.loads((pythia_like / "tokenizer_config.json").read_text())
+    # transformers 5 reads Pythia's files with the pad `<|padding|>` (under 4.x: none); the stages replace it by [PAD]
+    assert type(tokenizer).__name__ == "GPTNeoXTokenizer" and (tokenizer.pad_token, tokenizer.pad_token_id) == (
+        "<|padding|>", 1)
     with safe_open(str(pythia_like / "model.safetensors"), "pt") as file:
         assert {file.get_tensor(key).dtype for key in file.keys()} == {torch.float16}
     assert AutoModelForCausalLM.from_pretrained(pythia_like).dtype == torch.float16  # transformers 5: the saved dtype
