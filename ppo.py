@@ -399,10 +399,12 @@ def main() -> None:
     # Detail 8: Tech stack
     # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
     # One optimizer step per minibatch, accumulated over its micro-batches.
-    # DeepSpeed is told the micro-batch (it reads no DataLoader here) and no clipping (the paper's runs do not clip).
+    # DeepSpeed is told the micro-batch (it reads no DataLoader here) and no clipping (the paper's runs do not clip),
+    # and the accumulation: a number in the accelerate config (`accelerate config` writes 1) would otherwise win.
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
     if accelerator.state.deepspeed_plugin is not None:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
             train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
     # Logits are divided by T + 1e-7, as in the reference code, whose epsilon guards against T = 0.
     # One divisor for sampling, reference and training: their log-probs come from the same scaled logits.

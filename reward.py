@@ -338,9 +338,11 @@ def main() -> None:
     # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
     # The script names the accumulation and the micro-batch (DeepSpeed cannot read them from a
     # DataLoader here) and turns off gradient clipping (accelerate fills in 1.0; the paper does not clip).
+    # An accumulation in the accelerate config (`accelerate config` writes 1) would otherwise win.
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
     if accelerator.state.deepspeed_plugin is not None:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
             train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
 
     # ---- data and tokenizer: every bad input fails here, before a model is loaded or anything is written ----

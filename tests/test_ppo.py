@@ -905,9 +905,10 @@ def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
     assert all(abs(e.value - 1) < 1e-4 for e in events.Scalars("policy/ratio_first_epoch"))
 
 
-def run_deepspeed_ppo(tiny_tldr, tmp_path, name, *extra, env=None):
-    """ppo.py as the paper launches it, on 2 CPU processes of DeepSpeed ZeRO-2 (fp32), one update of 16 episodes
-    from the tiny base and tmp_path/rm, into tmp_path/name (its run: tmp_path/runs/name)."""
+def run_deepspeed_ppo(tiny_tldr, tmp_path, name, *extra, env=None,
+                      config=REPO / "benchmark/accelerate/deepspeed_zero2.yaml"):
+    """ppo.py as the paper launches it (accelerate `config`), on 2 CPU processes of DeepSpeed ZeRO-2 (fp32), one
+    update of 16 episodes from the tiny base and tmp_path/rm, into tmp_path/name (its run: tmp_path/runs/name)."""
     import socket
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
@@ -916,7 +917,7 @@ def run_deepspeed_ppo(tiny_tldr, tmp_path, name, *extra, env=None):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "benchmark/accelerate/deepspeed_zero2.yaml"), "--num_processes", "2", "--mixed_precision", "no",
+           str(config), "--num_processes", "2", "--mixed_precision", "no",
            "--main_process_port", str(port), str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"),
            "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
            "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / name), "--run_name", name,
@@ -953,6 +954,27 @@ def test_compiled_training_under_deepspeed_matches_eager(tiny_tldr, tmp_path):
     start = load_file(str(WORLD / "pythia-tiny" / "model.safetensors"))
     moved = max((eager[k] - start[k]).abs().max().item() for k in eager)
     apart = max((eager[k] - compiled[k]).abs().max().item() for k in eager)
+    assert moved > 1e-4 and apart < 0.01 * moved, (moved, apart)
+
+
+def test_deepspeed_keeps_the_scripts_accumulation_over_the_configs(tiny_tldr, tmp_path):
+    """An accelerate config that names an accumulation (`accelerate config` writes 1) leaves the update as it is:
+    ppo.py accumulates its 2 micro-batches a rank into one optimizer step, and ends where the shipped config does
+    (accelerate would take the config's 1 over the script's and step after every micro-batch: 2 steps, not 1)."""
+    import yaml
+    from safetensors.torch import load_file
+
+    config = yaml.safe_load((REPO / "benchmark/accelerate/deepspeed_zero2.yaml").read_text())
+    config["deepspeed_config"]["gradient_accumulation_steps"] = 1
+    (tmp_path / "accumulation_1.yaml").write_text(yaml.safe_dump(config))
+    make_reward_model(tmp_path / "rm")
+    run_deepspeed_ppo(tiny_tldr, tmp_path, "shipped", "--num_eval_samples", "0")
+    run_deepspeed_ppo(tiny_tldr, tmp_path, "accumulation_1", "--num_eval_samples", "0",
+                      config=tmp_path / "accumulation_1.yaml")
+    shipped, other = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("shipped", "accumulation_1"))
+    start = load_file(str(WORLD / "pythia-tiny" / "model.safetensors"))
+    moved = max((shipped[k] - start[k]).abs().max().item() for k in shipped)
+    apart = max((shipped[k] - other[k]).abs().max().item() for k in shipped)
     assert moved > 1e-4 and apart < 0.01 * moved, (moved, apart)
 
 
