@@ -499,7 +499,8 @@ def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:
     # Pythia's embedding has 50304 rows for 50277 tokens, and the [PAD] we add is 50277: a sampled
     # [PAD] in mid-summary would move the EOS the reward is read at, and an unowned row decodes to
     # nothing. Their logits are masked wherever the policy samples (a departure from the reference).
-    return sorted({tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)})
+    # A [PAD] past the table (a model without spare rows) has no logit: it cannot be sampled, nor masked.
+    return sorted(i for i in {tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)} if i < vocab_rows)
 
 
 def first_true_indices(bools: torch.Tensor) -> torch.Tensor:

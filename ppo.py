@@ -336,7 +336,7 @@ def rollout(args, policy, ref_policy, critic, reward_model, queries: torch.Tenso
         generation_time += time.time() - tick
         # The reference's log-probs of the untruncated response, at the same temperature, on the policy's support.
         ref_logits = response_logits(ref_policy, query_response, pad_token_id, context_length)  # (b, T_resp, V)
-        out["ref_logprobs"].append(gather_logprobs(mask_logits(ref_logits / temperature, unsampled), response))
+        out["ref_logprobs"].append(gather_logprobs(scaled_logits(ref_logits, temperature, unsampled), response))
         del ref_logits
         out["values"].append(get_values(critic, query_response, pad_token_id, context_length).float())
         # Detail 14: Left- vs right-padded reward extraction
@@ -367,7 +367,7 @@ def ppo_epochs(accelerator, model, optimizer, args, batch: dict, context_length:
                     # (micro, n, V), (micro, n): the first n columns of logits[:, context_length - 1 : -1] and values
                     logits, vpred = response_logits_and_values_by_length(model, batch["query_responses"][mb],
                                                                          pad_token_id, context_length, n, args.length_groups)
-                    logits = mask_logits(logits / temperature, unsampled)  # as sampled: same T, same support
+                    logits = scaled_logits(logits, temperature, unsampled)  # as sampled: same T, same support
                     # Back to (micro, T_resp): the masked positions take the rollout's values (ratio 1, no loss).
                     new_logprobs = torch.cat((gather_logprobs(logits, responses[mb, :n]), logprobs[mb, n:]), 1)
                     vpred = torch.cat((vpred.float(), values[mb, n:]), 1)
@@ -815,7 +815,7 @@ def sample_rollout(model, queries: torch.Tensor, pad_token_id: int, eos_token_id
 
 def sampling_distribution(logits: torch.Tensor, temperature: float, unsampled: torch.Tensor) -> tuple:
     """(B, V) next-token logits -> ((B, V) scores = logits / T with the `unsampled` ids masked, (B, V) probabilities drawn from)."""
-    score = mask_logits(logits.float() / temperature, unsampled)
+    score = scaled_logits(logits, temperature, unsampled)
     probs = F.softmax(score, dim=-1)
     # Weights blown up by a too large step give nan / inf logits, on which multinomial raises (on one rank only).
     # Such a row draws uniformly from the sampled ids instead, and its log-probs stay non-finite.
@@ -985,6 +985,14 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
+def scaled_logits(logits: torch.Tensor, temperature: float, unsampled: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits -> mask_logits(logits.float() / temperature, unsampled): what sampling draws from, and what the
+    behaviour, reference and trained log-probs are read from."""
+    # fp32 before the division, whatever the model's dtype: bf16 logits (DeepSpeed) divided in bf16 would round
+    # the reference's and the trained policy's log-probs once more than the sampler's.
+    return mask_logits(logits.float() / temperature, unsampled)
+
+
 def mask_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """(..., V) logits -> the same with the columns `token_ids` at the dtype's lowest value (probability 0)."""
     # The lowest finite value, not -inf: softmax gives exactly 0 there and entropy's p * logit stays 0, not NaN.
@@ -996,7 +1004,8 @@ def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:
     # Pythia's embedding has 50304 rows for 50277 tokens, and the [PAD] we add is 50277: a sampled
     # [PAD] in mid-summary would move the EOS the reward is read at, and an unowned row decodes to
     # nothing. Their logits are masked wherever the policy samples (a departure from the reference).
-    return sorted({tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)})
+    # A [PAD] past the table (a model without spare rows) has no logit: it cannot be sampled, nor masked.
+    return sorted(i for i in {tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)} if i < vocab_rows)
 
 
 def first_true_indices(bools: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python, t
 import reward
 from ppo import (PolicyAndValueWrapper, cast_parameters, disable_dropout, eval_batches, gpu_problem,
                  last_hidden_states, load_fp32, mask_logits, model_name, response_masks, response_window,
-                 rotary_problem, sample_rollout, trained_width, unsampled_token_ids)
+                 rotary_problem, sample_rollout, sampling_distribution, scaled_logits, trained_width,
+                 unsampled_token_ids)
 from sft import generate  # HF generate, as sft.py's and dpo.py's evaluations call it
 
 EOS = 0
@@ -136,6 +137,19 @@ def test_rotary_frequencies_stay_fp32_when_parameters_go_bf16():
     assert (565 * (inv_freq_1b - inv_freq_1b.bfloat16().float())).abs().max() > 0.1
 
 
+def test_log_probs_of_bf16_logits_are_read_in_fp32():
+    """Under DeepSpeed the reference's and the trained policy's logits are bf16: they are divided by T in fp32, as the
+    sampler's are, so the three log-probs of the same logits agree exactly (a bf16 division would round twice)."""
+    torch.manual_seed(0)
+    logits = (torch.randn(4, 8, 300) * 8).to(torch.bfloat16)  # Pythia's logits reach 10-30
+    unsampled, temperature = torch.tensor([1, 299]), 0.7 + 1e-7
+    scaled = scaled_logits(logits, temperature, unsampled)
+    assert scaled.dtype == torch.float32 and torch.equal(scaled, mask_logits(logits.float() / temperature, unsampled))
+    assert torch.equal(sampling_distribution(logits, temperature, unsampled)[0], scaled)  # the sampler's scores
+    in_bf16 = mask_logits(logits / temperature, unsampled).float()
+    assert (in_bf16 != scaled).float().mean() > 0.5  # what the reference's and the trained log-probs used to read
+
+
 def test_unsampled_ids_are_pad_and_unowned_rows():
     class Tokenizer:  # Pythia's numbers: 50277 tokens, [PAD] added as 50277, 50304 embedding rows
         pad_token_id = 50277
@@ -144,6 +158,7 @@ def test_unsampled_ids_are_pad_and_unowned_rows():
             return 50278
 
     assert unsampled_token_ids(Tokenizer(), 50304) == list(range(50277, 50304))
+    assert unsampled_token_ids(Tokenizer(), 50277) == []  # no spare rows: [PAD] lies past the logits, nothing to mask
     logits = torch.zeros(2, 3, 6)
     masked = mask_logits(logits, torch.tensor([1, 5]))
     assert (masked[..., [1, 5]] == torch.finfo(torch.float32).min).all() and (masked[..., [0, 2, 3, 4]] == 0).all()
