@@ -528,6 +528,8 @@ def main() -> None:
                  "objective/rlhf_reward": scores.mean() + mean_non_score, "objective/response_length": valid.sum(1).mean(),
                  "objective/eos_fraction": contains_eos.float().mean(), **ppo_stats}
         means = {key: value.item() for key, value in accelerator.reduce(stats, reduction="mean").items()}
+        deviation = accelerator.gather(ppo_stats["policy/ratio_first_epoch_max_deviation"].reshape(1))  # (world,)
+        means["policy/ratio_first_epoch_max_deviation"] = deviation.max().item()  # the largest on any rank
         episode = (update + 1) * args.batch_size
         timings = {"time/generation": generation_time, "time/scoring": scoring_time, "time/training": training_time,
                    "time/episodes_per_second": (episode - start_update * args.batch_size) / (time.time() - start_clock)}
@@ -1269,7 +1271,8 @@ def start_ppo_accelerator(args) -> Accelerator:
     # DeepSpeed without GPUs (a CPU rehearsal of the ZeRO-2 launch) needs the gloo backend, not nccl.
     deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
-    problems = ppo_flag_problems(args, accelerator.num_processes)
+    problems = ppo_flag_problems(args, accelerator.num_processes) + [
+        problem for problem in [zero3_problem(accelerator.state.deepspeed_plugin)] if problem]
     if args.compile_training and accelerator.device.type == "cpu" and accelerator.mixed_precision == "bf16":
         # Inductor's C++ code for the layers' bf16 backward fails to build (torch 2.13, dynamic shapes).
         problems.append("--compile_training with bf16 on a CPU: torch's compiler cannot build the layers' bf16 "
@@ -1283,6 +1286,18 @@ def start_ppo_accelerator(args) -> Accelerator:
     args.gradient_accumulation_steps, args.micro_batch_size = sizes["gradient_accumulation_steps"], sizes["micro_batch_size"]
     args.num_updates = args.total_episodes // args.batch_size
     return accelerator
+
+
+def zero3_problem(deepspeed_plugin) -> Optional[str]:
+    """Why a DeepSpeed launch at ZeRO stage 3 cannot train here; None for no DeepSpeed or stages 0-2."""
+    # ZeRO-3 gathers each layer's weights in every forward, with every rank taking part; sampling stops on
+    # each rank once its own rows have ended, so the ranks would wait on each other forever. (--offload
+    # runs the frozen models as ZeRO-3 engines that never sample: they are fine.)
+    if deepspeed_plugin is None or deepspeed_plugin.zero_stage != 3:
+        return None
+    return ("DeepSpeed ZeRO stage 3 for the trained policy and critic: each rank's sampling stops at its own rows' "
+            "last EOS, and ZeRO-3 needs every rank in every forward, so the ranks would hang. Use ZeRO-2, the paper's "
+            "(benchmark/accelerate/deepspeed_zero2.yaml), and --offload for the frozen models of 6.9B")
 
 
 def ppo_inputs(args, accelerator) -> tuple:

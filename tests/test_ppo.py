@@ -978,6 +978,18 @@ def test_deepspeed_keeps_the_scripts_accumulation_over_the_configs(tiny_tldr, tm
     assert moved > 1e-4 and apart < 0.01 * moved, (moved, apart)
 
 
+def test_zero_stage_3_is_refused_for_the_trained_models():
+    """ZeRO-3 would hang the ranks in sampling (each stops at its own last EOS); stages 0-2 and no DeepSpeed start."""
+    from types import SimpleNamespace
+
+    from ppo import zero3_problem
+
+    assert zero3_problem(None) is None
+    assert all(zero3_problem(SimpleNamespace(zero_stage=stage)) is None for stage in (0, 1, 2))
+    problem = zero3_problem(SimpleNamespace(zero_stage=3))
+    assert "ZeRO stage 3" in problem and "would hang" in problem and "deepspeed_zero2.yaml" in problem
+
+
 def test_compiled_training_is_refused_in_bf16_on_a_cpu(tmp_path):
     """Inductor cannot build the layers' bf16 backward for a CPU (torch 2.13): a bf16 launch with --compile_training
     on a CPU stops before loading anything, naming the flag."""
