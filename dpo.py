@@ -1173,7 +1173,7 @@ def save_checkpoint(accelerator, folder: str, update: int, run_name: str, model,
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         # JSON, not pickle: the scheduler's state_dict and the counters are plain numbers.
-        state = {"update": update, "run_name": run_name, "accelerator_step": accelerator.step,
+        state = {"update": update, "run_name": run_name,
                  "scheduler": scheduler.state_dict() if scheduler is not None else None,
                  "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None}
         with open(os.path.join(partial, "trainer_state.json"), "w") as file:
@@ -1235,7 +1235,9 @@ def load_checkpoint(accelerator, path: str, model, optimizer, scheduler) -> dict
         scheduler.load_state_dict(state["scheduler"])
     if accelerator.scaler is not None and state["scaler"] is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
-    accelerator.step = state["accelerator_step"]  # where accumulate() is within an update: 0 mod the accumulation
+    # A checkpoint ends an update, so accumulate() starts the next one afresh, whatever the accumulation is now
+    # (a resume on another number of processes accumulates over another number of micro-batches).
+    accelerator.step = 0
     if not load_rng_state(os.path.join(path, f"rng_state_{accelerator.process_index}")):
         print(f"note: {path} has no RNG state of rank {accelerator.process_index} (saved by fewer processes); "
               "this rank keeps its seeded one")

@@ -366,6 +366,17 @@ def test_resume_matches_uninterrupted(single_run, tiny_tldr, tmp_path):
     assert max_difference(weights(tmp_path / "out"), weights(single_run[0])) < RESUME_TOLERANCE
 
 
+def test_resume_on_another_number_of_processes_matches_uninterrupted(single_run, tiny_tldr, tmp_path):
+    """Update 1 on 2 processes (1 micro-batch each), updates 2-4 resumed on one (2 micro-batches): each update is still
+    one optimizer step over its 8 rows (a step counter carried over from 2 processes stepped mid-update, after 1 of 2)."""
+    flags = [*TINY_RUN, "--query_dataset", tiny_tldr / "sft", "--output_dir", tmp_path / "out", "--save_every", "1"]
+    run_sft(tmp_path, *flags, "--stop_after_updates", "1", processes=2)
+    result = run_sft(tmp_path, *flags, "--resume")
+    assert "at update 1" in result.stdout
+    assert json.loads((tmp_path / "out" / "args.json").read_text())["gradient_accumulation_steps"] == 2
+    assert max_difference(weights(tmp_path / "out"), weights(single_run[0])) < PROCESS_TOLERANCE
+
+
 def test_deepspeed_zero2_matches_one_process(single_run, tiny_tldr, tmp_path):
     # The paper's launcher config on 2 CPU processes (fp32: bf16 is for GPUs). DeepSpeed reads the
     # micro-batch and the accumulation from the script and must not clip gradients (accelerate
