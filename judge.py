@@ -224,9 +224,9 @@ def rm_agreement(preferred: list[str], ours_scores: list, other_scores: list) ->
     # Detail 17: Agreement with an LLM judge
     # The RM "prefers ours" iff score > other score (strict, as the reference's eval/analyze_rm.py:
     # an RM tie agrees with nobody). Malformed verdicts, gold ties and rows without scores do not count.
-    pairs = [(p == "ours", s > o) for p, s, o in zip(preferred, ours_scores, other_scores)
+    agree = [s > o if p == "ours" else s < o for p, s, o in zip(preferred, ours_scores, other_scores)
              if p not in ("malformed", "tie", "unjudged") and s is not None and o is not None]
-    return (sum(judge == rm for judge, rm in pairs) / len(pairs) if pairs else None), len(pairs)
+    return (sum(agree) / len(agree) if agree else None), len(agree)
 
 
 def summarize(rows: list[dict], other_name: str) -> dict:

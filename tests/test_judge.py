@@ -103,6 +103,7 @@ def test_rm_agreement_by_hand():
     # decided with both scores: rows 0 (agree), 1 (no), 2 (agree), 3 (no), 7 (RM tie: agrees with nobody)
     assert judge.rm_agreement(preferred, ours, other) == (pytest.approx(2 / 5), 5)
     assert judge.rm_agreement(["ours"], [None], [None]) == (None, 0)
+    assert judge.rm_agreement(["reference", "ours"], [1.0, 1.0], [1.0, 1.0]) == (0.0, 2)  # a tie agrees with no side
 
 
 def test_length_curve_by_hand():
