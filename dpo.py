@@ -91,7 +91,7 @@ class Args:
     seed: int = 1
     """Seed of the data order and eval sampling (paper: 44413 55513 66613 77713)"""
     run_name: Optional[str] = None
-    """Run name for runs/ and W&B (None: {exp_name}__{seed}__{unix time}; a resumed run keeps its own)"""
+    """Run name for runs/ and W&B (None: {exp_name}__{base model}__{seed}__{unix time}; a resumed run keeps its own)"""
     track: bool = False
     """Also log to Weights & Biases (off: nothing networked)"""
     wandb_project_name: str = "tldr_summarize"
@@ -1078,7 +1078,9 @@ def start_logging(args, accelerator, resume_from: Optional[tuple], recorded: dic
         run_name = args.run_name or load_json(os.path.join(resume_from[1], "trainer_state.json"))["run_name"]
     else:
         start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
-        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
+        # The model's name too: a sweep's array starts its sizes at once, and their runs/ folders must differ.
+        model = os.path.basename(recorded["base_model_name"])
+        run_name = args.run_name or f"{args.exp_name}__{model}__{args.seed}__{start_time}"
     writer = None
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)

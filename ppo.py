@@ -85,7 +85,7 @@ class Args:
     seed: int = 1
     """Seed of the prompt order, sampling and minibatch shuffles (paper: 44413 55513 66613 77713)"""
     run_name: Optional[str] = None
-    """Run name for runs/ and W&B (None: {exp_name}__{seed}__{unix time}; a resumed run keeps its own)"""
+    """Run name for runs/ and W&B (None: {exp_name}__{base model}__{seed}__{unix time}; a resumed run keeps its own)"""
     track: bool = False
     """Also log to Weights & Biases (off: nothing networked)"""
     wandb_project_name: str = "tldr_summarize"
@@ -1571,7 +1571,9 @@ def frozen_like_trained(accelerator, offload: bool, model, ref_policy, reward_mo
 def start_ppo_logging(args, accelerator, resume_from: Optional[tuple], recorded: dict) -> tuple:
     """(run name, rank 0's SummaryWriter or None); rank 0 writes args.json (flags, `recorded`, git commit) and starts W&B."""
     start_time = broadcast_object_list([int(time.time())])[0]  # rank 0's clock: one name for all ranks
-    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
+    # The model's name too: a sweep's array starts its sizes at once, and their runs/ folders must differ.
+    model = os.path.basename(recorded["base_model_name"])
+    run_name = args.run_name or f"{args.exp_name}__{model}__{args.seed}__{start_time}"
     if resume_from is not None and args.run_name is None:  # a resumed run logs on into its own folder
         run_name = load_json(os.path.join(resume_from[1], "trainer_state.json"))["run_name"]
     writer = None

@@ -75,7 +75,7 @@ class Args:
     seed: int = 1
     """Seed of the data order, the initial RNG states and eval sampling (paper: 44413 55513 66613 77713)"""
     run_name: Optional[str] = None
-    """Run name for runs/ and W&B (None: {exp_name}__{seed}__{unix time}; a resumed run keeps its own)"""
+    """Run name for runs/ and W&B (None: {exp_name}__{base model}__{seed}__{unix time}; a resumed run keeps its own)"""
     track: bool = False
     """Also log to Weights & Biases (off: nothing networked)"""
     wandb_project_name: str = "tldr_summarize"
@@ -802,7 +802,9 @@ def start_sft_logging(args, accelerator, resume_from: Optional[tuple], recorded:
     """(run name, rank 0's SummaryWriter or None); rank 0 writes args.json (flags, `recorded`, git commit) and starts W&B."""
     # Rank 0's clock gives every rank the same name (and the broadcast waits until all passed the checks).
     start_time = broadcast_object_list([int(time.time())])[0]
-    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{start_time}"
+    # The model's name too: a sweep's array starts its sizes at once, and their runs/ folders must differ.
+    model = os.path.basename(recorded["base_model_name"])
+    run_name = args.run_name or f"{args.exp_name}__{model}__{args.seed}__{start_time}"
     if resume_from is not None and args.run_name is None:  # a resumed run logs on into its own folder
         run_name = load_json(os.path.join(resume_from[1], "trainer_state.json"))["run_name"]
     writer = None

@@ -9,6 +9,7 @@ validation queries with 8 sampled tokens. Each runs in its own working directory
 
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -339,6 +340,7 @@ def test_smoke_run_saves_a_loadable_model(single_run):
     assert set(metrics) == {"loss", "rouge1", "rouge2", "rougeL"} and 0 < metrics["rougeL"] < 1
     assert not (out / "checkpoints").exists()  # removed once the run has finished
     assert list((cwd / "runs" / args["run_name"]).glob("events.out.tfevents.*"))
+    assert re.fullmatch(r"sft__pythia-tiny__1__\d+", args["run_name"])  # the model's name keeps a sweep's sizes apart
 
 
 def test_two_processes_match_one(single_run, tiny_tldr, tmp_path):
