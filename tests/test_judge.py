@@ -480,8 +480,9 @@ def test_gold_judge_tables_and_pairs(tmp_path):
             post = row["query"].strip()
             ours, theirs = tiny_world.gold_score(post, row["response"].strip()), tiny_world.gold_score(post, other)
             win, loss, tie = win + (ours > theirs), loss + (ours < theirs), tie + (ours == theirs)
-            if ours != theirs:
-                agree += (float(row["score"]) > float(row["reference_score"])) == (ours > theirs)
+            if ours != theirs:  # the RM agrees when it ranks the gold judge's winner higher (an RM tie: never)
+                rm_ours, rm_theirs = float(row["score"]), float(row["reference_score"])
+                agree += rm_ours > rm_theirs if ours > theirs else rm_ours < rm_theirs
         return win, loss, tie, agree
 
     for label, rows in tables.items():
