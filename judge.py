@@ -93,8 +93,9 @@ class Args:
     base_url: Optional[str] = None
     """OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (None: $OPENAI_BASE_URL, else api.openai.com);
     credentials in it (user:password@, ?key=) are sent but written nowhere"""
-    temperature: float = 0.0
-    """Judge sampling temperature, fixed and recorded (the reference set none: the API default 1.0)"""
+    temperature: float = 1.0
+    """Judge sampling temperature, recorded and part of the cache key (paper: 1.0, the API default, as the reference
+    set none; a greedy judge, 0, pushes win rates away from 0.5)"""
     seed: int = 1
     """Seed of the per-row A/B order draw (same seed: same order, so a rerun hits the cache)"""
 
