@@ -184,8 +184,8 @@ def test_sweep_covers_models_x_seeds_in_deterministic_folders(stage, dry_runs):
     assert len(commands) == len(PAPER_MODELS) * len(PAPER_SEEDS)
     expected = [f"models/{model}/{stage}_{seed}" for model in PAPER_MODELS for seed in PAPER_SEEDS]
     assert [one(command, "output_dir") for command in commands] == expected  # index i = MODELS[i/4], SEEDS[i%4]
-    if stage != "judge":
-        assert [one(command, "seed") for command in commands] == list(PAPER_SEEDS) * len(PAPER_MODELS)
+    # every seed trains with its own seed, and the judge draws each seed's A/B order with it
+    assert [one(command, "seed") for command in commands] == list(PAPER_SEEDS) * len(PAPER_MODELS)
 
 
 def test_each_stage_reads_the_previous_stages_folder(dry_runs):
@@ -213,6 +213,15 @@ def test_training_tasks_resume_after_a_requeue(stage, dry_runs):
     assert re.search(r"^#SBATCH --requeue$", header, re.M), f"{stage}.sbatch is not requeueable"
     for command in dry_runs[stage]:
         assert "resume" in command["flags"] and int(one(command, "save_every")) > 0, command["line"]
+
+
+def test_every_requeueable_task_is_warned_before_its_time_limit():
+    """A task that asks to be requeued gets USR1 ahead of its time limit (common.sh requeues it then): without the
+    signal, a task killed at its limit ends FAILED/TIMEOUT and SLURM never requeues it."""
+    for path in sorted(SLURM.glob("*.sbatch")):
+        header = path.read_text()
+        if re.search(r"^#SBATCH --requeue$", header, re.M):
+            assert re.search(r"^#SBATCH --signal=B:USR1@\d+$", header, re.M), path.name
 
 
 def test_offload_exactly_for_6_9b_ppo_and_every_rank_evaluates_the_same_number_of_batches(dry_runs):
