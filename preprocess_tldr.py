@@ -51,6 +51,7 @@ import socket
 import subprocess
 import sys
 import time
+import unicodedata
 from collections import Counter
 from dataclasses import asdict, dataclass
 from itertools import accumulate
@@ -627,7 +628,10 @@ def tokenize_query(tokenizer, format_str: str, fields: dict, truncate_field: str
     text = fields[truncate_field]
     # Tokenizing every prefix the loop visits would take minutes on a 20k-character post, so:
     cuts = truncation_cuts(text)  # candidate lengths, longest first; the answer is the first that fits
-    bytes_before = list(accumulate((len(char.encode()) for char in text), initial=0))  # [i]: bytes of text[:i]
+    # A tokenizer that normalizes (Pythia's: NFC) may spell a character in more bytes than the text does
+    # (U+0958: 3 -> 6); the character's full compatibility decomposition (NFKD) bounds every such form.
+    widths = (max(len(char.encode()), len(unicodedata.normalize("NFKD", char).encode())) for char in text)
+    bytes_before = list(accumulate(widths, initial=0))  # [i]: at least the bytes of text[:i] as tokenized
     i = 0
     while True:
         ids = encode_text(tokenizer, format_str.format(**{**fields, truncate_field: text[:cuts[i]]}))

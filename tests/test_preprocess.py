@@ -384,6 +384,18 @@ def test_tokenize_query_equals_the_reference_loop_on_random_posts(any_tok, monke
     assert mismatches_with_reference_loop(any_tok, seed=1, cases=150) > 0
 
 
+def test_tokenize_query_counts_the_bytes_a_normalizing_tokenizer_reads():
+    """Pythia's tokenizer applies NFC, which spells U+0958 in 6 bytes, not its 3: the skip must not count 3, or it
+    passes over prefixes that fit and cuts the post shorter than the reference's loop does."""
+    tok = make_pythia_like_tokenizer()  # NFC, as Pythia's
+    pre.add_pad_token(tok)
+    fields = {"subreddit": "cats", "title": "my cat", "post": "I went home.\nThen " + "\u0958" * 100}
+    length = len(pre.encode_text(tok, pre.TLDR_FORMAT.format(**{**fields, "post": "I went home."}))) + 5
+    expected = reference_loop(tok, pre.TLDR_FORMAT, fields, "post", length)
+    assert "I went home." in tok.decode(expected)  # the loop keeps the first paragraph
+    assert pre.tokenize_query(tok, pre.TLDR_FORMAT, fields, "post", length, "row") == expected
+
+
 def test_truncating_a_25k_character_post_without_newlines_is_fast(any_tok):
     post = ("the cat sat on the mat, the dog on the log; " * 600)[:25000]
     assert len(post) == 25000 and "\n" not in post
