@@ -157,8 +157,8 @@ def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bo
     # that IS the EOS is refused: it marks a model trained by a recipe whose masks `ids != pad` hid the
     # EOS too, so that the model never learned to stop.
     if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise SetupError(f"the tokenizer's pad token {tokenizer.pad_token!r} is its EOS token: "
-                         "a model trained with EOS as its pad never learned to stop; use one whose tokenizer pads otherwise")
+        raise SetupError(f"the tokenizer's pad token {tokenizer.pad_token!r} is its EOS token: a model trained "
+                         "with EOS as its pad never learned to stop; use one whose tokenizer pads otherwise")
     added = add_pad_token(tokenizer)
     ours = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     if data_ids is not None and data_ids != ours:

@@ -370,7 +370,7 @@ def test_resume_matches_uninterrupted(single_run, tiny_tldr, tmp_path):
 
 def test_resume_on_another_number_of_processes_matches_uninterrupted(single_run, tiny_tldr, tmp_path):
     """Update 1 on 2 processes (1 micro-batch each), updates 2-4 resumed on one (2 micro-batches): each update is still
-    one optimizer step over its 8 rows (a step counter carried over from 2 processes stepped mid-update, after 1 of 2)."""
+    one optimizer step over its 8 rows (the step counter carried over from 2 processes stepped mid-update)."""
     flags = [*TINY_RUN, "--query_dataset", tiny_tldr / "sft", "--output_dir", tmp_path / "out", "--save_every", "1"]
     run_sft(tmp_path, *flags, "--stop_after_updates", "1", processes=2)
     result = run_sft(tmp_path, *flags, "--resume")
