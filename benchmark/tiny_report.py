@@ -52,7 +52,7 @@ TOKEN_POSTS = 3  # validation posts shown in the token view (Table 8)
 SFT_WIN_RATE_RANGE = (0.10, 0.45)  # SFT loses to the references, but not always
 PPO_MIN_WIN_RATE, PPO_MIN_GAIN = 0.50, 0.20  # PPO at least even with the references, and well above SFT
 RM_MIN_ACCURACY, CNNDM_MIN_ACCURACY = 0.70, 0.60  # against the labels; on news the RM never trained on
-MIN_BUCKET = 30  # Figure 8 compares a length bucket only where each policy has this many decided comparisons
+MIN_BUCKET = 30  # Figure 8 compares a length bucket only where each policy has this many judged summaries (ties too)
 TIME_BUDGET_S = 12 * 60
 RESUMED = "(resumed)"  # tiny.sh's mark on a stage that continued from the checkpoint of an interrupted start
 WORLD_STAGE = "tiny world"  # tiny.sh's stage that builds a world that is not committed (not part of the main job)
@@ -86,17 +86,19 @@ def wilson_interval(wins: int, n: int, z: float = Z_95) -> tuple:
 
 
 def length_buckets(judged: list, edges: tuple = LENGTH_EDGES) -> list:
-    """Figure 8: [{low, high, wins, n, win_rate}] of decided comparisons per bucket of log(ours / other words).
+    """Figure 8: [{low, high, wins, n, samples, win_rate}] per bucket of log(ours / other words): `samples` judged
+    summaries, `n` of them decided (ties apart), `wins` of those.
 
-    `judged`: rows of judge.py's judged/<run>.csv (preferred, ours_words, other_words); ties, malformed
-    and unjudged rows count in no bucket. Bucket k holds edges[k] <= x < edges[k + 1]."""
-    buckets = [{"low": lo, "high": hi, "wins": 0, "n": 0} for lo, hi in zip(edges[:-1], edges[1:])]
+    `judged`: rows of judge.py's judged/<run>.csv (preferred, ours_words, other_words); malformed and
+    unjudged rows count in no bucket. Bucket k holds edges[k] <= x < edges[k + 1]."""
+    buckets = [{"low": lo, "high": hi, "wins": 0, "n": 0, "samples": 0} for lo, hi in zip(edges[:-1], edges[1:])]
     for row in judged:
-        if row["preferred"] not in ("ours", "reference", "other"):
+        if row["preferred"] not in ("ours", "reference", "other", "tie"):
             continue
         x = math.log(max(1, int(row["ours_words"])) / max(1, int(row["other_words"])))
         bucket = next(b for b in buckets if b["low"] <= x < b["high"])
-        bucket["n"] += 1
+        bucket["samples"] += 1
+        bucket["n"] += row["preferred"] != "tie"
         bucket["wins"] += row["preferred"] == "ours"
     for bucket in buckets:
         bucket["win_rate"] = bucket["wins"] / bucket["n"] if bucket["n"] else None
@@ -276,7 +278,7 @@ def findings(art: dict) -> list:
 
 def fig8_comparison(sft_judged: Optional[list], ppo_judged: Optional[list]) -> Optional[dict]:
     """Figure 8's check, buckets named "[low, high)": {"compared": buckets where SFT and PPO each have >= MIN_BUCKET
-    decided comparisons, "below": those where PPO's win rate is not above SFT's, "one_sided_below": the same in the
+    judged summaries (ties included; the rates are over the decided ones), "below": those where PPO's win rate is not above SFT's, "one_sided_below": the same in the
     buckets where only one of them has that many (shown, not judged: the other's rate rests on few comparisons),
     with both rates and counts}; None when either did not run."""
     if not sft_judged or not ppo_judged:
@@ -284,7 +286,7 @@ def fig8_comparison(sft_judged: Optional[list], ppo_judged: Optional[list]) -> O
     name = lambda bucket: f"[{bucket['low']:+.2f}, {bucket['high']:+.2f})"  # noqa: E731
     out = {"compared": [], "below": [], "one_sided_below": []}
     for a, b in zip(length_buckets(sft_judged), length_buckets(ppo_judged)):
-        enough = (a["n"] >= MIN_BUCKET) + (b["n"] >= MIN_BUCKET)
+        enough = (a["samples"] >= MIN_BUCKET) + (b["samples"] >= MIN_BUCKET)  # the issue's "30 samples"
         below = a["n"] and b["n"] and not b["win_rate"] > a["win_rate"]
         if enough == 2:
             out["compared"].append(name(a))
@@ -363,7 +365,8 @@ def read_timings(path: str) -> list:
 
 
 def ppo_sample_tables(models: str, seed: int, runs_dir: str) -> tuple:
-    """({episode: rows} of the PPO run's periodic evaluations, its batch size); ({}, None) if absent."""
+    """({episode: rows} of the PPO run's periodic evaluations, its batch size); ({}, None) if absent, or if the
+    run's folder holds another run's tables (its last one is not ppo_{seed}/eval_validation.csv)."""
     args = read_json(os.path.join(models, f"ppo_{seed}", "args.json"))
     if args is None:
         return {}, None
@@ -372,6 +375,12 @@ def ppo_sample_tables(models: str, seed: int, runs_dir: str) -> tuple:
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         if name.startswith("samples_validation_") and name.endswith(".csv"):
             tables[int(name[len("samples_validation_"):-4])] = read_csv(os.path.join(folder, name))
+    # Another run with the same run name (tiny.sh's PPO run is named by the seed alone) rewrites the folder.
+    final = read_csv(os.path.join(models, f"ppo_{seed}", "eval_validation.csv"))
+    if tables and final is not None and tables[max(tables)] != final:
+        print(f"note: {folder} holds another PPO run's samples (its last table is not ppo_{seed}/eval_validation.csv): "
+              "the curve over PPO updates is left out", file=sys.stderr)
+        return {}, None
     return tables, args["batch_size"]
 
 
@@ -395,6 +404,8 @@ def load_artifacts(models: str, seed: int, world: Optional[str], runs_dir: str =
     judge = stage("judge", "results.json")
     runs, head_to_head, judged = {}, {}, {}
     for label, run in (judge or {}).get("runs", {}).items():
+        if run.get("win_rate") is None:  # judged, but nothing decided (every row a tie, malformed or unjudged)
+            continue
         if run.get("vs", "reference") == "reference" and label in (f"{m}__seed{seed}" for m in METHODS):
             runs[label.split("__")[0]] = run
             judged[label.split("__")[0]] = read_csv(os.path.join(models, f"judge_{seed}", "judged", f"{label}.csv"))

@@ -90,12 +90,29 @@ def test_time_is_judged_unless_a_stage_was_resumed():
     assert time()["holds"] is None
 
 
+def test_ppo_sample_tables_refuse_another_runs_folder(tmp_path, capsys):
+    """The curve over PPO updates reads runs/<run_name>/: a folder rewritten by another run of the same name (its last
+    table is not this run's eval_validation.csv) gives no curve, with a note, rather than that run's curve."""
+    (tmp_path / "models" / "ppo_1").mkdir(parents=True)
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "models" / "ppo_1" / "args.json").write_text(json.dumps({"run_name": "r", "batch_size": 2, "num_updates": 2}))
+    for episode, response in ((2, "a"), (4, "b")):
+        (tmp_path / "runs" / "r" / f"samples_validation_{episode}.csv").write_text(f"query,response\nq,{response}\n")
+    (tmp_path / "models" / "ppo_1" / "eval_validation.csv").write_text("query,response\nq,b\n")
+    tables, batch = tiny_report.ppo_sample_tables(str(tmp_path / "models"), 1, str(tmp_path / "runs"))
+    assert sorted(tables) == [2, 4] and batch == 2 and tables[4] == [{"query": "q", "response": "b"}]
+    (tmp_path / "models" / "ppo_1" / "eval_validation.csv").write_text("query,response\nq,c\n")
+    assert tiny_report.ppo_sample_tables(str(tmp_path / "models"), 1, str(tmp_path / "runs")) == ({}, None)
+    assert "holds another PPO run's samples" in capsys.readouterr().err
+
+
 def test_length_buckets_by_hand():
     rows = [dict(ours_words=o, other_words=r, preferred=p) for o, r, p in [
         (10, 10, "ours"),  # log 1 = 0 -> [-0.15, 0.15)
         (20, 10, "reference"),  # log 2 = 0.693 -> [0.45, 0.75)
         (5, 10, "ours"),  # -0.693 -> [-0.75, -0.45)
-        (10, 10, "tie"), (7, 10, "malformed"), (7, 10, "unjudged"),  # decided by nobody: in no bucket
+        (10, 10, "tie"),  # a sample of [-0.15, 0.15), decided by nobody
+        (7, 10, "malformed"), (7, 10, "unjudged"),  # judged by nobody: in no bucket
         (0, 10, "reference"),  # an empty summary counts as 1 word: log 0.1 = -2.303 -> [-inf, -0.75)
         (10, 5, "ours"),  # 0.693 -> [0.45, 0.75)
         (13, 10, "other"),  # log 1.3 = 0.262 -> [0.15, 0.45), a loss against another run
@@ -103,11 +120,13 @@ def test_length_buckets_by_hand():
     buckets = tiny_report.length_buckets(rows)
     assert [(b["low"], b["high"]) for b in buckets] == list(zip(tiny_report.LENGTH_EDGES[:-1], tiny_report.LENGTH_EDGES[1:]))
     assert [(b["wins"], b["n"]) for b in buckets] == [(0, 1), (1, 1), (0, 0), (1, 1), (0, 1), (1, 2), (0, 0)]
+    assert [b["samples"] for b in buckets] == [1, 1, 0, 2, 1, 2, 0]
     assert [b["win_rate"] for b in buckets] == [0.0, 1.0, None, 1.0, 0.0, 0.5, None]
 
 
 def test_fig8_comparison_by_hand():
-    """Figure 8's check: buckets with >= 30 decided comparisons of each policy are judged, the others only shown."""
+    """Figure 8's check: buckets with >= 30 judged summaries of each policy (ties included) are judged, the others
+    only shown; the rates compared are over the decided ones."""
     row = lambda preferred, ours: dict(preferred=preferred, ours_words=ours, other_words=10)  # noqa: E731
     # log(10/10) = 0: both have 40, PPO 30 wins to SFT's 20 (above); log(20/10) = 0.69: both 30, PPO 10 to SFT's 15
     # (below); log(40/10) = 1.39: PPO 30 (12 wins), SFT 5 (4 wins: not above, one-sided); ties count nowhere
@@ -119,6 +138,11 @@ def test_fig8_comparison_by_hand():
         "compared": ["[-0.15, +0.15)", "[+0.45, +0.75)"], "below": ["[+0.45, +0.75)"],
         "one_sided_below": ["[+0.75, +inf) (PPO 0.400 of 30, SFT 0.800 of 5)"]}
     assert tiny_report.fig8_comparison(sft, None) is None
+    # 28 decided and 2 ties make 30 samples: the bucket is judged, and PPO far below SFT there fails it
+    sft = [row("ours", 10)] * 20 + [row("reference", 10)] * 8 + [row("tie", 10)] * 2
+    ppo = [row("ours", 10)] * 10 + [row("reference", 10)] * 25
+    assert tiny_report.fig8_comparison(sft, ppo) == {"compared": ["[-0.15, +0.15)"], "below": ["[-0.15, +0.15)"],
+                                                     "one_sided_below": []}
 
 
 def test_grouped_accuracy_by_hand():
@@ -419,6 +443,13 @@ def test_a_stage_that_did_not_run_reads_not_run(tmp_path):
     assert "## Figure 6: DPO's implicit reward as a reward model (Detail 19)\n\nnot run" in report
     tiny_report.plot_report(art, str(tmp_path / "report.png"))
     assert (tmp_path / "report.png").stat().st_size > 10_000
+    # a judged run with nothing decided (judge.py: win_rate null) reads as not run, not as a crash
+    results = json.loads((models / "judge_3" / "results.json").read_text())
+    results["runs"]["sft__seed3"].update(n=0, wins=0, win_rate=None, ci_low=None, ci_high=None)
+    (models / "judge_3" / "results.json").write_text(json.dumps(results))
+    undecided = tiny_report.render_markdown(tiny_report.load_artifacts(str(models), 3, world=None,
+                                                                      runs_dir=str(tmp_path / "runs")))
+    assert "| Fig. 1: SFT loses to the references | SFT's win rate in [0.10, 0.45] | not run | n/a |" in undecided
     # nothing at all: every finding reads "not run" or "not computed", and the figure is still drawn
     empty = tiny_report.load_artifacts(str(tmp_path / "nothing"), 1, world=None, runs_dir=str(tmp_path / "none"))
     markdown = tiny_report.render_markdown(empty)
