@@ -419,7 +419,7 @@ def main() -> None:
         if not accelerator.is_main_process:
             continue
         table = pair_table(eval_set, rewards)
-        table["accuracy"] = (table["chosen_reward"] > table["rejected_reward"]).astype(float)  # an RM tie is wrong
+        table["accuracy"] = pair_accuracy(table, tie=0.0)  # an RM tie is wrong, as in the reference
         # Detail 16: Accuracy differs by batch / confidence / split
         # Batches differ in policies, instructions and labelers; low-confidence pairs are near coin flips.
         by_group = grouped_accuracy(table, ("split", "batch", "confidence"))
@@ -703,6 +703,17 @@ def pair_table(eval_set, rewards: dict) -> pd.DataFrame:
         "chosen_policy": eval_set["chosen_policy"], "rejected_policy": eval_set["rejected_policy"],
         "chosen_reward": rewards["chosen"], "rejected_reward": rewards["rejected"]})
     return table
+
+
+def pair_accuracy(table: pd.DataFrame, tie: float) -> np.ndarray:
+    """Per pair of `table` (chosen / rejected texts and rewards): 1 ranked as labeled, 0 the other way, `tie` for
+    equal rewards; 1/2 for a pair of two identical summaries, whatever their rewards."""
+    # Identical summaries (the real data has some, the tiny world 3 of its 512 validation pairs) carry a
+    # label no model can learn, and their two rewards differ by float rounding only: counted by the sign,
+    # they moved the accuracy by up to 3 pairs from one CPU to another.
+    margin = table["chosen_reward"] - table["rejected_reward"]
+    ranked = np.where(margin > 0, 1.0, np.where(margin < 0, 0.0, tie))
+    return np.where(table["chosen"] == table["rejected"], 0.5, ranked)
 
 
 def grouped_accuracy(table: pd.DataFrame, groups: tuple) -> pd.DataFrame:

@@ -256,6 +256,16 @@ def test_grouped_accuracy_hand_made_table():
     assert out.iloc[0].group == "all"
 
 
+def test_pair_accuracy_by_hand():
+    """Detail 16's per-pair accuracy: the sign of the margin, `tie` at 0, and 1/2 for two identical summaries whatever
+    their rewards (dpo.py's copy is the same code: tests/test_conventions.py)."""
+    table = pd.DataFrame({"chosen": [" a", " a", " a", " b", " b"], "rejected": [" b", " b", " b", " b", " b"],
+                          "chosen_reward": [1.0, -1.0, 0.5, 0.2441356, 3.0],
+                          "rejected_reward": [0.0, 0.0, 0.5, 0.2441359, 3.0]})
+    assert reward.pair_accuracy(table, tie=0.0).tolist() == [1.0, 0.0, 0.0, 0.5, 0.5]
+    assert reward.pair_accuracy(table, tie=0.5).tolist() == [1.0, 0.0, 0.5, 0.5, 0.5]
+
+
 def test_calibration_bins_hand_made_margins():
     """Detail 18: bins of |margin| 0.5 wide; accuracy = share of positive margins; ideal = sigmoid(centre)."""
     margins = np.array([0.1, -0.2, 0.3, 0.7, -0.9, 1.6])
