@@ -25,7 +25,9 @@ model outputs (`judge.py --judge gold`), so it accepts any text.
     python tiny_world.py                                  # rebuilds assets/tiny_world (~5 min on 2 cores)
     python tiny_world.py --out_dir /tmp/w --seed 2        # another world
 
-Same seed, same bytes: every file is a deterministic function of the arguments. A build killed while pretraining
+Same seed, same bytes: the datasets and the tokenizer are a deterministic function of the arguments; the base
+model's weights are too, given the same torch version, thread count and CPU (float sums run in another order on
+another one, so its training takes another path). A build killed while pretraining
 continues from its last checkpoint (`{out_dir}/.pretraining/`, every 250 steps) when started again.
 """
 
@@ -563,7 +565,8 @@ def card_datasets(meta):
     c = meta["counts"]
     return [
         "# The tiny TL;DR world", "",
-        f"Built by `python tiny_world.py` with seed {meta['args']['seed']}. Same seed, same bytes.", "",
+        f"Built by `python tiny_world.py` with seed {meta['args']['seed']}. Same seed, same bytes: the datasets and "
+        "the tokenizer anywhere, the base model's weights with the same torch version, thread count and CPU.", "",
         "| dataset | split | rows |", "|---|---|---|",
         *[f"| {d} | {s} | {n} |" for d, splits in c.items() for s, n in splits.items()], "",
         "## Ground truth",
@@ -584,7 +587,7 @@ def card_writer(meta):
         "## The human reference writer", "",
         "The SFT dataset's reference summaries (and the `ref` policy of the preference pairs) come from a "
         "human-like writer, not from an oracle: like a Reddit TL;DR, it states the main point and skips "
-        "much of the rest, and it makes mistakes. How often, per summary (configured rates):", "",
+        "much of the rest, and it makes mistakes. How often (configured rates, per summary unless a row says of what):", "",
         "| habit | rate |", "|---|---|",
         *[f"| {what} | {getattr(POLICIES['ref'], field):.2f} |" for field, what in WRITER_HABITS.items()], "",
         "What that gives on the SFT train split, measured with the gold judge "
@@ -639,7 +642,9 @@ def card_base_model(meta):
         f"(loss {meta['model']['pretrain_loss_first']:.2f} -> {meta['model']['pretrain_loss_last']:.2f}) "
         f"on the world's web text: fresh Reddit-like posts and ({meta['args']['pretrain_news_fraction']:.0%}) news-like "
         "articles, each ending with a recap (\"Edit: to sum up, ...\", \"In short, ...\"); never a dataset row, "
-        "a TL;DR, a reference summary or a label. Predicting the recap teaches it to copy facts from its "
+        "a TL;DR, a reference summary or a label. (Its tokenizer's merges, though, are learnt from that text with "
+        "the SFT train split's posts and references and the validation split's CNN/DM articles: its vocabulary "
+        "knows their words, as a real tokenizer knows the words of the web.) Predicting the recap teaches it to copy facts from its "
         "context; the articles let a reward model trained on Reddit posts transfer to CNN/DM. "
         f"Recapping {meta['args']['recap_posts']} fresh posts greedily, it gets "
         f"{meta['model']['recap_facts_right']:.0%} of their facts right word for word and adds "
@@ -652,12 +657,12 @@ def card_base_model(meta):
 
 # The writer's habits as the card names them (fields of Policy) and the measures of its summaries.
 WRITER_HABITS = {"main": "states the main point (the title's fact)", "other": "keeps each other fact",
-                 "misremember": "gets a name or a thing of a kept fact wrong", "invent": "adds a fact the post never states",
+                 "misremember": "gets a name or a thing wrong, of summaries that keep a fact", "invent": "adds a fact the post never states",
                  "filler": "copies an irrelevant detail", "ramble": "rambles on",
                  "repeat": "loops: repeats a clause 1-3 more times",
-                 "feeling": "mentions the feeling", "question": "ends with the post's question",
+                 "feeling": "mentions the feeling, of posts that state one", "question": "ends with the post's question",
                  "terse": "writes a fact telegraphically (\"landlord cancelled lease\"), per fact"}
-POLICY_COLUMNS = {"main": "main point", "other": "other facts", "misremember": "wrong name or thing",
+POLICY_COLUMNS = {"main": "main point", "other": "other facts", "misremember": "wrong name or thing (of summaries keeping a fact)",
                   "invent": "invents", "filler": "irrelevant detail", "ramble": "rambles", "repeat": "loops",
                   "feeling": "feeling (a guess but for ref)", "question": "question", "terse": "telegraphic"}
 REFERENCE_MEASURES = {"gold_score": "mean gold score", "coverage": "mean coverage of the post's key words",
@@ -751,7 +756,8 @@ def build_world(args, with_model=True):
     # text; SFT then only has to point that skill at "TL;DR:". Real base models have read news too,
     # which is what lets a reward model trained on Reddit transfer to CNN/DM (Figure 4).
     corpus = pretraining_corpus(random.Random(args.seed + 1), args.pretrain_documents, args.pretrain_news_fraction)
-    # Tokenizer: trained on the text the world contains (posts, articles, summaries, web text).
+    # Tokenizer: trained on the text the world contains (SFT train posts and references, the CNN/DM
+    # articles of the validation split, web text); the card says so.
     texts = [f"{r['title']}\n{r['post']}\nTL;DR: {r['summary']}" for r in sft["train"]]
     texts += [r["info"]["article"] for r in news_rows] + corpus
     tokenizer = train_tokenizer(texts, args.vocab_size)
@@ -763,7 +769,7 @@ def build_world(args, with_model=True):
 
     train_rows = preference["train"]
     meta = {
-        # where the world was written is not part of what it is (same seed, same bytes anywhere)
+        # where the world was written is not part of what it is (same seed, same datasets anywhere)
         "args": {k: v for k, v in asdict(args).items() if k != "out_dir"},
         "counts": {"tldr_3_filtered": {k: len(v) for k, v in sft.items()},
                    "summarize_from_feedback": {"train": len(train_rows),
