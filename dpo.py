@@ -110,6 +110,8 @@ class Args:
     """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0); required when there is one"""
     stop_after_updates: Optional[int] = None
     """Checkpoint and exit after this many updates, as a time-limited SLURM job would; rerun with --resume"""
+    stop_after_minutes: Optional[float] = None
+    """Checkpoint and exit at the first update ending this many minutes in (a job's time limit); rerun with --resume"""
 
     # data
     label_dataset: Optional[str] = None
@@ -255,9 +257,8 @@ def main() -> None:
     accelerator = start_accelerator(args, dpo_flag_problems, "dpo.py")  # every flag is checked first
     # Detail 8: Tech stack
     # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
-    # The script names the accumulation and the micro-batch (DeepSpeed cannot read them from a
-    # DataLoader here) and turns off gradient clipping (accelerate fills in 1.0; the paper does not clip).
-    # An accumulation in the accelerate config (`accelerate config` writes 1) would otherwise win.
+    # The script names the accumulation (over any number in the accelerate config) and the micro-batch
+    # (DeepSpeed reads no DataLoader here), and turns off clipping (accelerate fills in 1.0; the paper does not clip).
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
     if accelerator.state.deepspeed_plugin is not None:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
@@ -324,7 +325,9 @@ def main() -> None:
             progress.set_postfix(loss=f"{logged['loss']:.4f}", accuracy=f"{logged['accuracy']:.3f}",
                                  margin=f"{logged['margin']:.3f}", lr=f"{lr:.2e}")
         # A nan / inf stops every rank here, before this update is saved; then the --save_every checkpoint.
-        check_and_checkpoint(accelerator, args, update + 1, stats["loss"], run_name, model, optimizer, scheduler)
+        if check_and_checkpoint(accelerator, args, update + 1, stats["loss"], run_name, model, optimizer, scheduler):
+            stop_at = update + 1  # --stop_after_minutes have passed: checkpointed, stop here
+            break
     if stop_at < args.num_updates:  # a time-limited job: the checkpoint is written, continue with --resume
         return stop_early(accelerator, writer, stop_at, args.num_updates)
     staging = staging_folder(args.output_dir) if accelerator.is_main_process else None  # swapped in once complete
@@ -745,7 +748,8 @@ def plot_calibration(tables: dict, path: str) -> None:
 
 # Run setup: flags, inputs, tokenizer, models, logging.
 # Flags that may change between an interrupted run and its resumption (see output_dir_problem).
-RESUME_FLAGS = ("resume", "stop_after_updates", "run_name", "save_every")  # none changes what the run computes
+# None of these changes what the run computes.
+RESUME_FLAGS = ("resume", "stop_after_updates", "stop_after_minutes", "run_name", "save_every")
 # Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
 POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
 NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
@@ -771,7 +775,9 @@ def dpo_flag_problems(args: Args, world_size: int) -> list:
     # a bad value would otherwise surface inside AdamW, after training, or never (a model saved untrained).
     problems = flag_range_problems(args, {
         "seed": (lambda seed: 0 <= seed < 2 ** 32 - 100003 * world_size, f"an integer in [0, 2^32 - {100003 * world_size})"),
-        "save_every": AT_LEAST_0, "stop_after_updates": NONE_OR_AT_LEAST_1, "num_train_epochs": AT_LEAST_1,
+        "save_every": AT_LEAST_0, "stop_after_updates": NONE_OR_AT_LEAST_1,
+        "stop_after_minutes": (lambda minutes: minutes is None or 0 <= minutes < math.inf, "minutes >= 0, or no flag"),
+        "num_train_epochs": AT_LEAST_1,
         "total_episodes": (lambda n: n is None or n == 0 or n >= args.batch_size,
                            f"0 (evaluate the SFT model only) or at least one batch, --batch_size {args.batch_size}"),
         "num_eval_samples": NONE_OR_AT_LEAST_0, "response_length": AT_LEAST_1, "temperature": POSITIVE,
@@ -1126,13 +1132,21 @@ def git_commit(folder: str) -> Optional[str]:
 
 
 def check_and_checkpoint(accelerator, args, updates_done: int, losses: torch.Tensor, run_name: str, model, optimizer,
-                         scheduler) -> None:
-    """All ranks: stop all on a non-finite loss or weight; save a checkpoint every --save_every and at --stop_after_updates."""
+                         scheduler) -> bool:
+    """All ranks: stop all on a non-finite loss or weight; save a checkpoint every --save_every, at --stop_after_updates
+    and once --stop_after_minutes have passed: True then, if updates remain (the run stops there)."""
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     if not all_finite(accelerator, model, losses):
         raise FloatingPointError(nonfinite_message(updates_done, args.num_updates, checkpoints))
-    if (args.save_every and updates_done % args.save_every == 0) or updates_done == args.stop_after_updates:
+    out_of_time = args.stop_after_minutes is not None and broadcast_object_list(  # rank 0's clock decides for all
+        [time.monotonic() - PROCESS_START >= 60 * args.stop_after_minutes])[0]
+    if (args.save_every and updates_done % args.save_every == 0) or updates_done == args.stop_after_updates \
+            or out_of_time:
         save_checkpoint(accelerator, checkpoints, updates_done, run_name, model, optimizer, scheduler)
+    return out_of_time and updates_done < args.num_updates
+
+
+PROCESS_START = time.monotonic()  # --stop_after_minutes counts from here (the script's import)
 
 
 def all_finite(accelerator, model, losses: torch.Tensor) -> bool:

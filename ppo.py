@@ -104,6 +104,8 @@ class Args:
     """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0); required when there is one"""
     stop_after_updates: Optional[int] = None
     """Checkpoint and exit after this many updates, as a time-limited SLURM job would; rerun with --resume"""
+    stop_after_minutes: Optional[float] = None
+    """Checkpoint and exit at the first update ending this many minutes in (a job's time limit); rerun with --resume"""
 
     # data
     query_dataset: Optional[str] = None
@@ -352,7 +354,7 @@ def rollout(args, policy, ref_policy, critic, reward_model, queries: torch.Tenso
 def ppo_epochs(accelerator, model, optimizer, args, batch: dict, context_length: int, pad_token_id: int,
                temperature: float, unsampled: torch.Tensor) -> tuple:
     """All ranks: num_ppo_epochs passes of clipped PPO steps over the rollout `batch` ({name: (B_loc, ...)})
-    -> ({policy/* and value/* statistic: scalar}, every micro-batch's pg and vf loss)."""
+    -> ({policy/* and value/* statistic: scalar; the max deviation: all ranks'}, each micro-batch's pg and vf loss)."""
     stats = {key: [] for key in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio",
                                  "ratio_max_deviation")}
     responses, logprobs, values = batch["responses"], batch["logprobs"], batch["values"]
@@ -382,12 +384,12 @@ def ppo_epochs(accelerator, model, optimizer, args, batch: dict, context_length:
                     stats[key].append(value.detach())
             if epoch == 0 and mini_start == 0:  # before the first optimizer step: must be 1
                 ratio_first_epoch = torch.stack(stats["ratio"]).mean()
-                ratio_first_epoch_max_deviation = torch.stack(stats["ratio_max_deviation"]).max()
+                first_deviation = torch.stack(stats["ratio_max_deviation"]).max()  # this rank's
     losses = torch.stack(stats["pg_loss"] + stats["vf_loss"])  # every micro-batch's, for the finite check
     means = {key: torch.stack(value).mean() for key, value in stats.items()}
     return {"policy/approxkl": means["approxkl"], "policy/clipfrac": means["pg_clipfrac"],
-            "policy/ratio": means["ratio"], "policy/ratio_first_epoch": ratio_first_epoch,
-            "policy/ratio_first_epoch_max_deviation": ratio_first_epoch_max_deviation, "policy/loss": means["pg_loss"],
+            "policy/ratio": means["ratio"], "policy/ratio_first_epoch": ratio_first_epoch, "policy/loss": means["pg_loss"],
+            "policy/ratio_first_epoch_max_deviation": accelerator.gather(first_deviation.reshape(1)).max(),
             "value/loss": means["vf_loss"], "value/clipfrac": means["vf_clipfrac"]}, losses
 
 
@@ -399,15 +401,13 @@ def main() -> None:
     # Detail 8: Tech stack
     # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
     # One optimizer step per minibatch, accumulated over its micro-batches.
-    # DeepSpeed is told the micro-batch (it reads no DataLoader here) and no clipping (the paper's runs do not clip),
-    # and the accumulation: a number in the accelerate config (`accelerate config` writes 1) would otherwise win.
+    # DeepSpeed is told the accumulation (else the accelerate config's number wins), the micro-batch, and no clipping.
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
     if accelerator.state.deepspeed_plugin is not None:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
-    # Logits are divided by T + 1e-7, as in the reference code, whose epsilon guards against T = 0.
-    # One divisor for sampling, reference and training: their log-probs come from the same scaled logits.
+    # T + 1e-7, as in the reference (its epsilon guards T = 0): the one divisor of every log-prob (scaled_logits).
     temperature, eval_temperature = args.temperature + 1e-7, args.eval_temperature + 1e-7
 
     # ---- data and tokenizer: every bad input fails here, before a model is loaded or anything is written ----
@@ -528,8 +528,6 @@ def main() -> None:
                  "objective/rlhf_reward": scores.mean() + mean_non_score, "objective/response_length": valid.sum(1).mean(),
                  "objective/eos_fraction": contains_eos.float().mean(), **ppo_stats}
         means = {key: value.item() for key, value in accelerator.reduce(stats, reduction="mean").items()}
-        deviation = accelerator.gather(ppo_stats["policy/ratio_first_epoch_max_deviation"].reshape(1))  # (world,)
-        means["policy/ratio_first_epoch_max_deviation"] = deviation.max().item()  # the largest on any rank
         episode = (update + 1) * args.batch_size
         timings = {"time/generation": generation_time, "time/scoring": scoring_time, "time/training": training_time,
                    "time/episodes_per_second": (episode - start_update * args.batch_size) / (time.time() - start_clock)}
@@ -537,7 +535,9 @@ def main() -> None:
         due = args.eval_every and (update + 1) % args.eval_every == 0 and update + 1 < args.num_updates
         if due and all_finite(accelerator, model, losses):  # a nan / inf policy is not sampled
             evaluate(("validation",), episode)  # before the checkpoint: a resumed run draws what an unbroken one draws
-        check_and_checkpoint(accelerator, args, update + 1, losses, run_name, model, optimizer)  # stops on a nan / inf
+        if check_and_checkpoint(accelerator, args, update + 1, losses, run_name, model, optimizer):
+            stop_at = update + 1  # --stop_after_minutes have passed: checkpointed, stop here (a nan / inf raises)
+            break
     if stop_at < args.num_updates:  # a time-limited job: the checkpoint is written, continue with --resume
         return stop_early(accelerator, writer, stop_at, args.num_updates)
 
@@ -1170,7 +1170,8 @@ def log_update(writer, progress, episode: int, logged: dict) -> None:
 # Run setup: flags, inputs, tokenizer, models, logging.
 # The prompts, and the human references that the evaluation scores beside the samples.
 REQUIRED_COLUMNS = ("query_token", "reference_response_token")
-RESUME_FLAGS = ("resume", "stop_after_updates", "run_name", "save_every")  # none changes what the run computes
+# None of these changes what the run computes.
+RESUME_FLAGS = ("resume", "stop_after_updates", "stop_after_minutes", "run_name", "save_every")
 POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
 NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
 AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")
@@ -1197,6 +1198,7 @@ def ppo_flag_problems(args: Args, world_size: int) -> list:
     problems = flag_range_problems(args, {
         "seed": (lambda seed: 0 <= seed < 2 ** 32 - 100003 * world_size, f"an integer in [0, 2^32 - {100003 * world_size})"),
         "save_every": AT_LEAST_0, "stop_after_updates": NONE_OR_AT_LEAST_1,
+        "stop_after_minutes": (lambda minutes: minutes is None or 0 <= minutes < math.inf, "minutes >= 0, or no flag"),
         "total_episodes": (lambda n: n >= args.batch_size, f"at least one batch, --batch_size {args.batch_size}"),
         "eval_every": AT_LEAST_0, "num_eval_samples": NONE_OR_AT_LEAST_0, "response_length": AT_LEAST_1,
         "temperature": POSITIVE, "eval_temperature": POSITIVE, "lr": POSITIVE, "eps": POSITIVE,
@@ -1610,13 +1612,21 @@ def git_commit(folder: str) -> Optional[str]:
 
 
 def check_and_checkpoint(accelerator, args, updates_done: int, losses: torch.Tensor, run_name: str, model,
-                         optimizer) -> None:
-    """All ranks: stop all on a non-finite loss or weight; save a checkpoint every --save_every and at --stop_after_updates."""
+                         optimizer) -> bool:
+    """All ranks: stop all on a non-finite loss or weight; save a checkpoint every --save_every, at --stop_after_updates
+    and once --stop_after_minutes have passed: True then, if updates remain (the run stops there)."""
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     if not all_finite(accelerator, model, losses):
         raise FloatingPointError(nonfinite_message(updates_done, args.num_updates, checkpoints))
-    if (args.save_every and updates_done % args.save_every == 0) or updates_done == args.stop_after_updates:
+    out_of_time = args.stop_after_minutes is not None and broadcast_object_list(  # rank 0's clock decides for all
+        [time.monotonic() - PROCESS_START >= 60 * args.stop_after_minutes])[0]
+    if (args.save_every and updates_done % args.save_every == 0) or updates_done == args.stop_after_updates \
+            or out_of_time:
         save_checkpoint(accelerator, checkpoints, updates_done, run_name, model, optimizer)
+    return out_of_time and updates_done < args.num_updates
+
+
+PROCESS_START = time.monotonic()  # --stop_after_minutes counts from here (the script's import)
 
 
 def all_finite(accelerator, model, losses: torch.Tensor) -> bool:

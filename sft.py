@@ -94,6 +94,8 @@ class Args:
     """Continue from the latest checkpoint in {output_dir}/checkpoints (none there: start at update 0); required when there is one"""
     stop_after_updates: Optional[int] = None
     """Checkpoint and exit after update N of the run, as a time-limited SLURM job would end; rerun with --resume"""
+    stop_after_minutes: Optional[float] = None
+    """Checkpoint and exit at the first update ending this many minutes in (a job's time limit); rerun with --resume"""
 
     # data
     query_dataset: Optional[str] = None
@@ -264,9 +266,8 @@ def main() -> None:
     accelerator = start_accelerator(args, sft_flag_problems, "sft.py")  # every flag is checked first
     # Detail 8: Tech stack
     # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
-    # The script names the accumulation and the micro-batch (DeepSpeed cannot read them from a
-    # DataLoader here) and turns off gradient clipping (accelerate fills in 1.0; the paper does not clip).
-    # An accumulation in the accelerate config (`accelerate config` writes 1) would otherwise win.
+    # The script names the accumulation (over any number in the accelerate config) and the micro-batch
+    # (DeepSpeed reads no DataLoader here), and turns off clipping (accelerate fills in 1.0; the paper does not clip).
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
     if accelerator.state.deepspeed_plugin is not None:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
@@ -299,8 +300,7 @@ def main() -> None:
     # to 0 over one epoch in updates of 128 samples (911 updates of the 116,722 posts), no clipping.
     optimizer = adamw(model.parameters(), args, accelerator.device)  # fused on a GPU (below the fence)
     scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
-    # The scheduler stays unprepared: accelerate's wrapper would step it once per process, and we
-    # step it once per update ourselves (save_checkpoint stores its state).
+    # The scheduler stays unprepared (accelerate's would step once per process); we step it once per update.
     model, optimizer = accelerator.prepare(model, optimizer)
     problem = rotary_problem({"model": model})
     refuse(problem and f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
@@ -311,8 +311,7 @@ def main() -> None:
     progress = tqdm(range(start_update, stop_at), desc="sft", disable=not accelerator.is_main_process)
     for update in progress:
         micro_batches = [train[indices]["query_reference_response_token"] for indices in local_order[update].tolist()]
-        losses = sft_update(accelerator, model, optimizer, micro_batches, tokenizer.pad_token_id,
-                            args.length_groups)  # (GAS,)
+        losses = sft_update(accelerator, model, optimizer, micro_batches, tokenizer.pad_token_id, args.length_groups)
         lr = scheduler.get_last_lr()[0]  # the rate this update used
         scheduler.step()
         logged = {"loss": accelerator.reduce(losses.mean(), reduction="mean").item(), "lr": lr}
@@ -321,7 +320,9 @@ def main() -> None:
                 writer.add_scalar(f"train/sft/{key}", value, (update + 1) * args.batch_size)  # x: samples seen
             progress.set_postfix(loss=f"{logged['loss']:.4f}", lr=f"{lr:.2e}")
         # A nan / inf stops every rank here, before this update is saved; then the --save_every checkpoint.
-        check_and_checkpoint(accelerator, args, update + 1, losses, run_name, model, optimizer, scheduler)
+        if check_and_checkpoint(accelerator, args, update + 1, losses, run_name, model, optimizer, scheduler):
+            stop_at = update + 1  # --stop_after_minutes have passed: checkpointed, stop here
+            break
     if stop_at < args.num_updates:  # a time-limited job: the checkpoint is written, continue with --resume
         return stop_early(accelerator, writer, stop_at, args.num_updates)
 
@@ -479,7 +480,8 @@ def write_summaries(staging: str, rows: list, csv_name: str, wandb_key: Optional
 
 # Run setup: flags, inputs, tokenizer, models, logging.
 # Flags that may change between an interrupted run and its resumption (see output_dir_problem).
-RESUME_FLAGS = ("resume", "stop_after_updates", "run_name", "save_every")  # none changes what the run computes
+# None of these changes what the run computes.
+RESUME_FLAGS = ("resume", "stop_after_updates", "stop_after_minutes", "run_name", "save_every")
 # Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
 POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
 NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
@@ -505,7 +507,9 @@ def sft_flag_problems(args: Args, world_size: int) -> list:
     # a bad value would otherwise surface inside AdamW, after training, or never (a model saved untrained).
     problems = flag_range_problems(args, {
         "seed": (lambda seed: 0 <= seed < 2 ** 32 - 100003 * world_size, f"an integer in [0, 2^32 - {100003 * world_size})"),
-        "save_every": AT_LEAST_0, "stop_after_updates": NONE_OR_AT_LEAST_1, "num_train_epochs": AT_LEAST_1,
+        "save_every": AT_LEAST_0, "stop_after_updates": NONE_OR_AT_LEAST_1,
+        "stop_after_minutes": (lambda minutes: minutes is None or 0 <= minutes < math.inf, "minutes >= 0, or no flag"),
+        "num_train_epochs": AT_LEAST_1,
         "total_episodes": (lambda n: n is None or n == 0 or n >= args.batch_size,
                            f"0 (evaluate the base model only) or at least one batch, --batch_size {args.batch_size}"),
         "num_eval_samples": NONE_OR_AT_LEAST_0, "response_length": AT_LEAST_1, "temperature": POSITIVE,
@@ -840,13 +844,21 @@ def git_commit(folder: str) -> Optional[str]:
 
 
 def check_and_checkpoint(accelerator, args, updates_done: int, losses: torch.Tensor, run_name: str, model, optimizer,
-                         scheduler) -> None:
-    """All ranks: stop all on a non-finite loss or weight; save a checkpoint every --save_every and at --stop_after_updates."""
+                         scheduler) -> bool:
+    """All ranks: stop all on a non-finite loss or weight; save a checkpoint every --save_every, at --stop_after_updates
+    and once --stop_after_minutes have passed: True then, if updates remain (the run stops there)."""
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     if not all_finite(accelerator, model, losses):
         raise FloatingPointError(nonfinite_message(updates_done, args.num_updates, checkpoints))
-    if (args.save_every and updates_done % args.save_every == 0) or updates_done == args.stop_after_updates:
+    out_of_time = args.stop_after_minutes is not None and broadcast_object_list(  # rank 0's clock decides for all
+        [time.monotonic() - PROCESS_START >= 60 * args.stop_after_minutes])[0]
+    if (args.save_every and updates_done % args.save_every == 0) or updates_done == args.stop_after_updates \
+            or out_of_time:
         save_checkpoint(accelerator, checkpoints, updates_done, run_name, model, optimizer, scheduler)
+    return out_of_time and updates_done < args.num_updates
+
+
+PROCESS_START = time.monotonic()  # --stop_after_minutes counts from here (the script's import)
 
 
 def all_finite(accelerator, model, losses: torch.Tensor) -> bool:

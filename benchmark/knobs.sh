@@ -46,6 +46,9 @@ export SAVE_EVERY_SFT=${SAVE_EVERY_SFT:-100}
 export SAVE_EVERY_RM=${SAVE_EVERY_RM:-100}
 export SAVE_EVERY_DPO=${SAVE_EVERY_DPO:-100}
 export SAVE_EVERY_PPO=${SAVE_EVERY_PPO:-50}
+# A training run checkpoints and stops this many minutes before its job's time limit (--stop_after_minutes),
+# then the task requeues itself, so a time limit costs no updates: room for the last update and the checkpoint.
+export STOP_MARGIN_MINUTES=${STOP_MARGIN_MINUTES:-20}
 
 # Detail 8: Tech stack
 # The accelerate config of every training launch: DeepSpeed ZeRO-2, bf16, 8 processes on one node

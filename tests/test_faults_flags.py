@@ -24,7 +24,7 @@ STAGES = {"sft.py": (sft, sft.sft_flag_problems), "reward.py": (reward, reward.r
           "dpo.py": (dpo, dpo.dpo_flag_problems), "ppo.py": (ppo, ppo.ppo_flag_problems)}
 # Flags every stage has, each set to a value that cannot work (a NaN fails every comparison)
 COMMON_BAD = {"lr": -1.0, "eps": math.nan, "weight_decay": math.inf, "local_eval_batch_size": 0, "save_every": -3,
-              "stop_after_updates": 0, "seed": -1}
+              "stop_after_updates": 0, "stop_after_minutes": -5.0, "seed": -1}
 # Flags of some stages (the cases: a negative response length, eval batch 0, -16 episodes, ...)
 STAGE_BAD = {
     "sft.py": {"total_episodes": -16, "response_length": -1, "temperature": 0.0, "scheduler": "cosine_sometimes"},

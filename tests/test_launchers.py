@@ -329,6 +329,36 @@ def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
     assert "scontrol: requeue 70_4" in stdout, "".join(started) + stdout
 
 
+def test_a_training_run_stops_before_the_time_limit_and_its_task_requeues(tmp_path):
+    """Under SLURM a training run gets --stop_after_minutes: the job's time left (squeue's %L) less
+    STOP_MARGIN_MINUTES (20). A run that exits 0 without its DONE file stopped there, and the task requeues itself;
+    without a time limit (UNLIMITED) the flag is left out and nothing is requeued."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "srun: $*"\n')  # exits 0, writes no DONE file
+    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\necho "scontrol: $*"\n')
+    (bin_dir / "squeue").write_text('#!/usr/bin/env bash\necho "$FAKE_LEFT"\n')
+    (bin_dir / "python").write_text("#!/usr/bin/env bash\nexit 0\n")  # the CUDA check finds nothing wrong
+    for tool in ("srun", "scontrol", "squeue", "python"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT_ROOT": str(tmp_path / "models"), "SLURM_JOB_ID": "77",
+           "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "5", "SLURM_SUBMIT_DIR": str(REPO)}
+    for left, minutes in (("1-02:30:00", 1570), ("45:08", 25), ("08:59", 0), ("UNLIMITED", None)):
+        result = bash(str(SLURM / "ppo.sbatch"), env={**env, "FAKE_LEFT": left})
+        assert result.returncode == 0, result.stderr
+        srun = next(line for line in result.stdout.splitlines() if line.startswith("srun: "))
+        assert ("--stop_after_minutes" in srun) == (minutes is not None), (left, srun)
+        if minutes is not None:
+            assert srun.endswith(f"--stop_after_minutes {minutes}"), (left, srun)
+        assert ("scontrol: requeue 70_5" in result.stdout) == (minutes is not None), (left, result.stdout)
+    # a run that finished (its DONE file written) is not requeued
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "srun: $*"; mkdir -p "$OUT_DIR"; echo {} > "$OUT_DIR/eval_metrics.json"\n')
+    out = tmp_path / "models" / PAPER_MODELS[1] / f"ppo_{PAPER_SEEDS[1]}"
+    result = bash(str(SLURM / "ppo.sbatch"), env={**env, "FAKE_LEFT": "3:00:00", "OUT_DIR": str(out)})
+    assert result.returncode == 0 and "--stop_after_minutes 160" in result.stdout, result.stderr
+    assert "scontrol: requeue" not in result.stdout
+
+
 def test_a_training_task_stops_at_once_on_a_node_without_cuda(tmp_path):
     """This machine has no GPU: a training task says so, naming its torch's CUDA build (none for CI's CPU build;
     pip gives a CUDA build on Pythons without a CPU wheel here), and never reaches srun; the GPU-free stages

@@ -368,6 +368,20 @@ def test_resume_matches_uninterrupted(single_run, tiny_tldr, tmp_path):
     assert max_difference(weights(tmp_path / "out"), weights(single_run[0])) < RESUME_TOLERANCE
 
 
+def test_a_run_out_of_minutes_checkpoints_and_resumes_to_the_uninterrupted_end(single_run, tiny_tldr, tmp_path):
+    """--stop_after_minutes (a SLURM job's time limit, as benchmark/slurm passes it): once that many minutes have
+    passed, the update that ends is checkpointed and the run stops (0 minutes: after update 1, with --save_every 0);
+    resumed without the flag, it ends where the uninterrupted run does."""
+    flags = [*TINY_RUN, "--query_dataset", tiny_tldr / "sft", "--output_dir", tmp_path / "out", "--save_every", "0"]
+    result = run_sft(tmp_path, *flags, "--stop_after_minutes", "0")
+    assert "stopped after update 1 of 4" in result.stdout
+    assert [p.name for p in (tmp_path / "out" / "checkpoints").iterdir()] == ["update_1"]
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    result = run_sft(tmp_path, *flags, "--resume")
+    assert "at update 1" in result.stdout
+    assert max_difference(weights(tmp_path / "out"), weights(single_run[0])) < RESUME_TOLERANCE
+
+
 def test_resume_on_another_number_of_processes_matches_uninterrupted(single_run, tiny_tldr, tmp_path):
     """Update 1 on 2 processes (1 micro-batch each), updates 2-4 resumed on one (2 micro-batches): each update is still
     one optimizer step over its 8 rows (the step counter carried over from 2 processes stepped mid-update)."""

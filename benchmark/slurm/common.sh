@@ -13,8 +13,10 @@
 # Task i runs MODEL = MODELS[i / #SEEDS], SEED = SEEDS[i % #SEEDS] (the reference's indexing), so
 # task i of every stage is the same (model, seed) and `--dependency=aftercorr` chains them.
 # Requeue: a task whose DONE file exists exits at once; otherwise its command carries --resume
-# and --save_every, so a job requeued after a preemption, a node failure or its time limit (the
-# USR1 trap below requeues it 10 minutes before the limit) continues from its latest checkpoint.
+# and --save_every, so a job requeued after a preemption, a node failure or its time limit continues
+# from its latest checkpoint. Before the limit a training run checkpoints and stops by itself
+# (--stop_after_minutes: the job's time left less STOP_MARGIN_MINUTES) and the task requeues; the USR1
+# trap below requeues it 10 minutes before the limit if the run has not stopped by then.
 
 source benchmark/knobs.sh
 
@@ -36,10 +38,25 @@ print_command() {  # the command, shell-quoted, on one line
   echo "${quoted% }"
 }
 
-requeue_self() {  # USR1 (sent by --signal=B:USR1@600 before the time limit): back into the queue
+requeue_self() {  # USR1 (sent by --signal=B:USR1@600 before the time limit), or a run stopped for it: requeue
   local job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
   echo "time limit near: requeueing ${job:-$SLURM_JOB_ID}; it resumes from the latest checkpoint"
   scontrol requeue "${job:-$SLURM_JOB_ID}"
+}
+
+minutes_to_stop() {  # minutes a training run may take before it checkpoints and stops: the job's time left
+  # (squeue's [days-]hours:minutes:seconds) less STOP_MARGIN_MINUTES; nothing for a job without a limit
+  local left days=0 hours=0
+  left=$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null) || return 0
+  [[ $left =~ ^(([0-9]+)-)?(([0-9]+):)?([0-9]+):([0-9]+)$ ]] || return 0  # UNLIMITED, NOT_SET
+  days=${BASH_REMATCH[2]:-0}
+  hours=${BASH_REMATCH[4]:-0}
+  left=$(( ((10#$days * 24 + 10#$hours) * 60 + 10#${BASH_REMATCH[5]}) * 60 + 10#${BASH_REMATCH[6]} ))
+  echo $(( left > STOP_MARGIN_MINUTES * 60 ? left / 60 - STOP_MARGIN_MINUTES : 0 ))
+}
+
+task_done() {  # whether $OUT holds a finished run: the launcher's stage_done, else its DONE file
+  if declare -F stage_done >/dev/null; then stage_done; else [[ -f $OUT/$DONE ]]; fi
 }
 
 cuda_problem() {  # prints why torch on this node cannot use a GPU; nothing when it can
@@ -73,8 +90,7 @@ run_stage() {  # run_stage [--dry-run]
     return 2
   fi
   task_command "$i"
-  # A launcher may define stage_done (its own test of a finished run); else DONE's existence is it.
-  if { declare -F stage_done >/dev/null && stage_done; } || { ! declare -F stage_done >/dev/null && [[ -f $OUT/$DONE ]]; }; then
+  if task_done; then
     echo "$STAGE [$i]: $OUT/$DONE says the run is complete, nothing to do"
     return 0
   fi
@@ -89,6 +105,13 @@ run_stage() {  # run_stage [--dry-run]
       return 1
     fi
   fi
+  local minutes=
+  if [[ -n ${SLURM_JOB_ID:-} && $GPU == yes ]]; then
+    minutes=$(minutes_to_stop)
+    # A training run checkpoints and stops before the job's time limit (--stop_after_minutes), and the task
+    # requeues itself; the USR1 trap stays as the fallback (an update longer than the margin).
+    if [[ -n $minutes ]]; then CMD+=(--stop_after_minutes "$minutes"); fi
+  fi
   echo "$STAGE [$i] on $(hostname) at $(date -u +%FT%TZ): $(print_command "${CMD[@]}")"
   if [[ -n ${SLURM_JOB_ID:-} ]]; then
     trap requeue_self USR1
@@ -96,8 +119,12 @@ run_stage() {  # run_stage [--dry-run]
     local pid=$! rc
     while true; do  # a trapped USR1 interrupts `wait`; the requeue then ends the job
       wait "$pid" && rc=0 || rc=$?
-      kill -0 "$pid" 2>/dev/null || return "$rc"
+      kill -0 "$pid" 2>/dev/null || break
     done
+    if [[ $rc -eq 0 && -n $minutes ]] && ! task_done; then  # stopped at --stop_after_minutes: the next job continues
+      requeue_self
+    fi
+    return "$rc"
   else
     "${CMD[@]}"
   fi
