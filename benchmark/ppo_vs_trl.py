@@ -93,7 +93,10 @@ def phase_flops(config: dict, batch: int, query_length: int, response_length: in
     generation = a prefill of the queries and response_length - 1 one-token steps (logits of one position each);
     scoring = reference, critic and reward forwards over query + response (logits for the response only);
     training = `epochs` x forward and backward (3x a forward) of policy and critic over query + response.
-    Pads count (every side computes them); all response tokens count (rows stopping early make it an upper bound)."""
+    Nominal: the plain algorithm's count, pads and every response token included, the same for every side. No side
+    executes exactly that: ppo.py skips the pad columns every row shares, the last layer at query positions and the
+    positions after a micro-batch's last EOS; TRL computes logits at every position (results/ppo_vs_trl.md,
+    "Nominal and executed FLOPs"), so a phase's share of the peak here is not its hardware efficiency."""
     hidden, layers, inner, vocab = (config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"],
                                     config["vocab_size"])
     per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * inner)  # QKV + output projections, MLP
@@ -179,7 +182,8 @@ def parse_args() -> tuple:
     parser.add_argument("--length_groups", type=int, default=1,
                         help="ppo.py's --length_groups on both of its sides (speed only; TRL has no such option)")
     parser.add_argument("--local_rollout_forward_batch_size", type=int, default=64)
-    parser.add_argument("--num_minibatches", type=int, default=1)
+    parser.add_argument("--num_minibatches", type=int, default=1,
+                        help="1 only: ppo_vs_trl_trl.py sets TRL's accumulation for one minibatch")
     parser.add_argument("--num_ppo_epochs", type=int, default=4)
     parser.add_argument("--response_length", type=int, default=None, help="default: tiny 44, 5m 53")
     parser.add_argument("--temperature", type=float, default=0.7)
@@ -188,6 +192,9 @@ def parse_args() -> tuple:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default=None, help="default: benchmark/results/ppo_vs_trl[_5m].md")
     args = parser.parse_args()
+    if args.num_minibatches != 1:  # TRL's minibatch is local_batch / num_mini_batches, stepped every accumulation
+        parser.error("--num_minibatches 1 only: ppo_vs_trl_trl.py sets TRL's accumulation to batch / micro-batch, "
+                     "so with more minibatches TRL would step its optimizer fewer times than ppo.py")
     args.ours_python, args.trl_python = os.path.abspath(args.ours_python), os.path.abspath(args.trl_python)
     flags = sys.argv[1:]  # for the report: the flags given, less the interpreters the .sh passes
     for name in ("--ours_python", "--trl_python"):
@@ -313,8 +320,8 @@ def render_report(args: argparse.Namespace, flags: list, label: str, flops: dict
         f"Roofline, GFLOP/s per phase (share of the fp32 matmul peak, {peak / 1e9:.1f} GFLOP/s: the best 2048^3 "
         f"matmul of this process at the same thread count; {', '.join(f'{p / 1e9:.1f}' for p in peaks)} before / "
         f"after the runs). FLOPs per update: generation {flops['generation'] / 1e9:.1f} G, scoring "
-        f"{flops['scoring'] / 1e9:.1f} G, training {flops['training'] / 1e9:.1f} G (phase_flops: pads and every "
-        f"response step counted, the same count for every side).",
+        f"{flops['scoring'] / 1e9:.1f} G, training {flops['training'] / 1e9:.1f} G (phase_flops: the plain algorithm's nominal count, pads and every "
+        f"response step included, the same for every side; ppo.py executes less of it, TRL more).",
         "",
         "| implementation | generation | scoring | training |",
         "|---|---|---|---|",

@@ -102,8 +102,9 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(args.base_model, padding_side="right")
     check_tokenizer(tokenizer, None, args.query_dataset)
     train = datasets.load_from_disk(args.query_dataset)["train"]
-    # ppo.py's prompts, in ppo.py's order (every query is left-padded to the same width already)
-    order = episode_order(len(train), args.updates * args.batch_size, args.seed).tolist()
+    # ppo.py's prompts, in ppo.py's order (every query is left-padded to the same width already), and one batch more:
+    # in a loader's last batch accelerate syncs every micro-batch, so TRL's last update would step 16 times, not 4.
+    order = episode_order(len(train), (args.updates + 1) * args.batch_size, args.seed).tolist()
     prompts = train.select(order).select_columns(["query_token"]).rename_column("query_token", "input_ids")
 
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
