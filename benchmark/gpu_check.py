@@ -273,6 +273,7 @@ def main() -> None:
     import deepspeed
     import transformers
 
+    args.work = os.path.abspath(args.work)  # the stages run in it (cwd) and are given paths below it
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
     versions = (f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, "

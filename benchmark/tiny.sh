@@ -18,6 +18,8 @@ SEED=${SEED:-1}
 MODELS=${MODELS:-models/tiny}     # trained models, judge results, timings.tsv, report.md + report.png
 TIMINGS=$MODELS/timings.tsv       # one `stage<TAB>seconds` row per stage, for the report
 mkdir -p "$MODELS" && printf 'stage\tseconds\n' > "$TIMINGS"
+rm -f "$MODELS/report.md" "$MODELS/report.png" "$MODELS/report_tokens.png" "$MODELS/findings.json"  # this start's, or none
+unset CLEAR  # only the PPO stage sets it, for itself (stage() deletes what it names)
 
 # The thread count and the CPU change the numbers, not only the time (floating-point sums in another
 # order; torch picks its kernels by the CPU's vector instructions): record them with the versions, for the report.
@@ -78,7 +80,7 @@ fi
 STAGES=$MODELS/.stages  # per stage: NAME.started (its key), NAME.done (its key and timings row)
 mkdir -p "$STAGES"
 JOB_KEY=$( { find . -maxdepth 1 -name '*.py' -print0 | sort -z | xargs -0 -r cat; cat "$MODELS/environment.json"
-             find "$WORLD" -type f -not -path '*/.cache/*' -print0 | sort -z | xargs -0 -r cat; } | sha256sum)
+             (cd "$WORLD" && find . -type f -not -path './.cache/*' -print0 | sort -z | xargs -0 -r cat); } | sha256sum)
 RERUN=  # set by the first stage that runs: every later one runs too
 stage() {  # [CLEAR=path] stage NAME COMMAND...: run a stage of the job (timed), or keep its earlier result
   local name=$1; shift
@@ -91,10 +93,12 @@ stage() {  # [CLEAR=path] stage NAME COMMAND...: run a stage of the job (timed),
     cut -f2- "$record.done" | sed 's/\t/ (an earlier start)\t/' >> "$TIMINGS"  # its timings row, marked
     return
   fi
+  local upstream=$RERUN  # an earlier stage ran again: this one's checkpoints were trained on its old outputs
   RERUN=1
   rm -f "$record.done"
-  if [[ -f $record.started && $(cat "$record.started") == "$key" ]]; then  # this stage's own earlier start
-    compgen -G "$out/checkpoints/update_*" > /dev/null && resumed=" (resumed)"
+  if [[ -z $upstream && -f $record.started && $(cat "$record.started") == "$key" ]]; then  # its own earlier start
+    # (a checkpoint still named .partial was cut short while written: the stage starts over, not resumed)
+    if compgen -G "$out/checkpoints/update_*" | grep -qv '\.partial$'; then resumed=" (resumed)"; fi
   elif [[ $out == "$MODELS"/* ]]; then  # another command, code or world: nothing of an earlier start is kept
     rm -rf "$out" ${CLEAR:+"$CLEAR"}
   fi  # (preprocess_tldr.py replaces its own outputs in $DATA)
@@ -152,7 +156,9 @@ stage "dpo" python dpo.py --sft_model_path "$MODELS/sft_$SEED" --label_dataset "
 # (benchmark/results/compare_worlds_rebuilt.md).
 # An evaluation every PPO_EVAL_EVERY updates (runs/$PPO_RUN/samples_validation_<episode>.csv) gives the
 # report its over-optimisation curve.
-PPO_RUN=tiny_ppo_$SEED  # a fresh start clears it (CLEAR): an earlier run's evaluations would mix into the curve
+# Named by the seed and $MODELS (runs/ is shared by every job of this checkout); a fresh start clears it (CLEAR):
+# an earlier run's evaluations would mix into the curve.
+PPO_RUN=tiny_ppo_${SEED}_$(realpath "$MODELS" | tr -d "\n" | sha256sum | cut -c1-8)
 CLEAR="runs/$PPO_RUN" stage "ppo" python ppo.py --base_model "$WORLD/pythia-tiny" --query_dataset "$DATA/sft" \
   --sft_model_path "$MODELS/sft_$SEED" --reward_model_path "$MODELS/reward_$SEED" \
   --output_dir "$MODELS/ppo_$SEED" --seed "$SEED" --run_name "$PPO_RUN" --total_episodes ${PPO_EPISODES:-1280} \

@@ -6,6 +6,7 @@ behind (its output folder; a checkpoint when told to die mid-run), so the job's 
 That a resumed stage gives the uninterrupted stage's result is each script's own test (test_sft.py,
 test_reward.py, test_dpo.py, test_ppo.py)."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -34,9 +35,10 @@ if out:
 if script == os.environ.get("DIE_IN"):  # killed after its checkpoint of update 2
     os.makedirs(checkpoint, exist_ok=True)
     sys.exit(137)
-if script == "ppo.py":  # an evaluation's samples for the report's curve
-    os.makedirs("runs/tiny_ppo_1", exist_ok=True)
-    open("runs/tiny_ppo_1/samples_validation_320.csv", "w").close()
+if script == "ppo.py":  # an evaluation's samples for the report's curve, in runs/<its --run_name>
+    run = os.path.join("runs", flags[flags.index("--run_name") + 1])
+    os.makedirs(run, exist_ok=True)
+    open(os.path.join(run, "samples_validation_320.csv"), "w").close()
 shutil.rmtree(os.path.join(out or "", "checkpoints"), ignore_errors=True)  # a finished run drops them
 """
 
@@ -53,6 +55,11 @@ def make_checkout(root):
     python = root / "bin" / "python"
     python.write_text(STAND_IN.format(python=sys.executable))
     python.chmod(python.stat().st_mode | stat.S_IEXEC)
+
+
+def ppo_runs(root, models="models/tiny"):
+    """runs/<tiny.sh's PPO run>: named by the seed (1) and the real path of $MODELS."""
+    return root / "runs" / f"tiny_ppo_1_{hashlib.sha256(str((root / models).resolve()).encode()).hexdigest()[:8]}"
 
 
 def start(root, **env):
@@ -91,7 +98,7 @@ def test_a_start_after_an_interruption_keeps_finished_stages_and_resumes_the_one
     assert rows[3] == "reward (resumed) (an earlier start)" and rows[-1] == "judge (gold) (an earlier start)"
 
     # Another PPO lr: the stages before PPO are kept, PPO starts afresh (its earlier samples cleared), then the rest.
-    stale = tmp_path / "runs" / "tiny_ppo_1" / "samples_validation_9999.csv"
+    stale = ppo_runs(tmp_path) / "samples_validation_9999.csv"
     stale.write_text("an evaluation of the PPO run at the other lr")
     (tmp_path / "models" / "tiny" / "ppo_1" / "args.json").write_text('{"lr": 0.0001}')  # ppo.py would refuse it
     status, called, rows, _ = start(tmp_path, PPO_LR="2e-4")
@@ -106,7 +113,7 @@ def test_changed_code_reruns_every_stage_and_continues_no_checkpoint(tmp_path):
     make_checkout(tmp_path)
     status, _, _, _ = start(tmp_path, DIE_IN="ppo.py")
     assert status == 137 and (tmp_path / "models" / "tiny" / "ppo_1" / "checkpoints" / "update_2").is_dir()
-    stale = tmp_path / "runs" / "tiny_ppo_1" / "samples_validation_9999.csv"
+    stale = ppo_runs(tmp_path) / "samples_validation_9999.csv"
     stale.parent.mkdir(parents=True)
     stale.write_text("an evaluation by the code before")
     (tmp_path / "ppo.py").write_text("# version 2\n")  # the code changed between the two starts
@@ -117,3 +124,56 @@ def test_changed_code_reruns_every_stage_and_continues_no_checkpoint(tmp_path):
     assert not any(from_checkpoint for _, _, from_checkpoint, _ in called)  # the old PPO checkpoint was dropped
     assert not stale.exists()  # the earlier run's evaluations do not mix into the new curve
     assert rows == ["preprocess", "sft: base model", "sft", "reward", "dpo", "ppo", "judge (gold)"]
+
+
+def test_an_earlier_stage_run_again_drops_a_later_stages_checkpoint(tmp_path):
+    """Killed in the RM, then SFT's command changed: SFT runs again, and the RM starts afresh rather than continuing
+    from a checkpoint trained on the old SFT model (nor is it marked resumed)."""
+    make_checkout(tmp_path)
+    status, _, _, _ = start(tmp_path, DIE_IN="reward.py")
+    assert status == 137 and (tmp_path / "models" / "tiny" / "reward_1" / "checkpoints" / "update_2").is_dir()
+    script = tmp_path / "benchmark" / "tiny.sh"
+    script.write_text(script.read_text().replace("--lr 2e-3", "--lr 1e-3"))  # SFT's lr
+    status, called, rows, stdout = start(tmp_path)
+    assert status == 0, stdout
+    assert ("sft.py", True, False, "1e-3") in called and ("reward.py", True, False, "3e-4") in called
+    assert "reward" in rows and "reward (resumed)" not in rows
+
+
+def test_a_checkpoint_cut_short_is_not_a_resume(tmp_path):
+    """A stage killed while writing its first checkpoint leaves update_N.partial, which the stages drop: the next
+    start runs it from update 0, so its time is judged (not marked resumed)."""
+    make_checkout(tmp_path)
+    start(tmp_path, DIE_IN="reward.py")
+    checkpoints = tmp_path / "models" / "tiny" / "reward_1" / "checkpoints"
+    (checkpoints / "update_2").rename(checkpoints / "update_2.partial")
+    status, _, rows, _ = start(tmp_path)
+    assert status == 0 and rows[3] == "reward"
+
+
+def test_a_start_leaves_no_earlier_report_and_never_deletes_an_inherited_clear(tmp_path):
+    """A start that fails leaves no report of an earlier start behind; a CLEAR in the caller's environment (tiny.sh
+    sets one for the PPO stage only) is not deleted."""
+    make_checkout(tmp_path)
+    keep = tmp_path / "precious"
+    keep.mkdir()
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    for name in ("report.md", "findings.json"):
+        (tmp_path / "models" / "tiny" / name).write_text("an earlier start's")
+    status, _, _, _ = start(tmp_path, DIE_IN="sft.py", CLEAR=str(keep))
+    assert status == 137 and keep.is_dir()
+    assert not (tmp_path / "models" / "tiny" / "report.md").exists()
+    assert not (tmp_path / "models" / "tiny" / "findings.json").exists()
+
+
+def test_a_world_below_a_cache_folder_is_still_part_of_the_job_key(tmp_path):
+    """Only the world's own .cache/ is left out of the key: a world kept under some other .cache/ folder that
+    changes between two starts reruns the job."""
+    make_checkout(tmp_path)
+    world = tmp_path / "store" / ".cache" / "w"
+    world.mkdir(parents=True)
+    (world / "world.json").write_text('{"seed": 1}')
+    start(tmp_path, WORLD=str(world))
+    (world / "world.json").write_text('{"seed": 1, "rebuilt": true}')
+    status, called, _, _ = start(tmp_path, WORLD=str(world))
+    assert status == 0 and [c[0] for c in called][:2] == ["preprocess_tldr.py", "sft.py"]
