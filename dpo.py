@@ -184,7 +184,7 @@ EVAL_SPLITS = ("validation", "validation_cnndm")
 def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bool:
     """Refuse pad == EOS, make [PAD] the pad (add_pad_token), refuse ids other than `data_ids`; True if it changed."""
     # Detail 3: Leading space, EOS at the end, a distinct [PAD]
-    # The base model's tokenizer gets the [PAD] that preprocess_tldr.py added, so the ids agree. A pad
+    # The SFT model's tokenizer has (or gets) the [PAD] that preprocess_tldr.py added: the ids agree. A pad
     # that IS the EOS is refused: it marks a model trained by a recipe whose masks `ids != pad` hid the
     # EOS too, so that the model never learned to stop.
     if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
