@@ -63,6 +63,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -884,13 +885,14 @@ def dpo_inputs(args, accelerator) -> tuple:
     preference, sft = load_datasets(args, {"label_dataset": (("train",) + EVAL_SPLITS, PAIR_COLUMNS),
                                            "query_dataset": (("validation",), QUERY_COLUMNS)})
     tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")
-    for path in (args.label_dataset, args.query_dataset):  # the token columns must be this tokenizer's ids
+    for path, data, column in ((args.label_dataset, preference, "query_chosen_token"),
+                               (args.query_dataset, sft, "reference_response_token")):  # must be this tokenizer's ids
         built_with = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json")
-        data_ids = None  # a Hub dataset or a folder without preprocess_tldr.py's args.json: nothing to compare
+        data_ids = ids_in_data(data, column)  # a Hub dataset (no preprocess_tldr.py args.json): the ids its rows hold
         if os.path.isdir(path) and os.path.isfile(built_with):
             built = load_json(built_with)
             data_ids = {key: built.get(key) for key in ("eos_token_id", "pad_token_id")}
-        if check_tokenizer(tokenizer, data_ids, f"{path} ({built_with})"):
+        if check_tokenizer(tokenizer, data_ids, f"{path} ({built_with} or its rows)"):
             accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
     identity = tokenizer_identity(tokenizer)
     refuse(identity_problem({
@@ -998,6 +1000,21 @@ def load_datasets(args, wanted: dict) -> list:
         if missing:
             raise SetupError(f"--{flag} {path} lacks {missing}: build it with preprocess_tldr.py")
     return loaded
+
+
+def ids_in_data(dataset_dict, column: str) -> Optional[dict]:
+    """{"eos_token_id", "pad_token_id"} read off a right-padded token column (a response, its EOS, then pads) in the
+    first 256 rows of the first split: most rows end with pads, each after its EOS; None when that is not what they
+    show (most rows unpadded, or no one id before the pads in nine padded rows of ten)."""
+    # A Hub dataset comes without preprocess_tldr.py's args.json: the ids its rows hold are what there is to compare
+    # (the reference's datasets pad with [PAD] = 50277; a tokenizer padding with another id would read it as text).
+    rows = next(iter(dataset_dict.values()))[:256][column]
+    pad, padded = Counter(int(row[-1]) for row in rows).most_common(1)[0]
+    ends = Counter(int(next(t for t in reversed(row) if int(t) != pad)) for row in rows
+                   if int(row[-1]) == pad and any(int(t) != pad for t in row))
+    if 2 * padded <= len(rows) or not ends or 10 * ends.most_common(1)[0][1] < 9 * sum(ends.values()):
+        return None
+    return {"eos_token_id": ends.most_common(1)[0][0], "pad_token_id": pad}
 
 
 def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:

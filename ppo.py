@@ -56,6 +56,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -1339,13 +1340,13 @@ def ppo_inputs(args, accelerator) -> tuple:
     missing = missing_columns(dataset, ("train",) + eval_splits, REQUIRED_COLUMNS)
     if missing:
         raise SetupError(f"{args.query_dataset} lacks {missing}: build it with preprocess_tldr.py")
-    tokenizer, identity = ppo_tokenizer(args, accelerator, local_dataset)
+    tokenizer, identity = ppo_tokenizer(args, accelerator, dataset, local_dataset)
     recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
                 "tokenizer_identity": identity}
     return dataset, eval_splits, tokenizer, recorded
 
 
-def ppo_tokenizer(args, accelerator, local_dataset: bool) -> tuple:
+def ppo_tokenizer(args, accelerator, dataset, local_dataset: bool) -> tuple:
     """(the SFT model's tokenizer, checked against the dataset's ids and the RM's tokenizer, its tokenizer_identity)."""
     tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")  # sft.py saved it with its [PAD]
     built_with = os.path.join(os.path.dirname(os.path.abspath(args.query_dataset)), "args.json")
@@ -1353,9 +1354,10 @@ def ppo_tokenizer(args, accelerator, local_dataset: bool) -> tuple:
     if local_dataset and os.path.isfile(built_with):
         built = load_json(built_with)
         data_ids = {key: built.get(key) for key in ("eos_token_id", "pad_token_id")}
-    else:
-        accelerator.print(f"note: no args.json beside {args.query_dataset}; its eos / pad ids are not checked")
-    if check_tokenizer(tokenizer, data_ids, f"{args.query_dataset} ({built_with})"):
+    else:  # a Hub dataset: the ids its rows end with
+        data_ids = ids_in_data(dataset, "reference_response_token")
+        accelerator.print(f"note: no args.json beside {args.query_dataset}; its rows end with the ids {data_ids}")
+    if check_tokenizer(tokenizer, data_ids, f"{args.query_dataset} ({built_with} or its rows)"):
         accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
     # The RM scores the policy's token ids: it must read them as the same tokens (its own tokenizer,
     # saved by reward.py, with [PAD] by the same rule), and its embedding must hold every id (main).
@@ -1434,6 +1436,21 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
         return (f"--output_dir {output_dir} holds an unfinished run, checkpointed at update {checkpoint[0]}: "
                 "pass --resume to continue it, or choose another folder (or delete this one) to start again")
     return None
+
+
+def ids_in_data(dataset_dict, column: str) -> Optional[dict]:
+    """{"eos_token_id", "pad_token_id"} read off a right-padded token column (a response, its EOS, then pads) in the
+    first 256 rows of the first split: most rows end with pads, each after its EOS; None when that is not what they
+    show (most rows unpadded, or no one id before the pads in nine padded rows of ten)."""
+    # A Hub dataset comes without preprocess_tldr.py's args.json: the ids its rows hold are what there is to compare
+    # (the reference's datasets pad with [PAD] = 50277; a tokenizer padding with another id would read it as text).
+    rows = next(iter(dataset_dict.values()))[:256][column]
+    pad, padded = Counter(int(row[-1]) for row in rows).most_common(1)[0]
+    ends = Counter(int(next(t for t in reversed(row) if int(t) != pad)) for row in rows
+                   if int(row[-1]) == pad and any(int(t) != pad for t in row))
+    if 2 * padded <= len(rows) or not ends or 10 * ends.most_common(1)[0][1] < 9 * sum(ends.values()):
+        return None
+    return {"eos_token_id": ends.most_common(1)[0][0], "pad_token_id": pad}
 
 
 def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:

@@ -60,6 +60,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -1012,7 +1013,7 @@ def rm_inputs(args, accelerator) -> tuple:
     preference, sft = load_datasets(args, {"label_dataset": (("train",) + EVAL_SPLITS, TRAIN_PAIR_COLUMNS + PAIR_COLUMNS),
                                            "query_dataset": (("train",), REFERENCE_COLUMNS)})
     judged = load_judged(args.judged_file) if args.judged_file is not None else None
-    tokenizer, identity = rm_tokenizer(args, accelerator)
+    tokenizer, identity = rm_tokenizer(args, accelerator, preference, sft)
     train_pairs = len(preference["train"])
     total_episodes = train_pairs * args.num_train_epochs if args.total_episodes is None else args.total_episodes
     args.num_updates = total_episodes // args.batch_size
@@ -1114,6 +1115,21 @@ def load_datasets(args, wanted: dict) -> list:
     return loaded
 
 
+def ids_in_data(dataset_dict, column: str) -> Optional[dict]:
+    """{"eos_token_id", "pad_token_id"} read off a right-padded token column (a response, its EOS, then pads) in the
+    first 256 rows of the first split: most rows end with pads, each after its EOS; None when that is not what they
+    show (most rows unpadded, or no one id before the pads in nine padded rows of ten)."""
+    # A Hub dataset comes without preprocess_tldr.py's args.json: the ids its rows hold are what there is to compare
+    # (the reference's datasets pad with [PAD] = 50277; a tokenizer padding with another id would read it as text).
+    rows = next(iter(dataset_dict.values()))[:256][column]
+    pad, padded = Counter(int(row[-1]) for row in rows).most_common(1)[0]
+    ends = Counter(int(next(t for t in reversed(row) if int(t) != pad)) for row in rows
+                   if int(row[-1]) == pad and any(int(t) != pad for t in row))
+    if 2 * padded <= len(rows) or not ends or 10 * ends.most_common(1)[0][1] < 9 * sum(ends.values()):
+        return None
+    return {"eos_token_id": ends.most_common(1)[0][0], "pad_token_id": pad}
+
+
 def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
     """['split' or 'split.column' for each missing split or column]; empty when all are there."""
     missing = [split for split in splits if split not in dataset_dict]
@@ -1133,16 +1149,17 @@ def load_judged(judged_file: str) -> pd.DataFrame:
     return judged
 
 
-def rm_tokenizer(args, accelerator) -> tuple:
+def rm_tokenizer(args, accelerator, preference, sft) -> tuple:
     """(the SFT model's tokenizer, checked by check_tokenizer against each dataset's ids, its tokenizer_identity)."""
     tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")
-    for path in (args.label_dataset, args.query_dataset):  # the token columns must be this tokenizer's ids
+    for path, data, column in ((args.label_dataset, preference, "query_chosen_token"),
+                               (args.query_dataset, sft, "reference_response_token")):  # must be this tokenizer's ids
         built_with = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json")
-        data_ids = None  # a Hub dataset or a folder without preprocess_tldr.py's args.json: nothing to compare
+        data_ids = ids_in_data(data, column)  # a Hub dataset (no preprocess_tldr.py args.json): the ids its rows hold
         if os.path.isdir(path) and os.path.isfile(built_with):
             built = load_json(built_with)
             data_ids = {key: built.get(key) for key in ("pad_token_id", "eos_token_id")}
-        if check_tokenizer(tokenizer, data_ids, f"{path} ({built_with})"):
+        if check_tokenizer(tokenizer, data_ids, f"{path} ({built_with} or its rows)"):
             accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
     identity = tokenizer_identity(tokenizer)
     problem = identity_problem({

@@ -46,6 +46,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -643,7 +644,7 @@ def sft_inputs(args, accelerator) -> tuple:
     missing = missing_columns(dataset, ("train",) + eval_splits, REQUIRED_COLUMNS)
     if missing:
         raise SetupError(f"{args.query_dataset} lacks {missing}: build it with preprocess_tldr.py")
-    tokenizer, identity = sft_tokenizer(args, accelerator, local_dataset)
+    tokenizer, identity = sft_tokenizer(args, accelerator, dataset, local_dataset)
     total_episodes = len(dataset["train"]) * args.num_train_epochs if args.total_episodes is None else args.total_episodes
     args.num_updates = total_episodes // args.batch_size
     if args.total_episodes is None and args.num_updates == 0:
@@ -655,7 +656,7 @@ def sft_inputs(args, accelerator) -> tuple:
     return dataset, eval_splits, tokenizer, recorded
 
 
-def sft_tokenizer(args, accelerator, local_dataset: bool) -> tuple:
+def sft_tokenizer(args, accelerator, dataset, local_dataset: bool) -> tuple:
     """(the base model's tokenizer, checked by check_tokenizer against the dataset's ids, its tokenizer_identity)."""
     tokenizer = load_tokenizer(args.base_model, "--base_model")
     # The token columns hold the ids of the tokenizer preprocess_tldr.py used (its args.json).
@@ -664,9 +665,10 @@ def sft_tokenizer(args, accelerator, local_dataset: bool) -> tuple:
     if local_dataset and os.path.isfile(built_with):
         built = load_json(built_with)
         data_ids = {key: built.get(key) for key in ("eos_token_id", "pad_token_id")}
-    else:
-        accelerator.print(f"note: no args.json beside {args.query_dataset}; its eos / pad ids are not checked")
-    if check_tokenizer(tokenizer, data_ids, f"{args.query_dataset} ({built_with})"):
+    else:  # a Hub dataset: the ids its rows end with
+        data_ids = ids_in_data(dataset, "reference_response_token")
+        accelerator.print(f"note: no args.json beside {args.query_dataset}; its rows end with the ids {data_ids}")
+    if check_tokenizer(tokenizer, data_ids, f"{args.query_dataset} ({built_with} or its rows)"):
         accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.base_model}")
     identity = tokenizer_identity(tokenizer)
     refuse(identity_problem({
@@ -712,6 +714,21 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
         return (f"--output_dir {output_dir} holds an unfinished run, checkpointed at update {checkpoint[0]}: "
                 "pass --resume to continue it, or choose another folder (or delete this one) to start again")
     return None
+
+
+def ids_in_data(dataset_dict, column: str) -> Optional[dict]:
+    """{"eos_token_id", "pad_token_id"} read off a right-padded token column (a response, its EOS, then pads) in the
+    first 256 rows of the first split: most rows end with pads, each after its EOS; None when that is not what they
+    show (most rows unpadded, or no one id before the pads in nine padded rows of ten)."""
+    # A Hub dataset comes without preprocess_tldr.py's args.json: the ids its rows hold are what there is to compare
+    # (the reference's datasets pad with [PAD] = 50277; a tokenizer padding with another id would read it as text).
+    rows = next(iter(dataset_dict.values()))[:256][column]
+    pad, padded = Counter(int(row[-1]) for row in rows).most_common(1)[0]
+    ends = Counter(int(next(t for t in reversed(row) if int(t) != pad)) for row in rows
+                   if int(row[-1]) == pad and any(int(t) != pad for t in row))
+    if 2 * padded <= len(rows) or not ends or 10 * ends.most_common(1)[0][1] < 9 * sum(ends.values()):
+        return None
+    return {"eos_token_id": ends.most_common(1)[0][0], "pad_token_id": pad}
 
 
 def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:

@@ -228,6 +228,16 @@ def test_missing_columns():
         "test", "train.query_reference_response_token"]
 
 
+def test_ids_in_data_by_hand():
+    """The pad and EOS ids of a dataset without args.json (a Hub dataset), read off a right-padded token column."""
+    rows = {"train": datasets.Dataset.from_dict({"r": [[5, 6, 0, 1, 1], [7, 0, 1, 1, 1], [8, 9, 10, 11, 0]]})}
+    assert sft.ids_in_data(rows, "r") == {"eos_token_id": 0, "pad_token_id": 1}  # 2 of 3 rows padded
+    rows = {"train": datasets.Dataset.from_dict({"r": [[5, 6, 0], [7, 8, 0], [8, 0, 1]]})}
+    assert sft.ids_in_data(rows, "r") is None  # most rows fill the width (and end with EOS): no pad to read
+    rows = {"train": datasets.Dataset.from_dict({"r": [[5, 1, 1], [7, 8, 1], [8, 0, 1]]})}
+    assert sft.ids_in_data(rows, "r") is None  # no one id before the pads: not EOS-terminated responses
+
+
 def test_check_tokenizer_pad_rules():
     tokenizer = AutoTokenizer.from_pretrained(BASE)
     ids = {"eos_token_id": 0, "pad_token_id": 1}
@@ -284,6 +294,13 @@ def bad_input(case, tiny_tldr, single_run, tmp_path):
         config = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
         (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<|endoftext|>"}))
         return flags + ["--base_model", tmp_path / "model"], "pad token '<|endoftext|>' is its EOS token"
+    if case == "rows padded otherwise":  # no args.json beside it, as a Hub dataset: its rows say which ids it holds
+        data = datasets.load_from_disk(str(tiny_tldr / "sft"))
+        columns = ["query_token", "reference_response_token", "query_reference_response_token"]
+        data = data.map(lambda row: {c: [7 if t == 1 else t for t in row[c]] for c in columns})  # pad 1 -> 7
+        data.save_to_disk(str(tmp_path / "hub" / "sft"))
+        return flags + ["--query_dataset", tmp_path / "hub" / "sft"], (
+            "{'eos_token_id': 0, 'pad_token_id': 7}, this tokenizer has {'eos_token_id': 0, 'pad_token_id': 1}")
     if case == "batch above the split":  # one epoch in batches larger than the train split: no update at all
         rows = len(datasets.load_from_disk(str(tiny_tldr / "sft"))["train"])
         return flags + ["--total_episodes", "None", "--num_train_epochs", "1", "--batch_size", str(8 * rows)], (
@@ -292,7 +309,8 @@ def bad_input(case, tiny_tldr, single_run, tmp_path):
     return flags + ["--batch_size", "10"], "--batch_size 10 is not a positive multiple of --local_micro_batch_size 4"
 
 
-BAD_INPUTS = ["missing column", "different run", "pad is eos", "batch above the split", "batch does not divide"]
+BAD_INPUTS = ["missing column", "different run", "pad is eos", "rows padded otherwise", "batch above the split",
+              "batch does not divide"]
 
 
 @pytest.fixture(scope="module")
