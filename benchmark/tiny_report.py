@@ -278,9 +278,9 @@ def findings(art: dict) -> list:
 
 def fig8_comparison(sft_judged: Optional[list], ppo_judged: Optional[list]) -> Optional[dict]:
     """Figure 8's check, buckets named "[low, high)": {"compared": buckets where SFT and PPO each have >= MIN_BUCKET
-    judged summaries (ties included; the rates are over the decided ones), "below": those where PPO's win rate is not above SFT's, "one_sided_below": the same in the
-    buckets where only one of them has that many (shown, not judged: the other's rate rests on few comparisons),
-    with both rates and counts}; None when either did not run."""
+    judged summaries (ties included; the rates are over the decided ones), "below": those where PPO's win rate is
+    not above SFT's, "one_sided_below": the same in the buckets where only one of them has that many (shown, not
+    judged: the other's rate rests on few comparisons), with both rates and counts}; None when either did not run."""
     if not sft_judged or not ppo_judged:
         return None
     name = lambda bucket: f"[{bucket['low']:+.2f}, {bucket['high']:+.2f})"  # noqa: E731
@@ -375,7 +375,7 @@ def ppo_sample_tables(models: str, seed: int, runs_dir: str) -> tuple:
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         if name.startswith("samples_validation_") and name.endswith(".csv"):
             tables[int(name[len("samples_validation_"):-4])] = read_csv(os.path.join(folder, name))
-    # Another run with the same run name (tiny.sh's PPO run is named by the seed alone) rewrites the folder.
+    # Another run under the same run name rewrites the folder: its last table is then not this run's final one.
     final = read_csv(os.path.join(models, f"ppo_{seed}", "eval_validation.csv"))
     if tables and final is not None and tables[max(tables)] != final:
         print(f"note: {folder} holds another PPO run's samples (its last table is not ppo_{seed}/eval_validation.csv): "
