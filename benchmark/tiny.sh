@@ -24,7 +24,7 @@ unset CLEAR  # only the PPO stage sets it, for itself (stage() deletes what it n
 # The thread count and the CPU change the numbers, not only the time (floating-point sums in another
 # order; torch picks its kernels by the CPU's vector instructions): record them with the versions, for the report.
 python -c "
-import json, os, platform, torch, transformers, accelerate, datasets
+import json, os, platform, torch, transformers, accelerate, datasets, tokenizers, numpy
 try:  # Linux: the first processor's entry, e.g. 'AMD EPYC (family 25, model 17)'
     cpu = dict(line.split(':', 1) for line in open('/proc/cpuinfo').read().split(chr(10) * 2)[0].splitlines() if ':' in line)
     cpu = {key.strip(): value.strip() for key, value in cpu.items()}
@@ -34,7 +34,8 @@ except (OSError, KeyError, ValueError):
 print(json.dumps({'torch_threads': torch.get_num_threads(), 'omp_num_threads': os.environ.get('OMP_NUM_THREADS'),
                   'cpu_count': os.cpu_count(), 'cpu': cpu, 'cpu_capability': torch.backends.cpu.get_cpu_capability(),
                   'python': platform.python_version(),
-                  'versions': {m.__name__: m.__version__ for m in (torch, transformers, accelerate, datasets)}}))
+                  'versions': {m.__name__: m.__version__ for m in (torch, transformers, accelerate, datasets, tokenizers,
+                                                                  numpy)}}))
 " > "$MODELS/environment.json"
 
 # The tiny world's token lengths, computed by preprocess_tldr.py and checked against these

@@ -293,6 +293,8 @@ def test_tiny_sh_records_the_cpu_it_ran_on(tmp_path):
     env = json.loads(result.stdout)
     assert env["cpu"] and env["cpu_capability"] in ("DEFAULT", "AVX2", "AVX512", "ZVECTOR", "VSX", "SVE256", "NEON")
     assert env["torch_threads"] >= 1 and "torch" in env["versions"]
+    # the versions that change tokens or numbers are part of tiny.sh's job key too (a resume must be bit for bit)
+    assert {"tokenizers", "numpy", "transformers", "datasets"} <= set(env["versions"])
 
 
 def test_report_has_every_finding_and_the_figure(tmp_path):
