@@ -63,7 +63,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -888,10 +887,11 @@ def dpo_inputs(args, accelerator) -> tuple:
     for path, data, column in ((args.label_dataset, preference, "query_chosen_token"),
                                (args.query_dataset, sft, "reference_response_token")):  # must be this tokenizer's ids
         built_with = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json")
-        data_ids = ids_in_data(data, column)  # a Hub dataset (no preprocess_tldr.py args.json): the ids its rows hold
         if os.path.isdir(path) and os.path.isfile(built_with):
             built = load_json(built_with)
             data_ids = {key: built.get(key) for key in ("eos_token_id", "pad_token_id")}
+        else:  # a Hub dataset (no preprocess_tldr.py args.json): the ids its rows hold
+            data_ids = ids_in_data(data, column)
         if check_tokenizer(tokenizer, data_ids, f"{path} ({built_with} or its rows)"):
             accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
     identity = tokenizer_identity(tokenizer)
@@ -1008,13 +1008,14 @@ def ids_in_data(dataset_dict, column: str) -> Optional[dict]:
     show (most rows unpadded, or no one id before the pads in nine padded rows of ten)."""
     # A Hub dataset comes without preprocess_tldr.py's args.json: the ids its rows hold are what there is to compare
     # (the reference's datasets pad with [PAD] = 50277; a tokenizer padding with another id would read it as text).
-    rows = next(iter(dataset_dict.values()))[:256][column]
-    pad, padded = Counter(int(row[-1]) for row in rows).most_common(1)[0]
-    ends = Counter(int(next(t for t in reversed(row) if int(t) != pad)) for row in rows
-                   if int(row[-1]) == pad and any(int(t) != pad for t in row))
-    if 2 * padded <= len(rows) or not ends or 10 * ends.most_common(1)[0][1] < 9 * sum(ends.values()):
+    rows = [[int(t) for t in row] for row in next(iter(dataset_dict.values()))[:256][column]]
+    lasts = [row[-1] for row in rows]
+    pad = max(set(lasts), key=lasts.count)  # the most common last id
+    ends = [next(t for t in reversed(row) if t != pad) for row in rows if row[-1] == pad and set(row) != {pad}]
+    eos = max(set(ends), key=ends.count) if ends else None  # the most common id before the pads
+    if 2 * lasts.count(pad) <= len(rows) or eos is None or 10 * ends.count(eos) < 9 * len(ends):
         return None
-    return {"eos_token_id": ends.most_common(1)[0][0], "pad_token_id": pad}
+    return {"eos_token_id": eos, "pad_token_id": pad}
 
 
 def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:
