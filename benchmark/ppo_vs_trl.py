@@ -7,9 +7,10 @@ rollout chunk, response length, PPO epochs, minibatches and thread count. Every 
 `--updates` updates; the first (warm-up: lazy inits, allocator growth, ppo.py's compile of its
 decode step) is left out of the timing. Episodes per second = timed episodes / timed wall time of
 the updates (process start, model loading and saving are not counted). Peak memory = the maximum
-resident set size of each run's process, and of ppo.py's timed updates alone (see execute). Roofline: each phase's FLOPs (the same count
-for every side: the work of the algorithm, pads included, see phase_flops) per second, against the
-best fp32 matmul timed by this process at the same thread count, before and after the runs.
+resident set size of each run's process, and of ppo.py's timed updates alone (see execute). Roofline: each phase's FLOPs per second against the
+best fp32 matmul timed by this process at the same thread count, before and after the runs, twice: the nominal
+count (the same for every side: the work of the algorithm, pads included, see phase_flops) and the FLOPs each
+side's code executes (counted before the runs by benchmark/executed_flops.py: the hardware efficiency).
 Prints and writes a markdown table.
 
 Configurations (--config): tiny, the tiny world's SFT policy and reward model (0.58M parameters,
@@ -29,6 +30,7 @@ import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from executed_flops import executed_flops  # noqa: E402
 from sampling import matmul_peak  # noqa: E402  (the roofline's peak: the same measure as sampling.py's)
 
 SIDES = {"ours": "ppo.py, fast sampling (StaticSampler)", "ours_plain": "ppo.py, plain sampling loop",
@@ -95,8 +97,8 @@ def phase_flops(config: dict, batch: int, query_length: int, response_length: in
     training = `epochs` x forward and backward (3x a forward) of policy and critic over query + response.
     Nominal: the plain algorithm's count, pads and every response token included, the same for every side. No side
     executes exactly that: ppo.py skips the pad columns every row shares, the last layer at query positions and the
-    positions after a micro-batch's last EOS; TRL computes logits at every position (results/ppo_vs_trl.md,
-    "Nominal and executed FLOPs"), so a phase's share of the peak here is not its hardware efficiency."""
+    positions after a micro-batch's last EOS; TRL computes logits at every position, so a phase's share of the
+    peak here is not its hardware efficiency: executed_flops.py counts what each side computes."""
     hidden, layers, inner, vocab = (config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"],
                                     config["vocab_size"])
     per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * inner)  # QKV + output projections, MLP
@@ -167,7 +169,7 @@ def summarize(runs: list, batch_size: int) -> dict:
     return out
 
 
-def parse_args() -> tuple:
+def parse_args(argv: list = None) -> tuple:
     """(the flags parsed, the flags as given less the interpreters the .sh passes, for the report)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", choices=("tiny", "5m"), default="tiny", help="the models and queries (docstring)")
@@ -191,12 +193,12 @@ def parse_args() -> tuple:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default=None, help="default: benchmark/results/ppo_vs_trl[_5m].md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.num_minibatches != 1:  # TRL's minibatch is local_batch / num_mini_batches, stepped every accumulation
         parser.error("--num_minibatches 1 only: ppo_vs_trl_trl.py sets TRL's accumulation to batch / micro-batch, "
                      "so with more minibatches TRL would step its optimizer fewer times than ppo.py")
     args.ours_python, args.trl_python = os.path.abspath(args.ours_python), os.path.abspath(args.trl_python)
-    flags = sys.argv[1:]  # for the report: the flags given, less the interpreters the .sh passes
+    flags = list(sys.argv[1:] if argv is None else argv)  # for the report: the flags given, less the interpreters the .sh passes
     for name in ("--ours_python", "--trl_python"):
         if name in flags:
             del flags[flags.index(name):flags.index(name) + 2]
@@ -285,12 +287,13 @@ def ratio_lines(args: argparse.Namespace, stats: dict, results: dict, memory: di
     return ratios
 
 
-def render_report(args: argparse.Namespace, flags: list, label: str, flops: dict, results: dict, memory: dict,
-                  loads: list, peaks: list, started: str, threads: str) -> str:
-    """The markdown report: throughput, time split and memory per side, the ratios, the roofline, the command."""
+def render_report(args: argparse.Namespace, flags: list, label: str, flops: dict, executed: dict, results: dict,
+                  memory: dict, loads: list, peaks: list, started: str, threads: str) -> str:
+    """The markdown report: throughput, time split and memory per side, the ratios, the rooflines (nominal and
+    executed FLOPs), the command."""
     peak = max(peaks)
     stats = {name: summarize(runs, args.batch_size) for name, runs in results.items()}
-    rows, roofline = [], []
+    rows, roofline, executed_roofline = [], [], []
     for name in args.sides:
         s = stats[name]
         rows.append(f"| {SIDES[name]} | {s['episodes_per_second']:.2f} | {s['total']:.2f} | {s['generation']:.2f} | "
@@ -298,6 +301,10 @@ def render_report(args: argparse.Namespace, flags: list, label: str, flops: dict
                     f"{update_memory(memory[name])} |")
         roofline.append(f"| {SIDES[name]} | " + " | ".join(
             f"{flops[phase] / s[phase] / 1e9:.1f} ({flops[phase] / s[phase] / peak:.0%})"
+            for phase in ("generation", "scoring", "training")) + " |")
+        executed_roofline.append(f"| {SIDES[name]} | " + " | ".join(
+            f"{executed[name][phase] / 1e9:.1f} G ({executed[name][phase] / flops[phase]:.0%}) | "
+            f"{executed[name][phase] / s[phase] / 1e9:.1f} ({executed[name][phase] / s[phase] / peak:.0%})"
             for phase in ("generation", "scoring", "training")) + " |")
     ratios = ratio_lines(args, stats, results, memory)
     return "\n".join([
@@ -327,6 +334,15 @@ def render_report(args: argparse.Namespace, flags: list, label: str, flops: dict
         "|---|---|---|---|",
         *roofline,
         "",
+        "The same in executed FLOPs: what each side's code computes in an update (benchmark/executed_flops.py: "
+        "torch's FlopCounterMode over one batch of these prompts, responses sampled from the SFT policy; TRL's steps "
+        "as its PPOTrainer computes them, with the same models), its share of the nominal count, and per second "
+        "(share of the matmul peak: the hardware efficiency).",
+        "",
+        "| implementation | generation FLOPs | GFLOP/s | scoring FLOPs | GFLOP/s | training FLOPs | GFLOP/s |",
+        "|---|---|---|---|---|---|---|",
+        *executed_roofline,
+        "",
         "generation = sampling (every side stops once every row has an EOS: TRL through HF generate's stop token, "
         "ppo.py in its own loop, token-identical to HF generate; ppo.py's generation also computes the behaviour "
         "log-probs and entropy); scoring = no-grad reference / value / reward forwards (ppo.py: the rest of the "
@@ -343,7 +359,12 @@ def render_report(args: argparse.Namespace, flags: list, label: str, flops: dict
 def main():
     args, flags = parse_args()
     label, flops = configure(args)
-    report = render_report(args, flags, label, flops, *run_rounds(args))
+    print("counting the FLOPs each side executes (benchmark/executed_flops.py) ...", flush=True)
+    executed = executed_flops(args.base_model, args.sft_model_path, args.reward_model_path, args.query_dataset,
+                              args.batch_size, args.local_micro_batch_size, args.local_rollout_forward_batch_size,
+                              args.response_length, args.temperature, args.num_ppo_epochs, args.length_groups,
+                              args.seed)
+    report = render_report(args, flags, label, flops, executed, *run_rounds(args))
     print("\n" + report)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as file:

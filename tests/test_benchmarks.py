@@ -163,3 +163,63 @@ def test_compile_training_smoke_run_on_cpu():
         rows = re.findall(r"^\| (.+?) \| ([\d.]+) \| (\d+)% \| (\d+) \|$", table.split("\n\n")[0], re.M)
         assert len(rows) == 3 and [float(ms) for _, ms, *_ in rows] == sorted((float(ms) for _, ms, *_ in rows), reverse=True)
         assert sum(int(share) for _, _, share, _ in rows) <= 101  # shares of the busy time, rounded
+
+
+def neox_forward_flops(config, rows: int, length: int, unembed: bool = True, head: bool = False) -> int:
+    """By hand: a GPT-NeoX forward over (rows, length) without a cache: QKV, output and MLP projections per token,
+    QK^T and AV over the whole (length x length) rectangle (the CPU's SDPA computes the masked half too), the
+    unembedding at every position (or a scalar head)."""
+    hidden, layers, inner = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    tokens = rows * length
+    flops = tokens * 2 * layers * (4 * hidden * hidden + 2 * hidden * inner) + layers * 4 * rows * length * length * hidden
+    return flops + (tokens * 2 * hidden * config.vocab_size if unembed else 0) + (tokens * 2 * hidden if head else 0)
+
+
+def test_executed_flops_counts_a_forward_and_backward_as_by_hand():
+    """The counter (FlopCounterMode with the CPU's SDPA kernels added) counts a forward as the hand formula and a
+    forward with its backward as 3x that: without the SDPA kernels it would miss the attention."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    import executed_flops
+
+    config = GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                           vocab_size=64, max_position_embeddings=64, attn_implementation="sdpa")
+    model = GPTNeoXForCausalLM(config)
+    ids = torch.randint(0, 64, (3, 10))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[0, :4] = False  # a left-padded row: a masked SDPA, the kernel ppo.py's and TRL's forwards run
+    with torch.no_grad():
+        forward = executed_flops.count(lambda: model(input_ids=ids, attention_mask=mask))
+    assert forward == neox_forward_flops(config, 3, 10)
+    assert executed_flops.count(lambda: model(input_ids=ids, attention_mask=mask).logits.sum().backward()) == 3 * forward
+
+
+def test_executed_flops_trl_side_by_hand_and_above_ppo_py(tiny_tldr, tmp_path):
+    """On the tiny world: TRL's scoring and training (full rows, logits at every position) equal the hand formula
+    exactly; ppo.py's executes less in both (pad columns shared by a micro-batch skipped, logits at the response
+    only, training up to each micro-batch's last EOS); every count positive."""
+    import datasets
+    import torch
+    from transformers import AutoConfig
+
+    import executed_flops
+    import reward
+    from conftest import WORLD
+
+    config = AutoConfig.from_pretrained(WORLD / "pythia-tiny")
+    base_config = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
+    torch.manual_seed(0)
+    reward.ScalarModel(reward.ScalarModelConfig(base_config=base_config)).save_pretrained(tmp_path / "rm")
+    batch, micro, response_length, epochs = 8, 4, 10, 2
+    counted = executed_flops.executed_flops(str(WORLD / "pythia-tiny"), str(WORLD / "pythia-tiny"), str(tmp_path / "rm"),
+                                            str(tiny_tldr / "sft"), batch, micro, 4, response_length, 0.7, epochs, 1, 3)
+    query_length = len(datasets.load_from_disk(tiny_tldr / "sft")["train"][0]["query_token"])
+    length = query_length + response_length
+    policy = neox_forward_flops(config, batch, length)
+    scalar = neox_forward_flops(config, batch, length, unembed=False, head=True)
+    assert counted["trl"]["scoring"] == policy + 2 * scalar  # reference logits, values, scores
+    assert counted["trl"]["training"] == epochs * 3 * (policy + scalar)  # forward and backward, every epoch
+    for phase in ("scoring", "training"):
+        assert 0 < counted["ours"][phase] == counted["ours_plain"][phase] < counted["trl"][phase]
+    assert all(counted[side]["generation"] > 0 for side in counted)
