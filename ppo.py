@@ -21,9 +21,9 @@ updates) the RM scores the policy's summaries of validation prompts (temperature
     # one GPU, Pythia 1B, bf16 (512 = 4 x 128 accumulation steps): models/EleutherAI/pythia-1b-deduped/{sft,reward}_1
     accelerate launch --num_processes 1 --mixed_precision bf16 ppo.py \
         --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 4
-    # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (512 = 1 x 64 x 8 processes); 6.9B adds --offload
-    accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml ppo.py \
-        --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_rollout_forward_batch_size 16 --track
+    # the paper's run at 1B: 8xH100, ZeRO-2, bf16 (512 = 16 x 4 x 8 processes; every size: knobs.sh); 6.9B: --offload
+    accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml ppo.py --seed 44413 --track \
+        --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 16 --local_rollout_forward_batch_size 64
 
 Logged (TensorBoard, and W&B with --track; x-axis = episodes seen; t runs over a response's valid tokens):
   objective/kl | non_score_reward  mean over responses of sum_t (logp - ref_logp) | the same x -kl_coef

@@ -21,9 +21,9 @@ reward.py, dpo.py and ppo.py load with `from_pretrained`:
     # data/EleutherAI/pythia-1b-deduped/tldr/sft, writes models/EleutherAI/pythia-1b-deduped/sft_1
     accelerate launch --num_processes 1 --mixed_precision bf16 sft.py \
         --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 16
-    # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (global batch 128 = 16 x 1 x 8 processes)
+    # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (128 = 1 x 16 x 8 processes, the reference's; knobs.sh)
     accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml sft.py \
-        --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 16 --seed 44413 \
+        --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 1 --seed 44413 \
         --save_every 200 --eval_test --track
 
 Details: 3 the tokenizer's [PAD] must be distinct from EOS and match the dataset's ids; 7 every

@@ -48,7 +48,14 @@ export SAVE_EVERY_DPO=${SAVE_EVERY_DPO:-100}
 export SAVE_EVERY_PPO=${SAVE_EVERY_PPO:-50}
 # A training run checkpoints and stops this many minutes before its job's time limit (--stop_after_minutes),
 # then the task requeues itself, so a time limit costs no updates: room for the last update and the checkpoint.
+# The time limit must also hold a stage's final evaluation (it runs after the last update, unchecked): a job
+# requeued during it resumes from the latest checkpoint and evaluates again.
 export STOP_MARGIN_MINUTES=${STOP_MARGIN_MINUTES:-20}
+
+# GPUs of the one node each training run takes (the paper's 8). Another count keeps every global batch: the
+# scripts accumulate more (4 GPUs: PPO at 1B steps 16 x 8 micro-batches a rank) and refuse a count that does not
+# divide it. launch.sh asks SLURM for that many (sbatch --gpus-per-task); several nodes are not supported here.
+export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 
 # Detail 8: Tech stack
 # The accelerate config of every training launch: DeepSpeed ZeRO-2, bf16, 8 processes on one node

@@ -14,6 +14,7 @@
 #   bash benchmark/launch.sh                       # submit the whole pipeline (from any folder)
 #   bash benchmark/launch.sh sft reward            # only these stages, in pipeline order
 #   MODELS="EleutherAI/pythia-1b-deduped" SEEDS="44413" bash benchmark/launch.sh   # a subset
+#   GPUS_PER_NODE=4 bash benchmark/launch.sh       # nodes of 4 GPUs: the same global batches, more accumulation
 #
 # Cluster options go to sbatch through its own environment variables, e.g. SBATCH_PARTITION,
 # SBATCH_QOS, SBATCH_ACCOUNT, SBATCH_TIMELIMIT (a job reaching its time limit requeues itself and
@@ -44,6 +45,7 @@ for stage in "${ALL_STAGES[@]}"; do
   [[ " ${stages[*]} " == *" $stage "* ]] || continue
   args=(--parsable --kill-on-invalid-dep=yes)
   if [[ $stage != preprocess ]]; then args+=("--array=0-$((n_tasks - 1))${ARRAY_THROTTLE:+%$ARRAY_THROTTLE}"); fi
+  if [[ $stage =~ ^(sft|reward|dpo|ppo)$ ]]; then args+=("--gpus-per-task=$GPUS_PER_NODE"); fi  # the knob, not the #SBATCH 8
   deps=()
   for need in ${NEEDS[$stage]}; do
     [[ -n ${JOB[$need]:-} ]] || continue  # not submitted in this call: assumed done

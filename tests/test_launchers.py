@@ -288,6 +288,11 @@ def test_pipeline_chains_the_stages_with_dependencies(dry_runs):
     # the pipeline's dry run prints the stage launchers' own dry runs
     commands = parse_dry_run(result.stdout)
     assert [c["line"] for c in commands] == [c["line"] for stage in STAGES for c in dry_runs[stage]]
+    for stage in STAGES:  # the training stages ask SLURM for GPUS_PER_NODE GPUs and start as many processes
+        assert ("--gpus-per-task=8" in submits[stage]) == (stage in TRAINING), submits[stage]
+    result4 = bash("benchmark/launch.sh", "--dry-run", "sft", "ppo", env={"GPUS_PER_NODE": "4"})
+    assert result4.returncode == 0 and result4.stdout.count("--gpus-per-task=4 ") == 2, result4.stdout
+    assert {world_size(c) for c in parse_dry_run(result4.stdout)} == {4}
     # a subset: the array shrinks and the tasks follow
     result = bash("benchmark/launch.sh", "--dry-run", "ppo", env={"MODELS": PAPER_MODELS[2], "SEEDS": "1 2"})
     assert "--array=0-1 " in result.stdout and "--dependency" not in result.stdout
@@ -309,7 +314,8 @@ def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
     result = bash(str(SLURM / "reward.sbatch"), env={**env, "SLURM_ARRAY_TASK_ID": "5"})
     assert result.returncode == 0, result.stderr
     out = tmp_path / "models" / PAPER_MODELS[1] / "reward_55513"
-    assert "srun: accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml reward.py" in result.stdout
+    assert ("srun: accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml --num_processes 8 "
+            "reward.py") in result.stdout
     assert f"--output_dir {out} " in result.stdout and "--resume" in result.stdout
 
     out.mkdir(parents=True)
@@ -332,7 +338,8 @@ def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
 def test_a_training_run_stops_before_the_time_limit_and_its_task_requeues(tmp_path):
     """Under SLURM a training run gets --stop_after_minutes: the job's time left (squeue's %L) less
     STOP_MARGIN_MINUTES (20). A run that exits 0 without its DONE file stopped there, and the task requeues itself;
-    without a time limit (UNLIMITED) the flag is left out and nothing is requeued."""
+    without a time limit (UNLIMITED) the flag is left out and nothing is requeued. A job with no more than the
+    margin left starts nothing and fails, naming the fix (else each requeue would stop at once, forever)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "srun: $*"\n')  # exits 0, writes no DONE file
@@ -343,7 +350,11 @@ def test_a_training_run_stops_before_the_time_limit_and_its_task_requeues(tmp_pa
         (bin_dir / tool).chmod(0o755)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT_ROOT": str(tmp_path / "models"), "SLURM_JOB_ID": "77",
            "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "5", "SLURM_SUBMIT_DIR": str(REPO)}
-    for left, minutes in (("1-02:30:00", 1570), ("45:08", 25), ("08:59", 0), ("UNLIMITED", None)):
+    for left in ("08:59", "20:59"):
+        result = bash(str(SLURM / "ppo.sbatch"), env={**env, "FAKE_LEFT": left})
+        assert result.returncode == 1 and "srun:" not in result.stdout and "scontrol:" not in result.stdout
+        assert f"the job has {int(left[:2])} minutes left" in result.stderr and "SBATCH_TIMELIMIT" in result.stderr
+    for left, minutes in (("1-02:30:00", 1570), ("45:08", 25), ("21:00", 1), ("UNLIMITED", None)):
         result = bash(str(SLURM / "ppo.sbatch"), env={**env, "FAKE_LEFT": left})
         assert result.returncode == 0, result.stderr
         srun = next(line for line in result.stdout.splitlines() if line.startswith("srun: "))

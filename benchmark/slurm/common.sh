@@ -52,7 +52,7 @@ minutes_to_stop() {  # minutes a training run may take before it checkpoints and
   days=${BASH_REMATCH[2]:-0}
   hours=${BASH_REMATCH[4]:-0}
   left=$(( ((10#$days * 24 + 10#$hours) * 60 + 10#${BASH_REMATCH[5]}) * 60 + 10#${BASH_REMATCH[6]} ))
-  echo $(( left > STOP_MARGIN_MINUTES * 60 ? left / 60 - STOP_MARGIN_MINUTES : 0 ))
+  echo $(( left / 60 - STOP_MARGIN_MINUTES ))  # at most 0: no time to train (run_stage refuses)
 }
 
 task_done() {  # whether $OUT holds a finished run: the launcher's stage_done, else its DONE file
@@ -110,6 +110,15 @@ run_stage() {  # run_stage [--dry-run]
     minutes=$(minutes_to_stop)
     # A training run checkpoints and stops before the job's time limit (--stop_after_minutes), and the task
     # requeues itself; the USR1 trap stays as the fallback (an update longer than the margin).
+    if [[ -n $minutes ]] && ((minutes <= 0)); then
+      # Each requeued job would load the models and stop at once (or be killed before its first checkpoint),
+      # requeueing forever without progress: refuse instead.
+      echo "$STAGE [$i]: the job has $((minutes + STOP_MARGIN_MINUTES)) minutes left, no more than" \
+        "STOP_MARGIN_MINUTES ($STOP_MARGIN_MINUTES), the time a run keeps in hand before its limit: ask for a" \
+        "longer time limit (SBATCH_TIMELIMIT=6:00:00, or sbatch --time) or set STOP_MARGIN_MINUTES lower." \
+        "Nothing was started." >&2
+      return 1
+    fi
     if [[ -n $minutes ]]; then CMD+=(--stop_after_minutes "$minutes"); fi
   fi
   echo "$STAGE [$i] on $(hostname) at $(date -u +%FT%TZ): $(print_command "${CMD[@]}")"
