@@ -415,7 +415,7 @@ def main() -> None:
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     train = dataset["train"].with_format("torch", columns=["query_token"])
     context_length = train[0]["query_token"].shape[0]  # T_q: every query is left-padded to this width
-    resume_from = latest_checkpoint(os.path.join(args.output_dir, "checkpoints")) if args.resume else None
+    resume_from = checkpoint_to_resume(args, accelerator)  # with --resume: the latest checkpoint, if it fits
 
     # ---- seeding & data order ----
     seed_everything(args.seed + accelerator.process_index * 100003)  # sampling differs per rank
@@ -569,8 +569,8 @@ class ScalarModel(PreTrainedModel):
 
     def __init__(self, config: ScalarModelConfig):
         super().__init__(config)
-        # Built from the stored config, never from a path: a saved RM loads on any machine.
-        self.backbone = AutoModel.from_config(AutoConfig.for_model(**config.base_config))
+        # Built from the stored config (never a path: it loads anywhere), in the loader's dtype, not the stored one.
+        self.backbone = AutoModel.from_config(AutoConfig.for_model(**config.base_config), dtype=torch.get_default_dtype())
         self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)  # its bias carries the RM's normalisation
         self.post_init()
 
@@ -1683,6 +1683,19 @@ def latest_checkpoint(folder: str) -> Optional[tuple]:
     return max(complete) if complete else None
 
 
+def checkpoint_to_resume(args, accelerator) -> Optional[tuple]:
+    """With --resume: (update, path) of the latest complete checkpoint, if this launch can load it; else None."""
+    found = latest_checkpoint(os.path.join(args.output_dir, "checkpoints")) if args.resume else None
+    # DeepSpeed saves one optimizer shard per process and loads only on as many (DDP resumes on any number).
+    folder = os.path.join(found[1], "deepspeed") if found else ""
+    shards = [name for name in os.listdir(folder) if "zero_pp_rank_" in name] if os.path.isdir(folder) else []
+    if shards and accelerator.state.deepspeed_plugin is not None and len(shards) != accelerator.num_processes:
+        raise SetupError(f"--resume: {found[1]} was saved by DeepSpeed on {len(shards)} processes, and DeepSpeed "
+                         f"resumes only on as many (this launch has {accelerator.num_processes}): relaunch with "
+                         f"--num_processes {len(shards)}, or delete {os.path.dirname(found[1])} and start again")
+    return found
+
+
 def save_checkpoint(accelerator, folder: str, update: int, run_name: str, model, optimizer) -> None:
     """All ranks: write {folder}/update_{update} whole (as update_{update}.partial, then renamed), then drop older ones."""
     # A kill at any moment leaves the previous checkpoint or this one complete on disk: the older ones
@@ -1757,7 +1770,8 @@ def load_checkpoint(accelerator, path: str, model, optimizer) -> dict:
     if accelerator.scaler is not None and state["scaler"] is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
     # A checkpoint ends an update, so accumulate() starts the next one afresh, whatever the accumulation is now
-    # (a resume on another number of processes accumulates over another number of micro-batches).
+    # (a DDP resume on another number of processes accumulates over another number of micro-batches;
+    # DeepSpeed resumes only on as many, checkpoint_to_resume).
     accelerator.step = 0
     if not load_rng_state(os.path.join(path, f"rng_state_{accelerator.process_index}")):
         print(f"note: {path} has no RNG state of rank {accelerator.process_index} (saved by fewer processes); "
@@ -1787,8 +1801,10 @@ def load_rng_state(path: str) -> bool:
     np.random.set_state((state["numpy"][0], np.array(state["numpy"][1], dtype=np.uint32), *state["numpy"][2:]))
     tensors = load_file(path + ".safetensors")
     torch.set_rng_state(tensors["torch"])
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensors[f"cuda_{i}"] for i in range(torch.cuda.device_count())])
+    # This process's GPU only: a resume may see more GPUs than the save did (or none were seen: a CPU rehearsal).
+    device = f"cuda_{torch.cuda.current_device()}" if torch.cuda.is_available() else None
+    if device in tensors:
+        torch.cuda.set_rng_state(tensors[device])
     return True
 
 

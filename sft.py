@@ -277,7 +277,7 @@ def main() -> None:
     # ---- data and tokenizer: every bad input fails here, before a model is loaded or anything is written ----
     dataset, eval_splits, tokenizer, recorded = sft_inputs(args, accelerator)  # also sets args.num_updates
     train = dataset["train"].with_format("torch", columns=["query_reference_response_token"])
-    resume_from = latest_checkpoint(os.path.join(args.output_dir, "checkpoints")) if args.resume else None
+    resume_from = checkpoint_to_resume(args, accelerator)  # with --resume: the latest checkpoint, if it fits
 
     # ---- seeding & data order ----
     seed_everything(args.seed + accelerator.process_index * 100003)  # eval sampling differs per rank
@@ -610,6 +610,9 @@ def start_accelerator(args, flag_problems, script: str) -> Accelerator:
     deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else [])
     problems = flag_problems(args, accelerator.num_processes)
+    sharded = sharded_parameters_problem(accelerator.state.deepspeed_plugin, script)
+    if sharded:
+        problems.append(sharded)
     if problems:
         raise SetupError(f"{script} cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
     args.world_size = accelerator.num_processes
@@ -618,6 +621,16 @@ def start_accelerator(args, flag_problems, script: str) -> Accelerator:
     args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
     args.micro_batch_size = args.local_micro_batch_size * args.world_size
     return accelerator
+
+
+def sharded_parameters_problem(deepspeed_plugin, script: str) -> Optional[str]:
+    """Why a DeepSpeed launch at ZeRO stage 3 cannot run `script`; None for no DeepSpeed or stages 0-2."""
+    # ZeRO-3 shards every parameter as the model loads: the checks of the model (its embedding rows read 0)
+    # and the evaluations' single-rank forwards would fail or wait on the other ranks.
+    if deepspeed_plugin is None or deepspeed_plugin.zero_stage != 3:
+        return None
+    return (f"DeepSpeed ZeRO stage 3: {script} checks and evaluates its model with whole parameters, which ZeRO-3 "
+            "shards as the model loads. Use ZeRO-2, the paper's (benchmark/accelerate/deepspeed_zero2.yaml)")
 
 
 def sft_inputs(args, accelerator) -> tuple:
@@ -915,6 +928,19 @@ def latest_checkpoint(folder: str) -> Optional[tuple]:
     return max(complete) if complete else None
 
 
+def checkpoint_to_resume(args, accelerator) -> Optional[tuple]:
+    """With --resume: (update, path) of the latest complete checkpoint, if this launch can load it; else None."""
+    found = latest_checkpoint(os.path.join(args.output_dir, "checkpoints")) if args.resume else None
+    # DeepSpeed saves one optimizer shard per process and loads only on as many (DDP resumes on any number).
+    folder = os.path.join(found[1], "deepspeed") if found else ""
+    shards = [name for name in os.listdir(folder) if "zero_pp_rank_" in name] if os.path.isdir(folder) else []
+    if shards and accelerator.state.deepspeed_plugin is not None and len(shards) != accelerator.num_processes:
+        raise SetupError(f"--resume: {found[1]} was saved by DeepSpeed on {len(shards)} processes, and DeepSpeed "
+                         f"resumes only on as many (this launch has {accelerator.num_processes}): relaunch with "
+                         f"--num_processes {len(shards)}, or delete {os.path.dirname(found[1])} and start again")
+    return found
+
+
 def save_checkpoint(accelerator, folder: str, update: int, run_name: str, model, optimizer, scheduler) -> None:
     """All ranks: write {folder}/update_{update} whole (as update_{update}.partial, then renamed), then drop older ones."""
     # A kill at any moment leaves the previous checkpoint or this one complete on disk: the older ones
@@ -992,7 +1018,8 @@ def load_checkpoint(accelerator, path: str, model, optimizer, scheduler) -> dict
     if accelerator.scaler is not None and state["scaler"] is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
     # A checkpoint ends an update, so accumulate() starts the next one afresh, whatever the accumulation is now
-    # (a resume on another number of processes accumulates over another number of micro-batches).
+    # (a DDP resume on another number of processes accumulates over another number of micro-batches;
+    # DeepSpeed resumes only on as many, checkpoint_to_resume).
     accelerator.step = 0
     if not load_rng_state(os.path.join(path, f"rng_state_{accelerator.process_index}")):
         print(f"note: {path} has no RNG state of rank {accelerator.process_index} (saved by fewer processes); "
@@ -1022,8 +1049,10 @@ def load_rng_state(path: str) -> bool:
     np.random.set_state((state["numpy"][0], np.array(state["numpy"][1], dtype=np.uint32), *state["numpy"][2:]))
     tensors = load_file(path + ".safetensors")
     torch.set_rng_state(tensors["torch"])
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensors[f"cuda_{i}"] for i in range(torch.cuda.device_count())])
+    # This process's GPU only: a resume may see more GPUs than the save did (or none were seen: a CPU rehearsal).
+    device = f"cuda_{torch.cuda.current_device()}" if torch.cuda.is_available() else None
+    if device in tensors:
+        torch.cuda.set_rng_state(tensors[device])
     return True
 
 

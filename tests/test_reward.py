@@ -454,3 +454,18 @@ def test_deepspeed_zero2_matches_one_process(resumed_run, small_world, tmp_path)
     one = reward.ScalarModel.from_pretrained(str(resumed_run)).state_dict()
     for key in one:
         assert torch.allclose(one[key], two[key], atol=1e-4), key
+
+
+@pytest.mark.parametrize("dtype_key", ["dtype", "torch_dtype"])
+def test_a_reward_model_whose_base_config_says_fp16_loads_whole_in_fp32(tmp_path, dtype_key):
+    """A reward model folder whose stored base_config names float16 (the reference's RMs keep Pythia's config,
+    `torch_dtype: float16`; transformers 5 writes `dtype`) loads in the loader's dtype, backbone and head alike:
+    from_config alone would build an fp16 backbone under an fp32 head, which ppo.py's fp32 load did not undo."""
+    import ppo
+
+    base = dict(model_type="gpt_neox", hidden_size=16, num_attention_heads=2, num_hidden_layers=1,
+                intermediate_size=32, vocab_size=16, **{dtype_key: "float16"})
+    reward.ScalarModel(reward.ScalarModelConfig(base_config=base)).save_pretrained(tmp_path / "rm")
+    for model_class in (reward.ScalarModel, ppo.ScalarModel):
+        model = ppo.load_fp32(model_class, str(tmp_path / "rm"), "--reward_model_path")
+        assert {parameter.dtype for parameter in model.parameters()} == {torch.float32}

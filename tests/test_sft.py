@@ -457,3 +457,62 @@ def test_length_groups_benchmark_smoke_run(tiny_tldr, tmp_path):
     assert [row[0] for row in rows] == ["| 1 length group", "| 3 length groups"]
     for row in rows:  # |loss difference| / max |gradient difference| against full width
         assert all(float(value) < 1e-3 for value in row[3].rstrip(" |").split(" / ")), row
+
+
+def test_rng_state_resumes_on_this_processs_gpu_whatever_the_gpus_seen(tmp_path, monkeypatch):
+    """save_rng_state keeps every visible GPU's CUDA state; load_rng_state restores this process's GPU's only, so a
+    resume that sees more GPUs than the save (CUDA_VISIBLE_DEVICES widened) or other ones does not crash on a missing
+    key. CUDA faked: this machine has none."""
+    import torch
+
+    states = [torch.full((8,), i, dtype=torch.uint8) for i in range(2)]  # the save saw 2 GPUs
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: restored.append(state.clone()))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("restores other GPUs' states"))
+    sft.save_rng_state(str(tmp_path / "rng"))
+    for device, expected in ((1, states[1]), (5, None), (0, states[0])):  # the resume sees 8 GPUs
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: device)
+        restored.clear()
+        assert sft.load_rng_state(str(tmp_path / "rng"))
+        assert (restored == []) if expected is None else (len(restored) == 1 and torch.equal(restored[0], expected))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run resuming a GPU checkpoint
+    restored.clear()
+    assert sft.load_rng_state(str(tmp_path / "rng")) and restored == []
+
+
+def test_zero_stage_3_is_refused_by_the_stages_that_check_whole_parameters():
+    """sft.py, reward.py and dpo.py check the model's embedding rows and evaluate with whole parameters: under ZeRO-3
+    (parameters sharded as they load) they stop at start, naming ZeRO-3 and the config to use, instead of blaming
+    the tokenizer (0 embedding rows); no DeepSpeed and stages 0-2 start."""
+    from types import SimpleNamespace
+
+    assert sft.sharded_parameters_problem(None, "sft.py") is None
+    assert all(sft.sharded_parameters_problem(SimpleNamespace(zero_stage=stage), "sft.py") is None for stage in (0, 1, 2))
+    problem = sft.sharded_parameters_problem(SimpleNamespace(zero_stage=3), "reward.py")
+    assert "ZeRO stage 3" in problem and "reward.py" in problem and "deepspeed_zero2.yaml" in problem
+
+
+def test_a_deepspeed_checkpoint_resumes_only_on_as_many_processes(tmp_path):
+    """DeepSpeed saves an optimizer shard per process and refuses to load them on another number: --resume says so
+    at start, naming the number to launch, instead of failing inside DeepSpeed once every model is loaded. DDP
+    checkpoints (no shards) resume on any number; no --resume, no checkpoint."""
+    from types import SimpleNamespace
+
+    checkpoint = tmp_path / "checkpoints" / "update_3"
+    (checkpoint / "deepspeed").mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    for rank in range(2):
+        (checkpoint / "deepspeed" / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (checkpoint / "deepspeed" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    args = SimpleNamespace(output_dir=str(tmp_path), resume=True)
+    launch = lambda processes, deepspeed=True: SimpleNamespace(  # noqa: E731
+        num_processes=processes, state=SimpleNamespace(deepspeed_plugin=object() if deepspeed else None))
+    assert sft.checkpoint_to_resume(args, launch(2)) == (3, str(checkpoint))
+    with pytest.raises(sft.SetupError, match="saved by DeepSpeed on 2 processes.*--num_processes 2"):
+        sft.checkpoint_to_resume(args, launch(8))
+    assert sft.checkpoint_to_resume(SimpleNamespace(output_dir=str(tmp_path), resume=False), launch(8)) is None
+    shutil.rmtree(checkpoint / "deepspeed")  # a DDP checkpoint
+    assert sft.checkpoint_to_resume(args, launch(8, deepspeed=False)) == (3, str(checkpoint))
+    assert sft.checkpoint_to_resume(SimpleNamespace(output_dir=str(tmp_path / "none"), resume=True), launch(1)) is None
