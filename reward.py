@@ -432,7 +432,7 @@ def main() -> None:
             report += gold_report
         # Detail 18: RM calibration
         # A calibrated RM is right with probability sigmoid(margin) (Bai et al., 2022): bins 0.5 wide.
-        calibration[split] = calibration_bins((table["chosen_reward"] - table["rejected_reward"]).to_numpy(), 0.5)
+        calibration[split] = calibration_bins(table, 0.5)
         write_split_results(staging, split, table, report, calibration[split], f"eval_{split}.csv",
                             f"eval/rm/{split}/samples" if args.track else None)
     if accelerator.is_main_process:
@@ -733,16 +733,17 @@ def accuracy_metrics(by_group: pd.DataFrame, key: str) -> dict:
             for row in by_group.itertuples()}
 
 
-def calibration_bins(margins: np.ndarray, bin_width: float) -> pd.DataFrame:
-    """Rows (low, high, pairs, accuracy, ideal) per |margin| bin; margin = r_chosen - r_rejected, accurate if > 0."""
-    magnitude = np.abs(margins)
-    bins = np.floor(magnitude / bin_width).astype(int)  # bin k holds k * width <= |margin| < (k + 1) * width
+def calibration_bins(table: pd.DataFrame, bin_width: float) -> pd.DataFrame:
+    """Rows (low, high, pairs, accuracy, ideal) per bin of |margin| = |r_chosen - r_rejected| of the pairs of `table`;
+    accuracy = the mean of its `accuracy` column (pair_accuracy: ties counted as the stage's accuracy counts them)."""
+    margins, accurate = (table["chosen_reward"] - table["rejected_reward"]).to_numpy(), table["accuracy"].to_numpy()
+    bins = np.floor(np.abs(margins) / bin_width).astype(int)  # bin k holds k * width <= |margin| < (k + 1) * width
     out = []
     for k in np.unique(bins):
         inside = bins == k
         # Ideal: a calibrated RM predicts P(chosen preferred) = sigmoid(margin); at the bin's centre
         center = (k + 0.5) * bin_width
-        out.append((k * bin_width, (k + 1) * bin_width, int(inside.sum()), float((margins[inside] > 0).mean()),
+        out.append((k * bin_width, (k + 1) * bin_width, int(inside.sum()), float(accurate[inside].mean()),
                     1 / (1 + math.exp(-center))))
     return pd.DataFrame(out, columns=["low", "high", "pairs", "accuracy", "ideal"])
 

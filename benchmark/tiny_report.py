@@ -143,14 +143,17 @@ def length_reliance(rows: list, eos: str = "<|endoftext|>") -> Optional[dict]:
             "chosen_shorter": mean(shorter), "chosen_longer": mean(longer)}
 
 
-def calibration_bins(margins: list, width: float = 0.5) -> list:
-    """Figure 5 (right): [(low, high, pairs, accuracy, ideal)] per bin of |r_chosen - r_rejected|.
+def calibration_bins(rows: list, width: float = 0.5) -> list:
+    """Figure 5 (right): [(low, high, pairs, accuracy, ideal)] per bin of |r_chosen - r_rejected| of the pairs
+    `rows` (a stage's eval CSV rows: chosen_reward, rejected_reward, accuracy).
 
-    accuracy = share of the bin's pairs with margin > 0; ideal = sigmoid(bin centre), what a
-    calibrated RM would reach (Bai et al. 2022). Empty bins are skipped."""
+    accuracy = the mean of the bin's `accuracy` column, as the stage counted each pair (ties and
+    identical summaries included); ideal = sigmoid(bin centre), what a calibrated RM would reach
+    (Bai et al. 2022). Empty bins are skipped."""
     bins = {}
-    for margin in margins:
-        bins.setdefault(int(abs(margin) // width), []).append(margin > 0)
+    for row in rows:
+        margin = float(row["chosen_reward"]) - float(row["rejected_reward"])
+        bins.setdefault(int(abs(margin) // width), []).append(float(row["accuracy"]))
     return [(k * width, (k + 1) * width, len(bins[k]), sum(bins[k]) / len(bins[k]),
              1 / (1 + math.exp(-(k + 0.5) * width))) for k in sorted(bins)]
 
@@ -676,7 +679,7 @@ def section_calibration(art: dict) -> list:
     rows = art["rm_rows"].get("validation")
     if rows:
         lines += ["| \\|margin\\| | pairs | accuracy | calibrated |", "|---|---|---|---|"]
-        for lo, hi, n, acc, ideal in calibration_bins([float(r["chosen_reward"]) - float(r["rejected_reward"]) for r in rows]):
+        for lo, hi, n, acc, ideal in calibration_bins(rows):
             lines.append(f"| [{lo:.1f}, {hi:.1f}) | {n} | {fmt(acc)} | {fmt(ideal)} |")
     else:
         lines.append("not run")
@@ -864,7 +867,7 @@ def panel_calibration(ax, art: dict) -> None:
     """Figure 5 (right): calibration of the RM (and of DPO's implicit reward) beside sigmoid(margin)."""
     for name, table, color in (("RM", art["rm_rows"].get("validation"), "tab:orange"), ("DPO", art["dpo_rows"].get("validation"), "tab:red")):
         if table:
-            bins = [b for b in calibration_bins([float(r["chosen_reward"]) - float(r["rejected_reward"]) for r in table]) if b[2] >= 5]
+            bins = [b for b in calibration_bins(table) if b[2] >= 5]
             ax.plot([(lo + hi) / 2 for lo, hi, *_ in bins], [acc for _, _, _, acc, _ in bins], "o-", color=color, label=name)
     grid = [i / 20 for i in range(0, 101)]
     ax.plot(grid, [1 / (1 + math.exp(-x)) for x in grid], color="black", linewidth=1, label="calibrated: sigmoid")

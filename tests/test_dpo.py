@@ -11,14 +11,17 @@
 The subprocess runs use the tiny base model as the "SFT model", as tests/test_reward.py does.
 """
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import socket
 import sys
+from types import SimpleNamespace
 
 import datasets
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -86,25 +89,80 @@ def pairs(tiny_tldr, n):
     return train.with_format("torch", columns=list(dpo.PAIR_COLUMNS))[list(range(n))]
 
 
+class Accumulating:
+    """The parts of an Accelerator that dpo_update and implicit_rewards use, on one CPU process: backward divides by
+    the accumulation steps, as accelerator.backward does while accumulating."""
+
+    device, process_index, num_processes, is_main_process = torch.device("cpu"), 0, 1, True
+
+    def __init__(self, steps: int = 1):
+        self.steps = steps
+
+    def accumulate(self, model):
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def backward(self, loss):
+        (loss / self.steps).backward()
+
+    def unwrap_model(self, model):
+        return model
+
+
+class KeepGradients:
+    """An optimizer that neither steps nor zeroes: after dpo_update the parameters hold the update's gradient."""
+
+    def step(self):
+        pass
+
+    def zero_grad(self):
+        pass
+
+
 def test_micro_batch_1_and_4_give_the_same_gradient(tiny_tldr):
-    """The loss is a mean per micro-batch, divided by the accumulation steps: 4 x 1 = 1 x 4 pairs."""
+    """dpo_update's loss is a mean per micro-batch, divided by the accumulation steps: 4 x 1 = 1 x 4 pairs, the
+    gradient of the mean DPO loss over the 4 pairs (a sum would scale it with the micro-batch)."""
     batch = pairs(tiny_tldr, 4)
     # float64: the two ways sum the same terms in another order, and in float32 an embedding row whose gradient
     # nearly cancels differs by ~2e-6 (the world's pairs of 0670dbd); in float64 the tolerance below holds.
     reference = tiny_model().double().eval()
+    args = SimpleNamespace(beta=0.05, ipo=False, label_smoothing=0.0)
     gradients = []
     for micro in (4, 1):
         policy = tiny_model(seed=1).double()  # moved away from the reference: h differs per pair
-        for start in range(0, 4, micro):
-            part = {key: value[start:start + micro] for key, value in batch.items()}
-            with torch.no_grad():
-                ref_logps = dpo.pair_logprobs(reference, part, PAD)
-            losses, _, _ = dpo.dpo_loss(*dpo.pair_logprobs(policy, part, PAD), *ref_logps, beta=0.05)
-            (losses.mean() / (4 // micro)).backward()  # what accelerator.backward does when accumulating
+        parts = [{key: value[start:start + micro] for key, value in batch.items()} for start in range(0, 4, micro)]
+        stats = dpo.dpo_update(Accumulating(4 // micro), policy, reference, KeepGradients(), parts, PAD, args)
         gradients.append({name: p.grad.clone() for name, p in policy.named_parameters()})
-        assert losses.abs().max() > 0 and max(g.abs().max() for g in gradients[-1].values()) > 1e-4
+        assert stats["loss"].abs().max() > 0 and max(g.abs().max() for g in gradients[-1].values()) > 1e-4
+    # by hand: the mean loss over the 4 pairs, one backward
+    policy = tiny_model(seed=1).double()
+    with torch.no_grad():
+        ref_logps = dpo.pair_logprobs(reference, batch, PAD)
+    dpo.dpo_loss(*dpo.pair_logprobs(policy, batch, PAD), *ref_logps, beta=0.05)[0].mean().backward()
+    gradients.append({name: p.grad.clone() for name, p in policy.named_parameters()})
     for name in gradients[0]:
         assert torch.allclose(gradients[0][name], gradients[1][name], atol=1e-6, rtol=1e-4), name
+        assert torch.allclose(gradients[0][name], gradients[2][name], atol=1e-6, rtol=1e-4), name
+
+
+def test_implicit_rewards_are_beta_times_the_log_ratio_of_each_summary(tiny_tldr):
+    """Detail 19: the evaluation's implicit rewards are beta (log pi(y|x) - log pi_ref(y|x)) of the chosen and of the
+    rejected summary, each with its own reference log-prob; exactly 0 for the reference itself. Rows in dataset
+    order (evaluation batches of 3 over 5 pairs: the last batch padded)."""
+    train = datasets.load_from_disk(str(tiny_tldr / "preference"))["train"]
+    dataset = train.select(range(5)).with_format("torch", columns=list(dpo.PAIR_COLUMNS))
+    reference, policy = tiny_model().eval(), tiny_model(seed=1).eval()
+    with torch.no_grad():
+        rewards = dpo.implicit_rewards(Accumulating(), policy, reference, dataset, PAD, 0.05, 3)
+        same = dpo.implicit_rewards(Accumulating(), reference, reference, dataset, PAD, 0.05, 3)
+        chosen, rejected = dpo.pair_logprobs(policy, dataset[:], PAD)
+        ref_chosen, ref_rejected = dpo.pair_logprobs(reference, dataset[:], PAD)
+    np.testing.assert_allclose(rewards["chosen"], (0.05 * (chosen - ref_chosen)).numpy(), atol=1e-5)
+    np.testing.assert_allclose(rewards["rejected"], (0.05 * (rejected - ref_rejected)).numpy(), atol=1e-5)
+    assert np.abs(rewards["chosen"] - rewards["rejected"]).max() > 1e-3  # the two sides differ
+    assert np.abs(same["chosen"]).max() < 1e-6 and np.abs(same["rejected"]).max() < 1e-6
 
 
 def two_rows_a_pair(model, batch):

@@ -133,6 +133,10 @@ def test_score_placement_and_kl_rewards(score_after_eos):
         expected = non_score[row].clone()
         expected[where] += scores[row]
         torch.testing.assert_close(rewards[row], expected)
+    # An EOS at T - 2: one token later is the last one, still in the response
+    rewards, _, _ = compute_rewards(torch.zeros(1, 6), torch.zeros(1, 6), torch.tensor([9.0]), torch.tensor([4]),
+                                    torch.zeros(1, 6, dtype=torch.bool), 0.05, score_after_eos)
+    assert rewards[0].tolist() == ([0.0] * 5 + [9.0] if score_after_eos else [0.0] * 4 + [9.0, 0.0])
 
 
 def test_eos_trick_replaces_only_where_no_eos():
@@ -162,6 +166,10 @@ def test_ppo_losses_by_hand():
     assert out["vf_loss"].item() == pytest.approx(0.5 * sum(max(a, b) for a, b in zip(unclipped, clipped)) / 3)
     assert out["vf_clipfrac"].item() == pytest.approx(1 / 3)
     assert masked_mean(torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.bool)).item() == 0.0
+    # The lower bound too: token 2 unmasked (ratio 0.37 below 0.8, advantage -1): max(-(-1) 0.37, -(-1) 0.8) = 0.8
+    out = ppo_losses(new, old, advantages, vpred, old_values, returns, torch.ones_like(token_mask), value_mask, 0.2, 0.2)
+    assert out["pg_loss"].item() == pytest.approx((-1.2 - 2.0 + 0.8) / 3)
+    assert out["pg_clipfrac"].item() == pytest.approx(2 / 3)
 
 
 def test_batch_sizes_and_exact_division():
@@ -729,6 +737,7 @@ def test_smoke_run_saves_policy_and_samples(tiny_tldr, tmp_path):
     scalars = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
     for tag in ("objective/kl", "objective/scores", "policy/clipfrac", "value/loss", "time/generation"):
         assert len(scalars[tag]) == 2, tag
+    assert scalars["policy/lr"] == pytest.approx([1e-4, 5e-5])  # lr (1 - update / num_updates): linear decay
     assert all(abs(r - 1) < 1e-4 for r in scalars["policy/ratio_first_epoch"]), scalars["policy/ratio_first_epoch"]
     assert scalars["objective/kl"][0] == pytest.approx(0.0, abs=1e-4)  # policy = reference before any step
     assert len(scalars["objective/validation_score"]) == 2  # after update 1 (eval_every) and at the end
@@ -1027,3 +1036,139 @@ def test_deepspeed_offload_matches_deepspeed(tiny_tldr, tmp_path):
     assert [(r["query"], r["response"]) for r in rows[0]] == [(r["query"], r["response"]) for r in rows[1]]
     for key in ("score", "reference_score"):  # the offloaded RM scores them alike (ZeRO-3: float rounding)
         assert max(abs(float(a[key]) - float(b[key])) for a, b in zip(*rows)) < 1e-5
+
+
+def test_rollout_scores_the_truncated_response(tiny_tldr):
+    """Details 12 and 23: rollout() scores query ++ the response truncated after its first EOS (pads after it), so
+    the reward is read at the EOS, not at the last of the untruncated tokens; the behaviour log-probs and entropy come
+    from the sampler's scores, the values from the critic."""
+    from types import SimpleNamespace
+
+    import ppo
+
+    policy, critic = tiny_models()
+    queries = padded_queries(tiny_tldr, 3)
+    responses = torch.tensor([[5, 6, EOS, 8, 9, 10], [5, 6, 7, 8, 9, 10], [EOS, 6, 7, 8, 9, 10]])
+    torch.manual_seed(0)
+    sample_scores = torch.randn(3, 6, policy.config.vocab_size)
+
+    drawn = []  # rows handed out so far: rollout() samples in chunks
+
+    def sample(model, query, pad, eos, length, temperature, unsampled):  # a sampler that drew `responses`
+        rows = slice(len(drawn), len(drawn) + len(query))
+        drawn.extend(range(len(query)))
+        return torch.cat((query, responses[rows]), 1), sample_scores[rows]
+
+    args = SimpleNamespace(local_rollout_forward_batch_size=2, response_length=6)
+    with torch.no_grad():
+        out, _ = ppo.rollout(args, policy, policy, critic, critic, queries, sample, PAD, EOS, 0.7, torch.tensor([PAD]))
+        context = queries.shape[1]
+        truncated = torch.cat((queries, truncate_response(responses, EOS, PAD)), 1)
+        torch.testing.assert_close(out["scores"], get_score(critic, truncated, PAD, context))
+        untruncated = get_score(critic, torch.cat((queries, responses), 1), PAD, context)
+        assert (out["scores"][[0, 2]] - untruncated[[0, 2]]).abs().min() > 1e-3  # the junk after the EOS would move it
+        torch.testing.assert_close(out["values"], get_values(critic, torch.cat((queries, responses), 1), PAD, context))
+    torch.testing.assert_close(out["logprobs"], gather_logprobs(sample_scores, responses))
+    assert torch.equal(out["query_responses"], torch.cat((queries, responses), 1))
+
+
+def naive_ppo_targets(responses, logprobs, ref_logprobs, values, scores, kl_coef, gamma, lam, whiten_rewards,
+                      score_after_eos):
+    """Steps 2-5 of an update written out a row and a token at a time, from the paper's definitions: the EOS trick
+    (-1 without an EOS), KL rewards with the score on the EOS (or one token later), values zeroed after the scored
+    token, rewards whitened without a shift (optional), GAE, advantages whitened over the response's tokens."""
+    rows, width = responses.shape
+    rewards, masked_values = torch.zeros(rows, width, dtype=torch.float64), torch.zeros(rows, width, dtype=torch.float64)
+    token_valid, value_valid = [], []
+    for i in range(rows):
+        eos = [t for t in range(width) if responses[i, t] == EOS]
+        last = eos[0] if eos else width - 1
+        score = scores[i].item() if eos else -1.0
+        scored = last + 1 if score_after_eos and last + 1 < width else last
+        for t in range(width):
+            if t <= last:
+                rewards[i, t] = -kl_coef * (logprobs[i, t] - ref_logprobs[i, t]).item()
+                token_valid.append((i, t))
+            if t <= last + int(score_after_eos):
+                masked_values[i, t] = values[i, t].item()
+                value_valid.append((i, t))
+        rewards[i, scored] += score
+
+    def whitened(x, valid, shift_mean):
+        picked = torch.tensor([x[i, t].item() for i, t in valid], dtype=torch.float64)
+        mean, variance = picked.mean(), ((picked - picked.mean()) ** 2).mean()
+        out = torch.zeros_like(x)
+        for i, t in valid:
+            out[i, t] = (x[i, t] - mean) / torch.sqrt(variance + 1e-8) + (0.0 if shift_mean else mean)
+        return out
+
+    if whiten_rewards:
+        rewards = whitened(rewards, value_valid, shift_mean=False)
+    advantages = torch.zeros(rows, width, dtype=torch.float64)
+    for i in range(rows):
+        running = 0.0
+        for t in reversed(range(width)):
+            next_value = masked_values[i, t + 1] if t + 1 < width else 0.0
+            running = rewards[i, t] + gamma * next_value - masked_values[i, t] + gamma * lam * running
+            advantages[i, t] = running
+    returns = advantages + masked_values
+    return whitened(advantages, token_valid, shift_mean=True), returns, masked_values
+
+
+PPO_MAIN_DRIVER = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import ppo
+
+responses = torch.tensor([[5, 6, 0, 8, 9, 10], [5, 6, 7, 8, 9, 0], [5, 6, 7, 8, 9, 10], [0, 6, 7, 8, 9, 10]])
+generator = torch.Generator().manual_seed(0)
+given = {"logprobs": -torch.rand(4, 6, generator=generator) * 3, "ref_logprobs": -torch.rand(4, 6, generator=generator) * 3,
+         "entropy": torch.rand(4, 6, generator=generator), "values": torch.randn(4, 6, generator=generator),
+         "scores": torch.randn(4, generator=generator)}
+captured = {}
+
+def rollout(args, policy, ref_policy, critic, reward_model, queries, *rest):  # the hand-built rollout
+    return {"query_responses": torch.cat((queries, responses), 1), **{k: v.clone() for k, v in given.items()}}, 0.0
+
+real_ppo_epochs = ppo.ppo_epochs
+def ppo_epochs(accelerator, model, optimizer, args, batch, *rest):  # what steps 2-5 hand to the PPO epochs
+    captured.update({key: batch[key].clone() for key in ("advantages", "returns", "values")})
+    return real_ppo_epochs(accelerator, model, optimizer, args, batch, *rest)
+
+ppo.rollout, ppo.ppo_epochs = rollout, ppo_epochs
+out = sys.argv[2]
+sys.argv = ["ppo.py"] + sys.argv[3:]
+ppo.main()
+torch.save({"given": given, "responses": responses, **captured}, out)
+"""
+
+
+@pytest.mark.parametrize("whiten_rewards, score_after_eos", [(False, False), (True, True)])
+def test_an_update_hands_the_ppo_epochs_the_advantages_of_the_papers_definitions(tiny_tldr, tmp_path, whiten_rewards,
+                                                                                  score_after_eos):
+    """ppo.py's main loop, steps 2-5 (the EOS trick, masks, values zeroed after the scored token, KL rewards,
+    optional reward whitening, GAE, advantage whitening), on a hand-built rollout whose responses end at an EOS
+    mid-way (junk after it), at the last token, nowhere (score -1) and at once: the advantages, returns and values
+    the PPO epochs receive equal naive_ppo_targets'. A subprocess runs ppo.main() with rollout() replaced."""
+    make_reward_model(tmp_path / "rm")
+    driver = tmp_path / "driver.py"
+    driver.write_text(PPO_MAIN_DRIVER)
+    flags = ["--base_model", str(WORLD / "pythia-tiny"), "--query_dataset", str(tiny_tldr / "sft"),
+             "--sft_model_path", str(WORLD / "pythia-tiny"), "--reward_model_path", str(tmp_path / "rm"),
+             "--output_dir", str(tmp_path / "out"), "--total_episodes", "4", "--batch_size", "4",
+             "--local_micro_batch_size", "2", "--local_rollout_forward_batch_size", "4", "--response_length", "6",
+             "--num_eval_samples", "0", "--kl_coef", "0.3"]
+    flags += (["--whiten_rewards"] if whiten_rewards else []) + (["--score_after_eos"] if score_after_eos else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = run_python([sys.executable, str(driver), str(REPO), str(tmp_path / "captured.pt"), *flags], cwd=tmp_path,
+                        env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = torch.load(tmp_path / "captured.pt")
+    given = out["given"]
+    advantages, returns, values = naive_ppo_targets(out["responses"], given["logprobs"], given["ref_logprobs"],
+                                                    given["values"], given["scores"], 0.3, 1.0, 0.95, whiten_rewards,
+                                                    score_after_eos)
+    torch.testing.assert_close(out["values"].double(), values, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out["returns"].double(), returns, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["advantages"].double(), advantages, atol=1e-5, rtol=1e-5)

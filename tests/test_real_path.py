@@ -31,8 +31,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python, tiny_lengths
 import reward
-from ppo import (PolicyAndValueWrapper, cast_parameters, disable_dropout, eval_batches, gpu_problem,
-                 last_hidden_states, load_fp32, mask_logits, model_name, response_masks, response_window,
+from ppo import (PolicyAndValueWrapper, cast_parameters, disable_dropout, entropy_from_logits, eval_batches,
+                 gpu_problem, last_hidden_states, load_fp32, mask_logits, model_name, response_masks, response_window,
                  rotary_problem, sample_rollout, sampling_distribution, scaled_logits, trained_width,
                  unsampled_token_ids)
 from sft import generate  # HF generate, as sft.py's and dpo.py's evaluations call it
@@ -166,6 +166,17 @@ def test_unsampled_ids_are_pad_and_unowned_rows():
     assert (probabilities[..., [1, 5]] == 0).all() and torch.allclose(probabilities[..., 0], torch.tensor(0.25))
     entropy = torch.logsumexp(masked, -1) - (probabilities * masked).sum(-1)  # no NaN from 0 * lowest
     torch.testing.assert_close(entropy, torch.full((2, 3), math.log(4)))
+    torch.testing.assert_close(entropy_from_logits(masked), entropy)  # what objective/entropy logs, the same
+
+
+def test_entropy_from_logits_is_the_categorical_entropy():
+    """objective/entropy's helper against torch's Categorical, on peaked logits and with masked ids (the entropy of
+    the ids left, no NaN)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7) * 4
+    torch.testing.assert_close(entropy_from_logits(logits), torch.distributions.Categorical(logits=logits).entropy())
+    kept = torch.distributions.Categorical(logits=logits[..., [0, 2, 3, 4, 6]]).entropy()
+    torch.testing.assert_close(entropy_from_logits(mask_logits(logits, torch.tensor([1, 5]))), kept)
 
 
 def tiny_policy(pythia_like):
@@ -228,6 +239,9 @@ def test_training_window_is_never_zero_wide(pythia_like):
     n = trained_width(sequence_lengths, responses.size(1), score_after_eos=False)
     assert n == 1
     assert trained_width(torch.tensor([2, 9]), 6, score_after_eos=True) == 6  # never past the response either
+    # through the longest row's EOS (index 4: 5 columns), and the token after it with score_after_eos
+    assert trained_width(torch.tensor([2, 4]), 10, score_after_eos=False) == 5
+    assert trained_width(torch.tensor([2, 4]), 10, score_after_eos=True) == 6
     ids, mask, positions = response_window(query_responses, pad, queries.shape[1], n)
     with torch.no_grad():
         hidden = last_hidden_states(policy.base_model, ids, mask, positions, n)  # (1, 1, d)

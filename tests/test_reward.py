@@ -267,13 +267,22 @@ def test_pair_accuracy_by_hand():
 
 
 def test_calibration_bins_hand_made_margins():
-    """Detail 18: bins of |margin| 0.5 wide; accuracy = share of positive margins; ideal = sigmoid(centre)."""
-    margins = np.array([0.1, -0.2, 0.3, 0.7, -0.9, 1.6])
-    out = reward.calibration_bins(margins, 0.5)
+    """Detail 18: bins of |margin| 0.5 wide; accuracy = the bin's mean of the accuracy column (positive margins
+    right, a tie as pair_accuracy counts it: the plot and the accuracy table agree); ideal = sigmoid(centre)."""
+    margins = [0.1, -0.2, 0.3, 0.7, -0.9, 1.6]
+    table = pd.DataFrame({"chosen": [" a"] * 6, "rejected": [" b"] * 6, "chosen_reward": margins,
+                          "rejected_reward": [0.0] * 6})
+    table["accuracy"] = reward.pair_accuracy(table, tie=0.0)
+    out = reward.calibration_bins(table, 0.5)
     assert out["low"].tolist() == [0.0, 0.5, 1.5]
     assert out["pairs"].tolist() == [3, 2, 1]
     assert np.allclose(out["accuracy"], [2 / 3, 0.5, 1.0])
     assert np.allclose(out["ideal"], [1 / (1 + math.exp(-c)) for c in (0.25, 0.75, 1.75)])
+    # a tie (DPO before any update: every implicit reward 0) counts 1/2 in both, not as wrong in the plot only
+    tied = pd.concat([table, pd.DataFrame({"chosen": [" a"], "rejected": [" b"], "chosen_reward": [0.0],
+                                           "rejected_reward": [0.0]})], ignore_index=True)
+    tied["accuracy"] = reward.pair_accuracy(tied, tie=0.5)
+    assert reward.calibration_bins(tied, 0.5)["accuracy"].tolist()[0] == pytest.approx((1 + 0 + 1 + 0.5) / 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,3 +478,44 @@ def test_a_reward_model_whose_base_config_says_fp16_loads_whole_in_fp32(tmp_path
     for model_class in (reward.ScalarModel, ppo.ScalarModel):
         model = ppo.load_fp32(model_class, str(tmp_path / "rm"), "--reward_model_path")
         assert {parameter.dtype for parameter in model.parameters()} == {torch.float32}
+
+
+def test_rm_update_descends_the_bradley_terry_loss(tiny_tldr):
+    """Detail 10: rm_update's loss is -log sigmoid(r_chosen - r_rejected), the mean over the update's pairs (4 pairs
+    in 2 micro-batches of 2, accumulated): its logged loss equals that of the rewards before the step, and one SGD
+    step on it widens every pair's margin toward the chosen summary."""
+    import contextlib
+
+    class Accumulating:  # the parts of an Accelerator that rm_update uses; backward divides by the 2 steps
+        device = torch.device("cpu")
+        accumulate = staticmethod(lambda model: contextlib.nullcontext())
+        backward = staticmethod(lambda loss: (loss / 2).backward())
+
+    train = datasets.load_from_disk(str(tiny_tldr / "preference"))["train"]
+    batch = train.with_format("torch", columns=list(reward.TRAIN_PAIR_COLUMNS))[list(range(4))]
+    model = tiny_scalar_model()
+    with torch.no_grad():
+        chosen, rejected = reward.pair_rewards(model, *(batch[c] for c in reward.TRAIN_PAIR_COLUMNS), PAD)
+    assert (chosen - rejected).abs().min() > 1e-4  # a random head: the pairs are not tied
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+
+    class Accumulated:  # as accelerate's prepared optimizer: steps and zeroes at the update's last micro-step only
+        calls = 0
+
+        def step(self):
+            self.calls += 1
+            if self.calls == 2:
+                sgd.step()
+
+        def zero_grad(self):
+            if self.calls == 2:
+                sgd.zero_grad()
+
+    optimizer = Accumulated()
+    parts = [{key: value[start:start + 2] for key, value in batch.items()} for start in (0, 2)]
+    stats = reward.rm_update(Accumulating(), model, optimizer, parts, PAD, 1)
+    by_hand = [-torch.nn.functional.logsigmoid(chosen[rows] - rejected[rows]).mean() for rows in (slice(0, 2), slice(2, 4))]
+    torch.testing.assert_close(stats["loss"], torch.stack(by_hand))  # each micro-step's, before the step
+    with torch.no_grad():
+        new_chosen, new_rejected = reward.pair_rewards(model, *(batch[c] for c in reward.TRAIN_PAIR_COLUMNS), PAD)
+    assert ((new_chosen - new_rejected) > (chosen - rejected)).all()

@@ -169,9 +169,14 @@ def test_length_reliance_by_hand():
 
 
 def test_calibration_bins_by_hand():
-    bins = tiny_report.calibration_bins([0.2, -0.3, 0.7, -1.2, 1.4], width=0.5)
+    rows = [{"chosen_reward": str(m), "rejected_reward": "0.0", "accuracy": str(float(m > 0))}
+            for m in (0.2, -0.3, 0.7, -1.2, 1.4)]
+    bins = tiny_report.calibration_bins(rows, width=0.5)
     # |m| 0.2, 0.3 -> bin [0, 0.5): 1 of 2 right; 0.7 -> [0.5, 1): 1 of 1; 1.2, 1.4 -> [1, 1.5): 1 of 2
     assert [(lo, hi, n, acc) for lo, hi, n, acc, _ in bins] == [(0.0, 0.5, 2, 0.5), (0.5, 1.0, 1, 1.0), (1.0, 1.5, 2, 0.5)]
+    # the stage's accuracy column decides, not the margin's sign: a pair of identical summaries counted 1/2
+    rows.append({"chosen_reward": "0.1", "rejected_reward": "0.0", "accuracy": "0.5"})
+    assert tiny_report.calibration_bins(rows, width=0.5)[0][2:4] == (3, 0.5)
     # ideal = sigmoid(bin centre): 1 / (1 + e^-0.25), 1 / (1 + e^-0.75), 1 / (1 + e^-1.25)
     assert [ideal for *_, ideal in bins] == pytest.approx([0.562177, 0.679179, 0.777300], abs=1e-6)
 
