@@ -1688,7 +1688,7 @@ def checkpoint_to_resume(args, accelerator) -> Optional[tuple]:
     found = latest_checkpoint(os.path.join(args.output_dir, "checkpoints")) if args.resume else None
     # DeepSpeed saves one optimizer shard per process and loads only on as many (DDP resumes on any number).
     folder = os.path.join(found[1], "deepspeed") if found else ""
-    shards = [name for name in os.listdir(folder) if "zero_pp_rank_" in name] if os.path.isdir(folder) else []
+    shards = [name for name in os.listdir(folder) if name.endswith("optim_states.pt")] if os.path.isdir(folder) else []
     if shards and accelerator.state.deepspeed_plugin is not None and len(shards) != accelerator.num_processes:
         raise SetupError(f"--resume: {found[1]} was saved by DeepSpeed on {len(shards)} processes, and DeepSpeed "
                          f"resumes only on as many (this launch has {accelerator.num_processes}): relaunch with "
