@@ -857,7 +857,7 @@ class StaticSampler:
         if self.cache is None or self.cache.get_max_length() != context_length + response_length:
             # On a GPU one cache for the process, its tensors at fixed addresses (what CUDA graphs replay);
             # on a CPU one per call, dropped at its end, so that the PPO epochs do not hold it.
-            self.cache = StaticCache(config=model.config, max_cache_len=context_length + response_length)
+            self.cache = OneDtypeStaticCache(config=model.config, max_cache_len=context_length + response_length)
         # (B, T_q): the rows past `rows` repeat the last query; they are decoded but never drawn for.
         queries = torch.cat((queries, queries[-1:].expand(self.batch_size - rows, -1)))
         attention_mask = queries != pad_token_id
@@ -947,6 +947,16 @@ def draw_tokens(probs: torch.Tensor) -> torch.Tensor:
     # step); tests/test_ppo.py checks the ids and the random stream against torch.multinomial's.
     noise = -torch.log1p(-torch.empty(probs.shape, dtype=torch.float64).uniform_())  # (B, V)
     return (probs / noise.float()).argmax(-1)
+
+
+class OneDtypeStaticCache(StaticCache):
+    """== StaticCache, its values written in its keys' dtype. Under accelerate's autocast (bf16, no DeepSpeed)
+    GPT-NeoX's keys leave the rotary embedding in fp32 and its values stay bf16: StaticCache, typed by the first
+    keys, refuses the bf16 values, where sample_rollout's DynamicCache stores them as fp32 (exactly: bf16 -> fp32
+    loses nothing, and autocast casts them back for the matmul). Otherwise the dtypes agree and nothing changes."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return super().update(key_states, value_states.to(key_states.dtype), layer_idx, *args, **kwargs)
 
 
 def decode_step(model, token: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache,

@@ -364,6 +364,26 @@ def test_static_sampler_compiled_step_draws_what_the_plain_loop_draws(tiny_tldr)
                         unsampled_ids(policy), seed=4)
 
 
+def test_static_sampler_under_bf16_autocast_draws_what_the_plain_loop_draws(tiny_tldr):
+    """accelerate's mixed precision without DeepSpeed (the one-GPU launch) runs the rollout under bf16 autocast, where
+    GPT-NeoX's keys come out fp32 and its values bf16: the static cache takes both (it refused the bf16 values with
+    the step run eagerly or through aot_eager) and samples what sample_rollout samples under the same autocast."""
+    policy, _ = tiny_models(early_eos=True)
+    policy.eval()
+    queries, unsampled = padded_queries(tiny_tldr, 4)[:3], unsampled_ids(policy)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(5)
+        expected, expected_scores = sample_rollout(policy, queries, PAD, EOS, 12, 0.7 + 1e-7, unsampled)
+        for backend in (None, "aot_eager"):
+            torch.manual_seed(5)
+            sampled, scores = StaticSampler(4, backend=backend)(policy, queries, PAD, EOS, 12, 0.7 + 1e-7, unsampled)
+            assert torch.equal(sampled, expected), backend
+            # bf16 logits summed in another order (the prefill by length groups, the eager attention of the step):
+            # a few bf16 epsilons (2^-8) of the largest score
+            scale = expected_scores[expected_scores > torch.finfo(torch.float32).min].abs().max()
+            torch.testing.assert_close(scores, expected_scores, rtol=0, atol=4 * 2 ** -8 * float(scale))
+
+
 def test_static_sampler_frees_its_cache_after_compiling(tiny_tldr):
     """A call that compiles the step leaves no static cache alive once it returns, even where Python's cyclic
     collector has not run (dynamo's tracing objects hold the call's cache in reference cycles); a call of a new
