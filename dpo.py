@@ -365,10 +365,7 @@ def main() -> None:
         plot_calibration(calibration, os.path.join(staging, "calibration.png"))
 
     # ---- evaluation: summaries of the SFT validation queries, for judge.py ----
-    generation_config = GenerationConfig(
-        max_new_tokens=args.response_length, min_new_tokens=args.response_length,  # always the full length
-        temperature=args.temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,  # pure temperature sampling
-        return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled)  # never [PAD] / unowned rows
+    generation_config = sampling_config(args.response_length, args.temperature, unsampled)  # T + 1e-7, full length
     if args.num_eval_samples != 0:
         queries = first_rows(sft["validation"], args.num_eval_samples).with_format("torch", columns=list(QUERY_COLUMNS))
         rows = sample_summaries(accelerator, model, queries, tokenizer, generation_config, args.local_eval_batch_size)
@@ -534,6 +531,14 @@ def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config)
     output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
     # (B, T_q + T_resp): the original queries (with their pads) ++ the new tokens
     return torch.cat((queries, output.sequences[:, context_length:]), dim=1), torch.stack(output.scores, 1)
+
+
+def sampling_config(response_length: int, temperature: float, unsampled: list) -> GenerationConfig:
+    """The evaluation's sampler for HF generate: pure temperature sampling (T + 1e-7, as the reference; no top-k, no
+    top-p), always response_length new tokens (EOS is cut afterwards), never an id of `unsampled` ([PAD], unowned rows)."""
+    return GenerationConfig(max_new_tokens=response_length, min_new_tokens=response_length,
+                            temperature=temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,
+                            return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled)
 
 
 def episode_order(num_rows: int, num_episodes: int, seed: int) -> torch.Tensor:

@@ -516,3 +516,66 @@ def test_a_deepspeed_checkpoint_resumes_only_on_as_many_processes(tmp_path):
     shutil.rmtree(checkpoint / "deepspeed")  # a DDP checkpoint
     assert sft.checkpoint_to_resume(args, launch(8, deepspeed=False)) == (3, str(checkpoint))
     assert sft.checkpoint_to_resume(SimpleNamespace(output_dir=str(tmp_path / "none"), resume=True), launch(1)) is None
+
+
+def test_mean_rouge_does_not_stem():
+    """ROUGE as the reference computes it (`evaluate`'s rouge: rouge-score without a stemmer): "cats" is not "cat"."""
+    assert sft.mean_rouge(["my cats"], ["my cat"])["rouge1"] == pytest.approx(0.5)
+
+
+def test_evaluation_samples_at_the_eval_temperature_the_full_length():
+    """The evaluation's sampler: temperature T + 1e-7 (the reference's), always response_length new tokens (EOS cut
+    afterwards), no top-k or top-p, the unsampled ids suppressed; dpo.py's copy is the same function."""
+    config = sft.sampling_config(53, 0.01, [7, 9])
+    assert config.temperature == pytest.approx(0.01 + 1e-7) and config.do_sample
+    assert config.max_new_tokens == config.min_new_tokens == 53 and config.top_k == 0 and config.top_p == 1.0
+    assert list(config.suppress_tokens) == [7, 9] and config.output_scores and config.return_dict_in_generate
+
+
+def test_sft_evaluate_cuts_each_summary_at_its_eos_and_counts_real_rows_only(tiny_tldr, monkeypatch):
+    """sft_evaluate on 3 rows in batches of 2 (the last batch padded with a repeated row): each summary is the sampled
+    ids after the query up to its first EOS (junk after it dropped, the query's last token not included); the loss is
+    the token mean over the 3 real rows' references, the padding row not counted twice; ROUGE over the 3 rows."""
+    import contextlib
+
+    class OneProcess:  # the parts of an Accelerator that sft_evaluate uses
+        device, process_index, num_processes, is_main_process = torch.device("cpu"), 0, 1, True
+        unwrap_model = staticmethod(lambda model: model)
+        reduce = staticmethod(lambda tensor: tensor)
+        autocast = staticmethod(contextlib.nullcontext)
+
+    tokenizer = AutoTokenizer.from_pretrained(BASE)
+    eos, pad = tokenizer.eos_token_id, 1
+    summary = tokenizer(" a cat sat", add_special_tokens=False)["input_ids"]
+    junk = tokenizer(" junk after", add_special_tokens=False)["input_ids"]
+
+    def generate(model, queries, pad_token_id, config):  # a sampler that drew summary ++ EOS ++ junk for every row
+        response = torch.tensor(summary + [eos] + junk).expand(len(queries), -1)
+        return torch.cat((queries, response), 1), None
+
+    monkeypatch.setattr(sft, "generate", generate)
+    dataset = datasets.load_from_disk(tiny_tldr / "sft")["validation"].select(range(3))
+    dataset = dataset.with_format("torch", columns=list(sft.REQUIRED_COLUMNS))
+    model = AutoModelForCausalLM.from_pretrained(BASE)
+    sft.disable_dropout(model)
+    metrics, rows = sft.sft_evaluate(OneProcess(), model, dataset, tokenizer, None, 2)
+    assert [row["response"] for row in rows] == ["a cat sat"] * 3
+    assert [row["reference"] for row in rows] == [r.strip() for r in tokenizer.batch_decode(
+        dataset[:]["reference_response_token"], skip_special_tokens=True)]
+    with torch.no_grad():
+        ids = dataset[:]["query_reference_response_token"]
+        nll, count = sft.next_token_nll(sft.forward(model.eval(), ids, pad).logits, ids, pad)
+    assert metrics["loss"] == pytest.approx((nll / count).item(), rel=1e-5)
+    assert metrics["rouge1"] == pytest.approx(sft.mean_rouge(["a cat sat"] * 3, [r["reference"] for r in rows])["rouge1"])
+
+    class RankOneOfTwo(OneProcess):  # of 7 rows, rank 1 of 2 reads rows 1, 3 and 5, its last batch padded with row 5
+        process_index, num_processes = 1, 2
+
+    seven = datasets.load_from_disk(tiny_tldr / "sft")["validation"].select(range(7))
+    seven = seven.with_format("torch", columns=list(sft.REQUIRED_COLUMNS))
+    metrics, rows = sft.sft_evaluate(RankOneOfTwo(), model, seven, tokenizer, None, 2)
+    assert len(rows) == 3  # this rank's rows (gather_object joins the ranks' lists)
+    with torch.no_grad():
+        ids = seven[[1, 3, 5]]["query_reference_response_token"]
+        nll, count = sft.next_token_nll(sft.forward(model.eval(), ids, pad).logits, ids, pad)
+    assert metrics["loss"] == pytest.approx((nll / count).item(), rel=1e-5)
