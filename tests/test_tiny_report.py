@@ -74,6 +74,29 @@ def test_findings_show_the_decimals_that_decide_a_bar():
     rows = {row["finding"]: (row["measured"], row["holds"]) for row in tiny_report.findings(art)}
     assert rows["Fig. 1: RLHF (PPO) beats SFT"] == ("PPO - SFT = +0.200", True)
     assert rows["Fig. 1: PPO is at least even with the references"][0].startswith("0.600 [")
+    # PPO's lower bound against SFT's upper one (4/10 and 6/10 overlap: not beyond the noise)
+    assert rows["Fig. 1: ... beyond the noise"] == ("PPO's lower bound 0.313, SFT's upper bound 0.687", False)
+
+
+def test_findings_at_their_bars_exactly():
+    """Each bar's comparison at equality: "at least" holds (SFT at 0.45, PPO at 0.50, the RM at 0.70, CNN/DM at
+    0.60), "beats" and "weaker" do not (DPO at SFT's win rate, DPO's accuracy at the RM's)."""
+    def run(wins, judged):
+        low, high = tiny_report.wilson_interval(wins, judged)
+        return {"win_rate": wins / judged, "ci_low": low, "ci_high": high}
+
+    art = {"judge": {"sft": run(45, 100), "ppo": run(50, 100), "dpo": run(45, 100)}, "head_to_head": {},
+           "rm": {"eval/rm/validation/accuracy": 0.70, "eval/rm/validation_cnndm/accuracy": 0.60},
+           "dpo": {"eval/dpo/validation/accuracy": 0.70}, "rm_rows": {}, "judged": {}, "curve": [], "timings": []}
+    holds = {row["finding"]: row["holds"] for row in tiny_report.findings(art)}
+    assert holds["Fig. 1: SFT loses to the references"] is True
+    assert holds["Fig. 1: PPO is at least even with the references"] is True
+    assert holds["Fig. 1: DPO beats SFT"] is False
+    assert holds["Fig. 4: the RM learns the labels"] is True
+    assert holds["Fig. 4: the RM transfers to news (CNN/DM)"] is True
+    assert holds["Fig. 6: DPO's implicit reward is the weaker RM"] is False
+    art["judge"]["sft"] = run(10, 100)  # the band's other end
+    assert next(row for row in tiny_report.findings(art) if row["finding"].startswith("Fig. 1: SFT"))["holds"] is True
 
 
 def test_time_is_judged_unless_a_stage_was_resumed():
@@ -143,6 +166,9 @@ def test_fig8_comparison_by_hand():
     ppo = [row("ours", 10)] * 10 + [row("reference", 10)] * 25
     assert tiny_report.fig8_comparison(sft, ppo) == {"compared": ["[-0.15, +0.15)"], "below": ["[-0.15, +0.15)"],
                                                      "one_sided_below": []}
+    # equal rates (15 of 30 each) are not "above"
+    even = [row("ours", 10)] * 15 + [row("reference", 10)] * 15
+    assert tiny_report.fig8_comparison(even, even)["below"] == ["[-0.15, +0.15)"]
 
 
 def test_grouped_accuracy_by_hand():
@@ -224,6 +250,9 @@ def test_token_shift_by_hand():
     assert [s["p_before"] for s in shifts] == pytest.approx([0.236883, 0.25, 0.004462], abs=1e-6)
     assert [s["p_after"] for s in shifts] == pytest.approx([0.25, 0.870049, 0.25], abs=1e-6)
     assert [(s["rank_before"], s["shift"]) for s in shifts] == [(2, "marginal"), (1, "unshifted"), (4, "shifted")]
+    # rank 3 is still "marginal" (ranks 2-3, Lin et al.)
+    third = tiny_report.token_shift(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), torch.zeros(1, 4), torch.tensor([2]))
+    assert [(s["rank_before"], s["shift"]) for s in third] == [(3, "marginal")]
 
 
 # ------------------------------------------------------------------------------------------------
