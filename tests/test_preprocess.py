@@ -736,3 +736,26 @@ def test_script_smoke(tmp_path, tok):
         assert all(f"`{column}`" in card for column in dataset_dict["train"].column_names)
     for png in ("token_len.png", "confidence.png", "policies.png"):
         assert (out / "visuals" / png).stat().st_size > 0
+
+
+def test_length_checks_see_every_split_and_both_summaries():
+    """Detail 4: right_pad cuts silently, so the length check is the only guard: its maxima cover every SFT split (a
+    validation or test reference longer than train's) and both summaries of a pair (a rejected summary longer than
+    every chosen one, which would otherwise lose its EOS and be scored at another token)."""
+    from types import SimpleNamespace
+
+    table = lambda **columns: datasets.Dataset.from_dict({name: [value] for name, value in columns.items()})  # noqa: E731
+    sft = {split: table(query_token_len=5, reference_response_token_len=n, query_reference_response_token_len=5 + n)
+           for split, n in (("train", 3), ("validation", 9), ("test", 7))}
+    pair = lambda chosen, rejected, query=5: table(  # noqa: E731
+        query_token_len=query, chosen_token_len=chosen, rejected_token_len=rejected,
+        query_chosen_token_len=query + chosen, query_rejected_token_len=query + rejected)
+    preference = {"train": pair(4, 11), "validation": pair(6, 2), "validation_cnndm": pair(3, 8, query=20)}
+    args = SimpleNamespace(**dict.fromkeys(("query_length", "max_sft_response_length", "max_sft_query_response_length",
+                                            "max_rm_response_length", "max_rm_query_response_length",
+                                            "cnndm_query_length", "cnndm_max_rm_response_length",
+                                            "cnndm_max_rm_query_response_length"), 0))
+    longest = {flag: max(maxima.values()) for flag, _, maxima, _ in pre.length_checks(args, sft, preference)}
+    assert longest == {"query_length": 5, "max_sft_response_length": 9, "max_sft_query_response_length": 14,
+                       "max_rm_response_length": 11, "max_rm_query_response_length": 16, "cnndm_query_length": 20,
+                       "cnndm_max_rm_response_length": 8, "cnndm_max_rm_query_response_length": 28}
