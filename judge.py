@@ -259,6 +259,19 @@ def gold_reply(post: str, summary_a: str, summary_b: str) -> str:
     return f"Comparison: gold score of summary A {score_a:.4f}, of summary B {score_b:.4f}.\nPreferred: {verdict}"
 
 
+def length_bin_edges(log_ratios: list[float], bins: int) -> list[float]:
+    """bins + 1 equally spaced edges from the smallest to the largest log length ratio of every run (one unit wide
+    around them when they are all equal)."""
+    low, high = (min(log_ratios), max(log_ratios)) if log_ratios else (0.0, 0.0)
+    low, high = (low - 0.5, high + 0.5) if high - low < 1e-9 else (low, high)
+    return [low + (high - low) * k / bins for k in range(bins + 1)]
+
+
+def log_length_ratio(ours_words: int, other_words: int) -> float:
+    """Figure 8's x: log(our summary's words / the other's), empty summaries counted as one word (kept on the plot)."""
+    return math.log(max(1, ours_words) / max(1, other_words))
+
+
 def length_curve(log_ratios: list[float], preferred: list[str], edges: list[float], other_name: str) -> list:
     """[(bin center, win rate, count)] of decided judgments per bin of log length ratio (empty bins skipped)."""
     counts = [[0, 0] for _ in range(len(edges) - 1)]  # [wins, decided] per bin
@@ -337,8 +350,8 @@ def main() -> None:
                           **summarize(judged, run["other_name"]), calls=sum(j["calls"] for j in judged),
                           possibly_billed_twice=sum(j["possibly_billed_twice"] for j in judged))
         if run["vs"] == "reference":
-            # Words, not tokens: the tables hold text only. max(1, .) keeps empty summaries on the plot.
-            log_ratios[name] = ([math.log(max(1, j["ours_words"]) / max(1, j["other_words"])) for j in judged],
+            # Words, not tokens: the tables hold text only.
+            log_ratios[name] = ([log_length_ratio(j["ours_words"], j["other_words"]) for j in judged],
                                 [j["preferred"] for j in judged])
     write_results(args, meta, runs, log_ratios, failures, run_counts(comparisons, cache, todo, run_id, stopped))
     exit_with_status(stopped, failures, cache_path, args.failed_row_retries)
@@ -844,10 +857,7 @@ def write_results(args: Args, meta: dict, runs: dict, log_ratios: dict, failures
         ci="wilson 95%", runs=runs, totals=totals, this_run=this_run, failures=failures), indent=2))
     write_text_atomic(os.path.join(args.output_dir, "results.md"), markdown_tables(runs, header))
     if log_ratios:
-        pooled = [x for xs, _ in log_ratios.values() for x in xs]
-        low, high = (min(pooled), max(pooled)) if pooled else (0.0, 0.0)
-        low, high = (low - 0.5, high + 0.5) if high - low < 1e-9 else (low, high)
-        edges = [low + (high - low) * k / args.length_bins for k in range(args.length_bins + 1)]
+        edges = length_bin_edges([x for xs, _ in log_ratios.values() for x in xs], args.length_bins)
         plot_length_curves({name: length_curve(xs, ps, edges, "reference") for name, (xs, ps) in log_ratios.items()},
                            os.path.join(args.output_dir, "length_vs_winrate.png"))
     print(markdown_tables(runs, header))

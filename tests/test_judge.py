@@ -9,6 +9,7 @@ runs it, with short timeouts and backoff delays. tests/test_judge_faults.py reus
 
 import csv
 import json
+import math
 import os
 import random
 import re
@@ -111,6 +112,25 @@ def test_length_curve_by_hand():
     ps = ["ours", "reference", "ours", "ours", "malformed", "reference", "ours"]
     curve = judge.length_curve(xs, ps, [-1.0, 0.0, 1.0], "reference")
     assert curve == [(-0.5, 0.5, 2), (0.5, 0.75, 4)]  # the top edge belongs to the last bin
+    # a point on an interior edge belongs to the bin above it; a tie is not decided (counted nowhere)
+    curve = judge.length_curve(xs + [0.0, 0.5], ps + ["ours", "tie"], [-1.0, 0.0, 1.0], "reference")
+    assert curve == [(-0.5, 0.5, 2), (0.5, 0.8, 5)]
+    # the edges span every run's ratios in equal steps, the largest ratio on the top edge
+    assert judge.length_bin_edges([0.3, -0.6, 1.2], 3) == pytest.approx([-0.6, 0.0, 0.6, 1.2])
+    assert judge.length_bin_edges([0.2, 0.2], 2) == pytest.approx([-0.3, 0.2, 0.7])  # all equal: one unit around
+    # x is log(ours / other): longer than the reference is positive; an empty summary counts as one word
+    assert judge.log_length_ratio(20, 10) == pytest.approx(math.log(2)) and judge.log_length_ratio(0, 1) == 0.0
+
+
+def test_method_table_std_is_over_seeds_sample_std():
+    """results.md's per-method row: the mean win rate over the method's seeds and their sample standard deviation
+    (n - 1): seeds at 0.6 and 0.7 give 0.071, not the population's 0.050."""
+    run = lambda rate, seed: dict(method="ppo", seed=seed, vs="reference", n=10, win_rate=rate, ci_low=0.3,  # noqa: E731
+                                  ci_high=0.9, malformed=0, ties=0, unjudged=0, failed=0, mean_words=12.0,
+                                  mean_other_words=10.0, rm_agreement=None, n_rm_agreement=0, calls=10,
+                                  possibly_billed_twice=0)
+    markdown = judge.markdown_tables({"ppo__seed1": run(0.6, 1), "ppo__seed2": run(0.7, 2)}, "# results")
+    assert "| ppo | 2 | 0.650 | 0.071 | 12.0 |" in markdown
 
 
 def test_backoff_and_retry_classification():
