@@ -89,6 +89,12 @@ def test_committed_world_is_what_the_generator_builds(tmp_path):
     meta = json.loads((WORLD / "world.json").read_text())
     defaults = {k: v for k, v in json.loads(json.dumps(vars(tw.Args()))).items() if k != "out_dir"}
     assert meta["args"] == defaults, "the committed world was built with other args than the defaults"
+    # The statistics the card and the report quote (noise ceilings, the reference writer's habits, counts,
+    # lengths) are what the generator computes from these data: a rebuilt world states the same.
+    sft, preference, _, noise = tw.build_datasets(tw.Args(out_dir=str(tmp_path / "again")))
+    assert noise == meta["noise_ceiling"]
+    assert tw.reference_statistics(sft["train"]) == meta["references"]
+    assert tw.preference_length_statistics(preference["train"]) == meta["preference_lengths"]
 
 
 def test_the_card_describes_the_committed_world_and_its_reference_writer():
