@@ -135,12 +135,18 @@ def run_ours(args, workdir: str, index: int, fast: bool = True) -> tuple:
     events.Reload()
     scalars = {tag: [event.value for event in events.Scalars(f"time/{tag}")]
                for tag in ("generation", "scoring", "training", "episodes_per_second")}
-    # time/episodes_per_second = episodes so far / seconds since the loop started: the clock at
-    # the end of update k is k * batch / eps_k, and an update's wall time is the difference.
-    clock = [0.0] + [(k + 1) * args.batch_size / eps for k, eps in enumerate(scalars["episodes_per_second"])]
-    return [{"total": clock[k + 1] - clock[k], "generation": scalars["generation"][k],
+    totals = update_seconds(scalars["episodes_per_second"], args.batch_size)
+    return [{"total": totals[k], "generation": scalars["generation"][k],
              "scoring": scalars["scoring"][k], "training": scalars["training"][k]} for k in range(args.updates)], \
         (memory, update_peak, update_start)
+
+
+def update_seconds(episodes_per_second: list, batch_size: int) -> list:
+    """ppo.py's time/episodes_per_second of each update -> each update's wall time in seconds."""
+    # time/episodes_per_second = episodes so far / seconds since the loop started: the clock at
+    # the end of update k is (k + 1) * batch / eps_k, and an update's wall time is the difference.
+    clock = [0.0] + [(k + 1) * batch_size / eps for k, eps in enumerate(episodes_per_second)]
+    return [clock[k + 1] - clock[k] for k in range(len(episodes_per_second))]
 
 
 def run_trl(args, workdir: str, index: int) -> tuple:

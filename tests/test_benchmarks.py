@@ -27,6 +27,8 @@ def test_sampling_floor_adds_the_attentions_cache_reads_where_they_outlast_its_f
     assert floor["seconds"] == pytest.approx((164 + 76) / 10 + 24 / 10)  # the attention's FLOPs outlast its bytes
     slow_memory = sampling.sampling_floor(config, 1, 2, 2, peak=10.0, bandwidth=10.0)
     assert slow_memory["seconds"] == pytest.approx((164 + 76) / 10 + 48 / 10)  # and here its bytes outlast its FLOPs
+    # two steps (3 then 4 cached columns: 48 and 64 bytes): the report's "MB per step" is their mean
+    assert sampling.sampling_floor(config, 1, 2, 3, peak=10.0, bandwidth=100.0)["cache_bytes"] == pytest.approx(56)
 
 
 def test_prefill_floor_counts_each_querys_real_tokens_only():
@@ -223,3 +225,51 @@ def test_executed_flops_trl_side_by_hand_and_above_ppo_py(tiny_tldr, tmp_path):
     for phase in ("scoring", "training"):
         assert 0 < counted["ours"][phase] == counted["ours_plain"][phase] < counted["trl"][phase]
     assert all(counted[side]["generation"] > 0 for side in counted)
+    # every epoch counted: one micro-batch of the whole batch trains as wide every epoch, so 2 epochs are twice 1
+    one, two = (executed_flops.executed_flops(str(WORLD / "pythia-tiny"), str(WORLD / "pythia-tiny"),
+                                              str(tmp_path / "rm"), str(tiny_tldr / "sft"), batch, batch, 4,
+                                              response_length, 0.7, epochs, 1, 3)["ours"]["training"] for epochs in (1, 2))
+    assert two == 2 * one > 0
+
+
+def test_ppo_vs_trl_arithmetic_by_hand():
+    """benchmark/ppo_vs_trl.py's numbers on made-up runs: the nominal FLOPs per phase (the toy config of the sampling
+    test: generation = sampling.sampling_flops), each update's time from ppo.py's episodes/s, the warm-up update left
+    out, the ratios, the memory columns and both rooflines against the larger matmul peak."""
+    import ppo_vs_trl
+
+    config = dict(hidden_size=2, num_hidden_layers=1, intermediate_size=4, vocab_size=3)
+    # backbone over 4 tokens: 4 x 64 + causal 4 x 4 x 5 = 336; scoring 3 x 336 + 2 response logits x 12 = 1032;
+    # training 1 epoch x 3 (forward + backward) x (policy and critic 2 x 336 + 24) = 2088
+    assert ppo_vs_trl.phase_flops(config, 1, 2, 2, 1) == pytest.approx({"generation": 264, "scoring": 1032,
+                                                                      "training": 2088})
+    assert ppo_vs_trl.phase_flops(config, 1, 2, 2, 1)["generation"] == sampling.sampling_flops(
+        SimpleNamespace(**config), 1, 2, 2)
+    # updates of 10, 4 and 4 s at 64 episodes: ppo.py logs 64/10, 128/14, 192/18 episodes per second
+    assert ppo_vs_trl.update_seconds([6.4, 128 / 14, 192 / 18], 64) == pytest.approx([10.0, 4.0, 4.0])
+
+    update = lambda total, generation, scoring, training: dict(  # noqa: E731
+        total=total, generation=generation, scoring=scoring, training=training)
+    results = {"ours": [[update(10, 5, 1, 4), update(4, 1, 1, 2), update(4, 1, 1, 2)]],
+               "ours_plain": [[update(10, 5, 1, 4), update(5, 2, 1, 2), update(5, 2, 1, 2)]],
+               "trl": [[update(20, 5, 2, 13), update(8, 2, 2, 4), update(8, 2, 2, 4)]]}
+    assert ppo_vs_trl.summarize(results["ours"], 64) == pytest.approx(
+        {"episodes_per_second": 16.0, "total": 4.0, "generation": 1.0, "scoring": 1.0, "training": 2.0})
+    memory = {"ours": [(1.0, 0.9, 0.7)], "ours_plain": [(0.95, 0.8, 0.5)], "trl": [(1.2, None, None)]}
+    flops = {"generation": 10e9, "scoring": 20e9, "training": 40e9}
+    executed = {side: {"generation": 9e9, "scoring": 18e9, "training": 30e9} for side in results}
+    args, flags = ppo_vs_trl.parse_args(["--config", "tiny", "--rounds", "1"])
+    args.response_length = 44
+    report = ppo_vs_trl.render_report(args, flags, "toy", flops, executed, results, memory, ["1.0", "1.0"],
+                                      [100e9, 110e9], "now", "1")
+    assert "| ppo.py, fast sampling (StaticSampler) | 16.00 | 4.00 | 1.00 | 1.00 | 2.00 | 1.000 | 0.900 (+0.200) |" \
+        in report
+    assert "| TRL 1.12.0 PPOTrainer | 8.00 | 8.00 | 2.00 | 2.00 | 4.00 | 1.200 | n/a |" in report
+    assert "**ppo.py, fast sampling (StaticSampler) / TRL: 2.00x** (per round: 2.00x)" in report
+    assert "**ppo.py, plain sampling loop / TRL: 1.60x**" in report
+    assert ("fast / plain sampling, generation phase: 2.00x; peak memory of the timed updates 0.900 vs 0.800 GiB "
+            "(+12.5%); their rise above the memory held when they began 0.200 vs 0.300 GiB") in report
+    assert "the fp32 matmul peak, 110.0 GFLOP/s" in report
+    assert "| ppo.py, fast sampling (StaticSampler) | 10.0 (9%) | 20.0 (18%) | 20.0 (18%) |" in report
+    assert "| ppo.py, fast sampling (StaticSampler) | 9.0 G (90%) | 9.0 (8%) | 18.0 G (90%) | 18.0 (16%) | " \
+           "30.0 G (75%) | 15.0 (14%) |" in report

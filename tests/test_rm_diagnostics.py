@@ -53,6 +53,8 @@ def test_best_of_n_by_hand():
     assert diag.best_of_n(rm, gold, reference_score=0.5, n=3) == {"first": 1.0, "rm_best": 0.0, "gold_best": 1.0}
     # of 4: the RM picks sample 3, whose gold 0.5 ties the reference
     assert diag.best_of_n(rm, gold, reference_score=0.5, n=4)["rm_best"] == 0.5
+    # the gold judge picks among the first n only: sample 3's gold 3 is past n = 2
+    assert diag.best_of_n([0, 1, 0.5, 0.2], [-1, -1, -1, 3], reference_score=0.0, n=2)["gold_best"] == 0.0
 
 
 def test_critic_start_td_by_hand():
