@@ -440,6 +440,15 @@ def test_compare_worlds_draws_the_numbers_of_the_findings_and_reads_its_own_tabl
     assert points["dpo"] == [(0.188, 0.14, 0.24), None]  # 48 / 256 = 0.1875, as the report prints it; seed 4: no DPO
     assert points["gain"] == [0.125, 0.125] and points["gain_holds"] == [False, False]
     assert points["bars"] == {"sft": (0.10, 0.45), "ppo": 0.50, "gain": 0.20}
+    # a world where PPO is even with the references but misses SFT + 0.20: the gain's own verdict is drawn
+    row = lambda finding, bar, measured, holds: dict(finding=finding, bar=bar, measured=measured, holds=holds)  # noqa: E731
+    hand = {"seed": 9, "findings": [
+        row(compare_worlds.SFT, "SFT's win rate in [0.10, 0.45]", "0.400 [0.340, 0.460]", True),
+        row(compare_worlds.PPO, "PPO's win rate >= 0.50", "0.550 [0.490, 0.610]", True),
+        row(compare_worlds.GAIN, "PPO >= SFT + 0.20", "PPO - SFT = +0.150", False)]}
+    hand_points = compare_worlds.world_points([("seed 9", hand)])
+    assert hand_points["ppo"] == [(0.55, 0.49, 0.61)] and hand_points["dpo"] == [None]
+    assert hand_points["gain"] == [0.15] and hand_points["gain_holds"] == [False]
 
     script = [sys.executable, str(REPO / "benchmark" / "compare_worlds.py")]
     first = run_python(script + [str(tmp_path / "m3"), str(tmp_path / "m4"), "--out", str(tmp_path / "a.md")],
