@@ -174,3 +174,29 @@ def test_missing_inputs_are_named_with_their_flag(tmp_path):
     assert f"--data {tmp_path / 'data' / 'sft'}: {tmp_path / 'data' / 'sft' / 'sft'} not found" in result.stderr
     assert "sft_1 not found" not in result.stderr
     assert "bash benchmark/tiny.sh" in result.stderr
+
+
+def test_report_lines_by_hand():
+    """The report's numbers from hand-made counts: agreement over all pairs, each deciding term's share and its own
+    agreement (over its pairs, not all), the three best-of-n columns in their places, the feeling columns by whether
+    the post states a feeling, the critic's TD means, each probe's share."""
+    from types import SimpleNamespace
+
+    mistake = lambda feels, states, right, actor: dict(post_feels=feels, states_feeling=states,  # noqa: E731
+                                                       feeling_right=right, actor=actor, verb=0, object=0, feeling=0)
+    found = {"agree": 6, "total": 10, "by_term": {"coverage": (3, 4), "invented": (3, 6)},
+             "picks": {1: [dict(first=1.0, rm_best=0.0, gold_best=0.5)], 16: [dict(first=0.2, rm_best=0.4, gold_best=0.8)]},
+             "mistakes": [mistake(True, 1, 1, 2), mistake(True, 0, 0, 0), mistake(False, 1, 0, 1)],
+             "eos_td": [1.0, 2.0], "token_td": [0.5, 0.0],
+             "probes": {"swapped": [1, 0], "dropped": [1, 1], "added": [0], "looped": [1], "policy_swapped": [0],
+                        "wrong": [1, 1, 0, 0], "unstated": [1]}}
+    lines = diag.report_lines(found, SimpleNamespace(samples=16, temperature=0.7), 5, "sft", "rm")
+    text = "\n".join(lines)
+    assert "**0.600** over 10 pairs" in text
+    assert "| invented | 0.600 | 0.500 |" in lines and "| coverage | 0.400 | 0.750 |" in lines  # most pairs first
+    assert lines.index("| invented | 0.600 | 0.500 |") < lines.index("| coverage | 0.400 | 0.750 |")
+    assert "| 1 | 1.000 | 0.000 | 0.500 |" in lines and "| 16 | 0.200 | 0.400 | 0.800 |" in lines
+    assert "| 1.000 | 0.000 | 0.000 | 0.000 | 0.500 / 0.500 | 1.000 |" in lines  # actor mean 1, the feeling columns
+    assert "**1.500**" in text and "**0.250**" in text
+    assert "| the RM prefers it to the same facts with one actor the post never names | 0.500 |" in lines
+    assert "| with the post's feeling, the RM prefers it to the same with another feeling | 0.500 |" in lines
