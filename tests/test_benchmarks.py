@@ -273,3 +273,13 @@ def test_ppo_vs_trl_arithmetic_by_hand():
     assert "| ppo.py, fast sampling (StaticSampler) | 10.0 (9%) | 20.0 (18%) | 20.0 (18%) |" in report
     assert "| ppo.py, fast sampling (StaticSampler) | 9.0 G (90%) | 9.0 (8%) | 18.0 G (90%) | 18.0 (16%) | " \
            "30.0 G (75%) | 15.0 (14%) |" in report
+
+
+def test_matmul_peak_and_read_bandwidth_count_what_they_time(monkeypatch):
+    """The roofline's yardsticks with a fake clock: each timed call takes 0.5 s, the best of them: a (n x n) @ (n x n)
+    matmul is 2 n^3 FLOPs, a sum over an fp32 tensor reads 4 bytes an element."""
+    ticks = iter([0.0, 0.5, 1.0, 1.5, 2.0, 2.5])
+    monkeypatch.setattr(sampling.time, "perf_counter", lambda: next(ticks))
+    assert sampling.matmul_peak(size=8, repeats=3) == pytest.approx(2 * 8 ** 3 / 0.5)
+    ticks = iter([0.0, 0.5, 1.0, 1.5])
+    assert sampling.read_bandwidth(megabytes=1, repeats=2) == pytest.approx(2 ** 20 / 0.5)
