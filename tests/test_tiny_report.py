@@ -449,6 +449,23 @@ def test_compare_worlds_draws_the_numbers_of_the_findings_and_reads_its_own_tabl
     hand_points = compare_worlds.world_points([("seed 9", hand)])
     assert hand_points["ppo"] == [(0.55, 0.49, 0.61)] and hand_points["dpo"] == [None]
     assert hand_points["gain"] == [0.15] and hand_points["gain_holds"] == [False]
+    # the picture: each CI drawn from its low to its high end; the title counts the worlds at the gain's bar
+    import matplotlib.pyplot as plt
+
+    held = {**hand, "seed": 10, "findings": hand["findings"][:2] + [
+        row(compare_worlds.GAIN, "PPO >= SFT + 0.20", "PPO - SFT = +0.250", True)]}
+    closed = plt.close
+    plt.close = lambda figure=None: None  # keep the figure to read it back
+    try:
+        compare_worlds.plot_worlds(cards + [("seed 9", hand), ("seed 10", held)], str(tmp_path / "p.png"))
+        figure = plt.gcf()
+    finally:
+        plt.close = closed
+    top, bottom = figure.axes
+    assert bottom.get_title() == "PPO - SFT: at the bar on 1 of 4 worlds (filled)"
+    sft_bars = top.containers[0].lines[2][0].get_segments()  # SFT's error bars, one segment per world
+    assert [tuple(segment[:, 1]) for segment in sft_bars[:2]] == [pytest.approx((0.09, 0.17))] * 2
+    plt.close(figure)
 
     script = [sys.executable, str(REPO / "benchmark" / "compare_worlds.py")]
     first = run_python(script + [str(tmp_path / "m3"), str(tmp_path / "m4"), "--out", str(tmp_path / "a.md")],
