@@ -7,10 +7,11 @@ rollout chunk, response length, PPO epochs, minibatches and thread count. Every 
 `--updates` updates; the first (warm-up: lazy inits, allocator growth, ppo.py's compile of its
 decode step) is left out of the timing. Episodes per second = timed episodes / timed wall time of
 the updates (process start, model loading and saving are not counted). Peak memory = the maximum
-resident set size of each run's process, and of ppo.py's timed updates alone (see execute). Roofline: each phase's FLOPs per second against the
-best fp32 matmul timed by this process at the same thread count, before and after the runs, twice: the nominal
-count (the same for every side: the work of the algorithm, pads included, see phase_flops) and the FLOPs each
-side's code executes (counted before the runs by benchmark/executed_flops.py: the hardware efficiency).
+resident set size of each run's process, and of ppo.py's timed updates alone (see execute). Roofline:
+each phase's FLOPs per second against the best fp32 matmul timed by this process at the same thread
+count, before and after the runs, twice: the nominal count (the same for every side: the work of the
+algorithm, pads included, see phase_flops) and the FLOPs each side's code executes (counted before the
+runs by benchmark/executed_flops.py: the hardware efficiency).
 Prints and writes a markdown table.
 
 Configurations (--config): tiny, the tiny world's SFT policy and reward model (0.58M parameters,

@@ -53,14 +53,17 @@ def test_digits_apart_by_hand():
     assert tiny_report.digits_apart(0.0004, 0.0, digits=2) == 4
 
 
+def judged_run(wins, judged):
+    """A judged run as findings() reads it: its win rate and Wilson interval."""
+    low, high = tiny_report.wilson_interval(wins, judged)
+    return {"win_rate": wins / judged, "ci_low": low, "ci_high": high}
+
+
 def test_findings_show_the_decimals_that_decide_a_bar():
     """A number that would print as its bar, or as the number it is compared with, is printed with more decimals, and
     a gain of exactly the bar meets it despite float rounding."""
-    def run(wins, judged):
-        low, high = tiny_report.wilson_interval(wins, judged)
-        return {"win_rate": wins / judged, "ci_low": low, "ci_high": high}
-
-    art = {"judge": {"sft": run(104, 231), "ppo": run(6, 10), "dpo": run(1040, 2309)}, "head_to_head": {},
+    art = {"judge": {"sft": judged_run(104, 231), "ppo": judged_run(6, 10), "dpo": judged_run(1040, 2309)},
+           "head_to_head": {},
            "rm": {"eval/rm/validation/accuracy": 0.69996, "eval/rm/validation_cnndm/accuracy": 0.61},
            "dpo": {"eval/dpo/validation/accuracy": 0.69994}, "rm_rows": {}, "judged": {}, "curve": [], "timings": []}
     rows = {row["finding"]: (row["measured"], row["holds"]) for row in tiny_report.findings(art)}
@@ -70,7 +73,7 @@ def test_findings_show_the_decimals_that_decide_a_bar():
     assert rows["Fig. 4: the RM learns the labels"] == ("0.69996", False)
     assert rows["Fig. 4: the RM transfers to news (CNN/DM)"] == ("0.610", True)
     assert rows["Fig. 6: DPO's implicit reward is the weaker RM"] == ("DPO 0.6999, RM 0.7000", True)
-    art["judge"] = {"sft": run(4, 10), "ppo": run(6, 10)}  # PPO - SFT is 0.2 exactly
+    art["judge"] = {"sft": judged_run(4, 10), "ppo": judged_run(6, 10)}  # PPO - SFT is 0.2 exactly
     rows = {row["finding"]: (row["measured"], row["holds"]) for row in tiny_report.findings(art)}
     assert rows["Fig. 1: RLHF (PPO) beats SFT"] == ("PPO - SFT = +0.200", True)
     assert rows["Fig. 1: PPO is at least even with the references"][0].startswith("0.600 [")
@@ -81,11 +84,8 @@ def test_findings_show_the_decimals_that_decide_a_bar():
 def test_findings_at_their_bars_exactly():
     """Each bar's comparison at equality: "at least" holds (SFT at 0.45, PPO at 0.50, the RM at 0.70, CNN/DM at
     0.60), "beats" and "weaker" do not (DPO at SFT's win rate, DPO's accuracy at the RM's)."""
-    def run(wins, judged):
-        low, high = tiny_report.wilson_interval(wins, judged)
-        return {"win_rate": wins / judged, "ci_low": low, "ci_high": high}
-
-    art = {"judge": {"sft": run(45, 100), "ppo": run(50, 100), "dpo": run(45, 100)}, "head_to_head": {},
+    art = {"judge": {"sft": judged_run(45, 100), "ppo": judged_run(50, 100), "dpo": judged_run(45, 100)},
+           "head_to_head": {},
            "rm": {"eval/rm/validation/accuracy": 0.70, "eval/rm/validation_cnndm/accuracy": 0.60},
            "dpo": {"eval/dpo/validation/accuracy": 0.70}, "rm_rows": {}, "judged": {}, "curve": [], "timings": []}
     holds = {row["finding"]: row["holds"] for row in tiny_report.findings(art)}
@@ -95,7 +95,7 @@ def test_findings_at_their_bars_exactly():
     assert holds["Fig. 4: the RM learns the labels"] is True
     assert holds["Fig. 4: the RM transfers to news (CNN/DM)"] is True
     assert holds["Fig. 6: DPO's implicit reward is the weaker RM"] is False
-    art["judge"]["sft"] = run(10, 100)  # the band's other end
+    art["judge"]["sft"] = judged_run(10, 100)  # the band's other end
     assert next(row for row in tiny_report.findings(art) if row["finding"].startswith("Fig. 1: SFT"))["holds"] is True
 
 
