@@ -231,6 +231,17 @@ def lm_logprob(policy, tokenizer, query: list, text: str) -> float:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).sum().item()
 
 
+def scores_and_first_values(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad: int, eos: int) -> tuple:
+    """PPO's view of sampled responses (truncated after their EOS), from one RM forward: ((samples,) scores at the EOS,
+    -1 without one, as PPO scores them; (samples, T_resp) the critic's first values, ppo.get_values' slice)."""
+    import ppo
+
+    context_length = queries.shape[1]
+    reward_logits, scores = ppo.get_reward(reward_model, torch.cat((queries, responses), 1), pad, context_length)
+    # Up to the EOS, where critic_start_td reads the values, they do not depend on the tokens after it (causal).
+    return ppo.eos_trick(scores, (responses == eos).any(1), -1.0), reward_logits[:, context_length - 1:-1]
+
+
 def diagnose(rows, policy, reward_model, tokenizer, args: argparse.Namespace, world) -> dict:
     """Sample, score and probe every post: agreement counts, mistakes per sample, best-of-n picks, probe outcomes."""
     from tqdm.auto import tqdm
@@ -253,11 +264,7 @@ def diagnose(rows, policy, reward_model, tokenizer, args: argparse.Namespace, wo
             query_responses, _ = ppo.sample_rollout(policy, queries, pad, eos, args.response_length,
                                                     args.temperature + 1e-7, unsampled)
             responses = ppo.truncate_response(query_responses[:, context_length:], eos, pad)
-            reward_logits, scores = ppo.get_reward(reward_model, torch.cat((queries, responses), 1), pad, context_length)
-            scores = ppo.eos_trick(scores, (responses == eos).any(1), -1.0)  # as PPO scores them
-            # The critic's first values, ppo.get_values' slice of the same forward: (samples, T_resp). Up to the EOS,
-            # where critic_start_td reads them, they do not depend on the tokens after it (causal attention).
-            values = reward_logits[:, context_length - 1:-1]
+            scores, values = scores_and_first_values(reward_model, queries, responses, pad, eos)
             eos_errors, token_errors = critic_start_td(values, scores, ppo.response_masks(responses, pad, False)[0])
             eos_td += eos_errors
             token_td += token_errors

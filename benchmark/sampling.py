@@ -188,6 +188,30 @@ def write_report(lines: list, path: str, script: str) -> None:
         file.write(report + "\n")
 
 
+def report_lines(result: dict, peak: float, bandwidth: float) -> list:
+    """One configuration's section of the report: each sampler's median time over the rounds against HF generate's,
+    the matmul peak and the floor, and what the 2x target asks of the floor."""
+    seconds = {side: sorted(values)[len(values) // 2] for side, values in result["seconds"].items()}
+    generate_seconds = seconds["HF generate"]
+    floor = sampling_floor(*result["shape"], peak, bandwidth)
+    lines = [f"## {result['label']}", "",
+              "| sampler | median s per call | tokens/s | ratio vs HF generate | GFLOP/s | of matmul peak | of the floor |",
+              "|---|---|---|---|---|---|---|"]
+    for side, value in seconds.items():
+        achieved = result["flops"] / value
+        lines.append(f"| {side} | {value:.3f} | {result['tokens'] / value:.0f} | {generate_seconds / value:.2f}x | "
+                     f"{achieved / 1e9:.1f} | {achieved / peak:.0%} | {floor['seconds'] / value:.0%} |")
+    lines += ["", f"Floor of a call: {floor['seconds']:.3f} s (FLOPs at the matmul peak, the attention's KV-cache reads "
+              f"at the read bandwidth: {floor['cache_bytes'] / 1e6:.0f} MB per step, {floor['cache_seconds']:.3f} s in "
+              f"all). Half of HF generate's time ({generate_seconds / 2:.3f} s, the 2x target) asks for "
+              f"{floor['seconds'] / (generate_seconds / 2):.0%} of the floor's speed."]
+    per_round = [g / f for g, f in zip(result["seconds"]["HF generate"], result["seconds"]["fast path (StaticSampler)"])]
+    lines += ["", f"Fast path vs HF generate per round: {', '.join(f'{r:.2f}x' for r in per_round)}. "
+              f"First call of the fast path (compiling its step): {result['compile_seconds']:.1f} s. "
+              f"FLOPs per call: {result['flops'] / 1e9:.2f} G.", ""]
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", choices=("tiny", "5m"), default=["tiny", "5m"])
@@ -211,24 +235,8 @@ def main():
              f"{peak / 1e9:.1f} GFLOP/s before, {peak_after / 1e9:.1f} after. Read bandwidth (best sum over a 256 MB "
              f"fp32 tensor): {bandwidth / 1e9:.1f} GB/s before, {bandwidth_after / 1e9:.1f} after.", ""]
     peak, bandwidth = max(peak, peak_after), max(bandwidth, bandwidth_after)
-    for name, result in results.items():
-        seconds = {side: sorted(values)[len(values) // 2] for side, values in result["seconds"].items()}
-        generate_seconds = seconds["HF generate"]
-        floor = sampling_floor(*result["shape"], peak, bandwidth)
-        lines += [f"## {result['label']}", "",
-                  "| sampler | median s per call | tokens/s | ratio vs HF generate | GFLOP/s | of matmul peak | of the floor |",
-                  "|---|---|---|---|---|---|---|"]
-        for side, value in seconds.items():
-            achieved = result["flops"] / value
-            lines.append(f"| {side} | {value:.3f} | {result['tokens'] / value:.0f} | {generate_seconds / value:.2f}x | "
-                         f"{achieved / 1e9:.1f} | {achieved / peak:.0%} | {floor['seconds'] / value:.0%} |")
-        lines += ["", f"Floor of a call: {floor['seconds']:.3f} s (FLOPs at the matmul peak, the attention's KV-cache reads "
-                  f"at the read bandwidth: {floor['cache_bytes'] / 1e6:.0f} MB per step, {floor['cache_seconds']:.3f} s in all). Half of HF generate's time ({generate_seconds / 2:.3f} s, the 2x target) asks for "
-                  f"{floor['seconds'] / (generate_seconds / 2):.0%} of the floor's speed."]
-        per_round = [g / f for g, f in zip(result["seconds"]["HF generate"], result["seconds"]["fast path (StaticSampler)"])]
-        lines += ["", f"Fast path vs HF generate per round: {', '.join(f'{r:.2f}x' for r in per_round)}. "
-                  f"First call of the fast path (compiling its step): {result['compile_seconds']:.1f} s. "
-                  f"FLOPs per call: {result['flops'] / 1e9:.2f} G.", ""]
+    for result in results.values():
+        lines += report_lines(result, peak, bandwidth)
     write_report(lines, args.out, "benchmark/sampling.py")
 
 

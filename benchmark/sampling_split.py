@@ -55,6 +55,15 @@ def prefill_flops(config, lengths: list) -> float:
                      + 2 * 2 * layers * hidden * length * (length + 1) / 2 for length in lengths))
 
 
+def step_floor(config, rows: int, columns: int, peak: float, bandwidth: float) -> tuple:
+    """(seconds, cache bytes) of one decode step's floor: its projections' and logits' FLOPs at `peak`, plus every
+    column of the static cache (`columns` wide: query, response, pads and columns not yet written) read once, keys and
+    values of every layer in fp32, at `bandwidth`."""
+    matmuls = rows * (matmul_flops_per_token(config) + 2 * config.hidden_size * config.vocab_size)
+    cache_bytes = 4 * 2 * config.num_hidden_layers * rows * config.hidden_size * columns
+    return matmuls / peak + cache_bytes / bandwidth, cache_bytes
+
+
 def eager_attention(query, keys, values, mask, scale):
     """transformers' eager attention of one layer: softmax(q k^T * scale + mask) v, (B, H, 1, D) -> (B, H, 1, D)."""
     weights = torch.matmul(query, keys.transpose(2, 3)) * scale + mask
@@ -75,8 +84,7 @@ def split(name: str, repeats: int, response_length: int, temperature: float, pea
     attention_mask = queries != pad_id
     position_ids = (attention_mask.long().cumsum(1) - 1).masked_fill(~attention_mask, 0)
     input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    step_matmuls = rows * (matmul_flops_per_token(config) + 2 * hidden * config.vocab_size)
-    cache_bytes = 4 * 2 * layers * rows * hidden * columns  # keys and values of every layer, fp32
+    step_seconds_floor, cache_bytes = step_floor(config, rows, columns, peak, bandwidth)
     pieces = {}
     with torch.no_grad():
         sampler = StaticSampler(rows)
@@ -99,7 +107,7 @@ def split(name: str, repeats: int, response_length: int, temperature: float, pea
         try:  # each call writes the next cache column: at most response_length - 1 calls, the warm-up's included
             step = lambda: sampler.step(policy, token, step_positions, step_mask, cache, temperature, unsampled)  # noqa: E731
             pieces["one decode step (compiled)"] = (best_seconds(step, min(repeats * 5, response_length - 4)),
-                                                    step_matmuls / peak + cache_bytes / bandwidth)
+                                                    step_seconds_floor)
         finally:
             policy.set_attn_implementation(attention)
         _, probs = sampling_distribution(logits[:, -1], temperature, unsampled)
@@ -130,6 +138,25 @@ def split(name: str, repeats: int, response_length: int, temperature: float, pea
             "cache_mb": cache_bytes / 1e6}
 
 
+def split_lines(result: dict) -> list:
+    """One configuration's section of the report: each piece against its floor, and the whole call against prefill +
+    steps x (step + draws)."""
+    pieces, steps = result["pieces"], result["steps"]
+    lines = [f"## {result['label']}", "", "| piece | ms | floor ms | share of the floor's speed |", "|---|---|---|---|"]
+    for piece, (seconds, floor) in pieces.items():
+        share = f"{floor / seconds:.0%}" if floor else ""
+        lines.append(f"| {piece} | {seconds * 1e3:.2f} | {floor * 1e3:.2f} | {share} |" if floor else
+                     f"| {piece} | {seconds * 1e3:.2f} | | |")
+    prefill, step, draws = pieces["prefill"][0], pieces["one decode step (compiled)"][0], pieces["draws of one step"][0]
+    attention = pieces["attention of one layer: compiled (inductor, as the step)"][0] * result["layers"]
+    lines += ["", f"Prefill + {steps} x (step + draws) = {prefill:.3f} + {steps} x ({step * 1e3:.2f} + "
+              f"{draws * 1e3:.2f} ms) = {prefill + steps * (step + draws):.3f} s against the whole call's "
+              f"{pieces['whole call (fast path)'][0]:.3f} s. The step's attention (its {result['layers']} layers, "
+              f"as compiled, on a {result['cache_mb']:.0f} MB cache) is {attention * 1e3:.2f} ms of its "
+              f"{step * 1e3:.2f} ms.", ""]
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", choices=("tiny", "5m"), default=["tiny", "5m"])
@@ -148,20 +175,8 @@ def main():
              f"temperature {args.temperature}; each piece timed alone, the best of its repeats (time.perf_counter, no "
              f"grad). Matmul peak {peak / 1e9:.1f} GFLOP/s, read bandwidth {bandwidth / 1e9:.1f} GB/s (same process). "
              f"Load average (1 min) {load_before:.2f} before, {os.getloadavg()[0]:.2f} after, on a 2-core machine.", ""]
-    for name, result in results.items():
-        pieces, steps = result["pieces"], result["steps"]
-        lines += [f"## {result['label']}", "", "| piece | ms | floor ms | share of the floor's speed |", "|---|---|---|---|"]
-        for piece, (seconds, floor) in pieces.items():
-            share = f"{floor / seconds:.0%}" if floor else ""
-            lines.append(f"| {piece} | {seconds * 1e3:.2f} | {floor * 1e3:.2f} | {share} |" if floor else
-                         f"| {piece} | {seconds * 1e3:.2f} | | |")
-        prefill, step, draws = pieces["prefill"][0], pieces["one decode step (compiled)"][0], pieces["draws of one step"][0]
-        attention = pieces["attention of one layer: compiled (inductor, as the step)"][0] * result["layers"]
-        lines += ["", f"Prefill + {steps} x (step + draws) = {prefill:.3f} + {steps} x ({step * 1e3:.2f} + "
-                  f"{draws * 1e3:.2f} ms) = {prefill + steps * (step + draws):.3f} s against the whole call's "
-                  f"{pieces['whole call (fast path)'][0]:.3f} s. The step's attention (its {result['layers']} layers, "
-                  f"as compiled, on a {result['cache_mb']:.0f} MB cache) is {attention * 1e3:.2f} ms of its "
-                  f"{step * 1e3:.2f} ms.", ""]
+    for result in results.values():
+        lines += split_lines(result)
     write_report(lines, args.out, "benchmark/sampling_split.py")
 
 

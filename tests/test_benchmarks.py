@@ -283,3 +283,35 @@ def test_matmul_peak_and_read_bandwidth_count_what_they_time(monkeypatch):
     assert sampling.matmul_peak(size=8, repeats=3) == pytest.approx(2 * 8 ** 3 / 0.5)
     ticks = iter([0.0, 0.5, 1.0, 1.5])
     assert sampling.read_bandwidth(megabytes=1, repeats=2) == pytest.approx(2 ** 20 / 0.5)
+
+
+def test_sampling_report_takes_each_samplers_median_round_and_halves_generates_time_for_the_2x_target():
+    """benchmark/sampling.py's section of one configuration, on made-up rounds: the median (not the best or the mean)
+    of each sampler's rounds, ratios against HF generate's median, the floor of test 1's shape (26.4 s at peak 10,
+    bandwidth 100), and the 2x target as the floor over half of HF generate's median."""
+    config = SimpleNamespace(hidden_size=2, num_hidden_layers=1, intermediate_size=4, vocab_size=3)
+    result = {"label": "toy", "seconds": {"HF generate": [30.0, 10.0, 20.0], "fast path (StaticSampler)": [5.0, 50.0, 10.0]},
+              "compile_seconds": 7.0, "flops": 264.0, "tokens": 2, "shape": (config, 1, 2, 2)}
+    lines = sampling.report_lines(result, peak=10.0, bandwidth=100.0)
+    assert "| HF generate | 20.000 | 0 | 1.00x | 0.0 | 132% | 132% |" in lines
+    assert "| fast path (StaticSampler) | 10.000 | 0 | 2.00x | 0.0 | 264% | 264% |" in lines
+    text = "\n".join(lines)
+    assert "Floor of a call: 26.400 s" in text and "0.480 s in all" in text
+    assert "Half of HF generate's time (10.000 s, the 2x target) asks for 264% of the floor's speed." in text
+    assert "per round: 6.00x, 0.20x, 2.00x." in text and "compiling its step): 7.0 s" in text
+
+
+def test_sampling_split_step_floor_reads_the_whole_static_cache_and_the_report_adds_its_pieces():
+    """benchmark/sampling_split.py: a decode step's floor by hand (test 1's toy config: 76 FLOPs of projections and
+    logits a row; keys and values of 1 layer x hidden 2 x 4 bytes = 16 bytes a column), on a static cache 5 columns
+    wide; then the report's sum prefill + steps x (step + draws) on made-up pieces."""
+    config = SimpleNamespace(hidden_size=2, num_hidden_layers=1, intermediate_size=4, vocab_size=3)
+    seconds, cache_bytes = sampling_split.step_floor(config, rows=2, columns=5, peak=10.0, bandwidth=40.0)
+    assert cache_bytes == 2 * 16 * 5 and seconds == pytest.approx(2 * 76 / 10 + 160 / 40)
+    pieces = {"whole call (fast path)": (1.0, None), "prefill": (0.2, 0.1), "one decode step (compiled)": (0.03, 0.015),
+              "draws of one step": (0.002, 0.001), "attention of one layer: compiled (inductor, as the step)": (0.004, 0.002)}
+    lines = sampling_split.split_lines({"label": "toy", "pieces": pieces, "steps": 10, "layers": 2, "cache_mb": 3.0})
+    assert "| prefill | 200.00 | 100.00 | 50% |" in lines and "| whole call (fast path) | 1000.00 | | |" in lines
+    text = "\n".join(lines)
+    assert "Prefill + 10 x (step + draws) = 0.200 + 10 x (30.00 + 2.00 ms) = 0.520 s against the whole call's 1.000 s" in text
+    assert "The step's attention (its 2 layers, as compiled, on a 3 MB cache) is 8.00 ms of its 30.00 ms." in text

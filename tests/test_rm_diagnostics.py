@@ -200,3 +200,39 @@ def test_report_lines_by_hand():
     assert "**1.500**" in text and "**0.250**" in text
     assert "| the RM prefers it to the same facts with one actor the post never names | 0.500 |" in lines
     assert "| with the post's feeling, the RM prefers it to the same with another feeling | 0.500 |" in lines
+
+
+def test_scores_and_first_values_against_one_unpadded_row_at_a_time():
+    """The agreement and the critic's TD errors read the RM as PPO does: the score at the EOS (-1 for a response
+    without one: the EOS trick) and the values before each response token. Against a naive loop: each row alone,
+    without pads, through the RM; its last output is the score, its output before response token t is the value."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import reward
+
+    tokenizer = AutoTokenizer.from_pretrained(WORLD / "pythia-tiny")
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    torch.manual_seed(0)
+    model = reward.reward_model_from_sft(str(WORLD / "pythia-tiny")).eval()
+    torch.nn.init.normal_(model.head.weight, std=1.0)  # a head that reads the hidden state (its init is near zero)
+    words = [tokenizer.encode(" " + text) for text in ("my landlord cancelled my lease", "i feel angry", "a b c")]
+    longest = max(map(len, words)) + 2
+    queries = torch.tensor([[pad] * (longest - len(ids)) + ids for ids in words])  # left-padded, as the queries are
+    width = 6
+    ends = [3, None, width - 1]  # the EOS index of each response: mid-way, none, the last token
+    responses = torch.full((3, width), pad)
+    for row, end in enumerate(ends):
+        tokens = (words[2] * width)[:width if end is None else end] + ([eos] if end is not None else [])
+        responses[row, :len(tokens)] = torch.tensor(tokens)
+    with torch.no_grad():
+        scores, values = diag.scores_and_first_values(model, queries, responses, pad, eos)
+        for row, end in enumerate(ends):
+            query = [t for t in queries[row].tolist() if t != pad]
+            response = [t for t in responses[row].tolist() if t != pad]
+            out = model(input_ids=torch.tensor([query + response]), attention_mask=torch.ones(1, len(query + response)))[0]
+            expected = out[-1] if end is not None else torch.tensor(-1.0)
+            assert torch.allclose(scores[row], expected, atol=1e-5), row
+            last = len(response) - 1  # every value up to the last real token (the EOS) matches
+            assert torch.allclose(values[row, :last + 1], out[len(query) - 1:len(query) + last], atol=1e-5), row
+    assert abs(scores[0].item() + 1) > 1e-3 and abs(scores[2].item() + 1) > 1e-3  # a real score is not the penalty
