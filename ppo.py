@@ -13,7 +13,7 @@ updates) the RM scores the policy's summaries of validation prompts (temperature
     {output_dir}/checkpoints/       the latest --save_every checkpoint (no pickle), removed when the run ends
     runs/{run_name}/                TensorBoard; samples_{split}_{episode}.csv of every evaluation
 
-    # tiny world, offline, 1.5-2.7 min on 2 CPU cores (as benchmark/tiny.sh): win rate vs the references 0.514 (SFT 0.336)
+    # tiny world, offline, 1.1-2.7 min on 2 CPU cores, by CPU (as benchmark/tiny.sh): win rate vs the references 0.514 (SFT 0.336)
     python ppo.py --base_model assets/tiny_world/pythia-tiny --query_dataset data/tiny_tldr/sft \
         --sft_model_path models/tiny/sft_1 --reward_model_path models/tiny/reward_1 \
         --output_dir models/tiny/ppo_1 --seed 1 --total_episodes 1280 --batch_size 64 --local_micro_batch_size 16 \
@@ -133,7 +133,7 @@ class Args:
     eval_temperature: float = 0.01
     """Sampling temperature of the evaluation (paper: 0.01)"""
     fast_sampling: bool = False
-    """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop, 1.35-1.96x faster than HF generate on CPU, 1.8-2.1x the plain loop at 1B on one H100 / H200; its compile (25-60 s per process and rank, cold) pays off only after ~20-200 updates on a CPU, hence off by default (the SLURM launchers turn it on; benchmark/README.md); not with ZeRO-3"""
+    """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop, 1.35-1.96x faster than HF generate on CPU, 1.8-2.5x the plain loop at 1B on one H100 / H200; its compile (25-60 s per process and rank, cold) pays off only after ~20-200 updates on a CPU, hence off by default (the SLURM launchers turn it on; benchmark/README.md); not with ZeRO-3"""
     compile_training: bool = False
     """Compile each GPT-NeoX layer of policy and critic but the last (torch.compile, one region a layer) for the PPO epochs' forwards and backwards only: the same outputs up to float rounding; layers so compiled took 0.89x the eager pass at 1B on one H200 (benchmark/compile_training.py; not yet timed inside ppo.py, hence off) and 0.95-0.99x on a CPU; compiles in ~15-20 s per process; not with ZeRO-3"""
     gradient_checkpointing: bool = False
