@@ -79,7 +79,7 @@ class Args:
     sft_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered"
     """SFT source: Hub id or local dataset dir with splits train/validation/test (Detail 1)"""
     preference_dataset: str = "openai/summarize_from_feedback"
-    """Preference source: Hub id or local dataset dir with splits train/validation (Detail 1)"""
+    """Preference source: Hub id (a loading script is read from its parquet export) or local dataset dir with splits train/validation (Detail 1)"""
     preference_config: str = "comparisons"
     """Config (subset) of the preference dataset to load"""
     num_proc: Optional[int] = None
@@ -175,7 +175,9 @@ def query_columns(tokenizer, format_str: str, fields: dict, truncate_field: str,
     ids = tokenize_query(tokenizer, format_str, fields, truncate_field, length, where)
     query_token = left_pad(ids, length, pad_id)  # (length,): pads first, the query ends at the last column
     # Only special ids are skipped (the pads): a "[PAD]" typed in the post is text ids and stays in.
-    # lstrip as in the reference (a no-op for these templates).
+    # lstrip as in the reference (a no-op for these templates). The reference decoded under transformers
+    # 4.33, whose clean_up_tokenization_spaces (then on by default) also rewrote " ," to "," and " 'm" to
+    # "'m": its query text could differ from its query_token. Transformers 5 decodes the ids as they are.
     query = tokenizer.decode(query_token, skip_special_tokens=True).lstrip()
     return {"query": query, "query_token": query_token, "query_token_len": len(ids)}
 
@@ -479,13 +481,23 @@ def data_file_problem(path: str) -> Optional[str]:
     return None
 
 
+# The Hub keeps openai/summarize_from_feedback as a loading script (summarize_from_feedback.py), which datasets
+# no longer runs ("Dataset scripts are no longer supported"). The Hub's own parquet export of such a repo, on its
+# branch refs/convert/parquet with one folder per config, holds the same rows and features.
+PARQUET_EXPORT = "refs/convert/parquet"
+
+
 def load_source(path: str, config: Optional[str], scratch_dir: str):
     """`datasets.load_dataset(path, config)`; a local folder (laid out like a Hub repo) is checked file by file
-    and cached in `scratch_dir`."""
+    and cached in `scratch_dir`; a Hub id that is a loading script is read from its parquet export."""
     local = os.path.isdir(path)
     try:
+        options = {"name": config}
+        if local and config and os.path.isdir(os.path.join(path, config)) \
+                and config not in datasets.get_dataset_config_names(path):
+            options = {"data_dir": config}  # a download of such an export: a folder per config, no card naming it
         if local:  # datasets' own errors name neither the file nor the line: check each data file first
-            builder = datasets.load_dataset_builder(path, config, cache_dir=scratch_dir)
+            builder = datasets.load_dataset_builder(path, **options, cache_dir=scratch_dir)
             for files in builder.config.data_files.values():
                 problems = [problem for file in files if (problem := data_file_problem(file))]
                 if problems:
@@ -493,11 +505,20 @@ def load_source(path: str, config: Optional[str], scratch_dir: str):
         # datasets caches a local folder under its name and config, not its content: a folder written
         # again in place would be served stale from ~/.cache, features included. So a local folder
         # gets a fresh cache of its own; a Hub id is cached by its commit and is safe.
-        return datasets.load_dataset(path, config, cache_dir=scratch_dir if local else None)
+        try:
+            return datasets.load_dataset(path, **options, cache_dir=scratch_dir if local else None)
+        except RuntimeError as error:
+            if local or "Dataset scripts are no longer supported" not in str(error):
+                raise
+        print(f"{path} is a loading script, which datasets {datasets.__version__} does not run: reading the Hub's "
+              f"parquet export of it instead (revision {PARQUET_EXPORT}, folder {config or 'default'})")
+        return datasets.load_dataset(path, revision=PARQUET_EXPORT, data_dir=config or "default")
     except DataError:
         raise
     except Exception as error:  # a Hub id offline, a corrupt parquet file, a folder with no data files
-        raise DataError(f"cannot load {path} (config {config}): {type(error).__name__}: {error}; check "
+        hint = (" (a loading script: give a folder of its parquet files instead, one folder per config as the "
+                "Hub's refs/convert/parquet export lays them out)" if "Dataset scripts" in str(error) else "")
+        raise DataError(f"cannot load {path} (config {config}): {type(error).__name__}: {error}{hint}; check "
                         "--sft_dataset / --preference_dataset / --preference_config") from error
 
 

@@ -112,6 +112,55 @@ def test_load_source_names_the_bad_file_and_line(tmp_path):
         pre.load_source(str(tmp_path / "nowhere"), None, str(tmp_path / "scratch"))
 
 
+
+def test_a_hub_loading_script_is_read_from_the_hubs_parquet_export(tmp_path, monkeypatch):
+    """openai/summarize_from_feedback is a loading script on the Hub, which datasets 5 refuses to run: the default
+    preference source is then read from the Hub's parquet export of it (its config's folder on refs/convert/parquet).
+    Any other failure is still a DataError naming the flags."""
+    calls = []
+
+    def load_dataset(path, name=None, **options):
+        calls.append((path, name, options))
+        if options.get("revision") == "refs/convert/parquet":
+            return "the export"
+        raise RuntimeError(f"Dataset scripts are no longer supported, but found {path.split('/')[-1]}.py")
+
+    monkeypatch.setattr(pre.datasets, "load_dataset", load_dataset)
+    assert pre.load_source("openai/summarize_from_feedback", "comparisons", str(tmp_path)) == "the export"
+    assert calls[-1] == ("openai/summarize_from_feedback", None,
+                         {"revision": "refs/convert/parquet", "data_dir": "comparisons"})
+    monkeypatch.setattr(pre.datasets, "load_dataset", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(pre.DataError, match=r"cannot load openai/summarize_from_feedback \(config comparisons\): "
+                                            r"RuntimeError: boom; check --sft_dataset"):
+        pre.load_source("openai/summarize_from_feedback", "comparisons", str(tmp_path))
+
+
+def test_a_download_of_the_parquet_export_loads_its_configs_folder(tmp_path):
+    """A local copy of the Hub's export (a folder per config, a folder per split, no dataset card) read with
+    --preference_config comparisons gives that config's splits and rows, not the other config's."""
+    world = Path(pre.__file__).parent / "assets" / "tiny_world"
+    export = tmp_path / "export"
+    for folder, source in (("comparisons/train", "summarize_from_feedback/comparisons/train.parquet"),
+                           ("comparisons/validation", "summarize_from_feedback/comparisons/validation.parquet"),
+                           ("axis/validation", "tldr_3_filtered/data/validation.parquet")):
+        (export / folder).mkdir(parents=True)
+        shutil.copy(world / source, export / folder / "0000.parquet")
+    loaded = pre.load_source(str(export), "comparisons", str(tmp_path / "scratch"))
+    original = datasets.load_dataset(str(world / "summarize_from_feedback"), "comparisons",
+                                     cache_dir=str(tmp_path / "scratch2"))
+    assert sorted(loaded) == ["train", "validation"]
+    for split in loaded:
+        assert loaded[split].features == original[split].features
+        assert loaded[split][:3] == original[split][:3] and loaded[split].num_rows == original[split].num_rows
+
+
+def test_a_local_loading_script_is_refused_with_the_way_out(tmp_path):
+    folder = tmp_path / "summarize_from_feedback"
+    folder.mkdir()
+    (folder / "summarize_from_feedback.py").write_text("import datasets\n")
+    with pytest.raises(pre.DataError, match=r"a loading script: give a folder of its parquet files instead"):
+        pre.load_source(str(folder), "comparisons", str(tmp_path / "scratch"))
+
 # ---- end to end: a preference set without CNN/DM rows works ----
 
 def test_preference_data_without_cnndm_rows_works_and_says_so(tmp_path, tok):
