@@ -338,6 +338,52 @@ def test_evaluation_refuses_a_policy_whose_logits_overflow_at_its_temperature(fa
     assert not (tmp_path / "runs").exists()  # no sample table of this evaluation
 
 
+def test_evaluation_scores_each_summary_at_its_eos_and_counts_its_real_tokens(tiny_tldr, tmp_path):
+    """ppo_evaluate on samples that end mid-way with junk after the EOS, at the last token, or never, on 3 prompts
+    in batches of 2: each row's score is the RM's output at its EOS (the last
+    token without one), read by a naive loop on the row alone without pads; its length counts the tokens up to
+    the EOS; the table holds each prompt once; the metrics are their means."""
+    import datasets
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer
+
+    import ppo
+
+    make_reward_model(tmp_path / "rm")
+    reward_model = ppo.ScalarModel.from_pretrained(tmp_path / "rm").eval()
+    torch.nn.init.normal_(reward_model.head.weight, std=1.0)  # scores that differ token by token
+    tokenizer = AutoTokenizer.from_pretrained(WORLD / "pythia-tiny")
+    ppo.add_pad_token(tokenizer)
+    eval_set = datasets.load_from_disk(tiny_tldr / "sft")["validation"].with_format(
+        "torch", columns=["query_token", "reference_response_token"]).select(range(3))
+    junk, width = 7, 6
+    ends = {0: 2, 1: None, 2: width - 1}  # the EOS index of each prompt's sample: mid-way, none, the last token
+    row_of = {tuple(eval_set[i]["query_token"].tolist()): i for i in range(3)}
+
+    def sampler(policy, queries):
+        responses = torch.full((queries.shape[0], width), junk)
+        for row, query in enumerate(queries):
+            end = ends[row_of[tuple(query.tolist())]]
+            if end is not None:
+                responses[row, end] = EOS
+        return torch.cat((queries, responses), 1), torch.zeros(queries.shape[0], width, 4)
+
+    with torch.no_grad():
+        metrics, rows, nonfinite = ppo.ppo_evaluate(Accelerator(cpu=True), torch.nn.Module(),
+                                                    reward_model, eval_set, tokenizer, sampler, 2)
+    assert nonfinite == 0 and [row["index"] for row in rows] == [0, 1, 2]
+    for row in rows:
+        end = ends[row["index"]]
+        response = [junk] * width if end is None else [junk] * end + [EOS]
+        query = [t for t in eval_set[row["index"]]["query_token"].tolist() if t != PAD]
+        with torch.no_grad():
+            expected = reward_model(input_ids=torch.tensor([query + response]),
+                                    attention_mask=torch.ones(1, len(query) + len(response)))[0, -1].item()
+        assert row["score"] == pytest.approx(expected, abs=1e-4), row["index"]
+        assert row["length"] == len(response) and row["eos"] == (end is not None)
+    assert metrics["score"] == pytest.approx(sum(row["score"] for row in rows) / 3)
+    assert metrics["response_length"] == pytest.approx((3 + 6 + 6) / 3) and metrics["eos_fraction"] == pytest.approx(2 / 3)
+
 def test_static_sampler_draws_what_the_plain_loop_draws(tiny_tldr):
     """StaticSampler (the --fast_sampling path, its step run eagerly here) = sample_rollout token for token: batches
     smaller than the sampler (padding rows), rows ending early (the loop stops, EOS fillers), a run of every step,
@@ -765,7 +811,7 @@ def test_smoke_run_saves_policy_and_samples(tiny_tldr, tmp_path):
 
 def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_path):
     """ppo.py --fast_sampling (StaticSampler for the rollouts and the evaluation, its step compiled, as the SLURM
-    launchers run it) and ppo.py --gradient_checkpointing (activations recomputed in the backward) against the same
+    launchers run it, its evaluation's sampler wider than its rollouts') and ppo.py --gradient_checkpointing (activations recomputed in the backward) against the same
     run with HF generate and stored activations: the same evaluation samples, the same logged statistics and final
     weights up to float rounding (the forwards sum in other orders). And the plain run stopped after its first update
     (its evaluation and checkpoint written) and resumed: the uninterrupted run bit for bit, samples included."""
@@ -783,7 +829,7 @@ def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_
                "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / name), "--run_name", name,
                "--total_episodes", "32", "--batch_size", "16", "--num_minibatches", "2", "--local_micro_batch_size", "4",
                "--local_rollout_forward_batch_size", "8", "--response_length", "20", "--lr", "1e-4",
-               "--eval_every", "1", "--num_eval_samples", "8", "--local_eval_batch_size", "8"]
+               "--eval_every", "1", "--num_eval_samples", "12", "--local_eval_batch_size", "12"]  # > the rollout's 8
         for extra in starts:
             result = run_python(cmd + extra, cwd=tmp_path, env=env, timeout=900)
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -792,12 +838,12 @@ def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_
         runs[name] = {tag: [event.value for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]
                       if not tag.startswith("time/")}
     plain = (tmp_path / "plain" / "eval_validation.csv").read_text()
-    assert len(plain.splitlines()) > 8 and len(runs["plain"]["objective/kl"]) == 2
+    assert len(plain.splitlines()) > 12 and len(runs["plain"]["objective/kl"]) == 2
     start = load_file(WORLD / "pythia-tiny" / "model.safetensors")
     weights = load_file(tmp_path / "plain" / "model.safetensors")
     assert max((weights[key] - start[key]).abs().max().item() for key in weights) > 1e-5  # the runs trained: their
     for name in ("fast", "checkpointed"):  # agreement is not that of untouched weights
-        assert (tmp_path / name / "eval_validation.csv").read_text() == plain, name  # the same 8 samples, word for word
+        assert (tmp_path / name / "eval_validation.csv").read_text() == plain, name  # the same 12 samples, word for word
         assert sorted(runs[name]) == sorted(runs["plain"])
         for tag, values in runs["plain"].items():
             assert runs[name][tag] == pytest.approx(values, rel=1e-4, abs=1e-4), (name, tag)
