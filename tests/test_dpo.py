@@ -184,6 +184,53 @@ def hand_pairs(pairs_of_ids, width):
     return {name: torch.tensor(rows) for name, rows in columns.items()}
 
 
+class BigramTable(torch.nn.Module):
+    """A bf16 "language model" whose logits at a position depend on that position's token only (a table row): the
+    log-probs of a summary are then known by hand, whichever layout (two rows a pair, or one) reads it."""
+
+    def __init__(self, vocab_size: int, seed: int = 0):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.table = torch.nn.Parameter((8 * torch.randn(vocab_size, vocab_size, generator=generator)).bfloat16())
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, return_dict=True):
+        logits = self.table[input_ids]  # (B, T, V) bf16
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+
+
+def test_log_probs_of_a_bf16_policy_are_read_in_fp32():
+    """Under DeepSpeed bf16 the policy's logits are bf16: DPO's log-probs must be the fp32 log-softmax of those
+    logits (a bf16 log-softmax is off by up to ~0.3 nats a summary at these logit scales), in both layouts."""
+    model = BigramTable(64)
+    triples = [([5, 6, 7, 8, 9, 10], [20, 21, EOS], [30, 31, 32, 33, EOS]),
+               ([11, 12, 17], [22, EOS], [34, 35, 36, 37, 38, 39, 40, EOS]),
+               ([13, 14, 15], [23, 24, 25, 26, EOS], [41, EOS])]
+    batch = hand_pairs(triples, width=11)
+    table = model.table.detach().float().log_softmax(-1)  # (V, V): log p(next | this token), in fp32
+    by_hand = lambda query, summary: sum(table[prev, token] for prev, token in  # noqa: E731
+                                         zip([query[-1]] + summary[:-1], summary)).item()
+    expected = torch.tensor([[by_hand(q, c) for q, c, _ in triples], [by_hand(q, r) for q, _, r in triples]])
+    with torch.no_grad():
+        packed = torch.stack(dpo.packed_pair_logprobs(model, batch, PAD))
+        plain = torch.stack(two_rows_a_pair(model, batch))
+    assert torch.allclose(packed, expected, atol=1e-4) and torch.allclose(plain, expected, atol=1e-4), (packed, plain)
+    in_bf16 = model.table.detach().log_softmax(-1).float()  # what a log-softmax before the cast would read
+    assert (in_bf16 - table).abs().max() > 0.01  # the test can tell the two apart
+
+def test_pair_row_mask_gives_every_position_something_to_read():
+    """packed_pair_logprobs' (B, 1, T, T) attention mask: every position, a pad included, reads at least one column
+    (the row's first query token, and a pad itself): a row with nothing to read is NaN in CUDA's memory-efficient
+    attention (0 on a CPU)."""
+    class Recording(BigramTable):
+        def forward(self, input_ids, attention_mask=None, **options):
+            self.mask = attention_mask
+            return super().forward(input_ids, attention_mask, **options)
+
+    model = Recording(64)
+    batch = hand_pairs([([5, 6, 7], [20, EOS], [30, EOS]), ([11, 12, 17, 18], [22, 23, EOS], [34, 35, 36, EOS])], 11)
+    dpo.packed_pair_logprobs(model, batch, PAD)
+    assert model.mask.shape == (2, 1, 11, 11) and model.mask.any(-1).all()  # row 0 ends in 4 pads
+
 def test_one_row_a_pair_equals_two_rows_a_pair(tiny_tldr):
     """packed_pair_logprobs (query ++ chosen ++ rejected in one row) == its docstring's plain form, two rows a pair,
     log-probs and gradients: the tiny world's pairs, and hand-made ones with queries of different lengths, a

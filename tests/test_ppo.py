@@ -1104,6 +1104,26 @@ def test_deepspeed_offload_matches_deepspeed(tiny_tldr, tmp_path):
         assert max(abs(float(a[key]) - float(b[key])) for a, b in zip(*rows)) < 1e-5
 
 
+@pytest.mark.parametrize("precision", ["bf16", "no"])
+def test_offloaded_frozen_models_run_in_the_policys_precision(precision, monkeypatch):
+    """--offload's ZeRO-3 engines (reference policy and RM) take the launch's bf16, as frozen_like_trained does for
+    the models it keeps: in fp32 beside a bf16 policy, the KL would start away from 0 by rounding alone. The test
+    above runs fp32 only (bf16 DeepSpeed is too slow on a CPU), so the config is read here."""
+    import types
+
+    import deepspeed
+
+    import ppo
+
+    configs = []
+    monkeypatch.setattr(deepspeed, "initialize", lambda model, config: configs.append(config) or (torch.nn.Linear(1, 1),))
+    accelerator = types.SimpleNamespace(mixed_precision=precision)
+    ppo.offload_frozen_models(accelerator, types.SimpleNamespace(local_micro_batch_size=4), torch.nn.Linear(1, 1),
+                              torch.nn.Linear(1, 1))
+    assert len(configs) == 2 and all(config["bf16"] == {"enabled": precision == "bf16"} for config in configs)
+    assert all(config["zero_optimization"]["stage"] == 3 and config["zero_optimization"]["offload_param"] ==
+               {"device": "cpu"} for config in configs)
+
 def test_rollout_scores_the_truncated_response(tiny_tldr):
     """Details 12 and 23: rollout() scores query ++ the response truncated after its first EOS (pads after it), so
     the reward is read at the EOS, not at the last of the untruncated tokens; the behaviour log-probs and entropy come

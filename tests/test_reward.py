@@ -132,6 +132,24 @@ def test_pair_rewards_match_separate_rows(attention):
     assert torch.allclose(grads_packed, grads_separate, atol=1e-5, rtol=1e-4)
 
 
+def test_pair_row_mask_gives_every_position_something_to_read():
+    """The one-row pair's (B, 1, T, T) attention mask: every position, a pad included, reads at least one column
+    (the row's first query token, and a pad itself). A query row with nothing to read is NaN in CUDA's
+    memory-efficient attention (0 in the CPU kernels, where the other tests run), and NaN spreads through the backward."""
+    seen = {}
+
+    def model(input_ids, attention_mask, position_ids, positions):
+        seen["mask"] = attention_mask
+        return torch.zeros(len(input_ids), 2)
+
+    pad = lambda rows, width, left=False: torch.tensor(  # noqa: E731
+        [[PAD] * (width - len(r)) + r if left else r + [PAD] * (width - len(r)) for r in rows])
+    queries = pad([[11, 12, 13, 14, 15, 16], [17, 18, 19]], 6, left=True)
+    chosen, rejected = pad([[31, 0], [33, 34, 35, 0]], 4), pad([[41, 42, 0], [46, 0]], 4)
+    reward.pair_rewards(model, queries, chosen, rejected, PAD)
+    mask = seen["mask"]  # (B, 1, T, T): row 0 ends 2 columns before row 1, so it has pads
+    assert mask.shape == (2, 1, 11, 11) and mask.any(-1).all()
+
 def test_rewards_at_eos_equal_get_reward():
     """rewards_at_eos (evaluation's scoring, the last layer at the EOS column only) == get_reward's EOS rewards:
     right-padded rows (context 0), left-padded query ++ right-padded response (context = the query's width), a row
