@@ -16,8 +16,8 @@ two summaries of a post is better, and reports for every table the win rate agai
     # the tiny world's gold judge: offline, instant, no key
     python judge.py --judge gold --tables sft=runs/sft/samples.csv ppo__seed1=runs/ppo/samples.csv \
         --output_dir runs/judge_gold
-    # the paper's judge, gpt-3.5-turbo-0125 (key from OPENAI_API_KEY only), PPO also against SFT
-    python judge.py --tables sft__seed1=sft1.csv ppo__seed1=ppo1.csv --pairs ppo__seed1:sft__seed1
+    # an OpenAI judge (key from OPENAI_API_KEY only), PPO also against SFT; the paper's, gpt-3.5-turbo-0125, is gone
+    python judge.py --model gpt-5.6-terra --tables sft__seed1=sft1.csv ppo__seed1=ppo1.csv --pairs ppo__seed1:sft__seed1
     # any OpenAI-compatible server (vLLM, llama.cpp ...): OPENAI_API_KEY=unused for a keyless one
     python judge.py --base_url http://127.0.0.1:8000/v1 --model Qwen/Qwen2.5-7B-Instruct --tables dpo=dpo.csv
 
@@ -33,7 +33,7 @@ Faults. A row that fails for good (a 400, retries spent on 429/5xx/timeouts, an 
 is not JSON or has no choices) is recorded as failed and the run goes on; the next
 --failed_row_retries runs ask it again. A call abandoned at the timeout (or a 200 without a usable
 reply) may have been billed: every later call for that row is counted as `possibly_billed_twice`.
-A fault no row can get past (401, 403, 404, server unreachable) stops the run. Results are written
+A fault no row can get past (401, 403, 404, 410, an exhausted quota, server unreachable) stops the run. Results are written
 in every case: the cache is append-only (a line torn by a kill is skipped and that row asked again),
 every other file is written beside and renamed into place. Keys come from OPENAI_API_KEY only;
 credentials inside --base_url (user:password@, query values) are redacted wherever text is written.
@@ -88,8 +88,9 @@ class Args:
     # judge
     judge: Literal["openai", "gold"] = "openai"
     """`openai`: an LLM through any OpenAI-compatible server; `gold`: the tiny world's gold_score"""
-    model: str = "gpt-3.5-turbo-0125"
-    """Judge model name sent to the server (paper: gpt-3.5-turbo-0125)"""
+    model: Optional[str] = None
+    """Judge model name sent to the server, required with --judge openai (paper: gpt-3.5-turbo-0125, which OpenAI shut
+    down on 2026-10-23: any judge today is another judge, and its win rates are not on the paper's scale)"""
     base_url: Optional[str] = None
     """OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (None: $OPENAI_BASE_URL, else api.openai.com);
     credentials in it (user:password@, ?key=) are sent but written nowhere"""
@@ -144,6 +145,7 @@ FIRST provide a one-sentence comparison of the two summaries, explaining which y
 Comparison: <one-sentence comparison and explanation>
 Preferred: <"A" or "B">"""
 GOLD_MODEL, GOLD_PROMPT_VERSION = "tiny_world.gold_score", "gold-v1"
+PAPER_MODEL = "gpt-3.5-turbo-0125"  # the paper's judge (Appendix I); shut down by OpenAI on 2026-10-23
 EOS_TEXT = "<|endoftext|>"
 LABEL_RE = re.compile(r"[\w.-]+")
 Z_95 = 1.959963984540054  # the standard normal's 97.5% quantile
@@ -192,12 +194,15 @@ def judgment_key(model: str, prompt_version: str, temperature: Optional[float], 
 def parse_verdict(reply: Optional[str], allow_tie: bool = False) -> Optional[str]:
     """"A" or "B" from exactly one line `Preferred: A|B` (or "tie" if allowed); None when malformed.
 
-    Strict on purpose: `Preferred: "A"`, `A.`, two Preferred lines or none are all malformed (the
-    reference counted every one of them for the reference summary)."""
-    lines = [line.strip() for line in (reply or "").splitlines() if line.strip().startswith("Preferred:")]
+    The answer may carry what the prompt's own format line and markdown put around it (`Preferred: "A"`,
+    `**Preferred:** A`, `Preferred: Summary B.`); anything else is malformed: `a`, `A or B`, two Preferred
+    lines or none (the reference counted every one of them for the reference summary)."""
+    lines = [line.strip().lstrip("*_# ") for line in (reply or "").splitlines()]
+    lines = [line for line in lines if line.startswith("Preferred:")]
     if len(lines) != 1:
         return None
-    value = lines[0].removeprefix("Preferred:").strip()
+    value = lines[0].removeprefix("Preferred:").strip(" *_\"'`").removesuffix(".").strip(" *_\"'`")
+    value = value.removeprefix("Summary ")
     return value if value in ("A", "B") or (allow_tie and value == "tie") else None
 
 
@@ -420,8 +425,12 @@ def flag_problems(args: Args) -> list[str]:
               ("max_new_judgments", args.max_new_judgments >= -1, "-1 (no limit) or >= 0"),
               ("failed_row_retries", args.failed_row_retries >= 0, ">= 0"),
               ("length_bins", args.length_bins >= 1, ">= 1"),
-              ("model", bool(args.model.strip()), "a model name")]
+              ("model", args.judge == "gold" or args.model is None or bool(args.model.strip()), "a model name")]
     problems += [f"--{flag} {getattr(args, flag)}: want {want}" for flag, ok, want in checks if not ok]
+    if args.judge == "openai" and args.model is None:
+        problems.append(f"--model: required with --judge openai. The paper's judge, {PAPER_MODEL}, was shut down by "
+                        "OpenAI on 2026-10-23; name a current model (--model gpt-5.6-terra, say) or your server's "
+                        "(--base_url). Its win rates are not on the paper's scale: compare runs judged alike")
     if args.base_url is not None and not endpoint_is_valid(args.base_url):
         # Not echoed: a URL that does not parse may still hold a key.
         problems.append("--base_url (not shown: it may hold a key): want http(s)://host[:port][/path]")
@@ -709,7 +718,9 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
             except (openai.OpenAIError, TimeoutError, BadReply) as error:
                 if stops_run(error):
                     stopping.append(item["key"])
-                    raise RunStopped(scrub(describe(error), secrets)) from error
+                    why = ("no quota left (429 insufficient_quota or x-should-retry: false), which waiting does not "
+                           "clear: add credit or raise the spend limit; " if out_of_quota(error) else "")
+                    raise RunStopped(scrub(why + describe(error), secrets)) from error
                 totals["failed_runs"] += 1
                 return save("failed", error=error)
             except asyncio.CancelledError:
@@ -777,16 +788,22 @@ def is_retryable(error: BaseException) -> bool:
     """Rate limits, server errors, timeouts and lost connections are worth a retry; 400/401/404 are not."""
     if isinstance(error, (TimeoutError, openai.APIConnectionError)):  # APITimeoutError is a connection error
         return True
-    return isinstance(error, openai.APIStatusError) and (error.status_code in (408, 409, 429) or error.status_code >= 500)
+    return isinstance(error, openai.APIStatusError) and not out_of_quota(error) and (
+        error.status_code in (408, 409, 429) or error.status_code >= 500)
 
 
 def retry_after(error: BaseException) -> float:
-    """The server's Retry-After header in seconds (0 when absent or not a number)."""
+    """The server's retry-after-ms or Retry-After header in seconds (0 when absent or not a number)."""
     response = getattr(error, "response", None)
-    try:
-        return max(0.0, float(response.headers.get("retry-after", 0))) if response is not None else 0.0
-    except ValueError:
+    if response is None:
         return 0.0
+    for header, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        try:
+            if header in response.headers:
+                return max(0.0, float(response.headers[header]) * scale)
+        except ValueError:
+            continue
+    return 0.0
 
 
 class BadReply(Exception):
@@ -804,10 +821,22 @@ def may_be_billed(error: BaseException) -> bool:
 
 
 def stops_run(error: BaseException) -> bool:
-    """Whether `error` (retries spent) would fail every other row as well: 401, 403, 404 or an unreachable server."""
+    """Whether `error` would fail every other row as well: 401, 403, 404, 410, an exhausted quota or an unreachable
+    server."""
     if isinstance(error, openai.APIStatusError):
-        return error.status_code in (401, 403, 404)
+        return error.status_code in (401, 403, 404, 410) or out_of_quota(error)
     return isinstance(error, openai.APIConnectionError) and not isinstance(error, openai.APITimeoutError)
+
+
+def out_of_quota(error: BaseException) -> bool:
+    """A 429 that waiting does not clear: OpenAI's `insufficient_quota` (no credit, a spend limit reached), or any
+    server's `x-should-retry: false`."""
+    if not isinstance(error, openai.APIStatusError) or error.status_code != 429:
+        return False
+    if error.response.headers.get("x-should-retry", "").lower() == "false":
+        return True
+    body = error.body.get("error", error.body) if isinstance(error.body, dict) else {}
+    return isinstance(body, dict) and "insufficient_quota" in (body.get("type"), body.get("code"))
 
 
 def describe(error: BaseException) -> str:

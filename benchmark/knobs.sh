@@ -74,6 +74,14 @@ export FAST_SAMPLING=${FAST_SAMPLING:-1}
 # benchmark/gpu_check.sh, whose second PPO run uses it, has timed it inside ppo.py. COMPILE_TRAINING=1 turns it on.
 export COMPILE_TRAINING=${COMPILE_TRAINING:-0}
 
+# The LLM judge (judge.sbatch): a model of OpenAI's (OPENAI_API_KEY) or of another OpenAI-compatible server
+# (OPENAI_BASE_URL). None is a default: the paper's, gpt-3.5-turbo-0125, was shut down by OpenAI on 2026-10-23,
+# and any other judge's win rates are on its own scale. launch.sh refuses to submit the judge without one.
+export JUDGE_MODEL=${JUDGE_MODEL:-}
+# Judge tasks running at once. Every task keeps judge.py's 8 calls in flight on the same key, whose rate limit
+# they share: all 12 at once would be 96 calls (the reference kept 11), and rows that run out of retries fail.
+export JUDGE_ARRAY_THROTTLE=${JUDGE_ARRAY_THROTTLE:-1}
+
 # Tracking: the paper's runs log to W&B (TRACK=0 turns it off); PUSH=1 also pushes each model.
 export TRACK=${TRACK:-1}
 export PUSH=${PUSH:-0}

@@ -38,13 +38,22 @@ for arg in "$@"; do
 done
 if ((${#stages[@]} == 0)); then stages=("${ALL_STAGES[@]}"); fi
 
+if [[ " ${stages[*]} " == *" judge "* && -z $JUDGE_MODEL ]] && ((!dry_run)); then
+  echo "benchmark/launch.sh: the judge stage needs JUDGE_MODEL (the paper's gpt-3.5-turbo-0125 was shut down by" \
+    "OpenAI on 2026-10-23): e.g. JUDGE_MODEL=gpt-5.6-terra bash benchmark/launch.sh, or leave out the judge" \
+    "stage (bash benchmark/launch.sh preprocess sft reward dpo ppo). Nothing was submitted." >&2
+  exit 1
+fi
+
 n_tasks=$((${#MODEL_LIST[@]} * ${#SEED_LIST[@]}))
 declare -A JOB=()  # stage -> submitted job id (the stages of this call only)
 if ((!dry_run)); then mkdir -p runs/slurm; fi  # the #SBATCH --output folder
 for stage in "${ALL_STAGES[@]}"; do
   [[ " ${stages[*]} " == *" $stage "* ]] || continue
   args=(--parsable --kill-on-invalid-dep=yes)
-  if [[ $stage != preprocess ]]; then args+=("--array=0-$((n_tasks - 1))${ARRAY_THROTTLE:+%$ARRAY_THROTTLE}"); fi
+  throttle=${ARRAY_THROTTLE:-}
+  if [[ $stage == judge ]]; then throttle=${ARRAY_THROTTLE:-$JUDGE_ARRAY_THROTTLE}; fi  # one API key's rate limit
+  if [[ $stage != preprocess ]]; then args+=("--array=0-$((n_tasks - 1))${throttle:+%$throttle}"); fi
   if [[ $stage =~ ^(sft|reward|dpo|ppo)$ ]]; then args+=("--gpus-per-task=$GPUS_PER_NODE"); fi  # the knob, not the #SBATCH 8
   deps=()
   for need in ${NEEDS[$stage]}; do

@@ -40,9 +40,13 @@ FAST = ["--timeout", "0.5", *QUICK_RETRIES]
 def test_parse_verdict_is_strict():
     assert judge.parse_verdict("Comparison: A is shorter.\nPreferred: A") == "A"
     assert judge.parse_verdict("Comparison: B covers more.\n  Preferred: B  \n") == "B"
-    for malformed in ['Comparison: x\nPreferred: "A"', "Preferred: A.", "Preferred: a", "Comparison: A",
-                      "Preferred: A\nPreferred: B", "Preferred: A or B", "", None, "**Preferred:** A",
-                      "Preferred: tie"]:
+    # What the prompt's format line (`Preferred: <"A" or "B">`) and markdown put around a clear answer
+    for reply, verdict in (('Comparison: x\nPreferred: "A"', "A"), ("Preferred: A.", "A"), ("**Preferred:** B", "B"),
+                           ("Preferred: **B**", "B"), ("Preferred: Summary A", "A"), ("### Preferred: `B`", "B"),
+                           ("Preferred: 'A'", "A")):
+        assert judge.parse_verdict(reply) == verdict, reply
+    for malformed in ["Preferred: a", "Comparison: A", "Preferred: A\nPreferred: B", "Preferred: A or B", "", None,
+                      "Preferred: tie", "Preferred:\nA", "Preferred: Summary  A", "Preferred: AB", "Preferred: A, B"]:
         assert judge.parse_verdict(malformed) is None, malformed
     assert judge.parse_verdict("Comparison: equal\nPreferred: tie", allow_tie=True) == "tie"
     # A/B bookkeeping: the verdict names a position, `ours_is_a` says which text sat there.
@@ -161,6 +165,18 @@ def test_backoff_and_retry_classification():
     assert not judge.is_retryable(ValueError())
     assert judge.retry_after(status(429, {"retry-after": "2.5"})) == 2.5
     assert judge.retry_after(status(429, {"retry-after": "Wed, 21 Oct"})) == 0.0
+    assert judge.retry_after(status(429, {"retry-after-ms": "250", "retry-after": "1"})) == 0.25  # the finer one
+    # A 429 that waiting never clears (no credit left, a spend limit; or a server's x-should-retry: false) stops
+    # the run; a plain rate limit is retried.
+    quota = openai.RateLimitError("x", response=httpx.Response(429, request=request), body={
+        "error": {"message": "You exceeded your current quota", "type": "insufficient_quota", "code": "insufficient_quota"}})
+    told = status(429, {"x-should-retry": "false"})
+    for error in (quota, told):
+        assert judge.out_of_quota(error) and judge.stops_run(error) and not judge.is_retryable(error)
+    limited = openai.RateLimitError("x", response=httpx.Response(429, request=request), body={
+        "error": {"message": "Rate limit reached", "type": "requests", "code": "rate_limit_exceeded"}})
+    assert not judge.out_of_quota(limited) and not judge.stops_run(limited) and judge.is_retryable(limited)
+    assert judge.stops_run(status(410)) and not judge.stops_run(status(400))  # a retired model, a bad request
 
 
 def test_cache_survives_a_torn_line(tmp_path):
@@ -185,7 +201,7 @@ class JudgeServer:
     """Serves POST /v1/chat/completions: prefers the longer summary; `faults` by 1-based request number.
 
     `row_faults` {post row: [fault, ...]}: the row's k-th request gets the k-th fault, later ones a
-    normal reply. Faults: 429, 500, 401, 400 (its message echoes the request's path and
+    normal reply. Faults: 429, quota (429 insufficient_quota), 500, 401, 400 (its message echoes the request's path and
     Authorization header, as some servers do), hang, and HTTP 200s: nonjson (a JSON content type
     over an HTML body), html (served as text/html), nochoices, echo (a normal verdict after the
     path and Authorization header)."""
@@ -223,12 +239,17 @@ class JudgeServer:
                     message = f"injected {fault}" + (f" for {echoed}" if fault == "400" else "")
                     payload = {"error": {"message": message, "type": "test", "code": None}}
                     return self.send(int(fault), payload, {"retry-after": "0.02"} if fault == "429" else {})
+                if fault == "quota":  # OpenAI's answer to an account out of credit: a 429 that waiting never clears
+                    payload = {"error": {"message": "You exceeded your current quota, please check your plan and "
+                                         "billing details.", "type": "insufficient_quota", "param": None,
+                                         "code": "insufficient_quota"}}
+                    return self.send(429, payload, {"retry-after": "0.02"})
                 if fault in ("nonjson", "html"):
                     return self.send(200, None, raw=b"<html>upstream hiccup</html>",
                                      content_type="text/html" if fault == "html" else "application/json")
                 time.sleep(server.delay)
                 if "MALFORMED" in post:
-                    content = 'Comparison: both are fine.\nPreferred: "A"'
+                    content = "Comparison: both are fine.\nPreferred: A or B"
                 else:
                     content = f"Comparison: the longer one says more.\nPreferred: {'A' if len(a) > len(b) else 'B'}"
                 if fault == "echo":
@@ -297,7 +318,8 @@ def llm_rows(n, malformed=()):
 
 
 def judge_cmd(*flags):
-    return [sys.executable, str(REPO / "judge.py"), *flags]
+    """judge.py with `flags`, after a judge model of the test server's (a later --model in `flags` wins)."""
+    return [sys.executable, str(REPO / "judge.py"), "--model", "judge-test", *flags]
 
 
 def judge_env():
@@ -459,6 +481,31 @@ def test_run_level_faults_stop_the_run_row_faults_do_not(tmp_path, server_factor
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 1 and "OPENAI_API_KEY" in proc.stderr and not (tmp_path / "c").exists()
 
+
+
+def test_an_exhausted_quota_stops_the_run_instead_of_retrying_every_row(tmp_path, server_factory):
+    """An account out of credit gets 429 insufficient_quota on every call: retrying each row for minutes would take
+    hours over a validation split. The run stops at the first one, keeps the verdicts it has, and says why."""
+    table = write_table(tmp_path / "t.csv", llm_rows(4))
+    server = server_factory(faults={2: "quota"})
+    proc = run_judge("--base_url", server.url, "--tables", f"t={table}", "--output_dir", str(tmp_path / "q"),
+                     "--max_concurrency", "1", *FAST)
+    assert proc.returncode == 1 and "no quota left (429 insufficient_quota" in proc.stderr and "rerun" in proc.stderr
+    assert len(server.requests) == 2  # row 0 judged, row 1's first 429 not retried, rows 2 and 3 never asked
+    result = json.loads((tmp_path / "q" / "results.json").read_text())
+    assert (result["runs"]["t"]["n"], result["runs"]["t"]["unjudged"]) == (1, 3)
+    assert "RateLimitError" in result["this_run"]["stopped"]
+
+
+def test_the_openai_judge_needs_a_model_named(tmp_path):
+    """The paper's judge (gpt-3.5-turbo-0125) is shut down, so no model is a default: without --model the run stops
+    before writing anything and says why; the tiny world's gold judge needs none."""
+    table = write_table(tmp_path / "t.csv", llm_rows(2))
+    proc = subprocess.run([sys.executable, str(REPO / "judge.py"), "--tables", f"t={table}", "--output_dir",
+                           str(tmp_path / "o")], capture_output=True, text=True, timeout=60, env=judge_env())
+    assert proc.returncode == 1 and "--model: required with --judge openai" in proc.stderr
+    assert "gpt-3.5-turbo-0125, was shut down" in proc.stderr and not (tmp_path / "o").exists()
+    assert judge.flag_problems(judge.Args(judge="gold", tables=(f"t={table}",), output_dir=str(tmp_path / "g"))) == []
 
 # ------------------------------------------------------------------------------------------------
 # The gold judge: several tables at once, a head-to-head pair, the markdown table

@@ -70,7 +70,7 @@ def test_redact_url_and_scrub():
 
 def test_flag_problems_name_every_bad_flag(tmp_path):
     table = write_table(tmp_path / "t.csv", llm_rows(2))
-    good = judge.Args(tables=(f"t={table}",), output_dir=str(tmp_path / "out"))
+    good = judge.Args(tables=(f"t={table}",), output_dir=str(tmp_path / "out"), model="judge-test")
     assert judge.flag_problems(good) == []
     (tmp_path / "a_file").write_text("")
     bad = {"n": 0, "temperature": -0.1, "max_concurrency": 0, "timeout": 0.0, "max_retries": -1,
@@ -381,7 +381,8 @@ def test_unreadable_tables_and_a_bad_endpoint_are_named_without_the_secret(tmp_p
     no_reference.write_text("query,response\npost,summary\n")
     monkeypatch.setenv("OPENAI_BASE_URL", "ftp://user:hunter2-secret@judge.example")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-not-real")
-    args = judge.Args(output_dir=str(tmp_path / "out"), tables=(f"sft_1={header_only}", f"ppo_1={no_reference}"))
+    args = judge.Args(output_dir=str(tmp_path / "out"), tables=(f"sft_1={header_only}", f"ppo_1={no_reference}"),
+                      model="judge-test")
     with pytest.raises(SystemExit) as stop:
         judge.read_inputs(args)
     assert str(stop.value.code) == ("judge.py: cannot start (nothing was written):\n  $OPENAI_BASE_URL (not shown: "

@@ -42,6 +42,7 @@ EVAL_ROWS = {"validation": 6447, "test": 6553}
 # A clean environment for the dry runs: the knobs' defaults, not whatever the caller exported.
 KNOB_VARS = ("MODELS", "SEEDS", "DATA", "OUT_ROOT", "TOKENIZER_MODEL", "ACCELERATE_CONFIG", "TRACK", "PUSH",
              "SAVE_EVERY_SFT", "SAVE_EVERY_RM", "SAVE_EVERY_DPO", "SAVE_EVERY_PPO", "ARRAY_THROTTLE",
+             "JUDGE_MODEL", "JUDGE_ARRAY_THROTTLE",
              "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_SUBMIT_DIR")
 ENV = {key: value for key, value in os.environ.items() if key not in KNOB_VARS}
 
@@ -399,7 +400,8 @@ def test_judge_task_runs_again_until_a_run_finished_with_no_row_left_to_retry(tm
     (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "srun: $*"\n')
     (bin_dir / "srun").chmod(0o755)
     env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT_ROOT": str(tmp_path / "models"),
-           "SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "0", "SLURM_SUBMIT_DIR": str(REPO)}
+           "SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "0", "SLURM_SUBMIT_DIR": str(REPO),
+           "JUDGE_MODEL": "judge-test"}
     out = tmp_path / "models" / PAPER_MODELS[0] / f"judge_{PAPER_SEEDS[0]}"
     out.mkdir(parents=True)
     for stopped, failures, runs in ((None, [{"row": 3, "asked_by_rerun": True}], True),
@@ -409,5 +411,23 @@ def test_judge_task_runs_again_until_a_run_finished_with_no_row_left_to_retry(tm
         (out / "results.json").write_text(json.dumps({"this_run": {"stopped": stopped}, "failures": failures}))
         result = bash(str(SLURM / "judge.sbatch"), env=env)
         assert result.returncode == 0, result.stderr
-        assert ("srun: python judge.py" in result.stdout) == runs, (stopped, failures, result.stdout)
+        assert ("srun: python judge.py --judge openai --model judge-test " in result.stdout) == runs, (
+            stopped, failures, result.stdout)
         assert ("nothing to do" in result.stdout) != runs
+    # No judge model (the paper's is shut down, judge.py has none by default): the task refuses to start.
+    result = bash(str(SLURM / "judge.sbatch"), env={**env, "JUDGE_MODEL": ""})
+    assert result.returncode == 1 and "set JUDGE_MODEL" in result.stderr and "srun" not in result.stdout
+
+
+def test_the_judge_stage_is_submitted_with_a_model_and_one_task_at_a_time():
+    """Every judge task's calls share one API key's rate limit: launch.sh runs JUDGE_ARRAY_THROTTLE (1) of them at
+    once unless ARRAY_THROTTLE says otherwise, and refuses to submit anything while JUDGE_MODEL names no model."""
+    result = bash("benchmark/launch.sh", "--dry-run", "ppo", "judge", env={"JUDGE_MODEL": "judge-test"})
+    submits = {Path(line.split()[-1]).stem: line for line in result.stdout.splitlines() if line.startswith("sbatch ")}
+    assert "--array=0-11%1 " in submits["judge"] and "--array=0-11 " in submits["ppo"]
+    assert all(one(c, "model") == "judge-test" for c in parse_dry_run(result.stdout) if c["script"] == "judge.py")
+    result = bash("benchmark/launch.sh", "--dry-run", "judge", env={"JUDGE_MODEL": "m", "ARRAY_THROTTLE": "3"})
+    assert "--array=0-11%3 " in result.stdout
+    refused = bash("benchmark/launch.sh", "sft", "judge")  # no JUDGE_MODEL: nothing reaches sbatch
+    assert refused.returncode == 1 and "needs JUDGE_MODEL" in refused.stderr
+    assert "Nothing was submitted" in refused.stderr and refused.stdout == ""
