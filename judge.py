@@ -33,7 +33,8 @@ Faults. A row that fails for good (a 400, retries spent on 429/5xx/timeouts, an 
 is not JSON or has no choices) is recorded as failed and the run goes on; the next
 --failed_row_retries runs ask it again. A call abandoned at the timeout (or a 200 without a usable
 reply) may have been billed: every later call for that row is counted as `possibly_billed_twice`.
-A fault no row can get past (401, 403, 404, 410, an exhausted quota, server unreachable) stops the run. Results are written
+A fault no row can get past (401, 403, 404, 410, an exhausted quota, server unreachable, the same 400 on the first 3
+rows asked with no verdict yet under these settings) stops the run. Results are written
 in every case: the cache is append-only (a line torn by a kill is skipped and that row asked again),
 every other file is written beside and renamed into place. Keys come from OPENAI_API_KEY only;
 credentials inside --base_url (user:password@, query values) are redacted wherever text is written.
@@ -45,6 +46,7 @@ Printed: a progress bar, then the results tables (results.md) and the call count
 
 import asyncio
 import base64
+import collections
 import csv
 import io
 import hashlib
@@ -693,6 +695,11 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
     # Non-empty once a row stopped the run: the rows that get the semaphore it releases before the
     # TaskGroup cancels them must not start a call (it would be abandoned at once, maybe billed).
     stopping = []
+    # A 400 that every row gets (a flag the server rejects, e.g. a temperature a reasoning model refuses) would
+    # fail the rows one by one: the same 400 on the first rows asked with these settings, none judged, stops it.
+    rejected = collections.Counter()
+    judged = [key for key, record in cache.items() if record.get("status", "judged") == "judged"
+              and all(record.get(k) == meta[k] for k in ("model", "prompt_version", "temperature"))]
 
     async def one(item: dict) -> None:
         a, b = (item["ours"], item["other"]) if item["ours_is_a"] else (item["other"], item["ours"])
@@ -722,11 +729,20 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
                            "clear: add credit or raise the spend limit; " if out_of_quota(error) else "")
                     raise RunStopped(scrub(why + describe(error), secrets)) from error
                 totals["failed_runs"] += 1
-                return save("failed", error=error)
+                save("failed", error=error)
+                if isinstance(error, openai.BadRequestError) and not judged:
+                    rejected[bad_request_kind(error)] += 1
+                    if rejected[bad_request_kind(error)] >= SAME_400_STOPS and not stopping:
+                        stopping.append(item["key"])
+                        raise RunStopped(scrub(f"the first {SAME_400_STOPS} rows asked all got the same 400, which "
+                                               "every row would get: check the flags the server rejects (a reasoning "
+                                               "model takes --temperature 1 only); " + describe(error), secrets))
+                return
             except asyncio.CancelledError:
                 if totals["calls"] > before["calls"]:  # calls were made: keep their count for the re-ask
                     save("abandoned")
                 raise
+        judged.append(item["key"])
         save("judged", reply)
 
     try:
@@ -837,6 +853,17 @@ def out_of_quota(error: BaseException) -> bool:
         return True
     body = error.body.get("error", error.body) if isinstance(error.body, dict) else {}
     return isinstance(body, dict) and "insufficient_quota" in (body.get("type"), body.get("code"))
+
+
+SAME_400_STOPS = 3  # rows failing with one 400 before any is judged: judge_all stops the run
+
+
+def bad_request_kind(error: BaseException) -> tuple:
+    """(code, param) of a 400's error body, or its message when the body names neither: what makes two 400s alike."""
+    body = getattr(error, "body", None)
+    body = body.get("error", body) if isinstance(body, dict) else {}
+    body = body if isinstance(body, dict) else {}
+    return (body.get("code"), body.get("param")) if body.get("code") or body.get("param") else (str(error)[:200],)
 
 
 def describe(error: BaseException) -> str:

@@ -144,6 +144,20 @@ def test_write_atomic_keeps_the_old_file_when_a_write_fails(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
+def test_the_same_400_on_the_first_rows_stops_the_run_but_not_once_a_row_was_judged(tmp_path, server_factory):
+    """A flag the server rejects (a temperature a reasoning model refuses) gets every row the same 400: the first 3
+    rows asked, none judged, stop the run with a message that says so. The same 400s after a verdict with these
+    settings (in this run or a cached one) are row faults: the run goes on and lists them."""
+    table = write_table(tmp_path / "sft.csv", llm_rows(6))
+    server = server_factory(row_faults={row: ["400"] for row in range(6)})
+    proc = run_judge(*flags_for(server.url, table, tmp_path / "a", "--max_concurrency", "1"))
+    assert proc.returncode == 1 and "the first 3 rows asked all got the same 400" in proc.stderr
+    assert sorted(server.rows()) == [0, 1, 2] and results(tmp_path / "a")["runs"]["sft"]["failed"] == 3
+    server = server_factory(row_faults={row: ["400"] for row in range(1, 6)})  # row 0 is judged first
+    proc = run_judge(*flags_for(server.url, table, tmp_path / "b", "--max_concurrency", "1"))
+    assert proc.returncode == 3 and sorted(server.rows()) == list(range(6))
+    assert (results(tmp_path / "b")["runs"]["sft"]["n"], results(tmp_path / "b")["runs"]["sft"]["failed"]) == (1, 5)
+
 def test_row_that_always_fails_is_counted_and_retried_a_bounded_number_of_times(tmp_path, server_factory):
     server = server_factory(row_faults={2: ["400"] * 99})  # e.g. a post the server refuses
     table = write_table(tmp_path / "sft.csv", llm_rows(6))
