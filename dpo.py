@@ -6,7 +6,7 @@ from the SFT model of sft.py; the policy is trained on the preference pairs of p
 -log sigmoid(beta * h), h = (log pi(c) - log pi_ref(c)) - (log pi(r) - log pi_ref(r)), where a
 log-prob is summed over the summary's tokens (EOS included, query and padding excluded). The
 policy is itself a reward model: its implicit reward beta * (log pi - log pi_ref) is evaluated on
-`validation` and `validation_cnndm` exactly as reward.py evaluates the RM (the paper's Figure 6);
+`validation` and `validation_cnndm` as reward.py evaluates the RM (an exact tie counts 1/2 here; Figure 6);
 then it samples a summary for each SFT validation query, which judge.py compares with the human
 references.
 
@@ -335,7 +335,7 @@ def main() -> None:
     # ---- evaluation: the implicit reward as a reward model, reported as reward.py reports the RM ----
     # Detail 6: The preference validation split is out of distribution
     # Validation pairs come from many policies train never shows, and validation_cnndm is news:
-    # each split is reported apart, exactly as for the RM, so the two compare line by line.
+    # each split is reported apart, as for the RM, so the two compare line by line.
     metrics, calibration = {}, {}
     for split in EVAL_SPLITS if args.num_eval_samples != 0 else ():
         eval_set = first_rows(preference[split], args.num_eval_samples)
@@ -349,7 +349,7 @@ def main() -> None:
         table["accuracy"] = pair_accuracy(table, tie=0.5)
         # Detail 16: Accuracy differs by batch / confidence / split
         # One overall accuracy hides the labeling batches' policies and labelers and the near coin
-        # flips of low-confidence pairs (paper Table 5): the same groups as the RM's.
+        # flips of middling-confidence pairs (paper Table 5: 4-6): the same groups as the RM's.
         by_group = grouped_accuracy(table, ("split", "batch", "confidence"))
         metrics.update(accuracy_metrics(by_group, f"eval/dpo/{split}/accuracy"))
         report = f"# DPO implicit-reward accuracy on {split} ({len(table)} pairs)\n\n" + markdown_table(by_group)

@@ -37,7 +37,7 @@ Logged (TensorBoard, and W&B with --track; x-axis = episodes seen; t runs over a
   policy/ratio                mean ratio exp(logp_new - logp_old) over valid tokens, all epochs
   policy/ratio_first_epoch[_max_deviation]  its mean (max |ratio - 1|) before the first step: 1 up to (bf16) noise
   policy/loss | lr            clipped policy loss | learning rate of the update
-  value/loss                  0.5 * clipped squared error of the values
+  value/loss                  0.5 * the larger of the clipped and unclipped squared errors of the values
   value/clipfrac              fraction of value tokens where the clipped error was the larger
   time/episodes_per_second    episodes / wall time since the start
   time/generation|scoring|training  seconds of the update in sampling / no-grad forwards / PPO epochs
@@ -133,7 +133,7 @@ class Args:
     eval_temperature: float = 0.01
     """Sampling temperature of the evaluation (paper: 0.01)"""
     fast_sampling: bool = False
-    """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop, 1.35-1.96x faster than HF generate on CPU, 1.8-2.5x the plain loop at 1B on one H100 / H200; its compile (25-60 s per process and rank, cold) pays off only after ~20-200 updates on a CPU, hence off by default (the SLURM launchers turn it on; benchmark/README.md); not with ZeRO-3"""
+    """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop in fp32 (in bf16 on a GPU rounding moves ~1-2% of draws), 1.35-1.98x faster than HF generate on CPU, 1.8-2.5x the plain loop at 1B on one H100 / H200; its compile (25-60 s per process and rank, cold) pays off only after ~20-200 updates on a CPU, hence off by default (the SLURM launchers turn it on; benchmark/README.md); not with ZeRO-3"""
     compile_training: bool = False
     """Compile each GPT-NeoX layer of policy and critic but the last (torch.compile, one region a layer) for the PPO epochs' forwards and backwards only: the same outputs up to float rounding; layers so compiled took 0.89x the eager pass at 1B on one H200 (benchmark/compile_training.py; not yet timed inside ppo.py, hence off) and 0.95-0.99x on a CPU; compiles in ~15-20 s per process; not with ZeRO-3"""
     gradient_checkpointing: bool = False
@@ -458,7 +458,7 @@ def main() -> None:
     start_update = resume(accelerator, args, resume_from, model, optimizer)
     unwrapped = accelerator.unwrap_model(model)  # sampling and the rollout's forwards use the plain modules
     # HF generate's sampling (softmax(logits / T), [PAD] and unowned rows masked), as a loop that stops once every
-    # row has its EOS, or as the fast path (a static cache and a compiled step): the same samples either way.
+    # row has its EOS, or as the fast path (a static cache and a compiled step): the same samples in fp32.
     sample_responses = StaticSampler(args.local_rollout_forward_batch_size) if args.fast_sampling else sample_rollout
     sample_summaries = summary_sampler(args, pad_id, eos_id, eval_temperature, unsampled)  # the same, at T_eval
     evaluate = functools.partial(evaluate_and_log, accelerator, args, dataset, unwrapped.policy, reward_model,
@@ -502,7 +502,7 @@ def main() -> None:
         sum_over_processes = lambda tensor: accelerator.reduce(tensor, reduction="sum")  # noqa: E731
         if args.whiten_rewards:
             # Detail 24: Reward whitening is optional
-            # Scale (not shift) the rewards by their std over all valid positions of all processes.
+            # Rescale the rewards to unit std around their mean (kept), over all valid positions of all processes.
             rewards = whiten(rewards, ~value_padding_mask, shift_mean=False, all_reduce=sum_over_processes)
 
         # 5. GAE over the response positions; returns before the advantages are whitened.
@@ -835,7 +835,8 @@ class StaticSampler:
     a GPU) and allocates nothing per step. The prefill is sample_rollout's first forward, run in
     4 forwards of rows of similar length (prefill_by_length). The scores agree with
     sample_rollout's up to float rounding (sums over other shapes, in another order), and the
-    tokens are the same (tests/test_ppo.py; benchmark/sampling.py checks the compiled step)."""
+    tokens are the same in fp32 (tests/test_ppo.py; benchmark/sampling.py checks the compiled step); in bf16 on a
+    GPU, rounding moves ~1-2% of draws (benchmark/results/gpu_check.md)."""
 
     def __init__(self, batch_size: int, backend: Optional[str] = "inductor"):
         self.batch_size = batch_size  # rows of every decode step: a smaller batch is padded to it
@@ -877,7 +878,7 @@ class StaticSampler:
         tokens, scores = [], []
         has_eos = torch.zeros(rows, dtype=torch.bool, device=queries.device)
         # One query per row: attention as plain matmuls and a softmax ("eager"), which the compiler
-        # fuses; SDPA's CPU kernel is made for many queries and takes 2-3x as long here.
+        # fuses; SDPA's CPU kernel is made for many queries and takes 1.2-1.8x as long here (results/sampling_split.md).
         attention = model.config._attn_implementation
         model.set_attn_implementation("eager")
         try:

@@ -280,7 +280,7 @@ def rm_update(accelerator, model, optimizer, micro_batches: list, pad_token_id: 
     for batch in micro_batches:
         queries, chosen, rejected = (batch[column].to(accelerator.device) for column in TRAIN_PAIR_COLUMNS)  # as stored
         with accelerator.accumulate(model):
-            # (micro,) each: the rewards of left-padded query ++ right-padded chosen, and of query ++ rejected
+            # (micro,) each: the rewards of the right-padded rows query+chosen and query+rejected (one row a pair)
             chosen_rewards, rejected_rewards = pair_rewards_by_length(model, queries, chosen, rejected, pad_token_id,
                                                                       length_groups)
             # Bradley-Terry: P(chosen preferred) = sigmoid(r_c - r_r); maximise its log-likelihood.
@@ -371,7 +371,7 @@ def main() -> None:
 
     # ---- optimizer & schedule ----
     # Detail 10: RM setup
-    # The paper's recipe: initialised from the SFT model, AdamW (eps 1e-5, weight decay 0.01),
+    # The paper's recipe: initialised from the SFT model, AdamW (eps 1e-5; torch's weight decay 0.01, as the reference),
     # lr 3e-6 with a cosine decay to 0 over one epoch in updates of 64 pairs (1450 updates).
     optimizer = adamw(model.parameters(), args, accelerator.device)  # fused on a GPU (below the fence)
     scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
@@ -422,7 +422,7 @@ def main() -> None:
         table = pair_table(eval_set, rewards)
         table["accuracy"] = pair_accuracy(table, tie=0.0)  # an RM tie is wrong, as in the reference
         # Detail 16: Accuracy differs by batch / confidence / split
-        # Batches differ in policies, instructions and labelers; low-confidence pairs are near coin flips.
+        # Batches differ in policies, instructions and labelers; confidence 4-6 pairs are near coin flips (Table 5).
         by_group = grouped_accuracy(table, ("split", "batch", "confidence"))
         metrics.update(accuracy_metrics(by_group, f"eval/rm/{split}/accuracy"))
         report = f"# RM accuracy on {split} ({len(table)} pairs)\n\n" + markdown_table(by_group)
