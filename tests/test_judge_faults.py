@@ -422,3 +422,112 @@ def test_an_output_folder_that_cannot_be_made_is_named(tmp_path):
     assert message.startswith(f"judge.py: --output_dir {a_file / 'judge'}: cannot create it (")
     assert "Not a directory" in message and message.endswith("); choose a writable folder")
     assert a_file.read_text() == "not a folder"
+
+
+# ------------------------------------------------------------------------------------------------
+# From a mutation audit of the calling and caching machinery
+# ------------------------------------------------------------------------------------------------
+
+
+def test_scrub_takes_six_character_secrets_and_the_longer_of_two_first():
+    assert judge.scrub("pw abcdef at host", ["abcdef"]) == "pw *** at host"  # 6 characters are a secret
+    assert judge.scrub("pw abcde", ["abcde"]) == "pw abcde"
+    # a password that is a prefix of a query value: the value goes whole, no tail of it is written
+    assert judge.scrub("key=hunter2-read&pw=hunter2", ["hunter2", "hunter2-read"]) == "key=***&pw=***"
+
+
+def test_retries_wait_their_backoff_and_at_most_the_cap(monkeypatch):
+    """call_with_retries sleeps base * 2**k * U(1/2, 1) before retry k, or the server's Retry-After when longer,
+    never more than --retry_max_delay; a 500 each time, so every retry is spent."""
+    import httpx
+    import openai
+
+    request = httpx.Request("POST", "http://127.0.0.1/v1/chat/completions")
+    slept = []
+
+    async def sleep(seconds):
+        slept.append(seconds)
+
+    monkeypatch.setattr(judge.asyncio, "sleep", sleep)
+
+    def failing(headers):
+        async def call():
+            raise openai.InternalServerError("x", response=httpx.Response(500, request=request, headers=headers),
+                                             body=None)
+        return call
+
+    for headers, check in (({}, lambda k, s: 0.5 * min(8, 2 ** k) <= s <= min(8, 2 ** k)),  # the backoff, capped
+                           ({"retry-after": "3600"}, lambda k, s: s == 8)):  # a long Retry-After: the cap
+        slept.clear()
+        tally = dict(calls=0, abandoned=0, billed_twice=0)
+        with pytest.raises(openai.InternalServerError):
+            asyncio.run(judge.call_with_retries(failing(headers), tally, timeout=5, max_retries=5, base=1.0, cap=8.0,
+                                                rng=random.Random(0)))
+        assert tally["calls"] == 6 and len(slept) == 5
+        assert all(check(k, s) for k, s in enumerate(slept)), (headers, slept)
+
+
+def test_a_stopped_run_exits_1_even_with_failed_rows_and_a_timeout_does_not_stop_it(capsys):
+    import httpx
+    import openai
+
+    failures = [dict(run="sft", row=3, failed_runs=1, error="BadRequestError: x", asked_by_rerun=True)]
+    with pytest.raises(SystemExit) as stop:
+        judge.exit_with_status("AuthenticationError: 401", failures, "out/judgments.jsonl", 2)
+    assert str(stop.value.code).startswith("judge.py: stopped: AuthenticationError: 401")
+    with pytest.raises(SystemExit) as stop:
+        judge.exit_with_status(None, failures, "out/judgments.jsonl", 2)
+    assert stop.value.code == 3 and "1 row(s) failed" in capsys.readouterr().err
+    timeout = openai.APITimeoutError(request=httpx.Request("POST", "http://127.0.0.1/v1"))
+    assert not judge.stops_run(timeout) and judge.is_retryable(timeout)  # a slow call is one row's fault
+
+
+def test_cache_records_of_an_older_judge_are_read_as_judged(tmp_path):
+    """A judgments.jsonl written before `status` and `totals` existed (its records hold `attempts`): a rerun asks
+    nothing again, counts every row judged and its calls from `attempts`."""
+    from test_judge import gold_rows
+
+    table = write_table(tmp_path / "a.csv", gold_rows("sft", 6))
+    out = tmp_path / "out"
+    command = judge_cmd("--judge", "gold", "--tables", f"sft={table}", "--output_dir", str(out))
+    assert subprocess.run(command, capture_output=True, text=True, timeout=120, env=judge_env()).returncode == 0
+    cache = out / "judgments.jsonl"
+    records = [json.loads(line) for line in cache.read_text().splitlines()]
+    newer = ("status", "totals", "abandoned", "billed_twice")
+    cache.write_text("".join(json.dumps({k: v for k, v in r.items() if k not in newer}) + "\n" for r in records))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=judge_env())
+    assert proc.returncode == 0 and "0 to ask" in proc.stdout, proc.stdout[-2000:]
+    totals = results(out)["totals"]
+    assert (totals["judged"], totals["unjudged"], totals["calls"]) == (6, 0, 6)
+
+
+def test_a_comparison_in_two_runs_is_asked_once(tmp_path, server_factory):
+    """Two --tables labels with the same rows (two seeds whose samples agree) share every comparison: one call
+    each, both runs judged, the totals over the distinct comparisons."""
+    server = server_factory()
+    table = write_table(tmp_path / "t.csv", llm_rows(4))
+    proc = run_judge("--base_url", server.url, "--tables", f"a={table}", f"b={table}", "--output_dir",
+                     str(tmp_path / "o"), *FAST)
+    assert proc.returncode == 0 and len(server.requests) == 4
+    result = results(tmp_path / "o")
+    assert result["runs"]["a"]["n"] == result["runs"]["b"]["n"] == 4
+    assert (result["totals"]["rows"], result["totals"]["calls"], result["this_run"]["unjudged"]) == (4, 4, 0)
+
+
+def test_each_verdict_is_on_disk_before_the_next_call(tmp_path, server_factory):
+    """A judge killed outright (SIGKILL, an OOM kill, scancel -s KILL) keeps every verdict it had received: each
+    cache line is flushed as it is written. Killed once the server has answered 4 calls (one at a time), the cache
+    holds at least 3 of them (the 4th may be between its reply and its write); a buffered file would hold none."""
+    server = server_factory(delay=0.3)
+    table = write_table(tmp_path / "t.csv", llm_rows(12))
+    out = tmp_path / "out"
+    process = subprocess.Popen(judge_cmd("--base_url", server.url, "--tables", f"t={table}", "--output_dir", str(out),
+                                         "--max_concurrency", "1", "--timeout", "30"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=judge_env())
+    deadline = time.time() + 60
+    while len(server.requests) < 5 and time.time() < deadline:  # the 5th call arrives: 4 have been answered
+        time.sleep(0.01)
+    time.sleep(0.1)  # the 4th reply's record written (its write follows the reply at once)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    assert len(server.requests) >= 5 and len(judge.load_cache(str(out / "judgments.jsonl"))[0]) >= 3

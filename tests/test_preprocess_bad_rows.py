@@ -53,6 +53,12 @@ def old_output(tmp_path_factory, tok):
     ("cnndm", lambda row: row["summaries"][1].update(text="  "), "expected summaries[1].text to hold a summary"),
     ("tldr", lambda row: row["summaries"][1].update(policy=None), "expected summaries[1].policy to be a string, got None"),
     ("tldr", lambda row: row.update(info="a post"), "expected `info` to be a dict, got 'a post'"),  # its id is gone
+    # a missing title or subreddit would be formatted as "TITLE: None" / "r/None" and trained on
+    ("tldr", lambda row: row["info"].update(title=None), "expected info.title to be a string, got None"),
+    ("tldr", lambda row: row["info"].update(subreddit=None), "expected info.subreddit to be a string, got None"),
+    ("sft", lambda row: row.update(subreddit=None), "expected subreddit to be a string, got None"),
+    ("tldr", lambda row: row["summaries"].append(dict(row["summaries"][0])),  # a third would be dropped silently
+     "expected `summaries` to be a list of 2 summaries"),
 ])
 def test_bad_rows_raise_naming_split_and_row(kind, change, expected):
     good = sft_row("ok") if kind == "sft" else preference_row("ok", cnndm=kind == "cnndm")
