@@ -63,8 +63,8 @@ export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 export ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-benchmark/accelerate/deepspeed_zero2.yaml}
 
 # PPO's sampler: ppo.py --fast_sampling (a static KV cache and a compiled one-token step; the same
-# tokens as HF generate in fp32, 98-99% of them in bf16). On one H100 at 1B it took a PPO update from 5.46 to 4.99 s (generation
-# 0.87 -> 0.49 s; 5.23 -> 4.79 s on one H200) for ~30 s of compiling per process
+# tokens as HF generate in fp32, 98-99% of them in bf16). On one H100 at 1B it took a PPO update
+# from 5.46 to 4.99 s (generation 0.87 -> 0.49 s; 5.23 -> 4.79 s on one H200) for ~30 s of compiling per process
 # (benchmark/results/gpu_check.md): 1953 updates repay that many times over. Measured at 1B only.
 # FAST_SAMPLING=0 samples with HF generate.
 export FAST_SAMPLING=${FAST_SAMPLING:-1}
