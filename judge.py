@@ -208,6 +208,14 @@ def parse_verdict(reply: Optional[str], allow_tie: bool = False) -> Optional[str
     return value if value in ("A", "B") or (allow_tie and value == "tie") else None
 
 
+def cached_verdict(record: dict) -> Optional[str]:
+    """A judged record's verdict, parsed again from its reply: a cache written by an older, stricter parse_verdict
+    then counts as a new one would (the reply is what was paid for; the stored verdict is a convenience)."""
+    if "reply" not in record:
+        return record.get("verdict")
+    return parse_verdict(record["reply"], allow_tie=record.get("verdict") == "tie" or record.get("model") == GOLD_MODEL)
+
+
 def preferred_side(verdict: Optional[str], ours_a: bool, other_name: str) -> str:
     """Map a verdict in A/B terms to "ours", `other_name` ("reference" or "other"), "tie" or "malformed"."""
     if verdict is None:
@@ -299,7 +307,7 @@ def judged_rows(run: dict, cache: dict) -> list[dict]:
         record = cache.get(item["key"])
         status = record.get("status", "judged") if record else "unjudged"
         status = status if status in ("judged", "failed") else "unjudged"  # never asked, or abandoned
-        verdict = record["verdict"] if status == "judged" else None
+        verdict = cached_verdict(record) if status == "judged" else None
         counts = row_totals(record)
         judged.append(dict(
             row=item["row"], ours_is_a=item["ours_is_a"], verdict=verdict,
@@ -626,7 +634,7 @@ def call_counts(records: list[Optional[dict]], this_run_only: bool) -> dict:
     else:
         calls = sum(row_totals(r)["calls"] for r in asked)
         twice = sum(row_totals(r)["billed_twice"] for r in asked)
-    return dict(rows=len(records), judged=len(judged), malformed=sum(r["verdict"] is None for r in judged),
+    return dict(rows=len(records), judged=len(judged), malformed=sum(cached_verdict(r) is None for r in judged),
                 failed=len(failed), unjudged=len(records) - len(judged) - len(failed), calls=calls,
                 possibly_billed_twice=twice)
 
@@ -730,9 +738,10 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
                     raise RunStopped(scrub(why + describe(error), secrets)) from error
                 totals["failed_runs"] += 1
                 save("failed", error=error)
-                if isinstance(error, openai.BadRequestError) and not judged:
-                    rejected[bad_request_kind(error)] += 1
-                    if rejected[bad_request_kind(error)] >= SAME_400_STOPS and not stopping:
+                kind = bad_request_kind(error) if isinstance(error, openai.BadRequestError) else None
+                if kind is not None and not judged:
+                    rejected[kind] += 1
+                    if rejected[kind] >= SAME_400_STOPS and not stopping:
                         stopping.append(item["key"])
                         raise RunStopped(scrub(f"the first {SAME_400_STOPS} rows asked all got the same 400, which "
                                                "every row would get: check the flags the server rejects (a reasoning "
@@ -858,12 +867,18 @@ def out_of_quota(error: BaseException) -> bool:
 SAME_400_STOPS = 3  # rows failing with one 400 before any is judged: judge_all stops the run
 
 
-def bad_request_kind(error: BaseException) -> tuple:
-    """(code, param) of a 400's error body, or its message when the body names neither: what makes two 400s alike."""
+# 400s that depend on the row itself (a long post, a flagged one), however alike their messages: never a run's fault.
+ROW_400_CODES = ("context_length_exceeded", "string_above_max_length", "content_filter", "content_policy_violation")
+
+
+def bad_request_kind(error: BaseException) -> Optional[tuple]:
+    """What makes two 400s the same fault: their code (a string: vLLM and llama.cpp send the status 400 there),
+    param and message; None for a 400 that depends on the row (ROW_400_CODES)."""
     body = getattr(error, "body", None)
     body = body.get("error", body) if isinstance(body, dict) else {}
     body = body if isinstance(body, dict) else {}
-    return (body.get("code"), body.get("param")) if body.get("code") or body.get("param") else (str(error)[:200],)
+    code = body.get("code") if isinstance(body.get("code"), str) else None
+    return None if code in ROW_400_CODES else (code, body.get("param"), str(error)[:300])
 
 
 def describe(error: BaseException) -> str:

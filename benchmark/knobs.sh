@@ -80,6 +80,7 @@ export COMPILE_TRAINING=${COMPILE_TRAINING:-0}
 export JUDGE_MODEL=${JUDGE_MODEL:-}
 # Judge tasks running at once. Every task keeps judge.py's 8 calls in flight on the same key, whose rate limit
 # they share: all 12 at once would be 96 calls (the reference kept 11), and rows that run out of retries fail.
+# ARRAY_THROTTLE (the GPU stages') does not apply to the judge.
 export JUDGE_ARRAY_THROTTLE=${JUDGE_ARRAY_THROTTLE:-1}
 
 # Tracking: the paper's runs log to W&B (TRACK=0 turns it off); PUSH=1 also pushes each model.

@@ -52,7 +52,7 @@ for stage in "${ALL_STAGES[@]}"; do
   [[ " ${stages[*]} " == *" $stage "* ]] || continue
   args=(--parsable --kill-on-invalid-dep=yes)
   throttle=${ARRAY_THROTTLE:-}
-  if [[ $stage == judge ]]; then throttle=${ARRAY_THROTTLE:-$JUDGE_ARRAY_THROTTLE}; fi  # one API key's rate limit
+  if [[ $stage == judge ]]; then throttle=$JUDGE_ARRAY_THROTTLE; fi  # its own knob: the tasks share one API key
   if [[ $stage != preprocess ]]; then args+=("--array=0-$((n_tasks - 1))${throttle:+%$throttle}"); fi
   if [[ $stage =~ ^(sft|reward|dpo|ppo)$ ]]; then args+=("--gpus-per-task=$GPUS_PER_NODE"); fi  # the knob, not the #SBATCH 8
   deps=()

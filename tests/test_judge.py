@@ -177,6 +177,22 @@ def test_backoff_and_retry_classification():
         "error": {"message": "Rate limit reached", "type": "requests", "code": "rate_limit_exceeded"}})
     assert not judge.out_of_quota(limited) and not judge.stops_run(limited) and judge.is_retryable(limited)
     assert judge.stops_run(status(410)) and not judge.stops_run(status(400))  # a retired model, a bad request
+    # Two 400s are the same fault when their code (a string), param and message agree: vLLM and llama.cpp put the
+    # status 400 in `code`, so the message tells them apart; a row's own 400 (a post too long) is never a run's.
+    bad = lambda body: openai.BadRequestError("Error code: 400 - " + json.dumps(body),  # noqa: E731
+                                              response=httpx.Response(400, request=request), body=body)
+    vllm = lambda message: bad({"object": "error", "message": message, "type": "BadRequestError", "param": None,  # noqa: E731
+                                "code": 400})
+    assert judge.bad_request_kind(vllm("context 2048, requested 2100")) != \
+        judge.bad_request_kind(vllm("context 2048, requested 2300"))
+    assert judge.bad_request_kind(vllm("temperature must be 1")) == judge.bad_request_kind(vllm("temperature must be 1"))
+    assert judge.bad_request_kind(bad({"error": {"message": "This model's maximum context length is 128000 tokens",
+                                                 "type": "invalid_request_error", "param": "messages",
+                                                 "code": "context_length_exceeded"}})) is None
+    # A cached reply is parsed again: a verdict an older, stricter parse_verdict cached as malformed now counts.
+    assert judge.cached_verdict({"reply": 'Comparison: x\nPreferred: "A"', "verdict": None, "model": "m"}) == "A"
+    assert judge.cached_verdict({"reply": "Preferred: tie", "verdict": "tie", "model": judge.GOLD_MODEL}) == "tie"
+    assert judge.cached_verdict({"verdict": "B"}) == "B"  # a record without its reply keeps its verdict
 
 
 def test_cache_survives_a_torn_line(tmp_path):

@@ -421,13 +421,16 @@ def test_judge_task_runs_again_until_a_run_finished_with_no_row_left_to_retry(tm
 
 def test_the_judge_stage_is_submitted_with_a_model_and_one_task_at_a_time():
     """Every judge task's calls share one API key's rate limit: launch.sh runs JUDGE_ARRAY_THROTTLE (1) of them at
-    once unless ARRAY_THROTTLE says otherwise, and refuses to submit anything while JUDGE_MODEL names no model."""
+    once, whatever ARRAY_THROTTLE sets for the GPU stages, and refuses to submit anything while JUDGE_MODEL is unset."""
     result = bash("benchmark/launch.sh", "--dry-run", "ppo", "judge", env={"JUDGE_MODEL": "judge-test"})
     submits = {Path(line.split()[-1]).stem: line for line in result.stdout.splitlines() if line.startswith("sbatch ")}
     assert "--array=0-11%1 " in submits["judge"] and "--array=0-11 " in submits["ppo"]
     assert all(one(c, "model") == "judge-test" for c in parse_dry_run(result.stdout) if c["script"] == "judge.py")
-    result = bash("benchmark/launch.sh", "--dry-run", "judge", env={"JUDGE_MODEL": "m", "ARRAY_THROTTLE": "3"})
-    assert "--array=0-11%3 " in result.stdout
+    result = bash("benchmark/launch.sh", "--dry-run", "ppo", "judge", env={"JUDGE_MODEL": "m", "ARRAY_THROTTLE": "3"})
+    submits = {Path(line.split()[-1]).stem: line for line in result.stdout.splitlines() if line.startswith("sbatch ")}
+    assert "--array=0-11%3 " in submits["ppo"] and "--array=0-11%1 " in submits["judge"]
+    result = bash("benchmark/launch.sh", "--dry-run", "judge", env={"JUDGE_MODEL": "m", "JUDGE_ARRAY_THROTTLE": "4"})
+    assert "--array=0-11%4 " in result.stdout
     refused = bash("benchmark/launch.sh", "sft", "judge")  # no JUDGE_MODEL: nothing reaches sbatch
     assert refused.returncode == 1 and "needs JUDGE_MODEL" in refused.stderr
     assert "Nothing was submitted" in refused.stderr and refused.stdout == ""
