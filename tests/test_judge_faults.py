@@ -531,3 +531,14 @@ def test_each_verdict_is_on_disk_before_the_next_call(tmp_path, server_factory):
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
     assert len(server.requests) >= 5 and len(judge.load_cache(str(out / "judgments.jsonl"))[0]) >= 3
+
+
+def test_only_failed_rows_are_listed_as_failures():
+    """results.json's `failures`: a row whose last ask failed, with its error and whether a rerun asks it again; a row
+    abandoned when a run stopped (asked again by the next run, not failed) or judged is not listed."""
+    items = [dict(key=k, row=i) for i, k in enumerate(("judged", "failed", "abandoned", "unasked"))]
+    cache = {"judged": dict(status="judged", verdict="A"),
+             "failed": dict(status="failed", error="BadRequestError: x", totals=dict(failed_runs=3)),
+             "abandoned": dict(status="abandoned", error=None)}
+    listed = judge.failed_rows("sft", dict(items=items), cache, failed_row_retries=2)
+    assert listed == [dict(run="sft", row=1, error="BadRequestError: x", failed_runs=3, asked_by_rerun=False)]

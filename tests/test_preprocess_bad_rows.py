@@ -59,6 +59,7 @@ def old_output(tmp_path_factory, tok):
     ("sft", lambda row: row.update(subreddit=None), "expected subreddit to be a string, got None"),
     ("tldr", lambda row: row["summaries"].append(dict(row["summaries"][0])),  # a third would be dropped silently
      "expected `summaries` to be a list of 2 summaries"),
+    ("tldr", lambda row: row.update(choice=-1), "expected `choice` to be 0 or 1, got -1"),
 ])
 def test_bad_rows_raise_naming_split_and_row(kind, change, expected):
     good = sft_row("ok") if kind == "sft" else preference_row("ok", cnndm=kind == "cnndm")
