@@ -706,10 +706,12 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
     # A 400 that every row gets (a flag the server rejects, e.g. a temperature a reasoning model refuses) would
     # fail the rows one by one: the same 400 on the first rows asked with these settings, none judged, stops it.
     rejected = collections.Counter()
-    judged = [key for key, record in cache.items() if record.get("status", "judged") == "judged"
-              and all(record.get(k) == meta[k] for k in ("model", "prompt_version", "temperature"))]
+    judged = any(record.get("status", "judged") == "judged"  # a verdict under these settings, cached or this run's
+                 and all(record.get(k) == meta[k] for k in ("model", "prompt_version", "temperature"))
+                 for record in cache.values())
 
     async def one(item: dict) -> None:
+        nonlocal judged
         a, b = (item["ours"], item["other"]) if item["ours_is_a"] else (item["other"], item["ours"])
         totals = row_totals(cache.get(item["key"]))  # a failed or abandoned row's counts from earlier runs
         before, start = dict(totals), time.monotonic()
@@ -751,7 +753,7 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
                 if totals["calls"] > before["calls"]:  # calls were made: keep their count for the re-ask
                     save("abandoned")
                 raise
-        judged.append(item["key"])
+        judged = True
         save("judged", reply)
 
     try:

@@ -102,6 +102,11 @@ def test_left_and_right_padding_give_the_same_reward():
     assert abs(r_right.item() - r_left.item()) < 1e-4
 
 
+
+def pad_rows(rows: list, width: int, left: bool = False) -> torch.Tensor:
+    """Id lists -> (len(rows), width) ids, each row padded with [PAD] on the right (or on the left)."""
+    return torch.tensor([[PAD] * (width - len(r)) + r if left else r + [PAD] * (width - len(r)) for r in rows])
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_pair_rewards_match_separate_rows(attention):
     """Training's one row per pair (query ++ chosen ++ rejected) gives each summary the reward, and the loss
@@ -112,10 +117,8 @@ def test_pair_rewards_match_separate_rows(attention):
     queries = [[11, 12, 13, 14, 15, 16], [17, 18, 19], [20, 21, 22, 23]]
     chosen = [[31, 32, 0], [33, 0], [34, 35, 36, 37, 0]]
     rejected = [[41, 42, 43, 44, 45, 0], [46, 0], [47, 48, 0]]
-    pad = lambda rows, width, left=False: torch.tensor(  # noqa: E731
-        [[PAD] * (width - len(r)) + r if left else r + [PAD] * (width - len(r)) for r in rows])
-    rows = pad([q + c for q, c in zip(queries, chosen)] + [q + r for q, r in zip(queries, rejected)], 12)
-    responses = pad(chosen + rejected, 6)  # one width for both: chosen row 2 and rejected row 0 fill it
+    rows = pad_rows([q + c for q, c in zip(queries, chosen)] + [q + r for q, r in zip(queries, rejected)], 12)
+    responses = pad_rows(chosen + rejected, 6)  # one width for both: chosen row 2 and rejected row 0 fill it
 
     def loss_and_grads(chosen_rewards, rejected_rewards):
         loss = -torch.nn.functional.logsigmoid(chosen_rewards - rejected_rewards).mean()
@@ -123,7 +126,7 @@ def test_pair_rewards_match_separate_rows(attention):
         return loss, torch.cat([g.flatten() for g in grads])
 
     _, separate = reward.get_reward(model, rows, PAD, 0)
-    packed = reward.pair_rewards(model, pad(queries, 9, left=True), *responses.split(3), PAD)
+    packed = reward.pair_rewards(model, pad_rows(queries, 9, left=True), *responses.split(3), PAD)
     assert torch.allclose(torch.cat(packed), separate, atol=1e-5), (packed, separate)
     assert separate.std() > 0.1  # distinct rewards: a mix-up of rows or summaries would show
     loss_separate, grads_separate = loss_and_grads(*separate.split(3))
@@ -142,10 +145,8 @@ def test_pair_row_mask_gives_every_position_something_to_read():
         seen["mask"] = attention_mask
         return torch.zeros(len(input_ids), 2)
 
-    pad = lambda rows, width, left=False: torch.tensor(  # noqa: E731
-        [[PAD] * (width - len(r)) + r if left else r + [PAD] * (width - len(r)) for r in rows])
-    queries = pad([[11, 12, 13, 14, 15, 16], [17, 18, 19]], 6, left=True)
-    chosen, rejected = pad([[31, 0], [33, 34, 35, 0]], 4), pad([[41, 42, 0], [46, 0]], 4)
+    queries = pad_rows([[11, 12, 13, 14, 15, 16], [17, 18, 19]], 6, left=True)
+    chosen, rejected = pad_rows([[31, 0], [33, 34, 35, 0]], 4), pad_rows([[41, 42, 0], [46, 0]], 4)
     reward.pair_rewards(model, queries, chosen, rejected, PAD)
     mask = seen["mask"]  # (B, 1, T, T): row 0 ends 2 columns before row 1, so it has pads
     assert mask.shape == (2, 1, 11, 11) and mask.any(-1).all()
@@ -214,9 +215,7 @@ def test_pair_rewards_by_length_match_one_forward(groups):
     queries = [[11, 12, 13, 14, 15, 16, 17], [18, 19], [20, 21, 22, 23], [24, 25, 26]]
     chosen = [[31, 32, 33, 0], [34, 0], [35, 36, 0], [37, 38, 39, 0]]
     rejected = [[41, 42, 43, 0], [44, 45, 0], [46, 0], [47, 48, 49, 0]]
-    pad = lambda rows, width, left=False: torch.tensor(  # noqa: E731
-        [[PAD] * (width - len(r)) + r if left else r + [PAD] * (width - len(r)) for r in rows])
-    batch = (pad(queries, 8, left=True), pad(chosen, 5), pad(rejected, 5))
+    batch = (pad_rows(queries, 8, left=True), pad_rows(chosen, 5), pad_rows(rejected, 5))
 
     def rewards_and_grads(rewards):
         loss = -torch.nn.functional.logsigmoid(rewards[0] - rewards[1]).mean()
