@@ -169,3 +169,100 @@ def test_a_json_file_edited_into_invalid_json_is_named(tmp_path):
     for script in STAGES:
         source = (REPO / script).read_text()
         assert source.count("json.load(") == 1 and "            return json.load(file)\n" in source, script
+
+
+# Every range rule of every stage, at its edges, for 2 processes (each rank seeds with seed + rank x 100003, so the
+# largest seed shrinks with the world size): {flag: (values refused, values accepted)}. The batch is 8 in micro-batches
+# of 4, so that total_episodes 7 is less than one batch.
+COMMON_EDGES = {"seed": ([-1, 2 ** 32 - 200006], [0, 2 ** 32 - 200007]), "save_every": ([-1], [0]),
+                "stop_after_updates": ([0], [1, None]), "stop_after_minutes": ([-0.5, math.inf, math.nan], [0.0, None]),
+                "lr": ([0.0, math.inf], [1e-9]), "eps": ([0.0, math.nan], [1e-9]),
+                "weight_decay": ([-1e-9, math.inf], [0.0]), "local_eval_batch_size": ([0], [1])}
+STAGE_EDGES = {
+    "sft.py": {"total_episodes": ([-8, 7], [0, 8, None]), "num_train_epochs": ([0], [1]),
+               "num_eval_samples": ([-1], [0, None]), "response_length": ([0], [1]), "temperature": ([0.0], [0.01]),
+               "length_groups": ([0], [1])},
+    "reward.py": {"total_episodes": ([-8, 7], [0, 8, None]), "num_train_epochs": ([0], [1]),
+                  "num_eval_samples": ([0], [1, None]), "length_groups": ([0], [1])},
+    "dpo.py": {"total_episodes": ([-8, 7], [0, 8, None]), "num_train_epochs": ([0], [1]),
+               "num_eval_samples": ([-1], [0, None]), "response_length": ([0], [1]), "temperature": ([0.0], [0.01]),
+               "beta": ([0.0], [0.01]), "label_smoothing": ([-0.1, 0.5], [0.0, 0.49])},
+    "ppo.py": {"total_episodes": ([0, 7], [8]), "eval_every": ([-1], [0]), "num_eval_samples": ([-1], [0, None]),
+               "response_length": ([0], [1]), "temperature": ([0.0], [0.01]), "eval_temperature": ([0.0], [0.01]),
+               "local_rollout_forward_batch_size": ([0], [1]), "length_groups": ([0], [1]),
+               "num_ppo_epochs": ([0], [1]), "kl_coef": ([-0.01, math.inf], [0.0]), "gamma": ([-0.1, 1.1], [0.0, 1.0]),
+               "lam": ([-0.1, 1.1], [0.0, 1.0]), "cliprange": ([0.0], [0.01]), "cliprange_value": ([0.0], [0.01]),
+               "vf_coef": ([-0.1], [0.0]), "penalty_reward_value": ([math.nan, -math.inf], [-1.0, 0.0])},
+}
+
+
+@pytest.mark.parametrize("script", list(STAGES))
+def test_every_range_rule_refuses_past_its_edge_and_keeps_the_edge(script):
+    """Each flag with a range, one at a time: a value just past the edge is refused on its own line naming it, the
+    edge itself starts (a seed whose last rank's seed would pass 2^32, total_episodes below one batch, a NaN
+    penalty reward that would turn every score without EOS into NaN, ...)."""
+    module, flag_problems = STAGES[script]
+    fixed = {"batch_size": 8, "local_micro_batch_size": 4, **({"base_model": BASE} if script == "sft.py" else {})}
+    assert flag_problems(module.Args(**fixed), 2) == []
+    for flag, (refused, accepted) in {**COMMON_EDGES, **STAGE_EDGES[script]}.items():
+        for value in refused:
+            problems = flag_problems(module.Args(**fixed, **{flag: value}), 2)
+            assert len(problems) == 1 and problems[0].startswith(f"--{flag} {value}: want "), (flag, value, problems)
+        for value in accepted:
+            assert flag_problems(module.Args(**fixed, **{flag: value}), 2) == [], (flag, value)
+
+
+def test_a_missing_base_model_is_a_flag_problem():
+    """sft.py names a --base_model that is neither a folder nor a Hub id with the other flags, before any input is
+    read; reward.py, dpo.py and ppo.py name a missing --sft_model_path / --reward_model_path with the command that
+    makes it, also for a relative path that would read as a Hub id (org/name) but lies under models/ or data/."""
+    assert sft.sft_flag_problems(sft.Args(base_model="/no/such/folder", lr=-1.0), 1) == [
+        "--lr -1.0: want a finite number > 0",
+        "--base_model /no/such/folder: no model folder at /no/such/folder, and it is not a Hub id either (org/name): "
+        "pass a folder that exists"]
+    for module in (sft, reward, dpo, ppo):
+        for path in ("models/sft_1", "data/sft"):
+            assert module.input_problem(path, "--sft_model_path", "python sft.py") == (
+                f"--sft_model_path {path}: no such folder. Create it with `python sft.py`, or pass --sft_model_path "
+                "PATH (a folder or a Hub id)"), module.__name__
+        assert module.input_problem("EleutherAI/pythia-1b-deduped", "--sft_model_path", "python sft.py") is None
+        assert module.input_problem(str(WORLD), "--query_dataset", "python preprocess_tldr.py") is None
+
+
+class FakeAccelerator:
+    """What start_accelerator reads of an Accelerator: a launch of `num_processes` under DeepSpeed ZeRO `zero_stage`
+    (None: no DeepSpeed), on a CPU in fp32."""
+
+    def __init__(self, num_processes, zero_stage):
+        from types import SimpleNamespace
+
+        import torch
+
+        self.num_processes, self.device, self.mixed_precision = num_processes, torch.device("cpu"), "no"
+        plugin = None if zero_stage is None else SimpleNamespace(zero_stage=zero_stage)
+        self.state = SimpleNamespace(deepspeed_plugin=plugin)
+
+
+@pytest.mark.parametrize("script", list(STAGES))
+def test_start_refuses_zero_3_with_the_flags_and_derives_the_sizes(script, monkeypatch):
+    """start_accelerator (start_ppo_accelerator): a ZeRO-3 launch is refused in the one start-up message, with the
+    bad flags; a good launch gets the derived sizes of its world: 16 = 4 micro-batches of 2 x 2 ranks."""
+    module, _ = STAGES[script]
+    start = ((lambda args: module.start_ppo_accelerator(args)) if script == "ppo.py" else
+             (lambda args: module.start_accelerator(args, getattr(module, f"{script[:-3]}_flag_problems"), script)))
+    fixed = {"batch_size": 16, "local_micro_batch_size": 2, **({"base_model": BASE} if script == "sft.py" else {}),
+             **({"total_episodes": 32} if script == "ppo.py" else {})}
+    monkeypatch.setattr(module, "Accelerator", lambda **kwargs: FakeAccelerator(2, 3))
+    with pytest.raises(module.SetupError) as refused:
+        start(module.Args(**fixed, lr=-1.0))
+    message = str(refused.value)
+    assert message.startswith(f"{script} cannot start (nothing was loaded or written):\n  --lr -1.0: want"), message
+    assert "DeepSpeed ZeRO stage 3" in message and "deepspeed_zero2.yaml" in message
+    for stage in (None, 2):
+        monkeypatch.setattr(module, "Accelerator", lambda **kwargs: FakeAccelerator(2, stage))
+        args = module.Args(**fixed)
+        start(args)
+        assert (args.world_size, args.gradient_accumulation_steps, args.local_batch_size, args.micro_batch_size) == (
+            2, 4, 8, 4), (stage, script)
+        if script == "ppo.py":
+            assert (args.num_updates, args.mini_batch_size, args.local_mini_batch_size) == (2, 16, 8)

@@ -151,3 +151,41 @@ def test_ppo_refuses_a_reward_model_too_small_for_the_policys_ids(refusals):
     tmp_path, message = refused(refusals, "ppo.py, small embedding")
     last_id = len(AutoTokenizer.from_pretrained(BASE)) - 1  # the world's [PAD] is id 1, so the last id is a real token
     assert f"--reward_model_path {tmp_path / 'rm'} has 1000 embedding rows, but the tokenizer has ids up to {last_id}" in message
+
+
+def test_vocabulary_problem_needs_a_row_for_the_largest_id():
+    """A model with exactly as many embedding rows as the tokenizer has ids passes; one row fewer cannot embed the
+    largest id (an IndexError in the first forward that reads it) and is refused, for every stage."""
+    tokenizer = AutoTokenizer.from_pretrained(BASE)
+    n = len(tokenizer)
+    for module in (sft, reward, dpo, ppo):
+        assert module.vocabulary_problem(tokenizer, n, "m") is None
+        assert module.vocabulary_problem(tokenizer, n - 1, "m") == (
+            f"m has {n - 1} embedding rows, but the tokenizer has ids up to {n - 1}: it was not trained with this "
+            "tokenizer; use models and data made from one base model")
+
+
+def test_ppo_checks_the_policys_embedding_as_well_as_the_critics():
+    """model_problems names --sft_model_path when the policy's embedding is too small for the tokenizer's ids (the
+    critic's is checked too: test_ppo_refuses_a_reward_model_too_small_for_the_policys_ids)."""
+    from types import SimpleNamespace
+
+    from test_ppo import tiny_models
+
+    policy, critic = tiny_models()
+    tokenizer = AutoTokenizer.from_pretrained(BASE)
+    args = SimpleNamespace(compile_training=False, sft_model_path="sft", reward_model_path="rm")
+    assert ppo.model_problems(args, tokenizer, policy, critic) is None
+    policy.resize_token_embeddings(1000)
+    assert ppo.model_problems(args, tokenizer, policy, critic).startswith(
+        "--sft_model_path sft has 1000 embedding rows, but the tokenizer has ids up to")
+
+
+def test_add_pad_token_replaces_any_other_pad():
+    """[PAD] replaces whatever pad a tokenizer came with (transformers 5 gives Pythia's '<|padding|>'), so the ids
+    match the reference's datasets and checkpoints; a tokenizer already padding with [PAD] is left as it is."""
+    for module in (sft, reward, dpo, ppo):
+        tokenizer = AutoTokenizer.from_pretrained(BASE)
+        assert module.add_pad_token(tokenizer) is False and tokenizer.pad_token == "[PAD]"
+        tokenizer.add_special_tokens({"pad_token": "<|other pad|>"})
+        assert module.add_pad_token(tokenizer) is True and tokenizer.pad_token == "[PAD]", module.__name__

@@ -434,3 +434,37 @@ def test_the_judge_stage_is_submitted_with_a_model_and_one_task_at_a_time():
     refused = bash("benchmark/launch.sh", "sft", "judge")  # no JUDGE_MODEL: nothing reaches sbatch
     assert refused.returncode == 1 and "needs JUDGE_MODEL" in refused.stderr
     assert "Nothing was submitted" in refused.stderr and refused.stdout == ""
+
+
+KNOB_FLAGS = {"sft": {"local_micro_batch_size": "SFT_MICRO", "local_eval_batch_size": "SFT_EVAL"},
+              "reward": {"local_micro_batch_size": "RM_MICRO", "local_eval_batch_size": "PREF_EVAL"},
+              "dpo": {"local_micro_batch_size": "DPO_MICRO", "local_eval_batch_size": "PREF_EVAL"},
+              "ppo": {"local_micro_batch_size": "PPO_MICRO", "local_rollout_forward_batch_size": "PPO_ROLLOUT",
+                      "local_eval_batch_size": "PPO_EVAL"}}
+
+
+def test_every_task_gets_its_models_row_of_the_knobs_table(dry_runs):
+    """Each training command passes its model's own knobs (benchmark/knobs.sh), each in its own flag: a 2.8B RM
+    evaluating 4 pairs a rank instead of 1, or a rollout forward of PPO_MICRO rows, would run out of memory (or
+    crawl) only on the cluster."""
+    names = sorted({knob for knobs in KNOB_FLAGS.values() for knob in knobs.values()})
+    script = "source benchmark/knobs.sh && for m in $MODELS; do knobs $m && echo " + " ".join(f"${n}" for n in names) + "; done"
+    result = bash("-c", script)
+    assert result.returncode == 0, result.stderr
+    table = {model: dict(zip(names, line.split())) for model, line in zip(PAPER_MODELS, result.stdout.splitlines())}
+    for stage, flags in KNOB_FLAGS.items():
+        for i, command in enumerate(dry_runs[stage]):
+            model = PAPER_MODELS[i // len(PAPER_SEEDS)]
+            assert {flag: one(command, flag) for flag in flags} == {flag: table[model][knob] for flag, knob in flags.items()}, (
+                stage, model, command["line"])
+
+
+def test_a_failed_task_cancels_its_dependants_and_a_task_past_the_array_is_refused():
+    """launch.sh submits every stage with --kill-on-invalid-dep=yes: a failed predecessor cancels the tasks that
+    wait on it instead of leaving them pending forever. A task index past the sweep (12 of 0-11) starts nothing."""
+    result = bash("benchmark/launch.sh", "--dry-run")
+    submits = [line for line in result.stdout.splitlines() if line.startswith("sbatch ")]
+    assert len(submits) == len(STAGES) and all("--kill-on-invalid-dep=yes" in line for line in submits), submits
+    n = len(PAPER_MODELS) * len(PAPER_SEEDS)
+    result = bash(str(SLURM / "sft.sbatch"), env={"SLURM_ARRAY_TASK_ID": str(n)})
+    assert result.returncode == 2 and f"array task '{n}' is not in 0-{n - 1}" in result.stderr, result.stderr

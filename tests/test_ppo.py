@@ -971,6 +971,7 @@ def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     saved = json.loads((tmp_path / "ppo" / "args.json").read_text())
     assert (saved["world_size"], saved["local_batch_size"], saved["gradient_accumulation_steps"]) == (2, 8, 2)
+    assert saved["num_updates"] == 2  # 32 episodes in batches of 16 over both ranks, not of 8 per rank
     with open(tmp_path / "ppo" / "eval_validation.csv") as file:
         queries = [row["query"] for row in csv.DictReader(file)]
     expected = datasets.load_from_disk(tiny_tldr / "sft")["validation"]["query"][:10]

@@ -466,3 +466,43 @@ def test_bf16_deepspeed_pipeline(chained, pythia_like, tmp_path):
     ppo = scalars(tmp_path, "ppo")
     assert abs(ppo["policy/ratio_first_epoch"][0] - 1) < 0.02  # bf16 sampling loop vs bf16 training forward
     assert abs(ppo["objective/kl"][0]) < 0.1  # summed over a response: bf16 rounding only, policy = reference
+
+
+def test_default_paths_follow_the_base_model_the_sft_model_records(tmp_path, monkeypatch):
+    """Given only --sft_model_path, each later stage reads the base model's name from the SFT model's args.json and
+    looks for every other default under it: PPO's reward model too, never a default of another base model (all
+    Pythia sizes share one tokenizer, so nothing else would notice a 1B RM scoring a 2.8B policy)."""
+    from types import SimpleNamespace
+
+    import dpo
+    import ppo
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "mine" / "sft_3").mkdir(parents=True)
+    (tmp_path / "models" / "mine" / "sft_3" / "args.json").write_text(json.dumps({"base_model_name": "mine"}))
+    accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
+    args = ppo.Args(seed=3, sft_model_path="models/mine/sft_3", base_model=None)
+    with pytest.raises(ppo.SetupError, match=r"^--reward_model_path models/mine/reward_3: no such folder"):
+        ppo.ppo_inputs(args, accelerator)
+    assert (args.base_model, args.query_dataset, args.output_dir) == (
+        "mine", os.path.join("data", "mine", "tldr", "sft"), os.path.join("models", "mine", "ppo_3"))
+    for module in (reward, dpo):
+        args = module.Args(seed=3, sft_model_path="models/mine/sft_3", base_model=None)
+        with pytest.raises(module.SetupError, match=r"^--label_dataset data/mine/tldr/preference: no such folder"):
+            module.resolve_paths(args, accelerator, module.__name__)
+        with pytest.raises(module.SetupError, match="was fine-tuned from mine, not from --base_model other/model"):
+            module.resolve_paths(module.Args(seed=3, sft_model_path="models/mine/sft_3", base_model="other/model"),
+                                 accelerator, module.__name__)
+
+
+def test_rotary_frequencies_in_fp16_are_refused_too():
+    """Any inv_freq below fp32 is named, fp16 as well as bf16 (an fp16 launch casts as a bf16 one does)."""
+    model = AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny").to(torch.float16)
+    assert rotary_problem({"policy": model}) == "policy: gpt_neox.rotary_emb.inv_freq is torch.float16"
+
+
+def test_ds_accelerator_cpu_excuses_only_a_deepspeed_launch():
+    """DS_ACCELERATOR=cpu (exported for a DeepSpeed rehearsal) does not let a bf16 launch without DeepSpeed train
+    on the CPU: that one still needs accelerate's --cpu."""
+    problem = gpu_problem({"ACCELERATE_MIXED_PRECISION": "bf16", "DS_ACCELERATOR": "cpu"}, False)
+    assert problem and "mixed precision bf16" in problem and "--cpu" in problem

@@ -579,3 +579,22 @@ def test_sft_evaluate_cuts_each_summary_at_its_eos_and_counts_real_rows_only(tin
         ids = seven[[1, 3, 5]]["query_reference_response_token"]
         nll, count = sft.next_token_nll(sft.forward(model.eval(), ids, pad).logits, ids, pad)
     assert metrics["loss"] == pytest.approx((nll / count).item(), rel=1e-5)
+
+
+def test_ids_in_data_wants_most_rows_padded():
+    """Half the rows padded is not 'most': no pad is read (a column of unpadded rows whose last ids happen to agree)."""
+    rows = {"train": datasets.Dataset.from_dict({"r": [[5, 0, 1, 1], [6, 0, 1, 1], [7, 8, 9, 3], [4, 5, 6, 3]]})}
+    assert sft.ids_in_data(rows, "r") is None
+    rows = {"train": datasets.Dataset.from_dict({"r": [[5, 6, 0, 1], [7, 0, 1, 1], [8, 0, 1, 1], [4, 3, 2, 0]]})}
+    assert sft.ids_in_data(rows, "r") == {"eos_token_id": 0, "pad_token_id": 1}
+
+
+def test_updates_count_every_epoch_of_the_train_split(tiny_tldr, tmp_path):
+    """Without --total_episodes, sft_inputs sets num_updates to the train split x --num_train_epochs in whole batches."""
+    from types import SimpleNamespace
+
+    accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None, print=lambda *args: None)
+    args = sft.Args(base_model=str(BASE), query_dataset=str(tiny_tldr / "sft"), output_dir=str(tmp_path / "out"),
+                    batch_size=8, num_train_epochs=3)
+    dataset, *_ = sft.sft_inputs(args, accelerator)
+    assert args.num_updates == len(dataset["train"]) * 3 // 8 and not (tmp_path / "out").exists()
