@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 import sft
 from conftest import REPO, WORLD
-from test_sft import TINY_RUN, run_sft, weights
+from test_sft import TINY_RUN, one_process, run_sft, weights
 
 
 def run_until(cwd, flags, condition, timeout=300):
@@ -148,3 +148,73 @@ def test_tidy_drops_partial_files_so_a_failed_start_still_counts_as_one(tmp_path
     assert sft.latest_checkpoint(str(out / "checkpoints")) is None  # a .partial never counts
     (out / "checkpoints").rmdir()
     assert sft.output_dir_problem(str(out), {"seed": 2, "resume": False}, ("resume",)) is None
+
+
+def test_latest_checkpoint_is_the_highest_complete_update(tmp_path):
+    """A kill after a checkpoint's rename but before the older one is dropped leaves two complete checkpoints:
+    --resume takes the later one, by number (update_10 after update_9); a folder without trainer_state.json (the last
+    file save_checkpoint writes) or a .partial one is not complete."""
+    for name, files in (("update_9", {"trainer_state.json": "{}"}), ("update_10", {"trainer_state.json": "{}"}),
+                        ("update_12", {"model.safetensors": ""}), ("update_11.partial", {"trainer_state.json": "{}"})):
+        folder_with(tmp_path / name, files)
+    assert sft.latest_checkpoint(str(tmp_path)) == (10, str(tmp_path / "update_10"))
+
+
+def test_a_checkpoint_cut_short_at_its_rename_keeps_the_previous_one(tmp_path, monkeypatch):
+    """save_checkpoint drops the older checkpoints only once the new one is complete: killed at the rename that
+    completes update_2, update_1 is still there, whole, and is what --resume loads."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    folder = tmp_path / "checkpoints"
+    sft.save_checkpoint(one_process(), str(folder), 1, "run", model, optimizer, None)
+    saved = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    optimizer.step()
+
+    def killed(source, target):
+        raise KeyboardInterrupt  # as a SIGKILL there would leave the files
+
+    monkeypatch.setattr(sft.os, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        sft.save_checkpoint(one_process(), str(folder), 2, "run", model, optimizer, None)
+    monkeypatch.undo()
+    assert sorted(os.listdir(folder)) == ["update_1", "update_2.partial"]
+    assert sft.latest_checkpoint(str(folder)) == (1, str(folder / "update_1"))
+    sft.load_checkpoint(one_process(), str(folder / "update_1"), model, optimizer, None)
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in saved.items())
+
+
+def test_publishing_swaps_in_the_new_results_beside_the_output_folder(tmp_path, monkeypatch):
+    """A rerun over a finished run publishes its own model and metrics, never the old run's; args.json comes along,
+    checkpoints do not. --output_dir written with a trailing slash (as shell completion writes it) changes nothing:
+    the scratch folders are siblings of the output folder, never inside it."""
+    monkeypatch.chdir(tmp_path)
+    folder_with(tmp_path / "out", {"args.json": "{}", "model.safetensors": "old", "eval_metrics.json": "old"})
+    (tmp_path / "out" / "checkpoints" / "update_2").mkdir(parents=True)
+    for written in ("out", "out/", "./out", str(tmp_path / "out") + "/"):
+        assert os.path.abspath(sft.scratch_path(written, "new")) == str(tmp_path / ".out.new"), written
+    staging = sft.staging_folder("out/")
+    assert os.path.abspath(staging) == str(tmp_path / ".out.partial")
+    for name in ("model.safetensors", "eval_metrics.json"):
+        (tmp_path / ".out.partial" / name).write_text("new")
+    sft.publish_output(staging, "out/")
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+    assert {name: (tmp_path / "out" / name).read_text() for name in os.listdir(tmp_path / "out")} == {
+        "args.json": "{}", "model.safetensors": "new", "eval_metrics.json": "new"}
+
+
+def test_a_checkpoint_is_completed_only_after_every_rank_has_written_its_part(tmp_path, monkeypatch):
+    """Every rank writes its part of update_k.partial (its RNG states; under DeepSpeed its optimizer shard); rank 0
+    completes it (trainer_state.json, the rename) only after a barrier that follows those writes: a rank still
+    writing never finds its folder renamed away, and a complete checkpoint holds every rank's part."""
+    events = []
+    accelerator = one_process()
+    accelerator.wait_for_everyone = lambda: events.append("barrier")
+    monkeypatch.setattr(sft, "save_training_state", lambda *args: events.append("part written"))
+    rename = os.rename
+    monkeypatch.setattr(sft.os, "rename", lambda source, target: events.append("renamed") or rename(source, target))
+    sft.save_checkpoint(accelerator, str(tmp_path), 1, "run", None, None, None)
+    assert "barrier" in events[events.index("part written"):events.index("renamed")], events
+    assert sft.latest_checkpoint(str(tmp_path)) == (1, str(tmp_path / "update_1"))

@@ -18,8 +18,10 @@ from transformers import AutoModelForCausalLM
 
 import ppo
 import reward
+import sft
 from conftest import REPO, WORLD, run_python
 from test_ppo import make_reward_model
+from test_sft import one_process
 
 BASE = str(WORLD / "pythia-tiny")
 HUGE_LR = ["--lr", "1e6", "--save_every", "1"]
@@ -75,3 +77,17 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(script, tiny_tldr,
     if script == "ppo.py":  # --eval_every 2: the evaluation due at the non-finite update did not sample its policy
         samples = sorted(path.name for path in (tmp_path / "runs").glob("*/samples_validation_*.csv"))
         assert samples == [f"samples_validation_{8 * update}.csv" for update in range(2, stopped_at, 2)], samples
+
+
+def test_a_nonfinite_loss_or_weight_on_any_rank_stops_the_run():
+    """all_finite: a nan loss with finite weights, an inf weight with a finite loss (the loss of the next update would
+    be nan, too late: this update's checkpoint would hold it), or either on another rank (the all-reduced count)."""
+    model = torch.nn.Linear(2, 2)
+    assert sft.all_finite(one_process(), model, torch.ones(3))
+    assert not sft.all_finite(one_process(), model, torch.tensor([1.0, float("nan")]))
+    other_rank_not_finite = one_process()
+    other_rank_not_finite.reduce = lambda tensor, reduction: tensor + 1
+    assert not sft.all_finite(other_rank_not_finite, model, torch.ones(3))
+    with torch.no_grad():
+        model.bias[1] = float("inf")
+    assert not sft.all_finite(one_process(), model, torch.ones(3))

@@ -381,7 +381,8 @@ def test_resume_matches_uninterrupted(single_run, tiny_tldr, tmp_path):
     assert "stopped after update 2 of 4" in result.stdout
     assert [p.name for p in (tmp_path / "out" / "checkpoints").iterdir()] == ["update_2"]  # only the latest
     assert not (tmp_path / "out" / "model.safetensors").exists()
-    result = run_sft(tmp_path, *flags, "--resume")
+    # Resumed with a --stop_after_updates beyond the run's end (a job's share of updates): it ends at update 4.
+    result = run_sft(tmp_path, *flags, "--resume", "--stop_after_updates", "99")
     assert "at update 2" in result.stdout
     assert max_difference(weights(tmp_path / "out"), weights(single_run[0])) < RESUME_TOLERANCE
 
@@ -510,12 +511,97 @@ def test_a_deepspeed_checkpoint_resumes_only_on_as_many_processes(tmp_path):
     launch = lambda processes, deepspeed=True: SimpleNamespace(  # noqa: E731
         num_processes=processes, state=SimpleNamespace(deepspeed_plugin=object() if deepspeed else None))
     assert sft.checkpoint_to_resume(args, launch(2)) == (3, str(checkpoint))
-    with pytest.raises(sft.SetupError, match="saved by DeepSpeed on 2 processes.*--num_processes 2"):
-        sft.checkpoint_to_resume(args, launch(8))
+    for processes in (8, 1):  # more processes than shards, and fewer
+        with pytest.raises(sft.SetupError, match="saved by DeepSpeed on 2 processes.*--num_processes 2"):
+            sft.checkpoint_to_resume(args, launch(processes))
     assert sft.checkpoint_to_resume(SimpleNamespace(output_dir=str(tmp_path), resume=False), launch(8)) is None
     shutil.rmtree(checkpoint / "deepspeed")  # a DDP checkpoint
     assert sft.checkpoint_to_resume(args, launch(8, deepspeed=False)) == (3, str(checkpoint))
     assert sft.checkpoint_to_resume(SimpleNamespace(output_dir=str(tmp_path / "none"), resume=True), launch(1)) is None
+
+
+def one_process(rank=0, deepspeed=None):
+    """What the checkpoint helpers use of an Accelerator: rank `rank` of a DDP launch (DeepSpeed: pass a plugin), its
+    collectives those of a single process."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(is_main_process=rank == 0, process_index=rank, wait_for_everyone=lambda: None,
+                           state=SimpleNamespace(deepspeed_plugin=deepspeed), unwrap_model=lambda model: model,
+                           scaler=None, reduce=lambda tensor, reduction: tensor, print=print, step=1)
+
+
+@pytest.mark.parametrize("save_every, stop_after_updates, saved_at", [(3, None, [3, 6, 9]), (0, 5, [5]), (4, 6, [4, 6]),
+                                                                     (0, None, [])])
+def test_checkpoints_are_written_every_save_every_updates_and_at_stop_after_updates(
+        save_every, stop_after_updates, saved_at, tmp_path, monkeypatch):
+    """check_and_checkpoint, as the loop calls it after updates 1, 2, ...: a checkpoint at every multiple of
+    --save_every and at --stop_after_updates (with --save_every 0 too: the run stops there, and --resume needs it)."""
+    from types import SimpleNamespace
+
+    saved = []
+    monkeypatch.setattr(sft, "save_checkpoint", lambda accelerator, folder, update, *rest: saved.append(update))
+    args = SimpleNamespace(output_dir=str(tmp_path), num_updates=10, save_every=save_every,
+                           stop_after_updates=stop_after_updates, stop_after_minutes=None)
+    model = torch.nn.Linear(2, 2)
+    for update in range(1, (stop_after_updates or args.num_updates) + 1):
+        assert not sft.check_and_checkpoint(one_process(), args, update, torch.ones(2), "run", model, None, None)
+    assert saved == saved_at
+
+
+def test_each_rank_resumes_its_own_python_numpy_and_torch_random_states(tmp_path):
+    """save_training_state keeps every rank's RNG states apart (rank 1 writes no model: DDP); load_rng_state puts each
+    generator back where that rank's was: the draws after it are those that rank would have drawn."""
+    import random
+
+    import numpy as np
+
+    def draws():
+        return random.random(), np.random.rand(), torch.rand(3).tolist()
+
+    before = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.AdamW(model.parameters())
+        expected = {}
+        for rank in (0, 1):
+            sft.seed_everything(rank + 1)
+            sft.save_training_state(one_process(rank), str(tmp_path), model, optimizer)
+            expected[rank] = draws()
+        assert expected[0] != expected[1]
+        for rank in (1, 0):
+            sft.seed_everything(99)
+            assert sft.load_rng_state(str(tmp_path / f"rng_state_{rank}"))
+            assert draws() == expected[rank], rank
+    finally:
+        random.setstate(before[0]), np.random.set_state(before[1]), torch.set_rng_state(before[2])
+
+
+def test_deepspeed_models_are_saved_from_the_fp32_master_weights(monkeypatch):
+    """Under DeepSpeed bf16 the module holds bf16 copies; fp32_state_dict returns ZeRO's fp32 master weights instead
+    (faked here: DeepSpeed on a CPU trains in fp32), every tensor fp32."""
+    from types import SimpleNamespace
+
+    import deepspeed.utils
+
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    torch.manual_seed(0)
+    master = {id(param): torch.randn(param.shape) for param in model.parameters()}  # not representable in bf16
+    monkeypatch.setattr(deepspeed.utils, "safe_get_full_fp32_param", lambda param: master[id(param)])
+    accelerator = SimpleNamespace(get_state_dict=lambda module: dict(module.state_dict()), unwrap_model=lambda m: m,
+                                  state=SimpleNamespace(deepspeed_plugin=object()))
+    state_dict = sft.fp32_state_dict(accelerator, model)
+    for name, param in model.named_parameters():
+        assert state_dict[name].dtype == torch.float32 and torch.equal(state_dict[name], master[id(param)]), name
+
+
+def test_save_fp32_says_float32_for_a_bf16_module(tmp_path):
+    """The module's compute copy is bf16 under DeepSpeed: the saved config names the dtype of the fp32 weights saved,
+    so that a plain from_pretrained(dtype="auto") loads them in fp32."""
+    model = AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.bfloat16)
+    sft.save_fp32(model, str(tmp_path), {name: tensor.float() for name, tensor in model.state_dict().items()})
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"
+    assert all(tensor.dtype == torch.float32 for tensor in weights(tmp_path).values())
+    assert AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto").dtype == torch.float32
 
 
 def test_mean_rouge_does_not_stem():
