@@ -4,6 +4,7 @@ artifacts (the numbers land in report.md, a stage that did not run reads "not ru
 import csv
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -97,6 +98,42 @@ def test_findings_at_their_bars_exactly():
     assert holds["Fig. 6: DPO's implicit reward is the weaker RM"] is False
     art["judge"]["sft"] = judged_run(10, 100)  # the band's other end
     assert next(row for row in tiny_report.findings(art) if row["finding"].startswith("Fig. 1: SFT"))["holds"] is True
+    # PPO's lower bound at SFT's upper bound exactly: the CIs touch, PPO is not beyond the noise
+    art["judge"] = {"sft": {"win_rate": 0.25, "ci_low": 0.2, "ci_high": 0.375},
+                    "ppo": {"win_rate": 0.5, "ci_low": 0.375, "ci_high": 0.625}}
+    holds = {row["finding"]: row["holds"] for row in tiny_report.findings(art)}
+    assert holds["Fig. 1: ... beyond the noise"] is False and holds["Fig. 1: RLHF (PPO) beats SFT"] is True
+
+
+def test_findings_judge_the_direction_of_a_gain():
+    """PPO far below SFT is no gain (PPO - SFT is negative, whatever its size); over-optimisation names the update where
+    gold peaks, update 0 (SFT) included: PPO that only loses gold peaks at 0."""
+    art = {"judge": {"sft": judged_run(45, 100), "ppo": judged_run(15, 100)}, "head_to_head": {}, "rm": {}, "dpo": {},
+           "rm_rows": {}, "judged": {}, "timings": [],
+           "curve": [{"update": 0, "gold": 2.5, "rm": None}, {"update": 5, "gold": 2.0, "rm": 0.5},
+                     {"update": 10, "gold": 1.0, "rm": 1.5}]}
+    rows = {row["finding"]: (row["measured"], row["holds"]) for row in tiny_report.findings(art)}
+    assert rows["Fig. 1: RLHF (PPO) beats SFT"] == ("PPO - SFT = -0.300", False)
+    curve = next(measured for finding, (measured, _) in rows.items() if finding.startswith("Over-optimisation"))
+    assert curve == "gold peaks at update 0 (2.500); at the last, update 10: gold 1.000, RM score 1.500"
+
+
+def test_fig8_finding_holds_only_where_ppo_is_above_sft_in_every_compared_bucket():
+    """The Fig. 8 row of the findings on judged rows with >= 30 summaries of each policy per bucket: PPO above SFT in
+    both compared buckets holds; the same rows with the policies' roles exchanged (SFT above PPO) do not."""
+    row = lambda preferred, ours: dict(preferred=preferred, ours_words=ours, other_words=10)  # noqa: E731
+    better = [row("ours", 10)] * 30 + [row("reference", 10)] * 10 + [row("ours", 20)] * 20 + [row("reference", 20)] * 10
+    worse = [row("ours", 10)] * 20 + [row("reference", 10)] * 20 + [row("ours", 20)] * 10 + [row("reference", 20)] * 20
+    art = {"judge": {}, "head_to_head": {}, "rm": {}, "dpo": {}, "rm_rows": {}, "curve": [], "timings": [],
+           "judged": {"sft": worse, "ppo": better}}
+    fig8 = lambda: next(r for r in tiny_report.findings(art) if r["finding"].startswith("Fig. 8"))  # noqa: E731
+    assert (fig8()["measured"], fig8()["holds"]) == ("PPO above in 2 of 2 ([-0.15, +0.15), [+0.45, +0.75))", True)
+    art["judged"] = {"sft": better, "ppo": worse}
+    assert (fig8()["measured"], fig8()["holds"]) == (
+        "PPO above in 0 of 2 ([-0.15, +0.15), [+0.45, +0.75)); not above in [-0.15, +0.15), [+0.45, +0.75)", False)
+    # a bucket where neither policy has 30 summaries is neither judged nor listed as one-sided
+    art["judged"] = {"sft": worse + [row("ours", 40)] * 5, "ppo": better + [row("reference", 40)] * 5}
+    assert fig8()["holds"] is True and "with 30 of one policy only" not in fig8()["measured"]
 
 
 def test_time_is_judged_unless_a_stage_was_resumed():
@@ -106,6 +143,11 @@ def test_time_is_judged_unless_a_stage_was_resumed():
            "timings": [("tiny world", 900.0), ("preprocess (an earlier start)", 30.0), ("sft", 100.0)]}
     time = lambda: next(row for row in tiny_report.findings(art) if row["finding"].startswith("Time"))  # noqa: E731
     assert (time()["measured"], time()["holds"]) == ("2 min 10 s", True)  # the world's build apart
+    art["timings"][-1] = ("sft", 690.0)  # 12 min exactly: at the bar, which holds
+    assert (time()["measured"], time()["holds"]) == ("12 min 0 s", True)
+    art["timings"][-1] = ("sft", 691.0)
+    assert time()["holds"] is False
+    art["timings"][-1] = ("sft", 100.0)
     art["timings"] += [("reward (resumed)", 700.0)]
     assert (time()["measured"], time()["holds"]) == ("13 min 50 s (not judged: reward (resumed): continued from a "
                                                      "checkpoint, so timed only in part)", None)
@@ -316,19 +358,24 @@ def test_environment_line_names_the_cpu_when_recorded():
     line = tiny_report.environment_line({**env, "cpu": "AMD EPYC (family 25, model 17)", "cpu_capability": "AVX512"})
     assert "2 CPU cores (AMD EPYC (family 25, model 17); torch kernels for AVX512), torch 2.13.0. " in line
     assert "The thread count and the CPU change the numbers" in line
+    # 4 threads on 2 cores: each number in its place
+    assert tiny_report.environment_line({**env, "torch_threads": 4}).startswith(
+        "Environment: **4 torch threads** (OMP_NUM_THREADS=unset), 2 CPU cores, ")
 
 
 def test_tiny_sh_records_the_cpu_it_ran_on(tmp_path):
     # tiny.sh's own environment snippet, run as it is: the keys the report reads are there.
     script = (REPO / "benchmark" / "tiny.sh").read_text()
     snippet = script[script.index('python -c "\nimport json'):script.index('> "$MODELS/environment.json"')]
-    result = run_python(["bash", "-c", snippet.replace("python", sys.executable, 1)], timeout=300)
+    # one thread for torch's kernels: that is the count recorded (not the inter-op pool, which follows the cores)
+    result = run_python(["bash", "-c", snippet.replace("python", sys.executable, 1)], timeout=300,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     env = json.loads(result.stdout)
     assert env["cpu"] and env["cpu_capability"] in ("DEFAULT", "AVX2", "AVX512", "ZVECTOR", "VSX", "SVE256", "NEON")
-    assert env["torch_threads"] >= 1 and "torch" in env["versions"]
+    assert env["torch_threads"] == 1 and env["omp_num_threads"] == "1" and "torch" in env["versions"]
     # the versions that change tokens or numbers are part of tiny.sh's job key too (a resume must be bit for bit)
-    assert {"tokenizers", "numpy", "transformers", "datasets"} <= set(env["versions"])
+    assert {"tokenizers", "numpy", "transformers", "datasets", "accelerate"} <= set(env["versions"])
 
 
 def test_report_has_every_finding_and_the_figure(tmp_path):

@@ -17,11 +17,15 @@ import sys
 from conftest import REPO
 
 SCRIPTS = ("preprocess_tldr.py", "sft.py", "reward.py", "dpo.py", "ppo.py", "judge.py", "tiny_world.py")
+# What tiny.sh sets for every stage: offline, CPU (DeepSpeed's accelerator), no tokenizer threads of their own.
+ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
+               "TOKENIZERS_PARALLELISM": "false"}
 STAND_IN = """#!{python}
 import json, os, shutil, sys
+ENVIRONMENT = {environment}
 args = sys.argv[1:]
-if args[0] == "-c":  # tiny.sh's environment.json
-    print(json.dumps({{"torch_threads": 2}}))
+if args[0] == "-c":  # tiny.sh's environment.json (THREADS: another machine's thread count)
+    print(json.dumps({{"torch_threads": int(os.environ.get("THREADS", "2"))}}))
     sys.exit(0)
 script, flags = os.path.basename(args[0]), args[1:]
 out = flags[flags.index("--output_dir") + 1] if "--output_dir" in flags else None
@@ -29,9 +33,14 @@ checkpoint = os.path.join(out or "", "checkpoints", "update_2")
 with open(os.environ["CALLS"], "a") as file:
     file.write(json.dumps({{"script": script, "resume": "--resume" in flags,
                            "from_checkpoint": os.path.isdir(checkpoint),
-                           "lr": flags[flags.index("--lr") + 1] if "--lr" in flags else None}}) + "\\n")
+                           "lr": flags[flags.index("--lr") + 1] if "--lr" in flags else None,
+                           "flags": flags, "environment": {{name: os.environ.get(name) for name in ENVIRONMENT}}}}) + "\\n")
 if out:
     os.makedirs(out, exist_ok=True)
+if script == "tiny_world.py":  # a world built where $WORLD points
+    world = flags[flags.index("--out_dir") + 1]
+    os.makedirs(world, exist_ok=True)
+    open(os.path.join(world, "world.json"), "w").write(json.dumps({{"seed": flags[flags.index("--seed") + 1]}}))
 if script == os.environ.get("DIE_IN"):  # killed after its checkpoint of update 2
     os.makedirs(checkpoint, exist_ok=True)
     sys.exit(137)
@@ -53,7 +62,7 @@ def make_checkout(root):
     (root / "assets" / "tiny_world" / "world.json").write_text("{}")
     (root / "bin").mkdir()
     python = root / "bin" / "python"
-    python.write_text(STAND_IN.format(python=sys.executable))
+    python.write_text(STAND_IN.format(python=sys.executable, environment=repr(sorted(ENVIRONMENT))))
     python.chmod(python.stat().st_mode | stat.S_IEXEC)
 
 
@@ -70,7 +79,7 @@ def start(root, **env):
                             env={**os.environ, "PATH": f"{root / 'bin'}:{os.environ['PATH']}", "CALLS": str(calls),
                                  **env})
     called = [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
-    timings = (root / "models" / "tiny" / "timings.tsv").read_text().splitlines()[1:]
+    timings = (root / env.get("MODELS", "models/tiny") / "timings.tsv").read_text().splitlines()[1:]
     return result.returncode, [(c["script"], c["resume"], c["from_checkpoint"], c["lr"]) for c in called], \
         [row.rsplit("\t", 1)[0] for row in timings], result.stdout
 
@@ -158,12 +167,12 @@ def test_a_start_leaves_no_earlier_report_and_never_deletes_an_inherited_clear(t
     keep = tmp_path / "precious"
     keep.mkdir()
     (tmp_path / "models" / "tiny").mkdir(parents=True)
-    for name in ("report.md", "findings.json"):
+    report = ("report.md", "findings.json", "report.png", "report_tokens.png")
+    for name in report:
         (tmp_path / "models" / "tiny" / name).write_text("an earlier start's")
     status, _, _, _ = start(tmp_path, DIE_IN="sft.py", CLEAR=str(keep))
     assert status == 137 and keep.is_dir()
-    assert not (tmp_path / "models" / "tiny" / "report.md").exists()
-    assert not (tmp_path / "models" / "tiny" / "findings.json").exists()
+    assert [name for name in report if (tmp_path / "models" / "tiny" / name).exists()] == []
 
 
 def test_a_world_below_a_cache_folder_is_still_part_of_the_job_key(tmp_path):
@@ -177,3 +186,105 @@ def test_a_world_below_a_cache_folder_is_still_part_of_the_job_key(tmp_path):
     (world / "world.json").write_text('{"seed": 1, "rebuilt": true}')
     status, called, _, _ = start(tmp_path, WORLD=str(world))
     assert status == 0 and [c[0] for c in called][:2] == ["preprocess_tldr.py", "sft.py"]
+
+
+def calls(root):
+    """The stand-in's record of the last start: [{script, flags, environment, ...}] in the order they ran."""
+    return [json.loads(line) for line in (root / "calls.jsonl").read_text().splitlines()]
+
+
+def test_every_stage_runs_offline_on_cpu_and_every_training_stage_can_be_resumed(tmp_path):
+    """Whatever the caller's shell exports, each stage runs offline with DeepSpeed on the CPU; each training stage
+    writes checkpoints (--save_every) and continues from one (--resume): without --save_every a second start has no
+    checkpoint to continue from and trains the stage cut short from update 0."""
+    make_checkout(tmp_path)
+    status, _, _, stdout = start(tmp_path, **{name: "0" for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
+                                                                   "TRANSFORMERS_OFFLINE")},
+                                 DS_ACCELERATOR="cuda", TOKENIZERS_PARALLELISM="true")
+    assert status == 0, stdout
+    recorded = calls(tmp_path)
+    assert [c["script"] for c in recorded] == ["preprocess_tldr.py", "sft.py", "sft.py", "reward.py", "dpo.py", "ppo.py",
+                                               "judge.py", "tiny_report.py"]
+    for call in recorded:
+        assert call["environment"] == ENVIRONMENT, call["script"]
+    training = [c for c in recorded if c["script"] in ("sft.py", "reward.py", "dpo.py", "ppo.py")
+                and ("--total_episodes", "0") not in zip(c["flags"], c["flags"][1:])]  # not the base model's eval
+    assert [c["script"] for c in training] == ["sft.py", "reward.py", "dpo.py", "ppo.py"]
+    for call in training:
+        assert "--resume" in call["flags"] and "--save_every" in call["flags"], call["script"]
+        assert int(call["flags"][call["flags"].index("--save_every") + 1]) > 0, call["script"]
+
+
+def test_another_thread_count_runs_the_job_afresh(tmp_path):
+    """The thread count changes the numbers: a start on another thread count (environment.json) keeps no stage and
+    continues no checkpoint, even of the stage that was cut short."""
+    make_checkout(tmp_path)
+    status, _, _, _ = start(tmp_path, DIE_IN="reward.py", THREADS="2")
+    assert status == 137
+    status, called, rows, stdout = start(tmp_path, THREADS="4")
+    assert status == 0, stdout
+    assert [c[0] for c in called] == ["preprocess_tldr.py", "sft.py", "sft.py", "reward.py", "dpo.py", "ppo.py",
+                                      "judge.py", "tiny_report.py"]
+    assert not any(from_checkpoint for _, _, from_checkpoint, _ in called)
+    assert rows == ["preprocess", "sft: base model", "sft", "reward", "dpo", "ppo", "judge (gold)"]
+
+
+def test_a_stage_whose_output_folder_was_removed_runs_again(tmp_path):
+    """`rm -r models/tiny/ppo_1` (what tiny_report.py tells a user to do with a damaged artifact): the next start runs
+    PPO and the stages after it again, and keeps the ones before."""
+    make_checkout(tmp_path)
+    assert start(tmp_path)[0] == 0
+    shutil.rmtree(tmp_path / "models" / "tiny" / "ppo_1")
+    status, called, rows, stdout = start(tmp_path)
+    assert status == 0, stdout
+    assert [c[0] for c in called] == ["ppo.py", "judge.py", "tiny_report.py"]
+    assert rows[-2:] == ["ppo", "judge (gold)"] and (tmp_path / "models" / "tiny" / "ppo_1").is_dir()
+
+
+def test_a_stage_cut_short_under_another_command_is_not_kept_when_the_first_command_returns(tmp_path):
+    """PPO finished at lr 1e-4; a start at 2e-4 is killed in PPO (its folder now holds the 2e-4 run's checkpoint); a
+    start back at 1e-4 must run PPO again, not keep the cut-short 2e-4 folder as the finished 1e-4 run."""
+    make_checkout(tmp_path)
+    assert start(tmp_path)[0] == 0
+    status, _, _, _ = start(tmp_path, PPO_LR="2e-4", DIE_IN="ppo.py")
+    assert status == 137
+    status, called, rows, stdout = start(tmp_path)
+    assert status == 0, stdout
+    assert called[0] == ("ppo.py", True, False, "1e-4")  # afresh: not the 2e-4 run's checkpoint either
+    assert "ppo" in rows and "ppo (an earlier start)" not in rows
+
+
+def test_seed_models_and_world_reach_every_stage_and_the_report(tmp_path):
+    """SEED, MODELS and WORLD from the caller: a world that is not the committed one is built there with that seed,
+    every stage reads and writes <MODELS>/<stage>_<SEED>, and the report reads that world (its noise ceiling)."""
+    make_checkout(tmp_path)
+    world = tmp_path / "worlds" / "w2"
+    status, _, rows, stdout = start(tmp_path, SEED="2", MODELS="out/m2", WORLD=str(world))
+    assert status == 0, stdout
+    recorded = calls(tmp_path)
+    value = lambda call, flag: call["flags"][call["flags"].index(flag) + 1]  # noqa: E731
+    assert recorded[0]["script"] == "tiny_world.py" and value(recorded[0], "--out_dir") == str(world)
+    assert value(recorded[0], "--seed") == "2" and rows[0] == "tiny world"
+    assert "--no_check_length_correctness" in recorded[1]["flags"]  # another world: the lengths are bounds
+    outputs = [value(c, "--output_dir") for c in recorded if "--output_dir" in c["flags"]][1:]  # after $DATA
+    assert outputs == [f"out/m2/{stage}_2" for stage in ("base", "sft", "reward", "dpo", "ppo", "judge")]
+    assert all(value(c, "--seed") == "2" for c in recorded if "--seed" in c["flags"])
+    report = recorded[-1]
+    assert report["script"] == "tiny_report.py" and {"--models", "--seed", "--world"} <= set(report["flags"])
+    assert (value(report, "--models"), value(report, "--seed"), value(report, "--world")) == ("out/m2", "2", str(world))
+    assert (tmp_path / "out" / "m2" / "environment.json").is_file()
+    # the committed world: its exact lengths are checked
+    start(tmp_path)
+    assert "--no_check_length_correctness" not in calls(tmp_path)[0]["flags"]
+
+
+def test_a_world_whose_build_was_cut_short_is_built_again(tmp_path):
+    """tiny_world.py writes world.json once the world is whole: a folder without it (a build killed midway, its
+    pretraining checkpoint left for the build to continue from) is built again before any stage reads it."""
+    make_checkout(tmp_path)
+    world = tmp_path / "w"
+    (world / ".pretraining").mkdir(parents=True)
+    status, called, rows, stdout = start(tmp_path, WORLD=str(world))
+    assert status == 0, stdout
+    assert [c[0] for c in called][:2] == ["tiny_world.py", "preprocess_tldr.py"] and rows[0] == "tiny world"
+    assert (world / "world.json").is_file()
