@@ -748,6 +748,9 @@ def build_world(args, with_model=True):
 
     with_model=False writes only the datasets and the tokenizer (seconds instead of minutes)."""
     start = time.time()
+    marker = os.path.join(args.out_dir, "world.json")  # written last: a world without it is not whole (tiny.sh)
+    if with_model and os.path.exists(marker):
+        os.remove(marker)  # a build over an older world, killed midway, must not look whole
     sft, preference, news_rows, noise = build_datasets(args)
     # The pretraining corpus is this world's "web text": fresh Reddit-like posts and news-like
     # articles (never a dataset row, never a TL;DR, never a label) that end with a recap ("Edit: to
@@ -783,12 +786,13 @@ def build_world(args, with_model=True):
                   "pretrain_loss_first": losses[0], "pretrain_loss_last": losses[-1],
                   "recap_facts_right": recap["facts_right"], "recap_invented": recap["invented_per_recap"]},
     }
-    with open(os.path.join(args.out_dir, "world.json"), "w") as f:
-        json.dump(meta, f, indent=2, sort_keys=True)
     with open(os.path.join(args.out_dir, "WORLD.md"), "w") as f:
         f.write(world_card(json.loads(json.dumps(meta, sort_keys=True))))  # the card of world.json as read back
     for leftover in (".pretraining", ".pretraining.partial"):  # the world is whole: nothing to resume from
         shutil.rmtree(os.path.join(args.out_dir, leftover), ignore_errors=True)
+    with open(marker + ".partial", "w") as f:  # then renamed: a kill never leaves half a world.json
+        json.dump(meta, f, indent=2, sort_keys=True)
+    os.replace(marker + ".partial", marker)
     print(f"tiny world written to {args.out_dir} in {time.time() - start:.1f}s; noise ceiling "
           + ", ".join(f"{k} {v:.3f}" for k, v in meta["noise_ceiling"].items()))
     return meta

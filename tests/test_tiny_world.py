@@ -362,3 +362,26 @@ def test_pretraining_killed_after_a_checkpoint_continues_bit_for_bit(tmp_path):
     read = KilledAfter(documents, 1000)
     assert tw.pretrain(new_model(), read, 0, 6, 4, 1e-2, 1, folder, {"seed": 2}, save_every=2) == plain
     assert 1000 - read.reads == 6 * 4  # another world's checkpoint: all 6 steps
+
+
+def test_world_json_is_written_last_and_whole(tmp_path, monkeypatch):
+    """tiny.sh takes a folder with world.json as a whole world. A build over an older world drops its world.json before
+    it writes anything; killed at any later moment (here in the card's write, after the datasets and the model) it
+    leaves no world.json; a finished build leaves world.json and no .partial beside it."""
+    out = tmp_path / "w"
+    out.mkdir()
+    (out / "world.json").write_text('{"an older world": true}')
+    card = tw.world_card
+
+    def killed(meta):
+        assert not (out / "world.json").exists()  # already gone when the card is written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tw, "world_card", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tw.build_world(small_args(out))
+    assert not (out / "world.json").exists() and (out / "pythia-tiny" / "model.safetensors").is_file()
+    monkeypatch.setattr(tw, "world_card", card)
+    meta = tw.build_world(small_args(out))
+    assert json.loads((out / "world.json").read_text()) == json.loads(json.dumps(meta))
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("world")) == ["world.json"]
