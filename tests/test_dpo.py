@@ -165,6 +165,41 @@ def test_implicit_rewards_are_beta_times_the_log_ratio_of_each_summary(tiny_tldr
     assert np.abs(same["chosen"]).max() < 1e-6 and np.abs(same["rejected"]).max() < 1e-6
 
 
+def test_evaluation_samples_cut_at_eos_and_both_tables_come_back_in_dataset_order(tiny_tldr, monkeypatch):
+    """sample_summaries (the eval_validation.csv that judge.py reads) on 3 rows in batches of 2: each summary is the
+    sampled ids up to its first EOS (junk after it dropped), the rows in split order, the padding row not kept;
+    implicit_rewards' rows too, however gather_object joins the ranks' lists (here: reversed)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(BASE)
+    summary = tokenizer(" a cat sat", add_special_tokens=False)["input_ids"]
+    junk = tokenizer(" junk after", add_special_tokens=False)["input_ids"]
+
+    def generate(model, queries, pad_token_id, config):  # a sampler that drew summary ++ EOS ++ junk for every row
+        response = torch.tensor(summary + [EOS] + junk).expand(len(queries), -1)
+        return torch.cat((queries, response), 1), None
+
+    monkeypatch.setattr(dpo, "generate", generate)
+    monkeypatch.setattr(dpo, "gather_object", lambda rows: list(reversed(rows)))
+    queries = datasets.load_from_disk(str(tiny_tldr / "sft"))["validation"].select(range(3))
+    queries = queries.with_format("torch", columns=list(dpo.QUERY_COLUMNS))
+    rows = dpo.sample_summaries(Accumulating(), tiny_model().eval(), queries, tokenizer, None, 2)
+    assert [row["response"] for row in rows] == ["a cat sat"] * 3
+    assert [row["reference"] for row in rows] == [r.strip() for r in tokenizer.batch_decode(
+        queries[:]["reference_response_token"], skip_special_tokens=True)]
+    assert [row["query"] for row in rows] == [q.strip() for q in tokenizer.batch_decode(
+        queries[:]["query_token"], skip_special_tokens=True)]
+    train = datasets.load_from_disk(str(tiny_tldr / "preference"))["train"]
+    pairs = train.select(range(5)).with_format("torch", columns=list(dpo.PAIR_COLUMNS))
+    reference, policy = tiny_model().eval(), tiny_model(seed=1).eval()
+    with torch.no_grad():
+        rewards = dpo.implicit_rewards(Accumulating(), policy, reference, pairs, PAD, 0.05, 3)
+        chosen, rejected = dpo.pair_logprobs(policy, pairs[:], PAD)
+        ref_chosen, ref_rejected = dpo.pair_logprobs(reference, pairs[:], PAD)
+    np.testing.assert_allclose(rewards["chosen"], (0.05 * (chosen - ref_chosen)).numpy(), atol=1e-5)
+    np.testing.assert_allclose(rewards["rejected"], (0.05 * (rejected - ref_rejected)).numpy(), atol=1e-5)
+
+
 def two_rows_a_pair(model, batch):
     """The plain form of pair_logprobs: sequence_logprobs of the chosen rows and of the rejected rows, one forward."""
     rows = dpo.trim_right_padding(torch.cat((batch["query_chosen_token"], batch["query_rejected_token"])), PAD)

@@ -111,6 +111,13 @@ def test_rm_agreement_by_hand():
     assert judge.rm_agreement(["reference", "ours"], [1.0, 1.0], [1.0, 1.0]) == (0.0, 2)  # a tie agrees with no side
 
 
+def test_rm_agreement_leaves_rows_not_yet_judged_out():
+    """An interrupted judge.py run leaves rows "unjudged": no verdict, so no agreement either way (reward.py's
+    --judged_file reads such tables)."""
+    preferred = ["ours", "unjudged", "reference", "unjudged"]
+    assert judge.rm_agreement(preferred, [2.0, 0.0, 0.0, 5.0], [1.0, 1.0, 1.0, 0.0]) == (1.0, 2)
+
+
 def test_length_curve_by_hand():
     xs = [-1.0, -0.9, 0.1, 0.2, 0.3, 1.0, 1.0]
     ps = ["ours", "reference", "ours", "ours", "malformed", "reference", "ours"]

@@ -338,7 +338,7 @@ def test_evaluation_refuses_a_policy_whose_logits_overflow_at_its_temperature(fa
     assert not (tmp_path / "runs").exists()  # no sample table of this evaluation
 
 
-def test_evaluation_scores_each_summary_at_its_eos_and_counts_its_real_tokens(tiny_tldr, tmp_path):
+def test_evaluation_scores_each_summary_at_its_eos_and_counts_its_real_tokens(tiny_tldr, tmp_path, monkeypatch):
     """ppo_evaluate on samples that end mid-way with junk after the EOS, at the last token, or never, on 3 prompts
     in batches of 2: each row's score is the RM's output at its EOS (the last
     token without one), read by a naive loop on the row alone without pads; its length counts the tokens up to
@@ -368,6 +368,8 @@ def test_evaluation_scores_each_summary_at_its_eos_and_counts_its_real_tokens(ti
                 responses[row, end] = EOS
         return torch.cat((queries, responses), 1), torch.zeros(queries.shape[0], width, 4)
 
+    # the rows come back in split order however gather_object joins the ranks' lists (here: reversed)
+    monkeypatch.setattr(ppo, "gather_object", lambda rows: list(reversed(rows)))
     with torch.no_grad():
         metrics, rows, nonfinite = ppo.ppo_evaluate(Accelerator(cpu=True), torch.nn.Module(),
                                                     reward_model, eval_set, tokenizer, sampler, 2)
@@ -381,7 +383,15 @@ def test_evaluation_scores_each_summary_at_its_eos_and_counts_its_real_tokens(ti
                                     attention_mask=torch.ones(1, len(query) + len(response)))[0, -1].item()
         assert row["score"] == pytest.approx(expected, abs=1e-4), row["index"]
         assert row["length"] == len(response) and row["eos"] == (end is not None)
+        # the human reference beside it, scored the same way (at its EOS)
+        reference = [t for t in eval_set[row["index"]]["reference_response_token"].tolist() if t != PAD]
+        with torch.no_grad():
+            expected = reward_model(input_ids=torch.tensor([query + reference]),
+                                    attention_mask=torch.ones(1, len(query) + len(reference)))[0, -1].item()
+        assert reference[-1] == EOS and row["reference_score"] == pytest.approx(expected, abs=1e-4), row["index"]
     assert metrics["score"] == pytest.approx(sum(row["score"] for row in rows) / 3)
+    assert metrics["reference_score"] == pytest.approx(sum(row["reference_score"] for row in rows) / 3)
+    assert abs(metrics["reference_score"] - metrics["score"]) > 1e-3  # the two are told apart
     assert metrics["response_length"] == pytest.approx((3 + 6 + 6) / 3) and metrics["eos_fraction"] == pytest.approx(2 / 3)
 
 def test_static_sampler_draws_what_the_plain_loop_draws(tiny_tldr):
@@ -807,6 +817,12 @@ def test_smoke_run_saves_policy_and_samples(tiny_tldr, tmp_path):
     assert all(abs(r - 1) < 1e-4 for r in scalars["policy/ratio_first_epoch"]), scalars["policy/ratio_first_epoch"]
     assert scalars["objective/kl"][0] == pytest.approx(0.0, abs=1e-4)  # policy = reference before any step
     assert len(scalars["objective/validation_score"]) == 2  # after update 1 (eval_every) and at the end
+    # x = episodes seen (16 a update); the last validation score is the final evaluation's, in eval_metrics.json
+    for tag in ("objective/kl", "objective/validation_score", "eval/ppo/validation/score"):
+        assert [e.step for e in events.Scalars(tag)] == [16, 32], tag
+    final = json.loads((out / "eval_metrics.json").read_text())["validation"]
+    assert scalars["objective/validation_score"][-1] == pytest.approx(final["score"])
+    assert scalars["eval/ppo/validation/reference_score"][-1] == pytest.approx(final["reference_score"])
 
 
 def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_path):

@@ -536,3 +536,149 @@ def test_rm_update_descends_the_bradley_terry_loss(tiny_tldr):
     with torch.no_grad():
         new_chosen, new_rejected = reward.pair_rewards(model, *(batch[c] for c in reward.TRAIN_PAIR_COLUMNS), PAD)
     assert ((new_chosen - new_rejected) > (chosen - rejected)).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The evaluation's outputs: what reaches eval_<split>.csv, accuracy_<split>.md and eval_metrics.json
+# ---------------------------------------------------------------------------------------------
+
+class OneRankOfTwo:
+    """The parts of an Accelerator that score_dataset and judge_agreement use: rank `rank` of `processes`, CPU."""
+
+    device, is_main_process = torch.device("cpu"), True
+
+    def __init__(self, rank=0, processes=1):
+        self.process_index, self.num_processes = rank, processes
+
+    def unwrap_model(self, model):
+        return model
+
+    def print(self, *args):
+        print(*args)
+
+
+def gold_pairs():
+    """Hand-made comparison rows (as preprocess_tldr.py keeps them) whose gold margins are known."""
+    post, good, bad = "My landlord cancelled my lease.", " my landlord cancelled my lease", " my boss sold my car"
+    info = {"title": "Help", "post": post, "article": None}
+    rows = [([good, bad], 0), ([bad, good], 0), ([good, bad], 0), ([good, good], 0), ([bad, good], 1)]
+    eval_set = {"info": [info] * len(rows), "choice": [c for _, c in rows],
+                "summaries": [[{"text": t} for t in texts] for texts, _ in rows]}
+    # the labels' side: right, right (against the gold), a tie, a tie (identical summaries), wrong
+    table = pd.DataFrame({"accuracy": [1.0, 1.0, 0.5, 0.5, 0.0]})
+    return eval_set, table
+
+
+def test_gold_agreement_by_hand():
+    """Agreement of the ordering with the gold judge's: 1 where the side the RM puts first is the gold's better one,
+    1/2 for an RM tie, gold ties (identical summaries) left out; chosen = summaries[choice]. CNN/DM rows are judged
+    against their article; the report quotes the noise ceiling of its own split."""
+    eval_set, table = gold_pairs()
+    agreement, report = reward.gold_agreement(table, eval_set, "validation", str(WORLD), "RM")
+    # pair 0 agrees; pair 1's label is against the gold (the RM follows the label: disagrees); pair 2 an RM tie;
+    # pair 3 a gold tie (not counted); pair 4: chosen = the good one (choice 1), the RM ranks it last: disagrees
+    assert agreement == pytest.approx((1 + 0 + 0.5 + 0) / 4)
+    assert table["gold_prefers_chosen"].tolist()[:3] == [1.0, 0.0, 1.0] and math.isnan(table["gold_prefers_chosen"][3])
+    assert table["gold_prefers_chosen"][4] == 1.0
+    ceilings = json.loads((WORLD / "world.json").read_text())["noise_ceiling"]
+    assert f"on {agreement:.3f} of 4 pairs" in report and f"noise ceiling {ceilings['validation']:.3f}" in report
+    news = {**eval_set, "info": [{"title": "News", "post": None,
+                                  "article": "(CNN) -- The mayor closed the bridge."}] * 5}
+    news["summaries"] = [[{"text": t["text"].replace("my landlord cancelled my lease", "the mayor closed the bridge")}
+                          for t in pair] for pair in eval_set["summaries"]]
+    agreement, report = reward.gold_agreement(table.copy(), news, "validation_cnndm", str(WORLD), "RM")
+    assert agreement == pytest.approx((1 + 0 + 0.5 + 0) / 4)
+    assert f"noise ceiling {ceilings['validation_cnndm']:.3f}" in report
+
+
+def test_pair_table_keeps_each_side_with_its_own_policy_and_reward():
+    eval_set = {"query": ["q0", "q1"], "chosen": [" c0", " c1"], "rejected": [" r0", " r1"], "batch": ["b3", "b4"],
+                "split": ["valid1", "valid2"], "extra": [{"confidence": 7}, {"confidence": None}],
+                "chosen_policy": ["sup4", "ref"], "rejected_policy": ["sup1", "sup2"]}
+    table = reward.pair_table(eval_set, {"chosen": np.array([0.5, -1.0]), "rejected": np.array([0.25, 2.0])})
+    assert table["chosen_policy"].tolist() == ["sup4", "ref"] and table["rejected_policy"].tolist() == ["sup1", "sup2"]
+    assert table["chosen_reward"].tolist() == [0.5, -1.0] and table["rejected_reward"].tolist() == [0.25, 2.0]
+    assert table["confidence"][0] == 7 and pd.isna(table["confidence"][1])  # a missing confidence stays missing
+    table["accuracy"] = reward.pair_accuracy(table, tie=0.0)
+    assert table["accuracy"].tolist() == [1.0, 0.0]
+
+
+def test_write_split_results_writes_the_table_and_the_report_as_they_are(tmp_path):
+    table = pd.DataFrame({"chosen": [" a", " b"], "chosen_reward": [0.5, -1.0], "accuracy": [1.0, 0.0]})
+    calibration = pd.DataFrame({"low": [0.0], "high": [0.5], "pairs": [2], "accuracy": [0.5], "ideal": [0.56]})
+    reward.write_split_results(str(tmp_path), "validation", table, "# report\n", calibration, "eval_validation.csv", None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["accuracy_validation.md", "eval_validation.csv"]
+    assert (tmp_path / "eval_validation.csv").read_text().splitlines()[0] == "chosen,chosen_reward,accuracy"
+    assert pd.read_csv(tmp_path / "eval_validation.csv").equals(table)
+    assert (tmp_path / "accuracy_validation.md").read_text() == "# report\n"
+
+
+def test_score_dataset_returns_the_real_rows_in_dataset_order(monkeypatch):
+    """Rank 1 of 2 over 7 rows in batches of 2 scores rows 1, 3, 5 (its last batch padded with row 5, not kept); the
+    rows come back in dataset order however gather_object joins the ranks' lists (here: reversed)."""
+    model = tiny_scalar_model()
+    rows = [[11 + i, 12, 13 + i, 0] for i in range(7)]
+    dataset = datasets.Dataset.from_dict({"ids": pad_rows(rows, 6).tolist()}).with_format("torch")
+    monkeypatch.setattr(reward, "gather_object", lambda rows: list(reversed(rows)))
+    got = reward.score_dataset(OneRankOfTwo(1, 2), model, dataset, {"x": ("ids",)}, PAD, 2)["x"]
+    with torch.no_grad():
+        expected = [reward.get_reward(model, torch.tensor([rows[i]]), PAD, 0)[1].item() for i in (1, 3, 5)]
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_judge_agreement_ranks_each_response_against_its_reference_as_the_rm_scores_them(monkeypatch):
+    """The RM agrees with a judgment when it scores the side the judge preferred higher; each text scored as
+    preprocess_tldr.py builds it (query, a space, the summary, EOS); malformed verdicts and ties do not count."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(WORLD / "pythia-tiny")
+    model = tiny_scalar_model(seed=3)
+    monkeypatch.setattr(reward, "gather_object", lambda rows: rows)
+    queries = [f"SUBREDDIT: r/tifu\n\nPOST: my {a} broke my {o}\n\nTL;DR:" for a, o in
+               [("boss", "car"), ("sister", "phone"), ("uncle", "bike"), ("coach", "keys"), ("aunt", "rent"),
+                ("wife", "dog")]]
+    responses = ["boss broke car", "my sister broke my phone", "uncle", "coach broke keys and more", "aunt rent", "dog"]
+    references = ["my boss broke my car", "sister phone", "my uncle broke my bike", "keys", "my aunt broke my rent", "x"]
+
+    def score(query, text):
+        ids = tokenizer(f"{query} {text}{tokenizer.eos_token}", add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.no_grad():
+            return reward.get_reward(model, ids, PAD, 0)[1].item()
+
+    preferred = ["ours" if score(q, r) > score(q, f) else "reference" for q, r, f in zip(queries, responses, references)]
+    assert len(set(preferred)) == 2  # both verdicts occur
+    preferred[-2:] = ["malformed", "tie"]
+    judged = pd.DataFrame({"query": queries, "response": responses, "reference": references, "preferred": preferred})
+    args = type("Args", (), {"local_eval_batch_size": 4, "judged_file": "judged.csv"})()
+    scored, score_dataset = {}, reward.score_dataset
+
+    def spy(accelerator, model, dataset, layouts, pad_token_id, batch_size):  # the rows the RM scores
+        scored.update({name: [[t for t in row if t != PAD] for row in dataset[:][name].tolist()] for name in layouts})
+        return score_dataset(accelerator, model, dataset, layouts, pad_token_id, batch_size)
+
+    monkeypatch.setattr(reward, "score_dataset", spy)
+    assert reward.judge_agreement(OneRankOfTwo(), model, tokenizer, judged, args) == 1.0
+    for name, texts in (("response", responses), ("reference", references)):
+        assert scored[name] == [tokenizer(f"{q} {t}{tokenizer.eos_token}", add_special_tokens=False).input_ids
+                                for q, t in zip(queries, texts)], name
+    judged["preferred"] = [{"ours": "reference", "reference": "ours"}.get(p, p) for p in preferred]
+    assert reward.judge_agreement(OneRankOfTwo(), model, tokenizer, judged, args) == 0.0
+
+
+def test_token_reward_samples_are_each_rows_reward_logits_up_to_a_few_pads_past_its_eos(tiny_tldr):
+    """Detail 13's plot: both rows of the first two validation pairs, named by pair and side, with the query length
+    and the EOS index of that row."""
+    validation = datasets.load_from_disk(str(tiny_tldr / "preference"))["validation"]
+    model = tiny_scalar_model()
+    samples = reward.token_reward_samples(model, validation, PAD, torch.device("cpu"))
+    assert [title for title, *_ in samples] == ["validation pair 0, chosen", "validation pair 1, chosen",
+                                                "validation pair 0, rejected", "validation pair 1, rejected"]
+    for (title, logits, query_length, eos), (pair, side) in zip(samples, [(0, "chosen"), (1, "chosen"),
+                                                                           (0, "rejected"), (1, "rejected")]):
+        ids = torch.tensor([validation[pair][f"query_{side}_token"]])
+        with torch.no_grad():
+            row_logits, _ = reward.get_reward(model, ids, PAD, 0)
+        assert eos == int(reward.reward_indices(ids, PAD, 0)[0]) and ids[0, eos] == 0  # the EOS
+        assert query_length == validation[pair]["query_token_len"]
+        np.testing.assert_allclose(logits, row_logits[0, :eos + 6].tolist(), atol=1e-5)
+    assert samples[0][2] != samples[1][2]  # the two pairs' queries differ in length: each row gets its own

@@ -244,6 +244,21 @@ def test_gold_breakdown_by_hand():
                                        - w["repetition"] * 1)
 
 
+def test_gold_judge_reads_words_as_words_whatever_their_case_and_an_empty_summary_costs_its_penalty():
+    """The judge of model outputs (judge.py --judge gold, PPO's gold reward): an empty summary scores -empty (a
+    policy that stops at once must not tie a summary that says something wrong); capitals do not hide a fact;
+    "don't" and "24" are one word each (the rambling budget counts words)."""
+    post = "My landlord cancelled my lease.\n\nWhat should I do?"  # 3 key words: budget 6 + 2 * 3 = 12 words
+    for empty in ("", " ", "\n\t", ". , !"):
+        assert tw.gold_breakdown(post, empty) == {"score": -tw.JUDGE_WEIGHTS["empty"], "coverage": 0.0, "invented": 0,
+                                                  "irrelevant": 0, "repetition": 0, "rambling": 0, "n_words": 0}
+    assert tw.gold_score(post, "My Landlord CANCELLED my Lease") == tw.gold_score(post, "my landlord cancelled my lease")
+    assert tw.gold_score(post, "My Landlord CANCELLED my Lease") == pytest.approx(tw.JUDGE_WEIGHTS["coverage"])
+    assert tw.words("I don't know, I'm 24") == ["i", "don't", "know", "i'm", "24"]
+    b = tw.gold_breakdown(post, "my landlord cancelled my lease and i don't know what i'm 24 years old now")
+    assert (b["n_words"], b["rambling"]) == (15, 3)
+
+
 def test_preprocess_runs_on_the_committed_world_with_the_tiny_lengths(tiny_tldr):
     """benchmark/tiny.sh's length flags match what preprocess_tldr.py computes on the world."""
     sft = datasets.load_from_disk(str(tiny_tldr / "sft"))
@@ -289,6 +304,31 @@ def test_recap_skill_counts_facts_copied_and_invented_against_a_naive_count():
     skill = tw.recap_skill(RecapStub(tokenizer, True), tokenizer, seed=5, n=20)
     assert skill["facts_right"] == pytest.approx(1 - 20 / sum(fact_counts))
     assert skill["invented_per_recap"] == pytest.approx(1.0)
+
+
+class ChattyRecapStub(RecapStub):
+    """A base model that goes on after its recap (as a real one does: the next paragraph, a question) with facts the
+    post never states; it recaps only when prompted with the whole recap opener, as pretraining taught it."""
+
+    def generate(self, ids, **kwargs):
+        import torch
+
+        text = self.tokenizer.decode(ids[0])
+        assert text.endswith(tw.RECAP_OPENER), text[-40:]  # the prompt ends where the post's recap would begin
+        out = super().generate(ids, **kwargs)
+        actor = next(a for a in tw.ACTORS if a not in text.lower())
+        more = f" What should I do?\n\nmy {actor} {actor} {actor}."
+        return torch.cat((out, self.tokenizer(more, return_tensors="pt").input_ids), dim=1)
+
+
+def test_recap_skill_reads_the_recap_sentence_only_of_a_prompt_that_opens_it():
+    """recap_skill prompts with the post up to its recap opener and judges the first sentence of the continuation:
+    what a model writes after its recap is not part of it (a perfect copier that chats on still scores 1.0 / 0.0)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(WORLD / "pythia-tiny")
+    assert tw.recap_skill(ChattyRecapStub(tokenizer, False), tokenizer, seed=5, n=10) == {
+        "facts_right": 1.0, "invented_per_recap": 0.0}
 
 
 def test_model_policies_guess_feelings_and_the_writer_states_the_posts_own():
