@@ -1,7 +1,10 @@
 """The benchmarks' own arithmetic, against hand-computed values: the sampling roofline (benchmark/sampling.py and
 sampling_split.py) and gpu_check.py's report."""
 
+import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -315,3 +318,311 @@ def test_sampling_split_step_floor_reads_the_whole_static_cache_and_the_report_a
     text = "\n".join(lines)
     assert "Prefill + 10 x (step + draws) = 0.200 + 10 x (30.00 + 2.00 ms) = 0.520 s against the whole call's 1.000 s" in text
     assert "The step's attention (its 2 layers, as compiled, on a 3 MB cache) is 8.00 ms of its 30.00 ms." in text
+
+
+def test_gpu_check_report_decode_floor_and_kl_lines_by_hand():
+    """The report's decode line (the fast path's tokens/s and its speed-up over the plain loop, fast = faster), the
+    floor pass's ms / TFLOP/s / share of the matmul peak, and the KL of the first update, from made-up measurements."""
+    import gpu_check
+
+    args, name, versions, timings, memory, stats, stats_fast, checks = made_up_measurements(fast_training=2.0)
+    stats = {**stats, "objective/kl": [0.001, 0.5]}  # the first update's KL, not the last one's
+    report = "\n".join(gpu_check.report_lines(args, name, versions, timings, memory, stats, stats_fast, checks))
+    # fast 1 s, plain 2 s: the fast path is 2.00x the plain loop
+    assert ("fast path (StaticSampler, --fast_sampling) 2 tokens/s (1.00 s), plain loop (sample_rollout) 1 tokens/s "
+            "(2.00 s): 2.00x;") in report
+    # 6e12 FLOPs in 0.05 s: 50 ms, 120 TFLOP/s, 60% of the 200 TFLOP/s peak
+    assert ("takes 50 ms, 120 TFLOP/s, 60% of the measured bf16 matmul peak (200 TFLOP/s; 6 x 1.00 B non-embedding "
+            "weights x tokens)") in report
+    assert "KL to the reference at the first update 0.00100." in report
+
+
+def test_gpu_check_floor_counts_the_pass_it_times(monkeypatch):
+    """training_floor with a fake clock (each timed loop takes 1 s): the matmul peak is 2 n^3 FLOPs over the mean of
+    10 calls, the pass 6 x non-embedding weights (LM head counted) x its 16 x 565 tokens over the mean of 5, and the
+    larger micro-batches' time per 16 rows."""
+    import torch
+
+    import gpu_check
+
+    class Policy(torch.nn.Module):  # a stand-in with GPT-NeoX's names: the pass's shape is what is counted
+        def __init__(self):
+            super().__init__()
+            self.gpt_neox = torch.nn.Module()
+            self.gpt_neox.embed_in, self.gpt_neox.layer = torch.nn.Embedding(1000, 4), torch.nn.Linear(4, 4)
+            self.lm_head = torch.nn.Linear(4, 8, bias=False)
+
+        def forward(self, input_ids, attention_mask):
+            hidden = self.gpt_neox.layer(self.gpt_neox.embed_in(input_ids)) * attention_mask[..., None]
+            return SimpleNamespace(logits=self.lm_head(hidden))
+
+    clock = iter(range(1000))
+    monkeypatch.setattr(gpu_check, "time", SimpleNamespace(time=lambda: float(next(clock))))
+    policy = Policy()
+    floor = gpu_check.training_floor(policy, 0, "cpu")
+    assert floor["weights"] == 4 * 4 + 4 + 4 * 8  # the layer and the LM head, not the input embedding
+    weights = floor["weights"]
+    assert floor["peak_flops"] == pytest.approx(2 * 512 ** 3 / 0.1)
+    assert floor["step_seconds"] == pytest.approx(0.2)
+    assert floor["step_flops"] == 6 * weights * 16 * (512 + 53)
+    assert floor["per_16_rows"] == pytest.approx({32: 1 / 3 / 2, 64: 1 / 3 / 4})
+    assert all(p.grad is None for p in policy.parameters()) and torch.is_grad_enabled()
+
+
+def test_gpu_check_decode_check_times_the_faster_call_and_compares_response_tokens(monkeypatch):
+    """forward_checks' decode part with both samplers faked (their calls take scripted seconds on a fake clock): each
+    sampler's time is the faster of its two calls, tokens/s counts the 64 rows x 53 tokens, and the share of equal
+    tokens is over the response only (the prompts are the same by construction)."""
+    import torch
+
+    import gpu_check
+    import ppo
+    from conftest import WORLD
+
+    now = [0.0]
+    monkeypatch.setattr(gpu_check, "time", SimpleNamespace(time=lambda: now[0]))
+    durations = {"plain": iter([0.1, 3.0, 2.0]), "fast": iter([0.1, 1.0, 1.5])}  # warm-up, then the timed calls
+
+    def sampler(name: str, differ: bool):
+        def sample(policy, queries, pad_id, eos_id, response_length, temperature, unsampled):
+            now[0] += next(durations[name])
+            response = torch.zeros(len(queries), response_length, dtype=queries.dtype)
+            if differ:
+                response[:, ::2] = 7  # 27 of the 53 response columns differ from the plain loop's
+            return torch.cat((queries, response), 1), None
+        return sample
+
+    monkeypatch.setattr(ppo, "sample_rollout", sampler("plain", False))
+    monkeypatch.setattr(ppo, "StaticSampler", lambda rows: sampler("fast", True))
+    monkeypatch.setattr(gpu_check, "training_floor", lambda *args: {"peak_flops": 1.0})
+    checks = gpu_check.forward_checks(str(WORLD / "pythia-tiny"), 0, "cpu")
+    assert checks["plain_seconds"] == pytest.approx(2.0) and checks["fast_seconds"] == pytest.approx(1.0)
+    assert checks["fast_tokens_per_second"] == pytest.approx(64 * 53 / 1.0)
+    assert checks["plain_tokens_per_second"] == pytest.approx(64 * 53 / 2.0)
+    assert checks["same_tokens"] == pytest.approx(26 / 53)
+
+
+def test_gpu_check_runs_every_stage_and_retries_a_failed_compile_without_it(tmp_path, monkeypatch, capsys):
+    """gpu_check.main with the stage runs, the model, the world and the forward checks faked: the fast PPO run is
+    first launched with --fast_sampling --compile_training; when it fails, once more with --fast_sampling alone (its
+    failed log kept); each run's row of the update split reads its own run's scalars."""
+    import gpu_check
+
+    args, _, _, _, _, stats, stats_fast, checks = made_up_measurements(fast_training=2.4)
+    commands = []
+    work = tmp_path / "work"
+
+    def run(command, log, env):
+        stage = os.path.basename(log)[:-len(".log")]
+        commands.append((stage, command))
+        if stage == "sft":
+            folder = work / "models" / "pythia-like" / "sft_1"
+            folder.mkdir(parents=True)
+            (folder / "args.json").write_text('{"pad_token_id": 0}')
+        if stage == "ppo_fast" and "--compile_training" in command:
+            with open(log, "w") as file:
+                file.write("torch._inductor.exc.InductorError: boom\n")
+            raise SystemExit("failed")
+        with open(log, "w") as file:
+            file.write(f"peak GPU memory: {len(commands)}.00 GiB\n")
+        return 10.0 * len(commands)
+
+    monkeypatch.setattr(gpu_check, "run", run)
+    monkeypatch.setattr(gpu_check, "build_model", lambda folder, size: None)
+    monkeypatch.setattr(gpu_check, "build_world", lambda folder: None)
+    monkeypatch.setattr(gpu_check, "forward_checks", lambda folder, pad_id, device: checks)
+    monkeypatch.setattr(gpu_check, "scalars_of", lambda folder: {"ppo": stats, "ppo_fast": stats_fast}[os.path.basename(folder)])
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--size", "tiny", "--launcher", "plain", "--allow_cpu",
+                                      "--work", str(work), "--out", str(tmp_path / "out.md")])
+    gpu_check.main()
+    stages = [stage for stage, _ in commands]
+    assert stages == ["preprocess", "sft", "reward", "dpo", "ppo", "ppo_fast", "ppo_fast"]
+    ppo_run, compiled, retry = (command for stage, command in commands[4:])
+    assert "--fast_sampling" not in ppo_run and "--compile_training" not in ppo_run
+    assert "--fast_sampling" in compiled and "--compile_training" in compiled
+    assert "--fast_sampling" in retry and "--compile_training" not in retry
+    assert "InductorError: boom" in (work / "ppo_fast_compile_failed.log").read_text()
+    report = (tmp_path / "out.md").read_text()
+    assert "| PPO, 2 updates, --fast_sampling | the same | 70 | 7.00 GiB |" in report
+    assert "| plain loop (sample_rollout), eager layers (the defaults) | 3.00 | 0.50 (17%) |" in report
+    assert "| StaticSampler, eager layers (--fast_sampling) | 2.95 | 0.25 (8%) |" in report
+    assert "the fast run sampled with StaticSampler only: torch._inductor.exc.InductorError: boom" in report
+
+
+def test_gpu_check_stage_batches_are_the_papers_per_gpu_batches():
+    """gpu_check.py's STAGE_FLAGS are the paper's per-GPU batches at 1B: each script's default global batch / 8
+    GPUs, in benchmark/knobs.sh's micro-batches (and PPO's rollout chunk) for Pythia-1B."""
+    import gpu_check
+    from conftest import REPO
+
+    table = (REPO / "benchmark" / "knobs.sh").read_text().split('KNOBS_TABLE="')[1].split('"')[0]
+    row = next(line.split() for line in table.splitlines() if line.startswith("EleutherAI/pythia-1b-deduped"))
+    knobs = dict(zip(["SFT_MICRO", "SFT_EVAL", "RM_MICRO", "DPO_MICRO", "PREF_EVAL", "PPO_MICRO", "PPO_ROLLOUT"],
+                     row[1:8]))
+    micro = {"sft.py": knobs["SFT_MICRO"], "reward.py": knobs["RM_MICRO"], "dpo.py": knobs["DPO_MICRO"],
+             "ppo.py": knobs["PPO_MICRO"]}
+    for script, flags in gpu_check.STAGE_FLAGS.items():
+        module = __import__(script[:-3])
+        value = lambda flag: flags[flags.index(flag) + 1]  # noqa: E731
+        assert int(value("--batch_size")) == module.Args.batch_size // 8, script
+        assert value("--local_micro_batch_size") == micro[script], script
+    assert value("--local_rollout_forward_batch_size") == knobs["PPO_ROLLOUT"]
+
+
+def test_gpu_check_sh_is_offline_unless_hub(tmp_path):
+    """benchmark/gpu_check.sh runs gpu_check.py with its flags, offline (the Hub unneeded) unless --hub is given."""
+    from conftest import REPO
+
+    (tmp_path / "python").write_text('#!/bin/sh\necho "offline=${HF_HUB_OFFLINE:-unset} args=$*"\n')
+    (tmp_path / "python").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+    env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    for flags, expected in (([], "offline=1 args=benchmark/gpu_check.py"),
+                            (["--hub", "--size", "1b"], "offline=unset args=benchmark/gpu_check.py --hub --size 1b")):
+        result = subprocess.run(["bash", str(REPO / "benchmark" / "gpu_check.sh"), *flags], env=env,
+                                capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0 and result.stdout.strip() == expected, result.stdout + result.stderr
+
+
+def test_compile_training_times_each_mode_per_pass_on_its_own_model(monkeypatch, capsys):
+    """compile_training.main with a fake clock (1 s between two reads) and the compiled wrapper built eagerly: the ms
+    columns are per pass (--repeats 4: 250 ms), the compiled column times the --compile_training wrapper and the eager
+    one the eager wrapper (one warm-up and 4 passes a width each, after the compiled side's two first calls), and the
+    profile's wall time is per pass too."""
+    import compile_training
+
+    clock = iter(range(10_000))
+    monkeypatch.setattr(compile_training, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    real_wrapper, real_forward = compile_training.ppo.PolicyAndValueWrapper, compile_training.ppo.response_logits_and_values
+
+    def wrapper(policy, critic, compile_layers=False, backend="inductor"):
+        model = real_wrapper(policy, critic)  # eager either way: this test counts calls, it does not compile
+        model.mode = "compiled" if compile_layers else "eager"
+        return model
+
+    calls = []
+
+    def forward(model, ids, *args):
+        calls.append(model.mode)
+        return real_forward(model, ids, *args)
+
+    monkeypatch.setattr(compile_training.ppo, "PolicyAndValueWrapper", wrapper)
+    monkeypatch.setattr(compile_training.ppo, "response_logits_and_values", forward)
+    monkeypatch.setitem(compile_training.SIZES, "tiny", dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                                             intermediate_size=32, vocab_size=1024))  # seconds
+    monkeypatch.setattr(sys, "argv", ["compile_training.py", "--size", "tiny", "--context", "32", "--repeats", "4",
+                                      "--allow_cpu", "--profile", "2", "--backend", "aot_eager"])
+    compile_training.main()
+    out = capsys.readouterr().out
+    assert "| 84 | 250.0 | 250.0 | 1.000 |" in out and "| 53 | 250.0 | 250.0 | 1.000 |" in out
+    assert "compile: first call 1.0 s, the second width 1.0 s" in out
+    assert "eager: 250.0 ms a pass (wall, under the profiler)" in out
+    assert "--compile_training: 250.0 ms a pass (wall, under the profiler)" in out
+    # eager: 2 widths x (1 + 4), then the profile's 1 + 4; compiled: the 2 first calls, 2 x (1 + 4), 1 + 4
+    assert calls == ["eager"] * 10 + ["compiled"] * 12 + ["eager"] * 5 + ["compiled"] * 5
+
+
+def test_random_world_is_the_5m_configuration_on_128_token_queries():
+    """benchmark/random_world.py: the "5m" configuration is hidden 256, 4 layers, MLP 1024 on the tiny tokenizer's
+    4096 rows (5.3M parameters, 3.2M outside the embeddings), its queries 128 tokens (the benchmarks' "query 128")."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    import random_world
+
+    flags = dict(zip(random_world.Q128_LENGTHS[0::2], random_world.Q128_LENGTHS[1::2]))
+    assert flags["--query_length"] == "128" and flags["--cnndm_query_length"] == "128"
+    with torch.device("meta"):
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(**random_world.SHAPE))
+    total = sum(p.numel() for p in model.parameters())
+    embeddings = model.gpt_neox.embed_in.weight.numel() + model.lm_head.weight.numel()
+    assert round(total / 1e6, 1) == 5.3 and round((total - embeddings) / 1e6, 1) == 3.2
+
+
+def test_ppo_vs_trl_trl_side_is_configured_and_timed_as_ppo_py(tiny_tldr, tmp_path, monkeypatch, capsys):
+    """benchmark/ppo_vs_trl_trl.py with TRL stubbed (its PPOTrainer replaced by one that runs two scripted updates on
+    a fake clock): TRL is configured for ppo.py's run (batch = micro-batch x accumulation, episodes, epochs, response
+    length, temperature, KL, EOS stop, no sample generations in the timed updates), fed ppo.py's prompts in ppo.py's
+    order (one batch more), and each update's time is split as the benchmark says: generation, scoring (the no-grad
+    forwards and rewards) and training (the rest, the training forward included), each update on its own."""
+    import importlib.util
+    import types
+
+    import datasets
+    import torch
+
+    import ppo
+    import reward
+    from conftest import REPO, WORLD
+
+    now, made = [0.0], {}
+
+    def timed(seconds):
+        def call(*args, **kwargs):
+            now[0] += seconds
+        return call
+
+    trainer_module = types.ModuleType("trl.experimental.ppo.ppo_trainer")
+    trainer_module.batch_generation, trainer_module.forward, trainer_module.get_reward = timed(3), timed(2), timed(1)
+
+    class Trainer:
+        def __init__(self, args, **kwargs):
+            made.update(config=args, trainer=self, **kwargs)
+            self.accelerator, self.callbacks = SimpleNamespace(prepare=lambda loader: loader), []
+
+        def add_callback(self, callback):
+            self.callbacks.append(callback)
+
+        def train(self):
+            for callback in self.callbacks:
+                callback.on_train_begin(None, None, None)
+            for _ in range(2):  # an update: sampling, the no-grad forwards, then training
+                with torch.no_grad():
+                    trainer_module.batch_generation()
+                    trainer_module.forward()  # the reference's log-probs
+                    trainer_module.get_reward()  # values
+                    trainer_module.get_reward()  # scores
+                trainer_module.forward()  # the training forward, with grad
+                now[0] += 4  # backward and optimizer steps
+                for callback in self.callbacks:
+                    callback.on_step_end(None, None, None)
+
+    experimental_ppo = types.ModuleType("trl.experimental.ppo")
+    experimental_ppo.PPOConfig, experimental_ppo.PPOTrainer = SimpleNamespace, Trainer
+    experimental_ppo.ppo_trainer = trainer_module
+    for name, module in (("trl", types.ModuleType("trl")), ("trl.experimental", types.ModuleType("trl.experimental")),
+                         ("trl.experimental.ppo", experimental_ppo), ("trl.experimental.ppo.ppo_trainer", trainer_module)):
+        monkeypatch.setitem(sys.modules, name, module)
+    sys.modules["trl"].experimental = sys.modules["trl.experimental"]
+    sys.modules["trl.experimental"].ppo = experimental_ppo
+    spec = importlib.util.spec_from_file_location("ppo_vs_trl_trl_stubbed", REPO / "benchmark" / "ppo_vs_trl_trl.py")
+    ppo_vs_trl_trl = importlib.util.module_from_spec(spec)  # not kept in sys.modules: it imported the stubs
+    spec.loader.exec_module(ppo_vs_trl_trl)
+
+    monkeypatch.setattr(ppo_vs_trl_trl, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    reward.reward_model_from_sft(str(WORLD / "pythia-tiny")).save_pretrained(tmp_path / "rm")
+    batch, micro, updates = 8, 2, 3
+    monkeypatch.setattr(sys, "argv", [
+        "ppo_vs_trl_trl.py", "--base_model", str(WORLD / "pythia-tiny"), "--query_dataset", str(tiny_tldr / "sft"),
+        "--sft_model_path", str(WORLD / "pythia-tiny"), "--reward_model_path", str(tmp_path / "rm"),
+        "--output_dir", str(tmp_path / "out"), "--updates", str(updates), "--batch_size", str(batch),
+        "--local_micro_batch_size", str(micro), "--local_rollout_forward_batch_size", "4", "--num_ppo_epochs", "3",
+        "--response_length", "9", "--temperature", "0.5", "--kl_coef", "0.07", "--lr", "2e-4", "--seed", "5"])
+    ppo_vs_trl_trl.main()
+    config = made["config"]
+    assert config.per_device_train_batch_size * config.gradient_accumulation_steps == batch
+    assert (config.total_episodes, config.num_ppo_epochs, config.num_mini_batches, config.response_length,
+            config.temperature, config.kl_coef, config.learning_rate, config.local_rollout_forward_batch_size,
+            config.seed) == (updates * batch, 3, 1, 9, 0.5, 0.07, 2e-4, 4, 5)
+    assert (config.stop_token, config.num_sample_generations, config.adam_epsilon, config.weight_decay) == (
+        "eos", 0, ppo.Args.eps, ppo.Args.weight_decay)
+    # ppo.py's prompts in ppo.py's order, one batch more than the updates
+    train = datasets.load_from_disk(str(tiny_tldr / "sft"))["train"]
+    order = ppo.episode_order(len(train), (updates + 1) * batch, 5).tolist()
+    loaded = list(made["trainer"].dataloader)
+    assert len(loaded) == updates + 1 and all(len(b["input_ids"]) == batch for b in loaded)
+    assert torch.cat([b["input_ids"] for b in loaded]).tolist() == [train[i]["query_token"] for i in order]
+    # each update: 3 s sampling, 2 + 1 + 1 s no-grad forwards, then 2 s training forward + 4 s: 13 s
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("TIMINGS ")][-1]
+    assert json.loads(line[len("TIMINGS "):])["updates"] == [
+        {"total": 13.0, "generation": 3.0, "scoring": 4.0, "training": 6.0}] * 2

@@ -468,3 +468,27 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
         assert "Loading weights" not in result.stdout + result.stderr
     assert not any((tmp_path / name).exists() for name in "acde")
     assert sorted(os.listdir(tmp_path / "b")) == ["args.json", "eval_metrics.json"] and not (tmp_path / "runs").exists()
+
+
+def test_dpo_pair_rows_two_rows_layout_does_not_pack_and_the_table_takes_median_rounds(monkeypatch, capsys):
+    """dpo_pair_rows.py: the "two rows" layout never runs the packed forward (the one-row layout does), and its table
+    gives pairs / s from each layout's median round (the timer faked: made-up rounds) and one row against two rows."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import dpo_pair_rows
+
+    packed = []
+    real = dpo.packed_pair_logprobs
+    monkeypatch.setattr(dpo, "packed_pair_logprobs", lambda *args: packed.append(1) or real(*args))
+    rounds = {"two rows": [4.0, 1.0, 2.0], "one row": [1.0, 1.0, 4.0]}  # medians 2 and 1 s (means 2.33 and 2)
+    monkeypatch.setattr(dpo_pair_rows, "time_layouts", lambda layouts, *args: rounds)
+    monkeypatch.setattr(sys, "argv", ["dpo_pair_rows.py", "--synthetic", "--vocab_size", "256", "--batch_size", "1",
+                                      "--updates", "1", "--rounds", "3"])
+    batch = dpo_pair_rows.synthetic_pairs(2, PAD, EOS, 256, torch.Generator().manual_seed(0))
+    model = AutoModelForCausalLM.from_pretrained(BASE)
+    dpo_pair_rows.layout_logprobs(model, batch, "two rows", PAD)
+    assert packed == []
+    dpo_pair_rows.layout_logprobs(model, batch, "one row", PAD)
+    assert packed == [1]
+    dpo_pair_rows.main()
+    out = capsys.readouterr().out
+    assert "| two rows | 0.50 | 1.00x |  |" in out and "| one row | 1.00 | 2.00x | " in out

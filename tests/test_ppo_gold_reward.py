@@ -5,6 +5,8 @@ import dataclasses
 import json
 import shutil
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from datasets import load_from_disk
@@ -149,3 +151,97 @@ def test_smoke_run_with_both_rewards(tiny_tldr, tmp_path):
     ran = json.loads((out / "rm_1_flags" / "ppo" / "args.json").read_text())
     assert ran["cliprange_value"] == 1000 and ran["cliprange"] == main_job["cliprange"]
     assert "| PPO, RM reward, --cliprange_value 1000 | RM | 1 |" in (out / "report.md").read_text()
+
+
+def test_ppo_flags_repeat_every_setting_of_the_main_job(tmp_path):
+    """ppo_flags, read back by ppo.py's own parser: a main job whose every setting differs from ppo.py's default runs
+    again with each of them (booleans included), but for what this script sets (updates, folders, evaluations) and
+    ppo.py's speed-only or bookkeeping flags."""
+    import tyro
+
+    import ppo
+
+    own = {"exp_name", "run_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "push_to_hub",
+           "hf_entity", "save_every", "resume", "stop_after_updates", "stop_after_minutes", "total_episodes",
+           "eval_every", "eval_test", "fast_sampling", "compile_training", "gradient_checkpointing", "offload",
+           "length_groups"}  # set here, or not a setting of the algorithm
+    main_job = {}
+    for field in dataclasses.fields(ppo.Args):
+        if field.name in own or "Suppress" in str(field.type):  # derived by ppo.py
+            continue
+        default, kind = field.default, str(field.type)
+        main_job[field.name] = (not default if isinstance(default, bool) else default + 3 if isinstance(default, int)
+                                else default * 3 + 0.5 if isinstance(default, float) else 7 if "int" in kind
+                                else f"/main/{field.name}")
+    main_job["num_updates"] = 7
+    flags = gold_reward.ppo_flags(main_job, 5, "/out", "run", 2, root=str(tmp_path))
+    parsed = tyro.cli(ppo.Args, args=flags, use_underscores=True)
+    assert {key: getattr(parsed, key) for key in main_job if key != "num_updates"} == {
+        key: value for key, value in main_job.items() if key != "num_updates"}
+    assert (parsed.total_episodes, parsed.output_dir, parsed.run_name, parsed.eval_every) == (
+        5 * main_job["batch_size"], "/out", "run", 2)
+
+
+def test_report_of_faked_runs_by_hand(tmp_path, monkeypatch):
+    """ppo_gold_reward.main with ppo.py faked (each run writes its validation samples and its periodic evaluations):
+    each run's command and episodes, the win rates against the references and against SFT, the curves' updates (episodes
+    / batch), RM and gold scores and words, and the plot's start at SFT's win rate, each against the gold judge."""
+    good, worse, bad = ("landlord cancelled lease; sister borrowed car", "landlord cancelled lease",
+                        "my uncle sold my boat")
+    posts = [POST, POST.replace("My landlord cancelled my lease", "Landlord trouble")]
+
+    def table(response: str, score: float) -> list:
+        return [{"query": post, "response": response, "reference": worse, "score": str(score),
+                 "reference_score": "0.5"} for post in posts]
+
+    def write(path, rows: list) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", newline="") as file:
+            writer = csv.DictWriter(file, list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+    models, runs = tmp_path / "models", tmp_path / "runs"
+    main_job = {"batch_size": 64, "lr": 1e-4, "kl_coef": 0.05, "response_length": 8, "eval_temperature": 0.01,
+                "num_updates": 2, "run_name": "main_run"}
+    (models / "ppo_1").mkdir(parents=True)
+    (models / "ppo_1" / "args.json").write_text(json.dumps(main_job))
+    write(models / "sft_1" / "eval_validation.csv", table(bad, 0.0))  # SFT loses to the references
+    write(models / "ppo_1" / "eval_validation.csv", table(good, 0.0))  # the main job wins
+    write(runs / "main_run" / "samples_validation_64.csv", table(bad, 3.0))
+    write(runs / "main_run" / "samples_validation_128.csv", table(good, 4.0))
+    commands = []
+
+    def fake_ppo(command, cwd, stdout, stderr):
+        commands.append(command)
+        flag = lambda name: command[command.index(name) + 1]  # noqa: E731
+        write(Path(flag("--output_dir")) / "eval_validation.csv", table(good, 0.0))
+        write(Path(cwd) / "runs" / flag("--run_name") / f"samples_validation_{flag('--total_episodes')}.csv",
+              table(good, 9.0))
+        return SimpleNamespace(returncode=0)
+
+    plotted = []
+    monkeypatch.setattr(gold_reward.subprocess, "run", fake_ppo)
+    monkeypatch.setattr(gold_reward, "plot", lambda curves, start, path: plotted.append((list(curves), start)))
+    monkeypatch.setattr(sys, "argv", ["ppo_gold_reward.py", "--models", str(models), "--runs_dir", str(runs),
+                                      "--gold_updates", "1", "--normalised_gold_updates", "--rm_updates", "3"])
+    gold_reward.main()
+    assert commands[0][1:3] == [str(REPO / "benchmark" / "ppo_gold_reward.py"), "ppo"]  # ppo.py, the gold reward
+    assert commands[1][1] == str(REPO / "ppo.py")  # the RM run: ppo.py itself
+    assert [command[command.index("--total_episodes") + 1] for command in commands] == ["64", "192"]
+    report = (models / "ppo_gold_reward" / "report.md").read_text()
+    gold = lambda response: tiny_world.gold_score(POST, response)  # noqa: E731
+    assert gold(good) > gold(worse) > gold(bad)
+    words = lambda text: len(tiny_world.words(text))  # noqa: E731
+    ci_win, ci_loss = (tiny_report.wilson_interval(wins, 2) for wins in (2, 0))
+    fmt = lambda ci: f"[{ci[0]:.3f}, {ci[1]:.3f}]"  # noqa: E731
+    assert f"| SFT | - | 0 | 0.000 {fmt(ci_loss)} | - |" in report
+    for label, updates in (("PPO, the main job", 2), ("PPO, gold reward", 1), ("PPO, RM reward", 3)):
+        assert f"| {label} | {'gold' if 'gold' in label else 'RM'} | {updates} | 1.000 {fmt(ci_win)} | " \
+               f"1.000 {fmt(ci_win)} |" in report, label  # they win against the references and against SFT
+    mean_gold = lambda response: sum(tiny_world.gold_score(p, response) for p in posts) / 2  # noqa: E731
+    assert (f"| 1 | 3.000 | {mean_gold(bad):.3f} | 0.000 | {words(bad):.1f} |\n"
+            f"| 2 | 4.000 | {mean_gold(good):.3f} | 1.000 | {words(good):.1f} |") in report  # the main job's curve
+    assert f"| 1 | 9.000 | {mean_gold(good):.3f} | 1.000 | {words(good):.1f} |" in report  # the gold run's
+    assert f"| 3 | 9.000 | {mean_gold(good):.3f} | 1.000 | {words(good):.1f} |" in report  # the RM run's
+    assert plotted == [(["RM reward, 2 updates (the main job)", "gold reward, 1 update", "RM reward, 3 updates"], 0.0)]

@@ -4,6 +4,7 @@ import random
 import re
 import shutil
 import sys
+from types import SimpleNamespace
 
 from conftest import REPO, WORLD, run_python
 
@@ -236,3 +237,89 @@ def test_scores_and_first_values_against_one_unpadded_row_at_a_time():
             last = len(response) - 1  # every value up to the last real token (the EOS) matches
             assert torch.allclose(values[row, :last + 1], out[len(query) - 1:len(query) + last], atol=1e-5), row
     assert abs(scores[0].item() + 1) > 1e-3 and abs(scores[2].item() + 1) > 1e-3  # a real score is not the penalty
+
+
+def test_time_layouts_alternates_and_leaves_the_warm_up_out(monkeypatch):
+    """reward_pair_rows.time_layouts (also dpo_pair_rows.py's and sft_length_groups.py's timer) with a fake clock that
+    each update moves by 1 s: per round the layouts in turn, each a fresh model, one untimed warm-up update, then one
+    timed update per later batch."""
+    import torch
+
+    import reward_pair_rows
+
+    now, order = [0.0], []
+    monkeypatch.setattr(reward_pair_rows, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def loss(model, batch, layout):
+        now[0] += 1.0
+        order.append(layout)
+        return model(batch).sum()
+
+    batches = [torch.ones(2, 3)] * 4  # the warm-up, then 3 timed updates
+    seconds = reward_pair_rows.time_layouts(["a", "b"], 2, batches, lambda: torch.nn.Linear(3, 1), loss, 1e-3, "cpu")
+    assert seconds == {"a": [3.0, 3.0], "b": [3.0, 3.0]}
+    assert order == (["a"] * 4 + ["b"] * 4) * 2  # alternating: a, b, a, b
+
+
+def test_reward_pair_rows_table_by_hand():
+    """render_table on made-up rounds: pairs / s from each layout's median round (not the mean), each against two rows,
+    one row, and its own last-layer-at-every-column form."""
+    import reward_pair_rows
+
+    every = reward_pair_rows.EVERY_COLUMN
+    args = SimpleNamespace(updates=2, batch_size=8, rounds=3, length_groups=[], query_dataset=None,
+                           sft_model_path=str(WORLD / "pythia-tiny"))
+    # 16 pairs a round: medians 2 s, 1 s, 4 s (means 3, 2, 4): 8, 16 and 4 pairs / s
+    seconds = {"two rows": [1.0, 2.0, 6.0], "one row": [1.0, 1.0, 4.0], "one row" + every: [4.0, 4.0, 4.0]}
+    table = reward_pair_rows.render_table(args, "cpu", seconds, {"one row": (1e-7, 2e-7), "one row" + every: (0, 0)})
+    assert "| two rows | 8.0 | 1.00x | 0.50x |  |  |" in table
+    assert "| one row | 16.0 | 2.00x | 1.00x | 4.00x | 1.0e-07 / 2.0e-07 |" in table
+    assert f"| one row{every} | 4.0 | 0.50x | 0.25x |  | 0.0e+00 / 0.0e+00 |" in table
+
+
+def test_reward_pair_rows_every_column_layouts_run_the_plain_forward(tiny_tldr, monkeypatch):
+    """A layout "..., last layer at every column" runs the backbone's plain forward (plain_hidden_states_at), its
+    fast form reward.hidden_states_at: the two are timed over different work, as their column says."""
+    import datasets
+    import torch
+
+    import reward_pair_rows
+
+    plain = []
+    real = reward_pair_rows.plain_hidden_states_at
+    monkeypatch.setattr(reward_pair_rows, "plain_hidden_states_at", lambda *args: plain.append(1) or real(*args))
+    pairs = datasets.load_from_disk(str(tiny_tldr / "preference"))["train"].with_format(
+        "torch", columns=list(reward_pair_rows.reward.TRAIN_PAIR_COLUMNS + reward_pair_rows.reward.PAIR_COLUMNS))
+    batch = pairs[[0, 1]]
+    model = reward_pair_rows.fresh_rm(str(WORLD / "pythia-tiny"), "cpu")
+    pad = 1  # the tiny world's [PAD]
+    fast = reward_pair_rows.batch_rewards(model, batch, "one row, 2 length groups", pad, "cpu")
+    assert plain == []
+    slow = reward_pair_rows.batch_rewards(model, batch, "one row, 2 length groups" + reward_pair_rows.EVERY_COLUMN, pad,
+                                          "cpu")
+    assert plain and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(fast, slow))
+
+
+def test_reward_pair_rows_scoring_table_times_each_scorer_in_place(tiny_tldr, monkeypatch):
+    """time_scoring with score_dataset faked on a fake clock (3 s a call with the plain get_reward patched in as
+    rewards_at_eos, 1 s with rewards_at_eos itself): each scorer is the one score_dataset calls while it is timed, and
+    the table's speed-up is the plain median over the scorer's (3.00x), not its inverse."""
+    import accelerate
+    import torch
+
+    import reward_pair_rows
+
+    now, real = [0.0], reward_pair_rows.reward.rewards_at_eos
+
+    def score_dataset(accelerator, model, references, layouts, pad, batch):
+        now[0] += 1.0 if reward_pair_rows.reward.rewards_at_eos is real else 3.0
+        return {name: torch.zeros(len(references)) for name in layouts}
+
+    monkeypatch.setattr(reward_pair_rows, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(reward_pair_rows.reward, "score_dataset", score_dataset)
+    monkeypatch.setattr(accelerate, "Accelerator", lambda: SimpleNamespace(device="cpu"))
+    args = SimpleNamespace(sft_model_path=str(WORLD / "pythia-tiny"), query_dataset=str(tiny_tldr / "sft"),
+                           scoring_rows=4, rounds=3)
+    table = reward_pair_rows.time_scoring(args, 1)
+    assert "| plain (get_reward) | 3.00 (3.00, 3.00, 3.00) | 1.00x |  |" in table
+    assert "| last layer at the EOS (rewards_at_eos) | 1.00 (1.00, 1.00, 1.00) | 3.00x | 0.0e+00 |" in table

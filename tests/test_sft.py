@@ -13,6 +13,7 @@ import re
 import shutil
 import socket
 import sys
+from types import SimpleNamespace
 
 import datasets
 import pandas as pd
@@ -686,3 +687,31 @@ def test_updates_count_every_epoch_of_the_train_split(tiny_tldr, tmp_path):
                     batch_size=8, num_train_epochs=3)
     dataset, *_ = sft.sft_inputs(args, accelerator)
     assert args.num_updates == len(dataset["train"]) * 3 // 8 and not (tmp_path / "out").exists()
+
+
+def test_length_groups_benchmark_table_by_hand_and_full_width_is_the_stored_width(monkeypatch):
+    """benchmark/sft_length_groups.py: render_table on made-up rounds (rows / s from the median round, each against full
+    width; the timed micro-batches' mean tokens and cut cells, the warm-up batch left out), and "full width" runs one
+    forward over the rows as stored, the length groups over rows cut to their longest."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import sft_length_groups
+
+    pad = 1
+    rows = torch.full((2, 6), pad)
+    rows[0, :2], rows[1, :3] = 5, 6  # 5 tokens, longest row 3
+    timed = torch.full((2, 6), pad)
+    timed[0, :4], timed[1, :1] = 5, 6  # 5 tokens, longest 4: 8 cells
+    args = SimpleNamespace(updates=2, batch_size=2, rounds=3, length_groups=[1], base_model=str(BASE))
+    seconds = {"full width": [1.0, 2.0, 6.0], "1 length group": [1.0, 1.0, 4.0]}  # medians 2 and 1 s (means 3, 2)
+    table = sft_length_groups.render_table(args, "cpu", seconds, {"1 length group": (1e-7, 2e-7)},
+                                           [rows, timed, timed], pad)
+    assert "the timed micro-batches hold 5 tokens each, 8 cells when cut to their longest row" in table
+    assert "| full width | 2.0 | 1.00x |  |" in table and "| 1 length group | 4.0 | 2.00x | 1.0e-07 / 2.0e-07 |" in table
+
+    widths = []
+    real = sft.forward
+    monkeypatch.setattr(sft, "forward", lambda model, ids, *args, **kwargs: widths.append(ids.shape[1])
+                        or real(model, ids, *args, **kwargs))
+    model = AutoModelForCausalLM.from_pretrained(BASE)
+    sft_length_groups.batch_nll(model, rows, "full width", pad)
+    assert widths == [6]
