@@ -29,6 +29,7 @@ Same seed, same bytes: the datasets and the tokenizer are a deterministic functi
 model's weights are too, given the same torch version, thread count and CPU (float sums run in another order on
 another one, so its training takes another path). A build killed while pretraining
 continues from its last checkpoint (`{out_dir}/.pretraining/`, every 250 steps) when started again.
+`world.json` is written last: a folder without it is not a whole world (benchmark/tiny.sh builds it again).
 """
 
 import json
