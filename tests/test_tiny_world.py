@@ -425,3 +425,38 @@ def test_world_json_is_written_last_and_whole(tmp_path, monkeypatch):
     meta = tw.build_world(small_args(out))
     assert json.loads((out / "world.json").read_text()) == json.loads(json.dumps(meta))
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("world")) == ["world.json"]
+
+
+def test_the_reference_writer_makes_its_mistakes_at_the_rates_the_card_states():
+    """make_summary with the writer's habits, over 4,000 fresh posts: the habits a summary's text shows (the main point,
+    an irrelevant detail, rambling, the question, the feeling) at the card's rates (within 4 standard errors); the
+    feeling it states is always the post's own, and none for a post without one. The rebuild test pins the committed
+    bytes; this pins what a rebuilt world's writer does (an error-free writer would fail it)."""
+    writer, rng, n = tw.POLICIES["ref"], random.Random(7), 4000
+    seen = {"main": 0, "filler": 0, "filler_possible": 0, "ramble": 0, "question": 0, "feeling": 0, "with_feeling": 0}
+    for _ in range(n):
+        _, _, post, facts, feeling = tw.make_post(rng, long_tail=False)
+        pool = tw.filler_phrases(post)
+        text = tw.make_summary(rng, facts, feeling, writer, pool)
+        body = text.split(". ")[0]
+        a, v, o = facts[0]
+        said = set(tw.words(body))
+        seen["main"] += v in said and (a in said or o in said)  # kept, perhaps with one word wrong (misremembered)
+        seen["filler_possible"] += bool(pool)
+        seen["filler"] += any(phrase in body for phrase in pool)
+        seen["ramble"] += any(ramble in body for ramble in tw.RAMBLES)
+        seen["question"] += any(text.endswith(". " + q.lower()) for q in tw.QUESTIONS)
+        stated = re.findall(r"i feel (\w+)", body)
+        assert set(stated) <= ({feeling} if feeling else set()), (feeling, text)  # a loop may repeat it
+        seen["with_feeling"] += feeling is not None
+        seen["feeling"] += bool(stated)
+
+    def near(count, total, rate):
+        return abs(count / total - rate) < 4 * math.sqrt(rate * (1 - rate) / total)
+
+    # another kept fact may share the main fact's verb and a word of it: "main" can only count too many
+    assert near(seen["main"], n, writer.main) or seen["main"] / n > writer.main, seen
+    assert near(seen["filler"], seen["filler_possible"], writer.filler), seen
+    assert near(seen["ramble"], n, writer.ramble), seen
+    assert near(seen["question"], n, writer.question), seen
+    assert near(seen["feeling"], seen["with_feeling"], writer.feeling), seen
