@@ -113,6 +113,34 @@ def slice_tiny_tldr(tiny_tldr: Path, root: Path, train_pairs: int, sft_split: st
     shutil.copy(tiny_tldr / "args.json", root / "args.json")
 
 
+def one_process(rank=0, processes=1, deepspeed=None):
+    """What the stages' helpers use of an Accelerator, on the CPU: rank `rank` of a DDP launch of `processes`
+    (DeepSpeed: pass a plugin), its collectives those of a single process."""
+    from types import SimpleNamespace
+
+    import torch
+
+    return SimpleNamespace(device=torch.device("cpu"), is_main_process=rank == 0, process_index=rank,
+                           num_processes=processes, wait_for_everyone=lambda: None,
+                           state=SimpleNamespace(deepspeed_plugin=deepspeed), unwrap_model=lambda model: model,
+                           scaler=None, reduce=lambda tensor, reduction="sum": tensor, print=print, step=1,
+                           autocast=contextlib.nullcontext)
+
+
+def sampler_with_junk_after_eos(tokenizer):
+    """A stand-in for a stage's `generate`: every row draws " a cat sat", EOS, then " junk after" (to be cut off)."""
+    import torch
+
+    summary = tokenizer(" a cat sat", add_special_tokens=False)["input_ids"]
+    junk = tokenizer(" junk after", add_special_tokens=False)["input_ids"]
+
+    def generate(model, queries, pad_token_id, config):
+        response = torch.tensor(summary + [tokenizer.eos_token_id] + junk).expand(len(queries), -1)
+        return torch.cat((queries, response), 1), None
+
+    return generate
+
+
 @contextlib.contextmanager
 def multi_process_slot(processes: int = 2):
     """Hold while a launch of `processes` > 1 ranks runs: under pytest-xdist, one such launch at a time per test run.

@@ -29,7 +29,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import dpo
-from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python, slice_tiny_tldr
+from conftest import (REPO, WORLD, early_exits, multi_process_slot, run_python, sampler_with_junk_after_eos,
+                      slice_tiny_tldr)
 
 ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
 EOS, PAD = 0, 1  # the tiny world's ids (data/tiny_tldr/args.json)
@@ -172,14 +173,7 @@ def test_evaluation_samples_cut_at_eos_and_both_tables_come_back_in_dataset_orde
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(BASE)
-    summary = tokenizer(" a cat sat", add_special_tokens=False)["input_ids"]
-    junk = tokenizer(" junk after", add_special_tokens=False)["input_ids"]
-
-    def generate(model, queries, pad_token_id, config):  # a sampler that drew summary ++ EOS ++ junk for every row
-        response = torch.tensor(summary + [EOS] + junk).expand(len(queries), -1)
-        return torch.cat((queries, response), 1), None
-
-    monkeypatch.setattr(dpo, "generate", generate)
+    monkeypatch.setattr(dpo, "generate", sampler_with_junk_after_eos(tokenizer))
     monkeypatch.setattr(dpo, "gather_object", lambda rows: list(reversed(rows)))
     queries = datasets.load_from_disk(str(tiny_tldr / "sft"))["validation"].select(range(3))
     queries = queries.with_format("torch", columns=list(dpo.QUERY_COLUMNS))

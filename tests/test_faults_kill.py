@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import sft
-from conftest import REPO, WORLD
-from test_sft import TINY_RUN, one_process, run_sft, weights
+from conftest import REPO, WORLD, one_process
+from test_sft import TINY_RUN, run_sft, weights
 
 
 def run_until(cwd, flags, condition, timeout=300):

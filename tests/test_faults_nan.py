@@ -19,9 +19,8 @@ from transformers import AutoModelForCausalLM
 import ppo
 import reward
 import sft
-from conftest import REPO, WORLD, run_python
+from conftest import REPO, WORLD, one_process, run_python
 from test_ppo import make_reward_model
-from test_sft import one_process
 
 BASE = str(WORLD / "pythia-tiny")
 HUGE_LR = ["--lr", "1e6", "--save_every", "1"]

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python, tiny_lengths
+from conftest import REPO, WORLD, early_exits, multi_process_slot, one_process, run_python, tiny_lengths
 import reward
 from ppo import (PolicyAndValueWrapper, cast_parameters, disable_dropout, entropy_from_logits, eval_batches,
                  gpu_problem, last_hidden_states, load_fp32, mask_logits, model_name, response_masks, response_window,
@@ -472,15 +472,13 @@ def test_default_paths_follow_the_base_model_the_sft_model_records(tmp_path, mon
     """Given only --sft_model_path, each later stage reads the base model's name from the SFT model's args.json and
     looks for every other default under it: PPO's reward model too, never a default of another base model (all
     Pythia sizes share one tokenizer, so nothing else would notice a 1B RM scoring a 2.8B policy)."""
-    from types import SimpleNamespace
-
     import dpo
     import ppo
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models" / "mine" / "sft_3").mkdir(parents=True)
     (tmp_path / "models" / "mine" / "sft_3" / "args.json").write_text(json.dumps({"base_model_name": "mine"}))
-    accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
+    accelerator = one_process()
     args = ppo.Args(seed=3, sft_model_path="models/mine/sft_3", base_model=None)
     with pytest.raises(ppo.SetupError, match=r"^--reward_model_path models/mine/reward_3: no such folder"):
         ppo.ppo_inputs(args, accelerator)

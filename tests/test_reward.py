@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python, slice_tiny_tldr
+from conftest import REPO, WORLD, early_exits, multi_process_slot, one_process, run_python, slice_tiny_tldr
 
 import reward
 
@@ -542,21 +542,6 @@ def test_rm_update_descends_the_bradley_terry_loss(tiny_tldr):
 # The evaluation's outputs: what reaches eval_<split>.csv, accuracy_<split>.md and eval_metrics.json
 # ---------------------------------------------------------------------------------------------
 
-class OneRankOfTwo:
-    """The parts of an Accelerator that score_dataset and judge_agreement use: rank `rank` of `processes`, CPU."""
-
-    device, is_main_process = torch.device("cpu"), True
-
-    def __init__(self, rank=0, processes=1):
-        self.process_index, self.num_processes = rank, processes
-
-    def unwrap_model(self, model):
-        return model
-
-    def print(self, *args):
-        print(*args)
-
-
 def gold_pairs():
     """Hand-made comparison rows (as preprocess_tldr.py keeps them) whose gold margins are known."""
     post, good, bad = "My landlord cancelled my lease.", " my landlord cancelled my lease", " my boss sold my car"
@@ -620,7 +605,7 @@ def test_score_dataset_returns_the_real_rows_in_dataset_order(monkeypatch):
     rows = [[11 + i, 12, 13 + i, 0] for i in range(7)]
     dataset = datasets.Dataset.from_dict({"ids": pad_rows(rows, 6).tolist()}).with_format("torch")
     monkeypatch.setattr(reward, "gather_object", lambda rows: list(reversed(rows)))
-    got = reward.score_dataset(OneRankOfTwo(1, 2), model, dataset, {"x": ("ids",)}, PAD, 2)["x"]
+    got = reward.score_dataset(one_process(1, 2), model, dataset, {"x": ("ids",)}, PAD, 2)["x"]
     with torch.no_grad():
         expected = [reward.get_reward(model, torch.tensor([rows[i]]), PAD, 0)[1].item() for i in (1, 3, 5)]
     np.testing.assert_allclose(got, expected, atol=1e-5)
@@ -657,12 +642,12 @@ def test_judge_agreement_ranks_each_response_against_its_reference_as_the_rm_sco
         return score_dataset(accelerator, model, dataset, layouts, pad_token_id, batch_size)
 
     monkeypatch.setattr(reward, "score_dataset", spy)
-    assert reward.judge_agreement(OneRankOfTwo(), model, tokenizer, judged, args) == 1.0
+    assert reward.judge_agreement(one_process(), model, tokenizer, judged, args) == 1.0
     for name, texts in (("response", responses), ("reference", references)):
         assert scored[name] == [tokenizer(f"{q} {t}{tokenizer.eos_token}", add_special_tokens=False).input_ids
                                 for q, t in zip(queries, texts)], name
     judged["preferred"] = [{"ours": "reference", "reference": "ours"}.get(p, p) for p in preferred]
-    assert reward.judge_agreement(OneRankOfTwo(), model, tokenizer, judged, args) == 0.0
+    assert reward.judge_agreement(one_process(), model, tokenizer, judged, args) == 0.0
 
 
 def test_token_reward_samples_are_each_rows_reward_logits_up_to_a_few_pads_past_its_eos(tiny_tldr):

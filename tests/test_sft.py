@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import sft
-from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python
+from conftest import REPO, WORLD, early_exits, multi_process_slot, one_process, run_python, sampler_with_junk_after_eos
 
 BASE = WORLD / "pythia-tiny"
 TINY_RUN = ["--base_model", str(BASE), "--lr", "1e-3", "--batch_size", "8", "--local_micro_batch_size", "4",
@@ -521,16 +521,6 @@ def test_a_deepspeed_checkpoint_resumes_only_on_as_many_processes(tmp_path):
     assert sft.checkpoint_to_resume(SimpleNamespace(output_dir=str(tmp_path / "none"), resume=True), launch(1)) is None
 
 
-def one_process(rank=0, deepspeed=None):
-    """What the checkpoint helpers use of an Accelerator: rank `rank` of a DDP launch (DeepSpeed: pass a plugin), its
-    collectives those of a single process."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(is_main_process=rank == 0, process_index=rank, wait_for_everyone=lambda: None,
-                           state=SimpleNamespace(deepspeed_plugin=deepspeed), unwrap_model=lambda model: model,
-                           scaler=None, reduce=lambda tensor, reduction: tensor, print=print, step=1)
-
-
 @pytest.mark.parametrize("save_every, stop_after_updates, saved_at", [(3, None, [3, 6, 9]), (0, 5, [5]), (4, 6, [4, 6]),
                                                                      (0, None, [])])
 def test_checkpoints_are_written_every_save_every_updates_and_at_stop_after_updates(
@@ -623,31 +613,16 @@ def test_sft_evaluate_cuts_each_summary_at_its_eos_and_counts_real_rows_only(tin
     """sft_evaluate on 3 rows in batches of 2 (the last batch padded with a repeated row): each summary is the sampled
     ids after the query up to its first EOS (junk after it dropped, the query's last token not included); the loss is
     the token mean over the 3 real rows' references, the padding row not counted twice; ROUGE over the 3 rows."""
-    import contextlib
-
-    class OneProcess:  # the parts of an Accelerator that sft_evaluate uses
-        device, process_index, num_processes, is_main_process = torch.device("cpu"), 0, 1, True
-        unwrap_model = staticmethod(lambda model: model)
-        reduce = staticmethod(lambda tensor: tensor)
-        autocast = staticmethod(contextlib.nullcontext)
-
     tokenizer = AutoTokenizer.from_pretrained(BASE)
-    eos, pad = tokenizer.eos_token_id, 1
-    summary = tokenizer(" a cat sat", add_special_tokens=False)["input_ids"]
-    junk = tokenizer(" junk after", add_special_tokens=False)["input_ids"]
-
-    def generate(model, queries, pad_token_id, config):  # a sampler that drew summary ++ EOS ++ junk for every row
-        response = torch.tensor(summary + [eos] + junk).expand(len(queries), -1)
-        return torch.cat((queries, response), 1), None
-
-    monkeypatch.setattr(sft, "generate", generate)
+    pad = 1
+    monkeypatch.setattr(sft, "generate", sampler_with_junk_after_eos(tokenizer))
     # the rows come back in split order however gather_object joins the ranks' lists (here: reversed)
     monkeypatch.setattr(sft, "gather_object", lambda rows: list(reversed(rows)))
     dataset = datasets.load_from_disk(tiny_tldr / "sft")["validation"].select(range(3))
     dataset = dataset.with_format("torch", columns=list(sft.REQUIRED_COLUMNS))
     model = AutoModelForCausalLM.from_pretrained(BASE)
     sft.disable_dropout(model)
-    metrics, rows = sft.sft_evaluate(OneProcess(), model, dataset, tokenizer, None, 2)
+    metrics, rows = sft.sft_evaluate(one_process(), model, dataset, tokenizer, None, 2)
     assert [row["response"] for row in rows] == ["a cat sat"] * 3
     assert [row["reference"] for row in rows] == [r.strip() for r in tokenizer.batch_decode(
         dataset[:]["reference_response_token"], skip_special_tokens=True)]
@@ -657,12 +632,10 @@ def test_sft_evaluate_cuts_each_summary_at_its_eos_and_counts_real_rows_only(tin
     assert metrics["loss"] == pytest.approx((nll / count).item(), rel=1e-5)
     assert metrics["rouge1"] == pytest.approx(sft.mean_rouge(["a cat sat"] * 3, [r["reference"] for r in rows])["rouge1"])
 
-    class RankOneOfTwo(OneProcess):  # of 7 rows, rank 1 of 2 reads rows 1, 3 and 5, its last batch padded with row 5
-        process_index, num_processes = 1, 2
-
     seven = datasets.load_from_disk(tiny_tldr / "sft")["validation"].select(range(7))
     seven = seven.with_format("torch", columns=list(sft.REQUIRED_COLUMNS))
-    metrics, rows = sft.sft_evaluate(RankOneOfTwo(), model, seven, tokenizer, None, 2)
+    # of 7 rows, rank 1 of 2 reads rows 1, 3 and 5, its last batch padded with row 5
+    metrics, rows = sft.sft_evaluate(one_process(1, 2), model, seven, tokenizer, None, 2)
     assert len(rows) == 3  # this rank's rows (gather_object joins the ranks' lists)
     with torch.no_grad():
         ids = seven[[1, 3, 5]]["query_reference_response_token"]
@@ -680,9 +653,7 @@ def test_ids_in_data_wants_most_rows_padded():
 
 def test_updates_count_every_epoch_of_the_train_split(tiny_tldr, tmp_path):
     """Without --total_episodes, sft_inputs sets num_updates to the train split x --num_train_epochs in whole batches."""
-    from types import SimpleNamespace
-
-    accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None, print=lambda *args: None)
+    accelerator = one_process()
     args = sft.Args(base_model=str(BASE), query_dataset=str(tiny_tldr / "sft"), output_dir=str(tmp_path / "out"),
                     batch_size=8, num_train_epochs=3)
     dataset, *_ = sft.sft_inputs(args, accelerator)
