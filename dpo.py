@@ -133,7 +133,7 @@ class Args:
     sft_model_path: Optional[str] = None
     """SFT model (sft.py's output folder or a Hub id): the policy, the reference and the tokenizer (None: models/{base_model}/sft_{seed})"""
     response_length: int = 53
-    """Tokens sampled per eval query (paper: 53, the longest SFT reference; the reference code's 128 is a bug)"""
+    """Tokens sampled per eval query (53, SFT's and PPO's: one budget for every policy judged; the paper states none for DPO, the reference's dpo.py ignores this flag and samples 128)"""
     temperature: float = 0.01
     """Eval sampling temperature (paper: 0.01)"""
 

@@ -97,8 +97,8 @@ class Args:
     """OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (None: $OPENAI_BASE_URL, else api.openai.com);
     credentials in it (user:password@, ?key=) are sent but written nowhere"""
     temperature: float = 1.0
-    """Judge sampling temperature, recorded and part of the cache key (paper: 1.0, the API default, as the reference
-    set none; a greedy judge, 0, pushes win rates away from 0.5)"""
+    """Judge sampling temperature, recorded and part of the cache key (the paper states none; 1.0 is the API default,
+    which the reference left in place; a greedy judge, 0, pushes win rates away from 0.5)"""
     seed: int = 1
     """Seed of the per-row A/B order draw (same seed: same order, so a rerun hits the cache)"""
 
@@ -125,8 +125,9 @@ class Args:
 
 
 # ------------------------------------------------------------------------------------------------
-# The prompt (paper, Appendix I, modified by the authors from Rafailov et al. 2023). The appendix's
-# backslashes are the line continuations of the reference's Python string, not part of the prompt.
+# The prompt (paper, Appendix I, modified by the authors from Rafailov et al. 2023), as the appendix prints it
+# without its line-end backslashes. The reference's eval/oai.py sent a variant: `### Post:`-style headers, one
+# literal backslash (a raw string); docs/details.md lists the differences.
 # Bump PROMPT_VERSION whenever the text changes: it is part of every cache key.
 # ------------------------------------------------------------------------------------------------
 PROMPT_VERSION = "appendix-i-v1"

@@ -33,7 +33,7 @@ Logged (TensorBoard, and W&B with --track; x-axis = episodes seen; t runs over a
   objective/response_length   mean tokens per response, EOS included
   objective/validation_score  mean RM score of the validation samples (at each evaluation)
   policy/approxkl             mean over PPO steps of the masked 0.5 * (logp_new - logp_old)^2
-  policy/clipfrac             fraction of valid tokens whose ratio was clipped
+  policy/clipfrac             fraction of valid tokens whose clipped loss term is the larger (the one taken)
   policy/ratio                mean ratio exp(logp_new - logp_old) over valid tokens, all epochs
   policy/ratio_first_epoch[_max_deviation]  its mean (max |ratio - 1|) before the first step: 1 up to (bf16) noise
   policy/loss | lr            clipped policy loss | learning rate of the update
@@ -232,7 +232,7 @@ def get_values(critic, query_responses: torch.Tensor, pad_token_id: int, context
 def eos_trick(scores: torch.Tensor, contains_eos: torch.Tensor, penalty_reward_value: float) -> torch.Tensor:
     """(B,) RM scores, (B,) bool -> (B,) scores, replaced by `penalty_reward_value` where there is no EOS."""
     # Detail 23: EOS trick
-    # Sampling never stops early: exactly response_length tokens, then truncation after the first EOS.
+    # At most response_length tokens, truncated after the first EOS (the reference always samples all of them).
     # Without an EOS the RM's score is undefined (it is trained on the EOS logit only): REPLACE it, do not decrease it.
     # The constant (-1) also teaches the policy to stop in time.
     return torch.where(contains_eos, scores, torch.full_like(scores, penalty_reward_value))

@@ -43,7 +43,7 @@ Logged (TensorBoard, and W&B with --track; x-axis = training pairs seen):
   train/rm/chosen_rewards|rejected_rewards  mean reward of the chosen / rejected summaries
   train/rm/lr                        learning rate used by the update
   eval/rm/normalized_mean|std|min|max          reference rewards before the bias (Detail 15)
-  eval/rm/normalized_left_right_diff_mean|gt_1e-2  left- minus right-padded reward (Detail 14)
+  eval/rm/normalized_right_left_diff_mean|gt_1e-2  right- minus left-padded reward (Detail 14)
   eval/rm/{split}/accuracy           fraction of pairs ranked as the labeler did
   eval/rm/{split}/accuracy/{split|batch|confidence}/{value}  the same per group (Detail 16)
   eval/rm/{split}/gold_accuracy      agreement with the tiny world's gold judge (--gold_judge)
@@ -303,9 +303,9 @@ def normalise_rewards(accelerator, model, references, pad_token_id: int, local_e
     }, pad_token_id, local_eval_batch_size)
     # Detail 14: Left- vs right-padded reward extraction
     # PPO scores left-padded queries followed by its samples; the RM was trained on right-padded
-    # rows. Same tokens, other positions and pads: the two rewards should agree to ~1e-6 in fp32
-    # (the paper reports a mean difference of -5e-4 for its bf16 6.9B RM; the reference flags 1e-2).
-    left_right_diff = scores["left"] - scores["right"]
+    # rows. Same tokens, other positions and pads: the two rewards should agree to ~1e-6 in fp32.
+    # Right minus left, the reference's sign: its bf16 6.9B RM gave -5.4e-4 (the paper); it flags 1e-2.
+    right_left_diff = scores["right"] - scores["left"]
     # Detail 15: Reward normalisation from SFT reference summaries
     # Stiennon et al.: "normalize the reward model outputs such that the reference summaries from
     # our dataset achieve a mean score of 0". Only the mean, folded into the head's bias: the saved
@@ -314,8 +314,8 @@ def normalise_rewards(accelerator, model, references, pad_token_id: int, local_e
     state_dict = shift_head_bias(accelerator, model, -reference_mean)  # what is saved, and what is evaluated
     normalization = {"mean": reference_mean, "std": float(scores["right"].std()), "min": float(scores["right"].min()),
                      "max": float(scores["right"].max()), "references": len(references),
-                     "left_right_diff_mean": float(left_right_diff.mean()),
-                     "left_right_diff_gt_1e-2": float((np.abs(left_right_diff) > 1e-2).mean())}
+                     "right_left_diff_mean": float(right_left_diff.mean()),
+                     "right_left_diff_gt_1e-2": float((np.abs(right_left_diff) > 1e-2).mean())}
     accelerator.print(f"normalisation over {len(references)} SFT references: " + ", ".join(
         f"{key} {value:.4g}" for key, value in normalization.items()) + f"; head bias -= {reference_mean:.4f}")
     return state_dict, normalization
@@ -420,7 +420,7 @@ def main() -> None:
         if not accelerator.is_main_process:
             continue
         table = pair_table(eval_set, rewards)
-        table["accuracy"] = pair_accuracy(table, tie=0.0)  # an RM tie is wrong, as in the reference
+        table["accuracy"] = pair_accuracy(table, tie=0.0)  # a tie is wrong, as in the reference; identical summaries 1/2
         # Detail 16: Accuracy differs by batch / confidence / split
         # Batches differ in policies, instructions and labelers; confidence 4-6 pairs are near coin flips (Table 5).
         by_group = grouped_accuracy(table, ("split", "batch", "confidence"))

@@ -64,7 +64,7 @@ def test_build_prompt_is_appendix_i():
                              "irrelevant details? Judge based on accuracy, coverage, and coherence.")
     assert "Post:\nSUBREDDIT: r/x\n\nPOST: a {summary_b} brace\n\nSummary A:\nfirst\n\nSummary B:\nsecond\n\n" in prompt
     assert prompt.endswith('Comparison: <one-sentence comparison and explanation>\nPreferred: <"A" or "B">')
-    assert "\\" not in prompt  # the appendix's backslashes are line continuations, not prompt text
+    assert "\\" not in prompt  # the appendix's line-end backslashes are layout (Rafailov et al.'s), not prompt text
 
 
 def test_order_is_balanced_seeded_and_recorded():

@@ -258,6 +258,19 @@ def test_normalization_bias_makes_the_mean_zero():
     assert torch.allclose(after - before, -before.mean().expand(6), atol=1e-5)  # a shift, nothing else
 
 
+def test_normalise_rewards_logs_right_minus_left_as_the_reference_and_shifts_by_the_right_mean(monkeypatch):
+    """Detail 14's difference has the reference's sign (right- minus left-padded, the paper's -5.4e-4 at 6.9B),
+    so a run's number compares with the paper's as it stands; Detail 15 shifts by the right-padded mean only."""
+    scores = {"right": np.array([1.0, 2.0, 3.0]), "left": np.array([1.5, 2.0, 2.995])}
+    monkeypatch.setattr(reward, "score_dataset", lambda *args, **kwargs: scores)
+    monkeypatch.setattr(reward, "shift_head_bias", lambda accelerator, model, shift: {"shift": shift})
+    state, normalization = reward.normalise_rewards(one_process(), None, [0, 1, 2], PAD, 2)
+    assert state == {"shift": -2.0}
+    assert normalization["right_left_diff_mean"] == pytest.approx((-0.5 + 0.0 + 0.005) / 3)
+    assert normalization["right_left_diff_gt_1e-2"] == pytest.approx(1 / 3)  # only |-0.5| > 1e-2
+    assert (normalization["mean"], normalization["references"]) == (2.0, 3)
+
+
 def test_grouped_accuracy_hand_made_table():
     """Detail 16: accuracy overall and per value of each grouping column; a missing confidence is a group."""
     table = pd.DataFrame({"accuracy": [1.0, 0.0, 1.0, 1.0, 0.0],
@@ -413,7 +426,7 @@ def test_run_interrupted_and_resumed_writes_a_normalised_portable_rm(resumed_run
     assert table["accuracy"].mean() == pytest.approx(metrics["eval/rm/validation/accuracy"])
     assert metrics["eval/rm/judge_agreement"] * 9 == pytest.approx(round(metrics["eval/rm/judge_agreement"] * 9))
     normalization = json.loads((out / "normalization.json").read_text())
-    assert normalization["references"] == 24 and abs(normalization["left_right_diff_mean"]) < 1e-3
+    assert normalization["references"] == 24 and abs(normalization["right_left_diff_mean"]) < 1e-3
 
     # The saved RM: safetensors, no path in its config, loads from a moved folder, references average 0.
     config_text = (out / "config.json").read_text()
