@@ -86,6 +86,33 @@ def test_an_old_pickled_checkpoint_is_refused(tmp_path):
     assert not (tmp_path / "marker").exists()
 
 
+def test_a_deepspeed_resume_loads_through_the_weights_only_reader_and_stops_when_deepspeed_finds_nothing(tmp_path):
+    """Under DeepSpeed, load_checkpoint swaps the engine's loader for load_weights_only before it loads (DeepSpeed's
+    own would unpickle anything), and a checkpoint DeepSpeed reports as not found (`loaded` None, after a log line
+    of its own) stops the start with what to do, instead of resuming at that update with fresh weights."""
+    folder = tmp_path / "update_2"
+    (folder / "deepspeed").mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"update": 2, "run_name": "r", "scaler": None}))
+    calls = []
+
+    class Engine:  # what load_checkpoint touches of a DeepSpeed engine
+        def __init__(self, found):
+            self.found, self.checkpoint_engine = found, SimpleNamespace(load=torch.load)
+
+        def load_checkpoint(self, path, tag, load_lr_scheduler_states):
+            calls.append((path, tag, load_lr_scheduler_states, self.checkpoint_engine.load))
+            return (os.path.join(path, tag) if self.found else None), {}
+
+    deepspeed = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=object()), scaler=None, step=3, process_index=0)
+    with pytest.raises(sft.SetupError, match=r"DeepSpeed found no checkpoint in .*update_2/deepspeed") as error:
+        sft.load_checkpoint(deepspeed, str(folder), Engine(found=False), None, None)
+    assert f"delete {folder} to resume from an earlier one" in str(error.value)
+    assert calls == [(str(folder), "deepspeed", False, sft.load_weights_only)]
+    assert deepspeed.step == 3  # stopped before anything of the resume was applied
+    state = sft.load_checkpoint(deepspeed, str(folder), Engine(found=True), None, None)
+    assert state["update"] == 2 and deepspeed.step == 0 and calls[-1][3] is sft.load_weights_only
+
+
 def test_deepspeed_files_are_read_weights_only(tmp_path):
     """load_weights_only (DeepSpeed's loader on --resume) reads what ZeRO writes and refuses a payload."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
