@@ -14,7 +14,7 @@ two summaries of a post is better, and reports for every table the win rate agai
     {output_dir}/args.json             these flags (URL redacted), the prompt version and the git commit (never a key)
 
     # the tiny world's gold judge: offline, instant, no key
-    python judge.py --judge gold --tables sft=runs/sft/samples.csv ppo__seed1=runs/ppo/samples.csv \
+    python judge.py --judge gold --tables sft=models/tiny/sft_1/eval_validation.csv ppo__seed1=models/tiny/ppo_1/eval_validation.csv \
         --output_dir runs/judge_gold
     # an OpenAI judge (key from OPENAI_API_KEY only), PPO also against SFT; the paper's, gpt-3.5-turbo-0125, is gone
     python judge.py --model gpt-5.6-terra --tables sft__seed1=sft1.csv ppo__seed1=ppo1.csv --pairs ppo__seed1:sft__seed1
@@ -23,7 +23,7 @@ two summaries of a post is better, and reports for every table the win rate agai
 
 Run labels are `<method>` or `<method>__seed<seed>` (`sft`, `ppo__seed1`); results.md averages
 each method over its seeds. Unlike the reference judge (eval/oai.py: a blocking sleep in async code,
-an unseeded and unrecorded A/B shuffle, the API's default temperature, malformed verdicts counted
+an unseeded and unrecorded A/B shuffle, the API's default temperature, a verdict not exactly A or B counted
 for the reference), the A/B order is drawn per row from a seed and recorded, the temperature is
 fixed and recorded, a malformed verdict counts for neither side, and no paid call is repeated: the
 cache is keyed by (model, prompt version, temperature, post, summary A, summary B), so a rerun after
@@ -91,7 +91,7 @@ class Args:
     judge: Literal["openai", "gold"] = "openai"
     """`openai`: an LLM through any OpenAI-compatible server; `gold`: the tiny world's gold_score"""
     model: Optional[str] = None
-    """Judge model name sent to the server, required with --judge openai (paper: gpt-3.5-turbo-0125, which OpenAI shut
+    """Judge model name sent to the server, required with --judge openai (paper: GPT-3.5 Turbo, in the reference gpt-3.5-turbo-0125, which OpenAI shut
     down on 2026-10-23: any judge today is another judge, and its win rates are not on the paper's scale)"""
     base_url: Optional[str] = None
     """OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (None: $OPENAI_BASE_URL, else api.openai.com);
@@ -148,7 +148,7 @@ FIRST provide a one-sentence comparison of the two summaries, explaining which y
 Comparison: <one-sentence comparison and explanation>
 Preferred: <"A" or "B">"""
 GOLD_MODEL, GOLD_PROMPT_VERSION = "tiny_world.gold_score", "gold-v1"
-PAPER_MODEL = "gpt-3.5-turbo-0125"  # the paper's judge (Appendix I); shut down by OpenAI on 2026-10-23
+PAPER_MODEL = "gpt-3.5-turbo-0125"  # the paper's judge (GPT-3.5 Turbo, Appendix I; this version in the reference's eval/oai.py); shut down by OpenAI on 2026-10-23
 EOS_TEXT = "<|endoftext|>"
 LABEL_RE = re.compile(r"[\w.-]+")
 Z_95 = 1.959963984540054  # the standard normal's 97.5% quantile
@@ -199,7 +199,8 @@ def parse_verdict(reply: Optional[str], allow_tie: bool = False) -> Optional[str
 
     The answer may carry what the prompt's own format line and markdown put around it (`Preferred: "A"`,
     `**Preferred:** A`, `Preferred: Summary B.`); anything else is malformed: `a`, `A or B`, two Preferred
-    lines or none (the reference counted every one of them for the reference summary)."""
+    lines or none (the reference counted a verdict other than a bare A or B for the reference summary, and
+    gave a reply without a Preferred line a random one)."""
     lines = [line.strip().lstrip("*_# ") for line in (reply or "").splitlines()]
     lines = [line for line in lines if line.startswith("Preferred:")]
     if len(lines) != 1:
@@ -254,7 +255,7 @@ def summarize(rows: list[dict], other_name: str) -> dict:
     preferred, status = [r["preferred"] for r in rows], [r["status"] for r in rows]
     wins, losses = preferred.count("ours"), preferred.count(other_name)
     # Ties and malformed verdicts are reported, never counted for either side: the reference counted
-    # a malformed verdict as a loss, which pulls every win rate down by the malformed fraction.
+    # a verdict other than a bare A or B as a loss, which pulls every win rate down by that fraction.
     n = wins + losses
     low, high = wilson_interval(wins, n) if n else (None, None)
     agreement, n_agreement = rm_agreement(preferred, [r["ours_score"] for r in rows], [r["other_score"] for r in rows])

@@ -131,7 +131,7 @@ class Args:
     temperature: float = 0.7
     """Sampling temperature of the rollouts (Detail 20; paper: 0.7)"""
     eval_temperature: float = 0.01
-    """Sampling temperature of the evaluation (paper: 0.01)"""
+    """Sampling temperature of the evaluation (reference code: 0.01; the paper states none)"""
     fast_sampling: bool = False
     """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop in fp32 (in bf16 on a GPU rounding moves ~1-2% of draws), 1.35-1.98x faster than HF generate on CPU, 1.8-2.5x the plain loop at 1B on one H100 / H200; its compile (25-60 s per process and rank, cold) pays off only after ~20-200 updates on a CPU, hence off by default (the SLURM launchers turn it on; benchmark/README.md); not with ZeRO-3"""
     compile_training: bool = False
@@ -878,7 +878,7 @@ class StaticSampler:
         tokens, scores = [], []
         has_eos = torch.zeros(rows, dtype=torch.bool, device=queries.device)
         # One query per row: attention as plain matmuls and a softmax ("eager"), which the compiler
-        # fuses; SDPA's CPU kernel is made for many queries and takes 1.2-1.8x as long here (results/sampling_split.md).
+        # fuses; SDPA's CPU kernel is made for many queries and takes 1.2-1.8x as long here (benchmark/results/sampling_split.md).
         attention = model.config._attn_implementation
         model.set_attn_implementation("eager")
         try:
@@ -973,7 +973,7 @@ def summary_sampler(args, pad_token_id: int, eos_token_id: int, temperature: flo
     `temperature`, EOS cut later; (B, T_resp, V) scores): the rollout's sampler, or StaticSampler with --fast_sampling."""
     # sample_rollout, not HF generate: the same tokens (tests/test_ppo.py), and it stops once every row has ended.
     # A row whose logits / T overflow is drawn uniformly (sampling_distribution) where generate's multinomial would
-    # crash, and ppo_evaluate refuses it with a message that says why.
+    # crash; ppo_evaluate counts it and evaluate_and_log refuses it with a message that says why.
     sample = StaticSampler(args.local_eval_batch_size) if args.fast_sampling else sample_rollout
     return lambda policy, queries: sample(policy, queries, pad_token_id, eos_token_id, args.response_length,
                                           temperature, unsampled)
@@ -1252,7 +1252,7 @@ def ppo_batch_sizes(batch_size: int, world_size: int, num_minibatches: int, loca
 
 def adamw(parameters, args, device: torch.device) -> torch.optim.AdamW:
     """== torch.optim.AdamW(parameters, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay), with the step as one
-    fused kernel on a GPU: the same update, 11 ms instead of 30 ms for 1B weights on an H100 (benchmark/results/)."""
+    fused kernel on a GPU: the same update, 11 ms instead of 30 ms for 1B weights on an H100 (benchmark/results/gpu_check.md)."""
     return torch.optim.AdamW(parameters, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay,
                              fused=device.type == "cuda")
 

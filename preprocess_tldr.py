@@ -102,9 +102,9 @@ class Args:
     max_rm_query_response_length: int = 638
     """Longest TL;DR stripped query + chosen / rejected response, re-tokenized (Detail 4; paper: 638)"""
     cnndm_query_length: int = 1919
-    """CNN/DM query length in tokens; longer ones are truncated (Detail 2; paper: 2047 - 128 = 1919)"""
+    """CNN/DM query length in tokens; longer ones are truncated (Detail 2; reference code: 2047 - 128 = 1919)"""
     cnndm_max_rm_response_length: int = 155
-    """Longest CNN/DM chosen / rejected response (Detail 4; paper: 155)"""
+    """Longest CNN/DM chosen / rejected response (Detail 4; reference code: 155)"""
     cnndm_max_rm_query_response_length: int = 2021
     """Longest CNN/DM stripped query + chosen / rejected response, re-tokenized (Detail 4; paper: 2021)"""
     check_length_correctness: bool = True
@@ -402,7 +402,7 @@ def preprocess_flag_problems(args: Args) -> list:
     problems = []
     if args.num_proc is not None and args.num_proc < 1:
         problems.append(f"--num_proc {args.num_proc}: pass a number of worker processes >= 1 "
-                        "(or leave the flag out: one per CPU)")
+                        "(or leave the flag out: one per 1000 rows, at most one per CPU)")
     lengths = {flag: getattr(args, flag) for group in LENGTH_FLAG_GROUPS for flag in group}
     problems += [f"--{flag} {value}: pass a positive number of tokens" for flag, value in lengths.items() if value < 1]
     for query, response, query_response in LENGTH_FLAG_GROUPS:

@@ -680,7 +680,7 @@ def rewards_at_eos(model, query_responses: torch.Tensor, pad_token_id: int, cont
 def eval_batches(num_rows: int, rank: int, world_size: int, batch_size: int) -> list:
     """[(row indices, number of real rows)] of rank `rank`: rows rank, rank + W, ... in batches of `batch_size`;
     every rank gets the same batches count and sizes, a rank one row short repeating its last row (not kept)."""
-    # Frozen models run as ZeRO-3 engines (--offload) gather their parameters in every forward,
+    # Frozen models run as ZeRO-3 engines (ppo.py --offload) gather their parameters in every forward,
     # a collective: a rank with one batch fewer would leave the others waiting forever.
     mine = list(range(rank, num_rows, world_size))
     per_rank = -(-num_rows // world_size)  # ceil
@@ -963,7 +963,7 @@ class SchedulerProbe(torch.optim.Optimizer):
 
 def adamw(parameters, args, device: torch.device) -> torch.optim.AdamW:
     """== torch.optim.AdamW(parameters, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay), with the step as one
-    fused kernel on a GPU: the same update, 11 ms instead of 30 ms for 1B weights on an H100 (benchmark/results/)."""
+    fused kernel on a GPU: the same update, 11 ms instead of 30 ms for 1B weights on an H100 (benchmark/results/gpu_check.md)."""
     return torch.optim.AdamW(parameters, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay,
                              fused=device.type == "cuda")
 

@@ -22,7 +22,7 @@ from it with Bradley-Terry noise, so the best accuracy any reward model can reac
 (the noise ceiling) is known and written to the card. The same function is the offline judge of
 model outputs (`judge.py --judge gold`), so it accepts any text.
 
-    python tiny_world.py                                  # rebuilds assets/tiny_world (~5 min on 2 cores)
+    python tiny_world.py                                  # rebuilds assets/tiny_world (~16 min on 2 cores)
     python tiny_world.py --out_dir /tmp/w --seed 2        # another world
 
 Same seed, same bytes: the datasets and the tokenizer are a deterministic function of the arguments; the base
@@ -721,7 +721,7 @@ class Args:
     pretrain_steps: int = 6000
     """Steps of next-token pretraining (0: random weights; the committed world used the default). Copying
     from the context comes late: after 3000 steps the model recapped 56% of a post's facts right, after 6000
-    69% (`recap_skill`; real base models copy well, and a poor copier's summaries are full of invented facts)"""
+    73% (`recap_skill`; real base models copy well, and a poor copier's summaries are full of invented facts)"""
     pretrain_documents: int = 8192
     """Documents (posts and articles) in the pretraining corpus"""
     pretrain_news_fraction: float = 0.5
