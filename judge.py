@@ -10,7 +10,7 @@ two summaries of a post is better, and reports for every table the win rate agai
                                        possibly billed twice, mean lengths, RM agreement; totals and this run's counts
     {output_dir}/results.md            the same as markdown tables: per run, and per method over seeds
     {output_dir}/length_vs_winrate.png win rate against log(summary length / reference length) (Figure 8)
-    {output_dir}/judged/<run>.csv      every comparison: A/B order, raw reply, verdict, status, error, lengths, scores
+    {output_dir}/judged/<run>.csv      every comparison of this call's runs: A/B order, raw reply, verdict, status, error, lengths, scores
     {output_dir}/args.json             these flags (URL redacted), the prompt version and the git commit (never a key)
 
     # the tiny world's gold judge: offline, instant, no key
@@ -370,6 +370,7 @@ def main() -> None:
             # Words, not tokens: the tables hold text only.
             log_ratios[name] = ([log_length_ratio(j["ours_words"], j["other_words"]) for j in judged],
                                 [j["preferred"] for j in judged])
+    drop_other_judged_tables(args.output_dir, comparisons)  # judged/ holds this call's runs, as results.md does
     write_results(args, meta, runs, log_ratios, failures, run_counts(comparisons, cache, todo, run_id, stopped))
     exit_with_status(stopped, failures, cache_path, args.failed_row_retries)
 
@@ -907,6 +908,15 @@ def write_judged_table(output_dir: str, name: str, judged: list[dict]) -> None:
     writer.writeheader()
     writer.writerows(judged)
     write_text_atomic(os.path.join(output_dir, "judged", f"{name}.csv"), buffer.getvalue())
+
+
+def drop_other_judged_tables(output_dir: str, comparisons: dict) -> None:
+    """Remove judged/<name>.csv of runs this call does not report: an earlier call into the same folder judged
+    other tables, and reward.py --judged_file would read its rows beside this call's results (the cache keeps
+    every verdict: rerunning that call rebuilds them without a paid request)."""
+    folder = os.path.join(output_dir, "judged")
+    for name in sorted(set(os.listdir(folder) if os.path.isdir(folder) else []) - {f"{run}.csv" for run in comparisons}):
+        os.remove(os.path.join(folder, name))
 
 
 def run_counts(comparisons: dict, cache: dict, todo: list[dict], run_id: float, stopped: Optional[str]) -> dict:

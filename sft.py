@@ -129,7 +129,7 @@ class Args:
     batch_size: int = 128
     """Global batch per update = local_micro_batch_size x gradient_accumulation_steps x world_size (Detail 9; paper: 128)"""
     local_micro_batch_size: int = 1
-    """Samples per forward pass per rank"""
+    """Samples per forward pass per rank; the loss is a token mean per micro-batch (as in the reference), so this also weighs the tokens (the paper's runs: 1, benchmark/knobs.sh)"""
     length_groups: int = 1
     """Speed only: a micro-batch's rows sorted by length into this many forwards, each as wide as its longest row (1: one forward)"""
     local_eval_batch_size: int = 4
@@ -500,6 +500,10 @@ class SetupError(ValueError):
     """Flags, data, tokenizer or output folder the script cannot use; raised before any compute."""
 
 
+class RunFinished(Exception):
+    """--resume of a run whose output folder holds its finished results: nothing to do (exit status 0)."""
+
+
 def refuse(problem: Optional[str]) -> None:
     """Raise SetupError(problem) when there is a problem."""
     if problem:
@@ -712,7 +716,8 @@ def input_problem(path: str, flag: str, make: str) -> Optional[str]:
 
 
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
-    """Why `output_dir` cannot hold this run (another run's args.json, or foreign files), None if it can."""
+    """Why `output_dir` cannot hold this run (another run's args.json, foreign files, this run finished), None if it
+    can; RunFinished for a --resume of this run when it has finished."""
     path = os.path.join(output_dir, "args.json")
     if not os.path.isfile(path):
         if os.path.isdir(output_dir) and os.listdir(output_dir):
@@ -725,7 +730,12 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
                if k not in ignored and saved.get(k) != v]
     if changed:
         return (f"--output_dir {output_dir} holds a different run ({'; '.join(changed)}): "
-                "choose another folder, delete it, or pass the same flags to overwrite or --resume it")
+                "choose another folder, or delete it (that run's own flags and --resume continue it if unfinished)")
+    if os.path.isfile(os.path.join(output_dir, "eval_metrics.json")):  # finished: its folder is published whole
+        if flags.get("resume"):  # a repeated or requeued start of a run that has ended: keep it, train nothing
+            raise RunFinished(f"{output_dir} holds the finished run of these flags: nothing to do")
+        return (f"--output_dir {output_dir} holds the finished run of these flags: nothing is retrained over it. "
+                "Delete the folder, or choose another, to train it again")
     checkpoint = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
     if checkpoint is not None and not flags.get("resume"):  # starting again at update 0 would discard them
         return (f"--output_dir {output_dir} holds an unfinished run, checkpointed at update {checkpoint[0]}: "
@@ -818,6 +828,14 @@ def load_fp32(model_class, path: str, flag: str):
     # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
     # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
     # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
+    config = os.path.join(path, "config.json")
+    model_type = load_json(config).get("model_type") if os.path.isfile(config) else None  # None: a Hub id
+    if model_type is not None and (model_type == "scalar_model") != (model_class.__name__ == "ScalarModel"):
+        # The stages' folders look alike (models/.../sft_1, reward_1): say which one this is, not a loader's traceback.
+        found = "a reward model (reward.py's output)" if model_type == "scalar_model" else \
+            f"a causal LM ({model_type}: sft.py's output or a base model)"
+        wanted = "reward.py's output" if model_class.__name__ == "ScalarModel" else "sft.py's output or a base model"
+        raise SetupError(f"{flag} {path} holds {found}; {flag} takes {wanted}")
     try:
         return model_class.from_pretrained(path, dtype=torch.float32)
     except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
@@ -1104,7 +1122,7 @@ def save_sft(accelerator, args, run_name: str, writer, model, tokenizer, staging
         json.dump(all_metrics, file, indent=2)
     publish_output(staging, args.output_dir)  # the checkpoints go with the old folder: only an unfinished run needs them
     writer.close()
-    print(f"saved {args.output_dir}")
+    print(f"saved {args.output_dir}; TensorBoard: runs/{run_name}/")
     if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
     if args.push_to_hub:
@@ -1263,5 +1281,8 @@ if __name__ == "__main__":
         finished = True
     except SetupError as error:  # a flag or input it cannot use: the message, not a traceback, says what to do
         sys.exit(f"SetupError: {error}")
+    except RunFinished as done:
+        print(f"nothing to do: {done}")
+        finished = True
     finally:
         leave_process_group(finished)

@@ -116,7 +116,7 @@ stage "preprocess" python preprocess_tldr.py --base_model "$WORLD/pythia-tiny" \
 # updates of 16 (2.3 passes over the 4,096 posts) replace the paper's one pass in updates of 128.
 SFT_TINY=(--base_model "$WORLD/pythia-tiny" --query_dataset "$DATA/sft" --seed "$SEED"
   --response_length 44 --local_eval_batch_size 128)  # 44: above the longest validation reference (38 tokens, seed 1)
-stage "sft: base model" python sft.py "${SFT_TINY[@]}" --total_episodes 0 --output_dir "$MODELS/base_$SEED"
+stage "sft: base model" python sft.py "${SFT_TINY[@]}" --total_episodes 0 --output_dir "$MODELS/base_$SEED" --resume
 # --length_groups: speed only, each micro-batch in forwards of ~8 rows sorted by length (fewer pads;
 # 1.38x SFT and 1.14x RM updates side by side at 2 threads, benchmark/results/{sft_length_groups,reward_pair_rows}.md;
 # 1.04x for the RM since its last layer runs at the EOS columns only).

@@ -11,6 +11,7 @@ model; --resume to the end. The swap's in-between states are built by hand and t
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,9 +71,23 @@ def test_kills_during_saves_lose_nothing_and_the_run_resumes_bit_identical(tiny_
     scratch = [tmp_path / ".out.partial", tmp_path / ".out.new", tmp_path / ".out.old"]
     assert not (out / "checkpoints").exists() and not any(path.exists() for path in scratch)
 
-    # The same command again (it may overwrite a finished run), killed while it writes a checkpoint: a
-    # later one, so that an earlier complete one is there (or, should this busy machine not schedule the
-    # poll during that save, just after it).
+    # A finished run is never trained over: the same command is refused, and with --resume (a requeued job) it
+    # has nothing to do (exit 0). Either way the model and its results stay as they were.
+    finished_files = {name: (out / name).read_bytes() for name in os.listdir(out) if (out / name).is_file()}
+    result = run_sft(tmp_path, *flags, check=False)
+    assert result.returncode == 1 and "holds the finished run of these flags" in result.stderr, result.stderr[-2000:]
+    assert "Delete the folder, or choose another, to train it again" in result.stderr
+    result = run_sft(tmp_path, *flags, "--resume")
+    assert f"nothing to do: {out} holds the finished run of these flags" in result.stdout
+    assert {name: (out / name).read_bytes() for name in os.listdir(out) if (out / name).is_file()} == finished_files
+    assert not (out / "checkpoints").exists() and not any(path.exists() for path in scratch)
+    previous_model_intact(out, reference)
+
+    # Deleted, as the message says, the same command again, killed while it writes a checkpoint: a later
+    # one, so that an earlier complete one is there (or, should this busy machine not schedule the poll
+    # during that save, just after it).
+    shutil.rmtree(out)
+
     def saving_a_checkpoint():
         names = os.listdir(out / "checkpoints") if (out / "checkpoints").is_dir() else []
         complete = [int(name.split("_")[1]) for name in names if "." not in name]
@@ -80,7 +95,7 @@ def test_kills_during_saves_lose_nothing_and_the_run_resumes_bit_identical(tiny_
 
     assert run_until(tmp_path, flags, saving_a_checkpoint), (tmp_path / "killed.log").read_text()[-3000:]
     update = checkpoint_loads(out)
-    previous_model_intact(out, reference)
+    assert not (out / "model.safetensors").exists()  # nothing published yet
 
     # Without --resume the checkpoints would be dropped for a start at update 0: refused.
     result = run_sft(tmp_path, *flags, check=False)
@@ -98,8 +113,10 @@ def test_kills_during_saves_lose_nothing_and_the_run_resumes_bit_identical(tiny_
         assert (tmp_path / ".out.old" / "args.json").exists() and (tmp_path / ".out.new" / "model.safetensors").exists()
     sft.tidy_output_dir(str(out))
     unfinished = (out / "checkpoints").exists()  # False only if the kill came after the new folder was complete
-    assert not unfinished or checkpoint_loads(out) >= update
-    previous_model_intact(out, reference)  # the old model, or the new one: the same weights
+    if unfinished:  # the old folder, whole: its checkpoints, no model
+        assert checkpoint_loads(out) >= update and not (out / "model.safetensors").exists()
+    else:  # the new one, whole
+        previous_model_intact(out, reference)
 
     # --resume to the end: bit for bit the uninterrupted run's model, and no scratch anywhere.
     result = run_sft(tmp_path, *flags, "--resume")

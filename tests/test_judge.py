@@ -595,3 +595,12 @@ def test_gold_judge_tables_and_pairs(tmp_path):
     assert json.loads((out / "args.json").read_text())["judge"] == "gold"
     judged = read_csv(out / "judged" / "ppo__seed2.csv")  # every comparison with its recorded order and reply
     assert len(judged) == 9 and all(j["reply"].startswith("Comparison: gold score") for j in judged)
+
+    # A second call into the same folder judges only PPO: judged/ then holds its runs alone, as results.md
+    # does (reward.py --judged_file reads judged/), while the cache keeps the first call's verdicts.
+    cache = (out / "judgments.jsonl").read_text()
+    proc = run_judge("--judge", "gold", "--tables", flags[1], "--output_dir", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(os.listdir(out / "judged")) == ["ppo__seed1.csv"]
+    assert list(json.loads((out / "results.json").read_text())["runs"]) == ["ppo__seed1"]
+    assert (out / "judgments.jsonl").read_text() == cache  # every verdict cached: nothing asked again, nothing lost

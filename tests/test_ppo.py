@@ -179,6 +179,14 @@ def test_batch_sizes_and_exact_division():
     for bad in ((512, 3, 1, 1), (64, 1, 3, 1), (64, 1, 2, 5)):
         with pytest.raises(SetupError):
             ppo_batch_sizes(*bad)
+    # The message names the flags and the --batch_size that fits, not a derived size alone.
+    with pytest.raises(SetupError, match=r"^--batch_size 16 / world size 1 / --num_minibatches 2 = 8 episodes per rank and "
+                                         r"minibatch is not a positive multiple of --local_micro_batch_size 16: pass a "
+                                         r"--batch_size that is a multiple of world size 1 x --num_minibatches 2 x "
+                                         r"--local_micro_batch_size 16 = 32$"):
+        ppo_batch_sizes(16, 1, 2, 16)
+    with pytest.raises(SetupError, match="multiple of --num_minibatches 0: pass --num_minibatches and --local_micro_batch"):
+        ppo_batch_sizes(64, 1, 0, 1)
 
 
 def tiny_models(early_eos=False):

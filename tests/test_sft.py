@@ -204,6 +204,47 @@ def test_output_dir_problem(tmp_path):
     assert sft.output_dir_problem(str(tmp_path), {**flags, "seed": 2}, ("resume",)) is None
 
 
+@pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
+def test_a_finished_run_is_never_trained_over(tmp_path, stage):
+    """A folder published whole (eval_metrics.json in it) holds a finished run: the same flags again are refused
+    (retraining would replace a model that later stages were trained from), --resume of it has nothing to do
+    (RunFinished: a requeued job exits 0), and other flags see a different run, as before."""
+    module = __import__(stage)
+    flags = {"seed": 1, "lr": 1e-3, "resume": False}
+    (tmp_path / "args.json").write_text(json.dumps({**flags, "run_name": "x"}))
+    (tmp_path / "model.safetensors").write_text("")
+    assert module.output_dir_problem(str(tmp_path), flags, ("resume",)) is None  # not published: no eval_metrics
+    (tmp_path / "eval_metrics.json").write_text("{}")
+    problem = module.output_dir_problem(str(tmp_path), flags, ("resume",))
+    assert f"--output_dir {tmp_path} holds the finished run of these flags" in problem and "Delete the folder" in problem
+    with pytest.raises(module.RunFinished, match="holds the finished run of these flags: nothing to do"):
+        module.output_dir_problem(str(tmp_path), {**flags, "resume": True}, ("resume",))
+    assert "holds a different run (seed=1 there, 2 now)" in module.output_dir_problem(
+        str(tmp_path), {**flags, "seed": 2, "resume": True}, ("resume",))
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
+def test_a_model_folder_of_the_wrong_stage_is_named_before_it_loads(tmp_path, stage):
+    """An RM folder passed where a causal LM is wanted (and, in ppo.py, the reverse) stops with what the folder
+    holds and what the flag takes, not a loader's traceback ("update Transformers", 200 config names)."""
+    from transformers import AutoModelForCausalLM
+
+    module = __import__(stage)
+    (tmp_path / "rm").mkdir()
+    (tmp_path / "rm" / "config.json").write_text(json.dumps({"model_type": "scalar_model"}))
+    with pytest.raises(module.SetupError, match=r"--sft_model_path .*rm holds a reward model \(reward.py's output\); "
+                                                r"--sft_model_path takes sft.py's output or a base model"):
+        module.load_fp32(AutoModelForCausalLM, str(tmp_path / "rm"), "--sft_model_path")
+    if stage == "ppo":
+        (tmp_path / "lm").mkdir()
+        (tmp_path / "lm" / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+        with pytest.raises(module.SetupError, match=r"holds a causal LM \(gpt_neox: sft.py's output or a base model\); "
+                                                    r"--reward_model_path takes reward.py's output"):
+            module.load_fp32(module.ScalarModel, str(tmp_path / "lm"), "--reward_model_path")
+    model = module.load_fp32(AutoModelForCausalLM, str(WORLD / "pythia-tiny"), "--sft_model_path")  # the right kind
+    assert model.dtype == torch.float32
+
+
 def test_a_run_resumes_with_another_checkpoint_cadence(tmp_path):
     """--save_every only says when checkpoints are written: a run continued with another cadence (say, a SLURM
     job requeued after SAVE_EVERY_* changed) is the same run, in every training stage."""
