@@ -572,13 +572,14 @@ def rows_to_ask(args: Args, comparisons: dict, cache: dict, meta: dict, endpoint
                 queued.add(item["key"])
                 todo.append(item)
     total = sum(len(run["items"]) for run in comparisons.values())
+    distinct = len({item["key"] for run in comparisons.values() for item in run["items"]})
     retried = sum(item["key"] in cache for item in todo)
     if 0 <= args.max_new_judgments < len(todo):
         print(f"--max_new_judgments {args.max_new_judgments}: {len(todo) - args.max_new_judgments} left for a rerun")
         todo = todo[: args.max_new_judgments]
     where = f" at {redact_url(endpoint) or 'api.openai.com'}" if args.judge == "openai" else ""
-    print(f"{total} comparisons in {len(comparisons)} runs; {len(todo)} to ask {meta['model']}{where} "
-          f"({retried} of them failed before), the rest cached")
+    print(f"{total} comparisons in {len(comparisons)} runs, {distinct} distinct (a comparison met twice is asked once); "
+          f"{len(todo)} to ask {meta['model']}{where} ({retried} of them failed before), {distinct - len(queued)} cached")
     return todo
 
 
