@@ -18,9 +18,9 @@ updates) the RM scores the policy's summaries of validation prompts (temperature
         --sft_model_path models/tiny/sft_1 --reward_model_path models/tiny/reward_1 \
         --output_dir models/tiny/ppo_1 --seed 1 --total_episodes 1280 --batch_size 64 --local_micro_batch_size 16 \
         --lr 1e-4 --response_length 44 --local_eval_batch_size 128 --eval_every 5 --zero_critic_head
-    # one GPU, Pythia 1B, bf16 (512 = 4 x 128 accumulation steps): models/EleutherAI/pythia-1b-deduped/{sft,reward}_1
+    # one GPU, Pythia 1B, bf16 (512 = 16 x 32 accumulation steps, the paper's micro-batch; ~53 GiB: gpu_check.md)
     accelerate launch --num_processes 1 --mixed_precision bf16 ppo.py \
-        --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 4
+        --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 16
     # the paper's run at 1B: 8xH100, ZeRO-2, bf16 (512 = 16 x 4 x 8 processes; every size: knobs.sh); 6.9B: --offload
     accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml ppo.py --seed 44413 --track \
         --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 16 --local_rollout_forward_batch_size 64

@@ -17,10 +17,10 @@ reward.py, dpo.py and ppo.py load with `from_pretrained`:
     python sft.py --base_model assets/tiny_world/pythia-tiny --query_dataset data/tiny_tldr/sft --seed 1 \
         --output_dir models/tiny/sft_1 --lr 2e-3 --batch_size 16 --local_micro_batch_size 16 --length_groups 2 \
         --total_episodes 9600 --response_length 44 --local_eval_batch_size 128
-    # one GPU, Pythia 1B, bf16 autocast (global batch 128 = 16 x 8 accumulation steps): reads
-    # data/EleutherAI/pythia-1b-deduped/tldr/sft, writes models/EleutherAI/pythia-1b-deduped/sft_1
+    # one GPU, Pythia 1B, bf16 autocast (global batch 128 = 1 x 128 accumulation steps, the paper's micro-batch):
+    # reads data/EleutherAI/pythia-1b-deduped/tldr/sft, writes models/EleutherAI/pythia-1b-deduped/sft_1
     accelerate launch --num_processes 1 --mixed_precision bf16 sft.py \
-        --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 16
+        --base_model EleutherAI/pythia-1b-deduped
     # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (128 = 1 x 16 x 8 processes, the reference's; knobs.sh)
     accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml sft.py \
         --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 1 --seed 44413 \
