@@ -1339,6 +1339,8 @@ def ppo_inputs(args, accelerator) -> tuple:
             setattr(args, flag, os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"{stage}_{args.seed}"))
         else:
             make[flag] += f" --output_dir {getattr(args, flag)}"
+        if args.query_dataset is not None:  # the SFT data this command was given (the RM's references too)
+            make[flag] += f" --query_dataset {args.query_dataset}"
         recorded = recorded_base_model(getattr(args, flag))
         if name and recorded and name != recorded:
             raise SetupError(f"--{flag} {getattr(args, flag)} was trained from {recorded}, not from --base_model "

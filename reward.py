@@ -1052,6 +1052,8 @@ def resolve_paths(args, accelerator, stage: str) -> str:
         args.sft_model_path = os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"sft_{args.seed}")
     else:
         make_sft += f" --output_dir {args.sft_model_path}"
+    if args.query_dataset is not None:  # the SFT data this command was given: the one to fine-tune on
+        make_sft += f" --query_dataset {args.query_dataset}"
     recorded = recorded_base_model(args.sft_model_path)
     if name and recorded and name != recorded:
         raise SetupError(f"--sft_model_path {args.sft_model_path} was fine-tuned from {recorded}, not from --base_model "
