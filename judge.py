@@ -403,7 +403,26 @@ def read_inputs(args: Args) -> tuple[dict, dict, Optional[str], list[str]]:
     if problems:
         sys.exit("judge.py: cannot start (nothing was written):\n  " +
                  "\n  ".join(scrub(p, secrets) for p in problems))
+    for note in input_notes(args, rows):
+        print(f"note: {note}")
     return tables, rows, endpoint, secrets
+
+
+def input_notes(args: Args, rows: dict) -> list[str]:
+    """What a start may not mean and still runs: flags the gold judge reads none of, a seed label the results
+    will not group, tables of different lengths (their win rates are over different posts)."""
+    notes = []
+    if args.judge == "gold" and (args.model is not None or args.base_url is not None or args.temperature != 1.0):
+        notes.append("--judge gold scores with tiny_world.gold_score: --model, --base_url and --temperature are unused")
+    for label in rows:
+        if parse_run_label(label)[1] is None and re.search(r"(?<!_)_seed\d+$", label):
+            notes.append(f"label {label}: seeds are written with two underscores ({label.replace('_seed', '__seed')}); "
+                         "as it is, it is a method of its own in results.md")
+    lengths = {label: len(table) for label, table in rows.items()}
+    if len(set(lengths.values())) > 1:
+        notes.append(f"the tables hold different numbers of posts ({', '.join(f'{k} {v}' for k, v in lengths.items())}): "
+                     "each win rate is over its own table's posts")
+    return notes
 
 
 def flag_problems(args: Args) -> list[str]:

@@ -604,3 +604,20 @@ def test_gold_judge_tables_and_pairs(tmp_path):
     assert sorted(os.listdir(out / "judged")) == ["ppo__seed1.csv"]
     assert list(json.loads((out / "results.json").read_text())["runs"]) == ["ppo__seed1"]
     assert (out / "judgments.jsonl").read_text() == cache  # every verdict cached: nothing asked again, nothing lost
+
+
+def test_input_notes_name_what_a_start_may_not_mean():
+    """Printed, not refused: flags the gold judge reads none of, a seed label with one underscore (results.md would
+    make it a method of its own), tables of different lengths (each win rate over its own posts)."""
+    from types import SimpleNamespace
+
+    gold = SimpleNamespace(judge="gold", model=None, base_url=None, temperature=1.0)
+    assert judge.input_notes(gold, {"sft": [1, 2], "ppo__seed1": [3, 4]}) == []
+    notes = judge.input_notes(SimpleNamespace(**{**vars(gold), "temperature": 0.0}),
+                              {"ppo_seed1": [1, 2], "sft": [1]})
+    assert notes[0].startswith("--judge gold scores with tiny_world.gold_score")
+    assert "label ppo_seed1: seeds are written with two underscores (ppo__seed1)" in notes[1]
+    assert notes[2] == ("the tables hold different numbers of posts (ppo_seed1 2, sft 1): each win rate is over its "
+                        "own table's posts")
+    llm = SimpleNamespace(judge="openai", model="m", base_url=None, temperature=0.0)
+    assert judge.input_notes(llm, {"my_seedless_run": [1]}) == []
