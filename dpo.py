@@ -1190,15 +1190,17 @@ def git_commit(folder: str) -> Optional[str]:
 
 def check_and_checkpoint(accelerator, args, updates_done: int, losses: torch.Tensor, run_name: str, model, optimizer,
                          scheduler) -> bool:
-    """All ranks: stop all on a non-finite loss or weight; save a checkpoint every --save_every, at --stop_after_updates
-    and once --stop_after_minutes have passed: True then, if updates remain (the run stops there)."""
+    """All ranks: stop all on a non-finite loss or weight; save a checkpoint every --save_every (and at the last
+    update), at --stop_after_updates and once --stop_after_minutes have passed: True then, if updates remain (the
+    run stops there)."""
     checkpoints = os.path.join(args.output_dir, "checkpoints")
     if not all_finite(accelerator, model, losses):
         raise FloatingPointError(nonfinite_message(updates_done, args.num_updates, checkpoints))
     out_of_time = args.stop_after_minutes is not None and broadcast_object_list(  # rank 0's clock decides for all
         [time.monotonic() - PROCESS_START >= 60 * args.stop_after_minutes])[0]
-    if (args.save_every and updates_done % args.save_every == 0) or updates_done == args.stop_after_updates \
-            or out_of_time:
+    # With --save_every, the last update too: a job requeued during the final evaluation then redoes no update.
+    if (args.save_every and (updates_done % args.save_every == 0 or updates_done == args.num_updates)) \
+            or updates_done == args.stop_after_updates or out_of_time:
         save_checkpoint(accelerator, checkpoints, updates_done, run_name, model, optimizer, scheduler)
     return out_of_time and updates_done < args.num_updates
 

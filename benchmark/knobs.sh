@@ -49,7 +49,8 @@ export SAVE_EVERY_PPO=${SAVE_EVERY_PPO:-50}
 # A training run checkpoints and stops this many minutes before its job's time limit (--stop_after_minutes),
 # then the task requeues itself, so a time limit costs no updates: room for the last update and the checkpoint.
 # The time limit must also hold a stage's final evaluation (it runs after the last update, unchecked): a job
-# requeued during it resumes from the latest checkpoint and evaluates again.
+# requeued during it resumes from the last update's checkpoint and evaluates again, and an attempt that gets no
+# further than the checkpoint it started from is not requeued again (benchmark/slurm/common.sh).
 export STOP_MARGIN_MINUTES=${STOP_MARGIN_MINUTES:-20}
 
 # GPUs of the one node each training run takes (the paper's 8). Another count keeps every global batch: the

@@ -20,6 +20,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -225,6 +226,17 @@ def test_every_requeueable_task_is_warned_before_its_time_limit():
             assert re.search(r"^#SBATCH --signal=B:USR1@\d+$", header, re.M), path.name
 
 
+def test_every_requeued_attempt_appends_to_its_log_and_training_takes_the_node_s_memory():
+    """A requeued task keeps its job id, so its --output file is the same: opened for appending, the attempt that
+    failed (a node failure's traceback) stays readable. A training task holds 8 ranks, each loading its models in
+    fp32 in host memory first (PPO: four models a rank): --exclusive alone leaves the memory to the cluster's default."""
+    for path in sorted(SLURM.glob("*.sbatch")):
+        header = path.read_text()
+        assert re.search(r"^#SBATCH --open-mode=append$", header, re.M), path.name
+        if path.stem in TRAINING:
+            assert re.search(r"^#SBATCH --mem=0$", header, re.M), path.name
+
+
 def test_offload_exactly_for_6_9b_ppo_and_every_rank_evaluates_the_same_number_of_batches(dry_runs):
     for stage in TRAINING:
         for command in dry_runs[stage]:
@@ -300,12 +312,25 @@ def test_pipeline_chains_the_stages_with_dependencies(dry_runs):
     assert [one(c, "output_dir") for c in parse_dry_run(result.stdout)] == [f"models/{PAPER_MODELS[2]}/ppo_{s}" for s in (1, 2)]
 
 
+FAKE_SRUN = r"""#!/usr/bin/env bash
+echo "srun: $*"
+out=; previous=
+for arg in "$@"; do [[ $previous == --output_dir ]] && out=$arg; previous=$arg; done
+if [[ -n ${FAKE_PROGRESS:-} ]]; then  # a run that gets one update further: its checkpoint, complete
+  last=0
+  for path in "$out"/checkpoints/update_*; do [[ -e $path ]] && ((${path##*_} > last)) && last=${path##*_}; done
+  mkdir -p "$out/checkpoints/update_$((last + 1))" && echo {} > "$out/checkpoints/update_$((last + 1))/trainer_state.json"
+fi
+sleep "${FAKE_SLEEP:-0}"
+"""
+
+
 def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
     """Under a fake srun / scontrol (and a python whose torch sees a GPU): task 5 runs its command with srun;
     a finished run is skipped; USR1 (the time-limit warning) calls `scontrol requeue <array job>_<task>`."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "srun: $*"; sleep "${FAKE_SLEEP:-0}"\n')
+    (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\necho "scontrol: $*"\n')
     (bin_dir / "python").write_text("#!/usr/bin/env bash\nexit 0\n")  # the CUDA check finds nothing wrong
     for tool in ("srun", "scontrol", "python"):
@@ -324,16 +349,25 @@ def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
     result = bash(str(SLURM / "reward.sbatch"), env={**env, "SLURM_ARRAY_TASK_ID": "5"})
     assert result.returncode == 0 and "nothing to do" in result.stdout and "srun:" not in result.stdout
 
-    process = subprocess.Popen(["bash", str(SLURM / "reward.sbatch")], cwd=REPO, text=True, stdout=subprocess.PIPE,
-                               env={**ENV, **env, "SLURM_ARRAY_TASK_ID": "4", "FAKE_SLEEP": "5"})
-    started = []
-    for line in process.stdout:  # srun has started, so the USR1 trap is set (a fixed wait can come too early)
-        started.append(line)
-        if line.startswith("srun: "):
-            break
-    process.send_signal(signal.SIGUSR1)
-    stdout, _ = process.communicate(timeout=30)
-    assert "scontrol: requeue 70_4" in stdout, "".join(started) + stdout
+    def warned(progress: bool) -> tuple:  # task 4 under USR1 while srun runs: (stdout, stderr)
+        process = subprocess.Popen(["bash", str(SLURM / "reward.sbatch")], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, env={**ENV, **env, "SLURM_ARRAY_TASK_ID": "4", "FAKE_SLEEP": "5",
+                                                                **({"FAKE_PROGRESS": "1"} if progress else {})})
+        started = []
+        for line in process.stdout:  # srun has started, so the USR1 trap is set (a fixed wait can come too early)
+            started.append(line)
+            if line.startswith("srun: "):
+                break
+        time.sleep(0.5)  # the fake run writes its checkpoint right after its first line
+        process.send_signal(signal.SIGUSR1)
+        stdout, stderr = process.communicate(timeout=30)
+        return "".join(started) + stdout, stderr
+
+    stdout, _ = warned(progress=True)  # the attempt got further (a checkpoint past its start): requeued
+    assert "scontrol: requeue 70_4" in stdout, stdout
+    stdout, stderr = warned(progress=False)  # it did not (the final evaluation outlasts the limit): not again
+    assert "scontrol:" not in stdout and "not requeueing 70_4: this attempt saved no checkpoint past update 1" in stderr
+    assert "longer time limit" in stderr
 
 
 def test_a_training_run_stops_before_the_time_limit_and_its_task_requeues(tmp_path):
@@ -343,14 +377,14 @@ def test_a_training_run_stops_before_the_time_limit_and_its_task_requeues(tmp_pa
     margin left starts nothing and fails, naming the fix (else each requeue would stop at once, forever)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "srun: $*"\n')  # exits 0, writes no DONE file
+    (bin_dir / "srun").write_text(FAKE_SRUN)  # exits 0, writes no DONE file; with FAKE_PROGRESS a checkpoint further
     (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\necho "scontrol: $*"\n')
     (bin_dir / "squeue").write_text('#!/usr/bin/env bash\necho "$FAKE_LEFT"\n')
     (bin_dir / "python").write_text("#!/usr/bin/env bash\nexit 0\n")  # the CUDA check finds nothing wrong
     for tool in ("srun", "scontrol", "squeue", "python"):
         (bin_dir / tool).chmod(0o755)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT_ROOT": str(tmp_path / "models"), "SLURM_JOB_ID": "77",
-           "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "5", "SLURM_SUBMIT_DIR": str(REPO)}
+           "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "5", "SLURM_SUBMIT_DIR": str(REPO), "FAKE_PROGRESS": "1"}
     for left in ("08:59", "20:59"):
         result = bash(str(SLURM / "ppo.sbatch"), env={**env, "FAKE_LEFT": left})
         assert result.returncode == 1 and "srun:" not in result.stdout and "scontrol:" not in result.stdout

@@ -562,12 +562,13 @@ def test_a_deepspeed_checkpoint_resumes_only_on_as_many_processes(tmp_path):
     assert sft.checkpoint_to_resume(SimpleNamespace(output_dir=str(tmp_path / "none"), resume=True), launch(1)) is None
 
 
-@pytest.mark.parametrize("save_every, stop_after_updates, saved_at", [(3, None, [3, 6, 9]), (0, 5, [5]), (4, 6, [4, 6]),
-                                                                     (0, None, [])])
+@pytest.mark.parametrize("save_every, stop_after_updates, saved_at", [(3, None, [3, 6, 9, 10]), (5, None, [5, 10]),
+                                                                     (0, 5, [5]), (4, 6, [4, 6]), (0, None, [])])
 def test_checkpoints_are_written_every_save_every_updates_and_at_stop_after_updates(
         save_every, stop_after_updates, saved_at, tmp_path, monkeypatch):
     """check_and_checkpoint, as the loop calls it after updates 1, 2, ...: a checkpoint at every multiple of
-    --save_every and at --stop_after_updates (with --save_every 0 too: the run stops there, and --resume needs it)."""
+    --save_every and, with --save_every, at the last update (a job requeued during the final evaluation redoes no
+    update), and at --stop_after_updates (with --save_every 0 too: the run stops there, and --resume needs it)."""
     from types import SimpleNamespace
 
     saved = []

@@ -16,7 +16,9 @@
 # and --save_every, so a job requeued after a preemption, a node failure or its time limit continues
 # from its latest checkpoint. Before the limit a training run checkpoints and stops by itself
 # (--stop_after_minutes: the job's time left less STOP_MARGIN_MINUTES) and the task requeues; the USR1
-# trap below requeues it 10 minutes before the limit if the run has not stopped by then.
+# trap below requeues it 10 minutes before the limit if the run has not stopped by then. A training
+# attempt that saved no checkpoint past the one it started from is not requeued (it would redo the same
+# work forever): the task ends at its limit and says to submit it again with a longer one.
 
 source benchmark/knobs.sh
 
@@ -40,8 +42,26 @@ print_command() {  # the command, shell-quoted, on one line
 
 requeue_self() {  # USR1 (sent by --signal=B:USR1@600 before the time limit), or a run stopped for it: requeue
   local job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
+  # A training attempt that checkpointed nothing new (an update and its checkpoint, or the final evaluation, longer
+  # than the time limit allows) would be requeued to redo the same work, forever: not again.
+  if [[ $GPU == yes && -n ${STARTED_AT_UPDATE:-} ]] && (($(latest_update) <= STARTED_AT_UPDATE)); then
+    echo "$STAGE: not requeueing ${job:-$SLURM_JOB_ID}: this attempt saved no checkpoint past update" \
+      "$STARTED_AT_UPDATE, so the next would redo the same work (the time limit is too short for an update and its" \
+      "checkpoint, or for the final evaluation): submit it again with a longer time limit (SBATCH_TIMELIMIT," \
+      "or sbatch --time); it resumes from the latest checkpoint" >&2
+    return 1
+  fi
   echo "time limit near: requeueing ${job:-$SLURM_JOB_ID}; it resumes from the latest checkpoint"
   scontrol requeue "${job:-$SLURM_JOB_ID}"
+}
+
+latest_update() {  # the update of $OUT's latest complete checkpoint (trainer_state.json written last); 0 if none
+  local path n best=0
+  for path in "$OUT"/checkpoints/update_*; do
+    n=${path##*/update_}
+    if [[ $n =~ ^[0-9]+$ && -f $path/trainer_state.json ]] && ((10#$n > best)); then best=$((10#$n)); fi
+  done
+  echo "$best"
 }
 
 minutes_to_stop() {  # minutes a training run may take before it checkpoints and stops: the job's time left
@@ -122,6 +142,7 @@ run_stage() {  # run_stage [--dry-run]
     if [[ -n $minutes ]]; then CMD+=(--stop_after_minutes "$minutes"); fi
   fi
   echo "$STAGE [$i] on $(hostname) at $(date -u +%FT%TZ): $(print_command "${CMD[@]}")"
+  STARTED_AT_UPDATE=$(latest_update)  # requeue_self compares: did this attempt get any further?
   if [[ -n ${SLURM_JOB_ID:-} ]]; then
     trap requeue_self USR1
     srun "${CMD[@]}" &
