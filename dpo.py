@@ -755,7 +755,8 @@ def plot_calibration(tables: dict, path: str) -> None:
 # Run setup: flags, inputs, tokenizer, models, logging.
 # Flags that may change between an interrupted run and its resumption (see output_dir_problem).
 # None of these changes what the run computes.
-RESUME_FLAGS = ("resume", "stop_after_updates", "stop_after_minutes", "run_name", "save_every")
+RESUME_FLAGS = ("resume", "stop_after_updates", "stop_after_minutes", "run_name", "save_every",
+                "track", "wandb_project_name", "wandb_entity", "push_to_hub", "hf_entity")  # where it logs and publishes
 # Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
 POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
 NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")

@@ -1182,7 +1182,8 @@ def log_update(writer, progress, episode: int, logged: dict) -> None:
 # The prompts, and the human references that the evaluation scores beside the samples.
 REQUIRED_COLUMNS = ("query_token", "reference_response_token")
 # None of these changes what the run computes.
-RESUME_FLAGS = ("resume", "stop_after_updates", "stop_after_minutes", "run_name", "save_every")
+RESUME_FLAGS = ("resume", "stop_after_updates", "stop_after_minutes", "run_name", "save_every",
+                "track", "wandb_project_name", "wandb_entity", "push_to_hub", "hf_entity")  # where it logs and publishes
 POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
 NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
 AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")

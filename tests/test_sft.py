@@ -258,6 +258,9 @@ def test_a_run_resumes_with_another_checkpoint_cadence(tmp_path):
     (tmp_path / "checkpoints" / "update_100").mkdir(parents=True)
     (tmp_path / "checkpoints" / "update_100" / "trainer_state.json").write_text("{}")
     assert sft.output_dir_problem(str(tmp_path), {**flags, "save_every": 50, "resume": True}, sft.RESUME_FLAGS) is None
+    # Where it logs and publishes may change too (a job resubmitted with TRACK=0 after a W&B outage).
+    assert sft.output_dir_problem(str(tmp_path), {**flags, "track": True, "wandb_entity": "me", "push_to_hub": True,
+                                                  "resume": True}, sft.RESUME_FLAGS) is None
     problem = sft.output_dir_problem(str(tmp_path), {**flags, "seed": 2, "resume": True}, sft.RESUME_FLAGS)
     assert "holds a different run (seed=1 there, 2 now)" in problem
 
