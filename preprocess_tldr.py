@@ -83,7 +83,7 @@ class Args:
     preference_config: str = "comparisons"
     """Config (subset) of the preference dataset to load"""
     num_proc: Optional[int] = None
-    """Worker processes for each split's `datasets.map` (None: one per 1000 rows, at most os.cpu_count(), and none,
+    """Worker processes for each split's `datasets.map` (None: one per 1000 rows, at most the CPUs it may use, and none,
     the split mapped in this process, below 2000 rows)"""
 
     # model
@@ -692,11 +692,19 @@ MAP_ROWS_PER_PROCESS = 1000
 
 def map_processes(num_proc: Optional[int], rows: int) -> Optional[int]:
     """`map`'s num_proc for a split of `rows` rows: --num_proc if given, else one per MAP_ROWS_PER_PROCESS rows up to
-    os.cpu_count(), and None (no worker) where that is fewer than 2."""
+    usable_cpus(), and None (no worker) where that is fewer than 2."""
     if num_proc is not None:
         return num_proc
-    processes = min(os.cpu_count() or 1, rows // MAP_ROWS_PER_PROCESS)
+    processes = min(usable_cpus() or 1, rows // MAP_ROWS_PER_PROCESS)
     return processes if processes >= 2 else None
+
+
+def usable_cpus() -> Optional[int]:
+    """The CPUs this process may run on: its affinity (a SLURM task's allocation: os.cpu_count() counts the whole
+    node, and 116 workers on a node of 224 threads would share a 16-CPU task), else os.cpu_count()."""
+    if hasattr(os, "sched_getaffinity"):  # Linux
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count()
 
 
 def map_splits(dataset_dict, function, num_proc: Optional[int], name: str, kwargs) -> datasets.DatasetDict:

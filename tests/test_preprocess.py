@@ -593,11 +593,20 @@ def test_rows_and_columns_read_in_one_batch_equal_the_row_by_row_reads():
 
 
 def test_map_processes_forks_only_for_splits_worth_it(monkeypatch):
-    monkeypatch.setattr(pre.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(pre, "usable_cpus", lambda: 4)
     assert [pre.map_processes(None, rows) for rows in (0, 5, 1999, 2000, 3999, 16384)] == [None, None, None, 2, 3, 4]
     assert pre.map_processes(1, 5) == 1 and pre.map_processes(3, 16384) == 3  # --num_proc is taken as given
-    monkeypatch.setattr(pre.os, "cpu_count", lambda: None)  # unknown: one process
+    monkeypatch.setattr(pre, "usable_cpus", lambda: None)  # unknown: one process
     assert pre.map_processes(None, 16384) is None
+
+
+def test_usable_cpus_are_the_affinity_of_this_process_not_the_node(monkeypatch):
+    """A SLURM task of 16 CPUs on a node of 224 threads: os.cpu_count() says 224, the affinity 16."""
+    monkeypatch.setattr(pre.os, "cpu_count", lambda: 224)
+    monkeypatch.setattr(pre.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert pre.usable_cpus() == 16 and pre.map_processes(None, 116722) == 16
+    monkeypatch.delattr(pre.os, "sched_getaffinity")  # not on Linux: the CPU count
+    assert pre.usable_cpus() == 224
 
 
 # ---- --help: tyro builds it from the field docstrings ----
