@@ -11,7 +11,7 @@ with random weights saved in fp16 as the Hub's are, the tokenizer the tiny world
 after the last token, as for Pythia), the data the tiny world's posts joined into queries that fill
 the paper's 512 tokens. With --hub, the real EleutherAI/pythia-1b-deduped checkpoint instead.
 
-Printed and written to benchmark/results/gpu_check.md: the device and versions; per stage its wall
+Printed and written to runs/gpu_check.md (--out; benchmark/results/gpu_check.md keeps every check): the device and versions; per stage its wall
 time and peak GPU memory; the second PPO update's time split in each run (generation / scoring /
 training; the first update's includes compiling the fast paths); each run's training phase against
 its floor (plain forward + backward passes, and the bf16 matmul peak measured in the same run), and that pass at
@@ -258,7 +258,9 @@ def main() -> None:
     parser.add_argument("--launcher", choices=("deepspeed", "plain"), default="deepspeed",
                         help="deepspeed: the paper's ZeRO-2 bf16 config on 1 process; plain: python, fp32")
     parser.add_argument("--work", default="/tmp/gpu_check", help="scratch folder (emptied first)")
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmark", "results", "gpu_check.md"))
+    parser.add_argument("--out", default=os.path.join(REPO, "runs", "gpu_check.md"),
+                        help="the report (default runs/gpu_check.md: benchmark/results/gpu_check.md keeps every check, "
+                             "the latest first, added by hand)")
     parser.add_argument("--allow_cpu", action="store_true", help="run without CUDA (a smoke run of this script)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"

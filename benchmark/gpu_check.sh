@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The real path on one GPU, in one command (no Hub needed): a Pythia-1B-shaped model through one
 # SFT, one RM, one DPO and two PPO updates at the paper's per-GPU batch, bf16 under DeepSpeed ZeRO-2; prints
-# and writes benchmark/results/gpu_check.md (device, versions, peak memory per stage, the PPO
-# update's time split, first-epoch ratio, windowed vs full forward, decode tokens/s of the fast
-# sampling path and of the plain loop).
+# and writes runs/gpu_check.md (device, versions, peak memory per stage, the PPO update's time split,
+# first-epoch ratio, windowed vs full forward, decode tokens/s of the fast sampling path and of the
+# plain loop). To publish it, add it at the top of benchmark/results/gpu_check.md, which keeps every check.
 #
 #   bash benchmark/gpu_check.sh            # random-init Pythia-1B shape, ~5-8 min on one H100 or H200 (275-460 s so far)
 #   bash benchmark/gpu_check.sh --hub      # the real EleutherAI/pythia-1b-deduped (needs the Hub)

@@ -428,7 +428,8 @@ def test_a_training_task_stops_at_once_on_a_node_without_cuda(tmp_path):
 
 def test_judge_task_runs_again_until_a_run_finished_with_no_row_left_to_retry(tmp_path):
     """judge.py writes results.json after every run, also a stopped one or one with failed rows: the task
-    counts as done only when the run was not stopped and no failed row is left that a rerun would ask again."""
+    counts as done only when the run was not stopped and no failed row is left that a rerun would ask again, and
+    only for the judge model it was run with (JUDGE_MODEL changed: the new judge's run is not done)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "srun: $*"\n')
@@ -438,11 +439,13 @@ def test_judge_task_runs_again_until_a_run_finished_with_no_row_left_to_retry(tm
            "JUDGE_MODEL": "judge-test"}
     out = tmp_path / "models" / PAPER_MODELS[0] / f"judge_{PAPER_SEEDS[0]}"
     out.mkdir(parents=True)
-    for stopped, failures, runs in ((None, [{"row": 3, "asked_by_rerun": True}], True),
-                                    ("401 Unauthorized", [], True),
-                                    (None, [{"row": 3, "asked_by_rerun": False}], False),
-                                    (None, [], False)):
-        (out / "results.json").write_text(json.dumps({"this_run": {"stopped": stopped}, "failures": failures}))
+    for stopped, failures, runs, model in ((None, [{"row": 3, "asked_by_rerun": True}], True, "judge-test"),
+                                           ("401 Unauthorized", [], True, "judge-test"),
+                                           (None, [{"row": 3, "asked_by_rerun": False}], False, "judge-test"),
+                                           (None, [], False, "judge-test"),
+                                           (None, [], True, "another-judge")):
+        (out / "results.json").write_text(json.dumps({"model": model, "this_run": {"stopped": stopped},
+                                                      "failures": failures}))
         result = bash(str(SLURM / "judge.sbatch"), env=env)
         assert result.returncode == 0, result.stderr
         assert ("srun: python judge.py --judge openai --model judge-test " in result.stdout) == runs, (
