@@ -4,9 +4,10 @@ model loadable, the run resumes to the very weights of an uninterrupted one, and
 no scratch behind. A folder with checkpoints is never restarted at update 0 without --resume.
 
 One chain of real sft.py processes in one output folder (the tiny configuration of test_sft.py, a
-checkpoint after every update): an uninterrupted run; the same command again, killed while it
-writes a checkpoint; a rerun without --resume (refused); --resume killed while it writes the final
-model; --resume to the end. The swap's in-between states are built by hand and tidied in process.
+checkpoint after every update): an uninterrupted run; the same command again (refused: a finished run
+is never trained over) and with --resume (nothing to do); the folder deleted, the same command killed
+while it writes a checkpoint; a rerun without --resume (refused); --resume killed while it writes the
+final model; --resume to the end. The swap's in-between states are built by hand and tidied in process.
 """
 
 import json
