@@ -45,6 +45,10 @@ if [[ " ${stages[*]} " == *" judge "* && -z $JUDGE_MODEL ]] && ((!dry_run)); the
   exit 1
 fi
 
+for model in "${MODEL_LIST[@]}"; do  # a model without knobs would fail in every task of every stage, once submitted
+  if ! knobs "$model"; then echo "benchmark/launch.sh: MODELS names '$model'. Nothing was submitted." >&2; exit 1; fi
+done
+
 n_tasks=$((${#MODEL_LIST[@]} * ${#SEED_LIST[@]}))
 declare -A JOB=()  # stage -> submitted job id (the stages of this call only)
 if ((!dry_run)); then mkdir -p runs/slurm; fi  # the #SBATCH --output folder

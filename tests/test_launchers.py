@@ -468,6 +468,9 @@ def test_the_judge_stage_is_submitted_with_a_model_and_one_task_at_a_time():
     assert "--array=0-11%3 " in submits["ppo"] and "--array=0-11%1 " in submits["judge"]
     result = bash("benchmark/launch.sh", "--dry-run", "judge", env={"JUDGE_MODEL": "m", "JUDGE_ARRAY_THROTTLE": "4"})
     assert "--array=0-11%4 " in result.stdout
+    unknown = bash("benchmark/launch.sh", "--dry-run", "sft", env={"MODELS": "EleutherAI/pythia-1.4b-deduped"})
+    assert unknown.returncode == 1 and "no knobs for model 'EleutherAI/pythia-1.4b-deduped'" in unknown.stderr
+    assert "Nothing was submitted" in unknown.stderr and "sbatch" not in unknown.stdout
     refused = bash("benchmark/launch.sh", "sft", "judge")  # no JUDGE_MODEL: nothing reaches sbatch
     assert refused.returncode == 1 and "needs JUDGE_MODEL" in refused.stderr
     assert "Nothing was submitted" in refused.stderr and refused.stdout == ""
