@@ -1648,13 +1648,20 @@ def start_ppo_logging(args, accelerator, resume_from: Optional[tuple], recorded:
         if args.track:
             import wandb  # imported here: without --track nothing touches the network
 
+            # One W&B run per run name: a resumed (requeued) run logs on into the run it started.
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
+                       config=asdict(args), name=run_name, id=wandb_run_id(run_name), resume="allow", save_code=True)
     accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} episodes = "
                       f"{args.local_batch_size} per rank x {args.world_size} ranks; {args.num_minibatches} "
                       f"minibatch(es) of {args.mini_batch_size} = {args.local_micro_batch_size} x "
                       f"{args.gradient_accumulation_steps} per rank x {args.world_size}; {args.micro_batch_size} per forward")
     return run_name, writer
+
+
+def wandb_run_id(run_name: str) -> str:
+    """The W&B run id of `run_name`: its characters W&B allows, at most 64 (a longer name: a prefix and a hash)."""
+    run_id = re.sub(r"[^\w.-]", "_", run_name)
+    return run_id if len(run_id) <= 64 else f"{run_id[:47]}-{hashlib.sha256(run_name.encode()).hexdigest()[:16]}"
 
 
 def git_commit(folder: str) -> Optional[str]:

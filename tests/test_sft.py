@@ -731,3 +731,30 @@ def test_length_groups_benchmark_table_by_hand_and_full_width_is_the_stored_widt
     model = AutoModelForCausalLM.from_pretrained(BASE)
     sft_length_groups.batch_nll(model, rows, "full width", pad)
     assert widths == [6]
+
+
+@pytest.mark.parametrize("stage, start", [("sft", "start_sft_logging"), ("reward", "start_logging"),
+                                          ("dpo", "start_logging"), ("ppo", "start_ppo_logging")])
+def test_a_resumed_tracked_run_logs_on_into_its_own_wandb_run(stage, start, tmp_path, monkeypatch):
+    """--track: W&B's run id comes from the run name, with resume="allow", so a requeued run (--resume: the run name
+    read back from its checkpoint) continues the W&B run it started instead of opening one per attempt."""
+    from types import SimpleNamespace
+
+    module = __import__(stage)
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(init=lambda **kwargs: calls.append(kwargs)))
+    monkeypatch.chdir(tmp_path)
+    args = module.Args(output_dir=str(tmp_path / "out"), track=True)
+    recorded = {"base_model_name": "EleutherAI/pythia-1b-deduped"}
+    extra = ("pairs",) if stage in ("reward", "dpo") else ()
+    run_name, writer = getattr(module, start)(args, one_process(), None, recorded, *extra)
+    writer.close()
+    checkpoint = tmp_path / "update_3"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"run_name": run_name}))
+    resumed_name, writer = getattr(module, start)(args, one_process(), (3, str(checkpoint)), recorded, *extra)
+    writer.close()
+    assert resumed_name == run_name and [call["id"] for call in calls] == [module.wandb_run_id(run_name)] * 2
+    assert all(call["resume"] == "allow" and call["name"] == run_name for call in calls)
+    assert module.wandb_run_id("a/b:c d") == "a_b_c_d" and len(module.wandb_run_id("x" * 100)) == 64
+    assert module.wandb_run_id("x" * 100) != module.wandb_run_id("x" * 99 + "y")  # a long name keeps its end's hash
