@@ -580,25 +580,25 @@ def start_outputs(args: Args, meta: dict) -> tuple[str, dict]:
 
 def rows_to_ask(args: Args, comparisons: dict, cache: dict, meta: dict, endpoint: Optional[str]) -> list[dict]:
     """Key every item (judgment_key) and list those to ask now: not in the cache, or failed and due a retry."""
-    todo, queued = [], set()
+    todo, queued, keys = [], set(), set()
     for run in comparisons.values():
         for item in run["items"]:
             a, b = (item["ours"], item["other"]) if item["ours_is_a"] else (item["other"], item["ours"])
             item["key"] = judgment_key(meta["model"], meta["prompt_version"], meta["temperature"], item["post"], a, b)
+            keys.add(item["key"])
             item["other_name"] = run["other_name"]
             record = cache.get(item["key"])
             if should_ask(record, args.failed_row_retries) and item["key"] not in queued:  # a pair twice: once
                 queued.add(item["key"])
                 todo.append(item)
     total = sum(len(run["items"]) for run in comparisons.values())
-    distinct = len({item["key"] for run in comparisons.values() for item in run["items"]})
     retried = sum(item["key"] in cache for item in todo)
     if 0 <= args.max_new_judgments < len(todo):
         print(f"--max_new_judgments {args.max_new_judgments}: {len(todo) - args.max_new_judgments} left for a rerun")
         todo = todo[: args.max_new_judgments]
     where = f" at {redact_url(endpoint) or 'api.openai.com'}" if args.judge == "openai" else ""
-    print(f"{total} comparisons in {len(comparisons)} runs, {distinct} distinct (a comparison met twice is asked once); "
-          f"{len(todo)} to ask {meta['model']}{where} ({retried} of them failed before), {distinct - len(queued)} cached")
+    print(f"{total} comparisons in {len(comparisons)} runs, {len(keys)} distinct (a comparison met twice is asked once); "
+          f"{len(todo)} to ask {meta['model']}{where} ({retried} of them failed before), {len(keys) - len(queued)} cached")
     return todo
 
 

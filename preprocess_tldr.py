@@ -402,7 +402,7 @@ def preprocess_flag_problems(args: Args) -> list:
     problems = []
     if args.num_proc is not None and args.num_proc < 1:
         problems.append(f"--num_proc {args.num_proc}: pass a number of worker processes >= 1 "
-                        "(or leave the flag out: one per 1000 rows, at most one per CPU)")
+                        "(or leave the flag out: one per 1000 rows, at most one per CPU it may use)")
     lengths = {flag: getattr(args, flag) for group in LENGTH_FLAG_GROUPS for flag in group}
     problems += [f"--{flag} {value}: pass a positive number of tokens" for flag, value in lengths.items() if value < 1]
     for query, response, query_response in LENGTH_FLAG_GROUPS:

@@ -1264,11 +1264,12 @@ def load_fp32(model_class, path: str, flag: str):
     # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
     config = os.path.join(path, "config.json")
     model_type = load_json(config).get("model_type") if os.path.isfile(config) else None  # None: a Hub id
-    if model_type is not None and (model_type == "scalar_model") != (model_class.__name__ == "ScalarModel"):
+    wants_rm = model_class.__name__ == "ScalarModel"
+    if model_type is not None and (model_type == "scalar_model") != wants_rm:
         # The stages' folders look alike (models/.../sft_1, reward_1): say which one this is, not a loader's traceback.
         found = "a reward model (reward.py's output)" if model_type == "scalar_model" else \
             f"a causal LM ({model_type}: sft.py's output or a base model)"
-        wanted = "reward.py's output" if model_class.__name__ == "ScalarModel" else "sft.py's output or a base model"
+        wanted = "reward.py's output" if wants_rm else "sft.py's output or a base model"
         raise SetupError(f"{flag} {path} holds {found}; {flag} takes {wanted}")
     try:
         return model_class.from_pretrained(path, dtype=torch.float32)
