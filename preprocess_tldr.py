@@ -9,6 +9,7 @@ base model's tokenizer into fixed-length columns, so that no later stage tokeniz
     {output_dir}/preference         train / validation / validation_cnndm     (reward.py, dpo.py)
     {output_dir}/args.json          these flags, the eos / pad ids and the git commit
     {output_dir}/policy_pairs.json  comparisons per policy pair and split
+    {output_dir}/dropped_rows.json  the source rows --drop_bad_rows left out, and why ([] without it)
     {output_dir}/visuals/           token_len.png, confidence.png, policies.png
 
 Each dataset folder holds a card (README.md) with a one-line description of every column. Every
@@ -36,7 +37,7 @@ right-padded query+response columns; 6 comparisons per policy pair in train vs v
 Nothing is logged to a tracker; printed: whether [PAD] was added, the computed vs configured
 length table, the policy pairs per split, the output paths. Bad flags fail before anything is
 loaded; bad source files and rows fail before any tokenization, naming the file and line or the
-split and row id.
+split and row id of every bad row; `--drop_bad_rows` leaves such rows out instead and lists them.
 """
 
 import atexit
@@ -69,7 +70,7 @@ class Args:
 
     # experiment & output
     output_dir: Optional[str] = None
-    """Folder for sft/, preference/, args.json, policy_pairs.json and visuals/ (None: data/{base_model}/tldr, where the training stages look by default)"""
+    """Folder for sft/, preference/, args.json, policy_pairs.json, dropped_rows.json and visuals/ (None: data/{base_model}/tldr, where the training stages look by default)"""
     push_to_hub: bool = False
     """Also push both datasets and their cards to the Hub (needs a login; off: nothing networked)"""
     hf_entity: Optional[str] = None
@@ -109,6 +110,10 @@ class Args:
     """Longest CNN/DM stripped query + chosen / rejected response, re-tokenized (Detail 4; paper: 2021)"""
     check_length_correctness: bool = True
     """Fail unless every computed maximum equals its flag (a larger maximum always fails; reference: True)"""
+    drop_bad_rows: bool = False
+    """Leave out the source rows this script cannot use (a summary without its leading space, an empty post, an SFT
+    post id repeated), each listed with its reason in dropped_rows.json; off: fail, listing them (the reference code
+    tokenized such rows as they were)"""
 
 
 # The query templates of OpenAI's summarize-from-feedback code. No space after "TL;DR:": the
@@ -342,7 +347,7 @@ def main() -> None:
     sft = datasets.DatasetDict({split: sft_source[split] for split in SFT_SPLITS})
     preference = datasets.DatasetDict(
         train=preference_source["train"], validation=validation, validation_cnndm=validation_cnndm)
-    check_rows(args, sft, preference)  # a bad row fails here, in seconds, with its split and id
+    sft, preference, dropped = check_rows(args, sft, preference)  # bad rows fail here, in seconds, each named
 
     # ---- tokenize ----
     # Detail 5: Pre-tokenize; right-pad query+response, left-pad queries
@@ -382,7 +387,7 @@ def main() -> None:
     print(f"{len(unseen)} of the {len(pair_counts['validation'])} validation policy pairs never occur in train")
 
     # ---- save: datasets with cards, visuals, counts, args; each replaces its old version in one step ----
-    save_outputs(args, scratch, tokenizer, sft, preference, checks, pair_counts)
+    save_outputs(args, scratch, tokenizer, sft, preference, checks, pair_counts, dropped)
     if args.push_to_hub:  # opt-in: the only networked code of this script
         publish_datasets(args, sft, preference)
 
@@ -532,21 +537,50 @@ def require_splits(dataset_dict, splits: tuple, source: str) -> None:
         raise DataError(f"{source}: split(s) {empty} have no rows; every split in {list(splits)} needs rows")
 
 
-def check_rows(args: Args, sft, preference) -> None:
-    """Raise DataError naming the split and row of the first bad row, or a post id twice in the SFT data."""
+def check_rows(args: Args, sft, preference) -> tuple:
+    """(sft, preference, dropped): raise DataError listing every bad row (its split, row and id) and every repeat of
+    an SFT post id; with --drop_bad_rows, return the datasets without them and what was dropped, and why."""
     require_splits(preference, PREFERENCE_SPLITS, f"{args.preference_dataset} without its CNN/DM rows")
     if len(preference["validation_cnndm"]) == 0:
         print(f"{args.preference_dataset}: no CNN/DM comparisons (batches {', '.join(CNNDM_BATCHES)}) in "
               "validation, so validation_cnndm is empty and the cnndm_* length flags are not checked")
-    for split, dataset in sft.items():
-        validate_rows(as_rows(dataset), split, "sft")
+    dropped = [dict(source=args.sft_dataset, split=split, row=i, id=row_id, problem=problem)
+               for split, dataset in sft.items() for i, row_id, problem in bad_rows(as_rows(dataset), split, "sft")]
+    dropped += [dict(source=args.preference_dataset, split=split, row=i, id=row_id, problem=problem)
+                for split, dataset in preference.items()
+                for i, row_id, problem in bad_rows(as_rows(dataset), split,
+                                                   "cnndm" if split == "validation_cnndm" else "tldr")]
     # A post id twice in the SFT data is a post trained on twice or tested on after training. (In the
     # preference data it is normal: one post, several comparisons.)
-    if problem := duplicate_id_problem({split: dataset["id"][:] for split, dataset in sft.items()}):
-        raise DataError(f"{args.sft_dataset}: {problem}")
-    for split, dataset in preference.items():
-        validate_rows(as_rows(dataset), split, "cnndm" if split == "validation_cnndm" else "tldr")
+    ids = {split: dataset["id"][:] for split, dataset in sft.items()}
+    repeats = duplicate_rows(ids)
+    if dropped or repeats:
+        if not args.drop_bad_rows:
+            lines = [f"split '{row['split']}', row {row['row']} ({row_label(row['id'])}): {row['problem']}"
+                     for row in dropped[:10]] + (["..."] if len(dropped) > 10 else [])
+            if repeats:
+                lines.append(f"{args.sft_dataset}: {duplicate_id_problem(ids)}")
+            raise DataError(f"{len(dropped) + len(repeats)} row(s) this script cannot use:\n  " + "\n  ".join(lines)
+                            + "\nfix the source, or pass --drop_bad_rows to leave them out (each is then listed "
+                            f"with its reason in {args.output_dir}/dropped_rows.json)")
+        dropped += [dict(source=args.sft_dataset, split=split, row=i, id=row_id,
+                         problem=f"post id {row_id!r} is already in split '{first_split}' row {first_row}")
+                    for split, i, row_id, first_split, first_row in repeats]
+        sft, preference = (datasets.DatasetDict({split: without_rows(dataset, [
+            row["row"] for row in dropped if row["source"] == source and row["split"] == split])
+            for split, dataset in dataset_dict.items()})
+            for source, dataset_dict in ((args.sft_dataset, sft), (args.preference_dataset, preference)))
+        print(f"--drop_bad_rows: left out {len(dropped)} row(s), listed with their reasons in dropped_rows.json")
+        require_splits(sft, SFT_SPLITS, f"{args.sft_dataset} without the dropped rows")
+        require_splits(preference, PREFERENCE_SPLITS, f"{args.preference_dataset} without the dropped rows")
     print(f"rows: sft {dict(sft.num_rows)}, preference {dict(preference.num_rows)}")
+    return sft, preference, dropped
+
+
+def without_rows(dataset, rows: list):
+    """`dataset` less the rows at the indices `rows` (itself where there are none)."""
+    drop = set(rows)
+    return dataset.select([i for i in range(len(dataset)) if i not in drop]) if drop else dataset
 
 
 def row_problem(row: dict, kind: str) -> Optional[str]:
@@ -587,24 +621,42 @@ def row_problem(row: dict, kind: str) -> Optional[str]:
 
 def validate_rows(rows, split: str, kind: str) -> None:
     """Raise DataError naming the split and row id of the first row `row_problem` rejects."""
+    if found := bad_rows(rows, split, kind):
+        i, row_id, problem = found[0]
+        raise DataError(f"split '{split}', row {i} ({row_label(row_id)}): {problem}")
+
+
+def bad_rows(rows, split: str, kind: str) -> list:
+    """[(row index, row id or None, problem)] of every row `row_problem` rejects, in order."""
+    found = []
     for i, row in enumerate(rows):
         problem = row_problem(row, kind)
         if problem is not None:  # SFT rows have an `id`, preference rows an `info.id`
-            row_id = row["info"].get("id") if isinstance(row.get("info"), dict) else row.get("id")
-            named = "no id" if row_id is None else f"id {row_id!r}"  # a preference row whose `info` is broken has none
-            raise DataError(f"split '{split}', row {i} ({named}): {problem}")
+            found.append((i, row["info"].get("id") if isinstance(row.get("info"), dict) else row.get("id"), problem))
+    return found
+
+
+def row_label(row_id) -> str:
+    return "no id" if row_id is None else f"id {row_id!r}"  # a preference row whose `info` is broken has none
+
+
+def duplicate_rows(ids_by_split: dict) -> list:
+    """[(split, row, id, split of its first row, first row)] of every repeat of an id in `ids_by_split` ({split:
+    [id per row]}), the splits in their order: the first occurrence is not a repeat."""
+    seen, repeats = {}, []
+    for split, ids in ids_by_split.items():
+        for i, row_id in enumerate(ids):
+            if row_id in seen:
+                repeats.append((split, i, row_id, *seen[row_id]))
+            else:
+                seen[row_id] = (split, i)
+    return repeats
 
 
 def duplicate_id_problem(ids_by_split: dict) -> Optional[str]:
     """Which ids occur twice across `ids_by_split` ({split: [id per row]}), with where; None if all differ."""
-    seen, duplicates = {}, []
-    for split, ids in ids_by_split.items():
-        for i, row_id in enumerate(ids):
-            if row_id in seen:
-                duplicates.append(f"id {row_id!r} in split '{seen[row_id][0]}' row {seen[row_id][1]} "
-                                  f"and split '{split}' row {i}")
-            else:
-                seen[row_id] = (split, i)
+    duplicates = [f"id {row_id!r} in split '{first_split}' row {first_row} and split '{split}' row {i}"
+                  for split, i, row_id, first_split, first_row in duplicate_rows(ids_by_split)]
     if not duplicates:
         return None
     # One post twice would be trained on twice, or trained on and then tested on.
@@ -716,9 +768,11 @@ def map_splits(dataset_dict, function, num_proc: Optional[int], name: str, kwarg
 # Outputs: dataset cards, visuals, the files moved into place, the Hub.
 
 
-def save_outputs(args: Args, scratch: str, tokenizer, sft, preference, checks: list, pair_counts: dict) -> None:
-    """Write the datasets with their cards, the visuals, policy_pairs.json and args.json into the scratch, then
-    move each into `args.output_dir`, replacing its old version in one step (args.json, the run's record, last)."""
+def save_outputs(args: Args, scratch: str, tokenizer, sft, preference, checks: list, pair_counts: dict,
+                 dropped: list) -> None:
+    """Write the datasets with their cards, the visuals, policy_pairs.json, dropped_rows.json and args.json into the
+    scratch, then move each into `args.output_dir`, replacing its old version in one step (args.json, the run's
+    record, last)."""
     new = os.path.join(scratch, "new")  # every output is written here, then moved into place
     tldr = datasets.concatenate_datasets([preference[split] for split in PREFERENCE_SPLITS])
     pair = ("chosen", "rejected")
@@ -753,6 +807,8 @@ def save_outputs(args: Args, scratch: str, tokenizer, sft, preference, checks: l
             file.write(dataset_card(f"TL;DR {name} dataset, pre-tokenized", intro, dataset_dict, descriptions))
     with open(os.path.join(new, "policy_pairs.json"), "w") as file:
         json.dump(pair_counts, file, indent=2)
+    with open(os.path.join(new, "dropped_rows.json"), "w") as file:  # [] unless --drop_bad_rows left rows out
+        json.dump(dropped, file, indent=2, default=str)
     # The ids let later stages check that their tokenizer matches the one behind the token columns.
     with open(os.path.join(new, "args.json"), "w") as file:
         json.dump({**asdict(args), "base_model_name": model_name(args.base_model),
@@ -760,9 +816,10 @@ def save_outputs(args: Args, scratch: str, tokenizer, sft, preference, checks: l
                    "tokenizer_identity": tokenizer_identity(tokenizer),
                    "git_commit": commit}, file, indent=2)
     # A failed run never reaches this point, so it leaves the old outputs as they were.
-    for name in ("sft", "preference", "visuals", "policy_pairs.json", "args.json"):
+    for name in ("sft", "preference", "visuals", "policy_pairs.json", "dropped_rows.json", "args.json"):
         install_output(scratch, args.output_dir, name)
     print(f"saved {args.output_dir}/sft, {args.output_dir}/preference, args.json, policy_pairs.json, "
+          "dropped_rows.json, "
           f"{[os.path.join(args.output_dir, 'visuals', os.path.basename(path)) for path in visuals]}")
 
 

@@ -718,7 +718,9 @@ def test_script_smoke(tmp_path, tok):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "added the pad token '[PAD]'" in result.stdout
     # the outputs and nothing else: the scratch folder is gone when the script returns
-    assert sorted(os.listdir(out)) == ["args.json", "policy_pairs.json", "preference", "sft", "visuals"]
+    assert sorted(os.listdir(out)) == ["args.json", "dropped_rows.json", "policy_pairs.json", "preference", "sft",
+                                       "visuals"]
+    assert json.loads((out / "dropped_rows.json").read_text()) == []  # every row was usable
 
     sft_out = datasets.load_from_disk(str(out / "sft"))
     preference_out = datasets.load_from_disk(str(out / "preference"))

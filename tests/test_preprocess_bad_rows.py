@@ -82,6 +82,90 @@ def test_duplicate_sft_ids_name_both_rows():
     assert "remove the repeated rows from the source" in across
 
 
+
+def test_bad_rows_lists_every_bad_row_and_duplicate_rows_every_repeat():
+    good, no_space, empty = preference_row("ok"), preference_row("s1"), preference_row("e1")
+    no_space["summaries"][1]["text"] = "no space"
+    empty["info"]["post"] = " "
+    assert pre.bad_rows([good, no_space, good, empty], "train", "tldr") == [
+        (1, "s1", "expected summaries[1].text to be a string starting with a space, got 'no space'"),
+        (3, "e1", "expected a non-empty info.post, got ' '")]
+    assert pre.bad_rows([good, good], "train", "tldr") == []
+    # the first occurrence stays, every later one (in the splits' order) is a repeat of it
+    assert pre.duplicate_rows({"train": ["a", "b", "a"], "validation": ["c"], "test": ["b", "a"]}) == [
+        ("train", 2, "a", "train", 0), ("test", 0, "b", "train", 1), ("test", 1, "a", "train", 0)]
+
+
+def bad_sources():
+    """smoke_sources() with a preference summary lacking its leading space, an empty SFT post and an SFT post id
+    repeated across splits: three rows the script cannot use."""
+    sft, preference = smoke_sources()
+    preference["train"].append(preference_row("p3", texts=("the cat", " a dog")))
+    sft["validation"].append(sft_row("b2", post=" "))
+    sft["test"].append(sft_row("a2", summary="a cat"))  # a2 is a train post
+    return sft, preference
+
+
+def test_check_rows_lists_every_bad_row_or_drops_them_all():
+    sft, preference = bad_sources()
+    sft = datasets.DatasetDict({split: datasets.Dataset.from_list(rows) for split, rows in sft.items()})
+    preference = {split: datasets.Dataset.from_list(rows) for split, rows in preference.items()}
+    validation, cnndm = pre.split_off_cnndm(preference["validation"], pre.CNNDM_BATCHES)
+    preference = datasets.DatasetDict(train=preference["train"], validation=validation, validation_cnndm=cnndm)
+    args = pre.Args(sft_dataset="sft_src", preference_dataset="pref_src", output_dir="out")
+    with pytest.raises(pre.DataError) as error:
+        pre.check_rows(args, sft, preference)
+    message = str(error.value)
+    assert message.startswith("3 row(s) this script cannot use:")
+    assert "split 'validation', row 1 (id 'b2'): expected a non-empty post" in message
+    assert ("split 'train', row 2 (id 'p3'): expected summaries[0].text to be a string starting with a space"
+            in message)
+    assert "sft_src: 1 duplicate post id(s): id 'a2' in split 'train' row 1 and split 'test' row 1" in message
+    assert "pass --drop_bad_rows to leave them out" in message and "out/dropped_rows.json" in message
+
+    args.drop_bad_rows = True
+    kept_sft, kept_preference, dropped = pre.check_rows(args, sft, preference)
+    assert [(row["source"], row["split"], row["row"], row["id"]) for row in dropped] == [
+        ("sft_src", "validation", 1, "b2"), ("pref_src", "train", 2, "p3"), ("sft_src", "test", 1, "a2")]
+    assert dropped[2]["problem"] == "post id 'a2' is already in split 'train' row 1"
+    assert {split: dataset["id"][:] for split, dataset in kept_sft.items()} == {
+        "train": ["a1", "a2", "a3"], "validation": ["b1"], "test": ["c1"]}
+    assert [row["id"] for row in kept_preference["train"]["info"]] == ["p1", "p2"]
+    assert kept_preference["validation"].num_rows == 1 and kept_preference["validation_cnndm"].num_rows == 2
+
+    # dropping must not empty a split the later stages read
+    sft["validation"] = datasets.Dataset.from_list([sft_row("b2", post=" ")])
+    with pytest.raises(pre.DataError, match=r"sft_src without the dropped rows: split\(s\) \['validation'\] have no rows"):
+        pre.check_rows(args, sft, preference)
+
+
+def test_drop_bad_rows_end_to_end(tmp_path, tok):
+    """The script fails on the three bad rows, naming them and the flag; with the flag it leaves them out, lists them
+    in dropped_rows.json and tokenizes the rest as a clean source would be."""
+    sft, preference = bad_sources()
+    clean_sft, clean_preference = smoke_sources()
+    flags = reference_flags(tok, clean_sft, clean_preference)[0]
+    command = write_world(tmp_path, sft, preference) + flag_args(flags)
+    out = tmp_path / "out"
+    result = run(command + ["--output_dir", str(out)], tmp_path)
+    assert result.returncode == 1 and "3 row(s) this script cannot use" in result.stderr, result.stderr[-2000:]
+    assert "--drop_bad_rows" in result.stderr and not out.exists()  # a failed first run writes nothing
+    result = run(command + ["--output_dir", str(out), "--drop_bad_rows"], tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "--drop_bad_rows: left out 3 row(s)" in result.stdout
+    dropped = json.loads((out / "dropped_rows.json").read_text())
+    assert [(row["split"], row["row"], row["id"]) for row in dropped] == [
+        ("validation", 1, "b2"), ("train", 2, "p3"), ("test", 1, "a2")]
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    result = run(write_world(clean, clean_sft, clean_preference) + flag_args(flags)
+                 + ["--output_dir", str(clean / "out")], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for name in ("sft", "preference"):
+        ours, theirs = datasets.load_from_disk(str(out / name)), datasets.load_from_disk(str(clean / "out" / name))
+        assert ours.num_rows == theirs.num_rows
+        assert all(ours[split][:] == theirs[split][:] for split in ours)
+
 def test_empty_split_is_an_error_naming_it():
     rows = datasets.Dataset.from_list([sft_row()])
     dataset_dict = datasets.DatasetDict(train=rows, validation=rows.select([]), test=rows)

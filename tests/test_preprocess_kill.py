@@ -18,8 +18,9 @@ from conftest import REPO, run_python
 import preprocess_tldr as pre
 from test_preprocess import flag_args, make_tokenizer, reference_flags, smoke_sources, write_world
 
-OUTPUTS = ["args.json", "policy_pairs.json", "preference", "sft", "visuals"]
-INSTALL_ORDER = ["sft", "preference", "visuals", "policy_pairs.json", "args.json"]  # as the script moves them
+OUTPUTS = ["args.json", "dropped_rows.json", "policy_pairs.json", "preference", "sft", "visuals"]
+# as the script moves them
+INSTALL_ORDER = ["sft", "preference", "visuals", "policy_pairs.json", "dropped_rows.json", "args.json"]
 KILLER = str(REPO / "tests" / "kill_at_call.py")  # KILLER NAME N SCRIPT ARGS: SIGKILLed at the N-th call of NAME
 
 
@@ -70,7 +71,7 @@ def runs(tmp_path_factory):
 
 def versions(out: Path, fingerprints: dict) -> dict:
     """{output: the versions ("old", "new") it equals, file for file} after checking that each output is one
-    of them (policy_pairs.json is the same in both), and that the datasets load."""
+    of them (policy_pairs.json and dropped_rows.json are the same in both), and that the datasets load."""
     found = {}
     for name in OUTPUTS:
         mine = {path: digest for path, digest in fingerprint(out).items() if path.split("/")[0] == name}
@@ -87,7 +88,7 @@ def versions(out: Path, fingerprints: dict) -> dict:
     ("load_source", 2, 0),  # the SFT source loaded into the scratch cache, the preference one not yet
     ("save_to_disk", 3, 0),  # mid-save: the SFT train split written (into the scratch), validation not
     ("install_output", 2, 1),  # between moving sft and preference into place
-    ("install_output", 5, 4),  # everything moved into place but args.json
+    ("install_output", 6, 5),  # everything moved into place but args.json
 ])
 def test_kill_at_a_chosen_call_leaves_old_or_new_outputs(tmp_path, runs, function, count, moved):
     commands, fingerprints, outputs = runs
