@@ -95,7 +95,7 @@ class Args:
     output_dir: Optional[str] = None
     """Folder for the trained policy, tokenizer, args.json, eval tables and checkpoints (None: models/{base_model}/ppo_{seed})"""
     push_to_hub: bool = False
-    """Push the output folder to {hf_entity}/{base_model}__{exp_name}__tldr at revision run_name"""
+    """Push the output folder to {hf_entity}/{base_model}__{exp_name}__tldr at revision run_name (with --resume, a finished run is pushed again)"""
     hf_entity: Optional[str] = None
     """Hub user or organisation to push to (None: the logged-in user, from `whoami()`)"""
     save_every: int = 0
@@ -1197,7 +1197,11 @@ class SetupError(ValueError):
 
 
 class RunFinished(Exception):
-    """--resume of a run whose output folder holds its finished results: nothing to do (exit status 0)."""
+    """--resume of a run whose output folder holds its finished results: nothing to train (exit status 0)."""
+
+    def __init__(self, output_dir: str, flags: dict):
+        super().__init__(f"{output_dir} holds the finished run of these flags")
+        self.output_dir, self.flags = output_dir, flags
 
 
 def refuse(problem: Optional[str]) -> None:
@@ -1460,7 +1464,7 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
                 "choose another folder, or delete it (that run's own flags and --resume continue it if unfinished)")
     if os.path.isfile(os.path.join(output_dir, "eval_metrics.json")):  # finished: its folder is published whole
         if flags.get("resume"):  # a repeated or requeued start of a run that has ended: keep it, train nothing
-            raise RunFinished(f"{output_dir} holds the finished run of these flags: nothing to do")
+            raise RunFinished(output_dir, flags)
         return (f"--output_dir {output_dir} holds the finished run of these flags: nothing is retrained over it. "
                 "Delete the folder, or choose another, to train it again")
     checkpoint = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
@@ -1943,11 +1947,24 @@ def push_to_hub(output_dir: str, repo_name: str, exp_name: str, hf_entity: Optio
     from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
 
     api = HfApi()
-    repo_id = f"{hf_entity or api.whoami()['name']}/{repo_name}__{exp_name}__tldr"
-    api.create_repo(repo_id, exist_ok=True)
-    api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
-    api.upload_folder(folder_path=output_dir, repo_id=repo_id, revision=run_name)
+    try:
+        repo_id = f"{hf_entity or api.whoami()['name']}/{repo_name}__{exp_name}__tldr"
+        api.create_repo(repo_id, exist_ok=True)
+        api.create_branch(repo_id, branch=run_name, exist_ok=True)  # one branch per run, all seeds in one repo
+        api.upload_folder(folder_path=output_dir, repo_id=repo_id, revision=run_name)
+    except Exception as error:  # the run itself is saved: say how to push it again
+        raise RuntimeError(f"pushing {output_dir} to the Hub failed ({type(error).__name__}); the run is saved there, "
+                           "and the same command with --resume pushes it again") from error
     print(f"pushed https://huggingface.co/{repo_id}/tree/{run_name}")
+
+
+def push_again(output_dir: str, repo_name: str, flags: dict) -> None:
+    """Rank 0 pushes a finished run's folder to the Hub again, on the branch of its run name (from its args.json);
+    the Hub keeps the files it already has."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"nothing to train: {output_dir} holds the finished run of these flags; pushing it again (--push_to_hub)")
+        run_name = load_json(os.path.join(output_dir, "args.json"))["run_name"]
+        push_to_hub(output_dir, repo_name, flags["exp_name"], flags["hf_entity"], run_name)
 
 
 def load_json(path: str) -> dict:
@@ -2066,8 +2083,11 @@ if __name__ == "__main__":
         finished = True
     except SetupError as error:  # a flag or input it cannot use: the message, not a traceback, says what to do
         sys.exit(f"SetupError: {error}")
-    except RunFinished as done:
-        print(f"nothing to do: {done}")
+    except RunFinished as done:  # a repeated or requeued start of a finished run: nothing is trained
+        if done.flags["push_to_hub"]:  # its push at the end of training may have failed: push it again
+            push_again(done.output_dir, done.flags["base_model"].replace("/", "_"), done.flags)
+        else:
+            print(f"nothing to do: {done}")
         finished = True
     finally:
         leave_process_group(finished)

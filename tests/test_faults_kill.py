@@ -64,6 +64,40 @@ def previous_model_intact(out, reference):
     assert all(torch.equal(weights(out)[key], reference[key]) for key in reference)
 
 
+STAND_IN_HUB = """import json, os
+import huggingface_hub
+
+
+class HfApi:  # records each call as [method, keyword arguments] in $HUB_CALLS
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            with open(os.environ["HUB_CALLS"], "a") as file:
+                file.write(json.dumps([name, {**dict(zip(("repo_id",), args)), **kwargs}]) + "\\n")
+            return {"name": "me"}
+        return call
+
+
+huggingface_hub.HfApi = HfApi
+"""
+
+
+def push_with_a_stand_in_hub(tmp_path, flags: list) -> list:
+    """Run sft.py FLAGS (one process, a fresh interpreter) with huggingface_hub.HfApi replaced by a recorder; the
+    calls it made, as [[method, keyword arguments]]."""
+    (tmp_path / "hub").mkdir(exist_ok=True)
+    (tmp_path / "hub" / "sitecustomize.py").write_text(STAND_IN_HUB)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'hub'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "HUB_CALLS": str(tmp_path / "hub" / "calls.jsonl")}
+    result = subprocess.run([sys.executable, str(REPO / "sft.py"), *flags], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "nothing to train" in result.stdout and "pushing it again (--push_to_hub)" in result.stdout
+    return [json.loads(line) for line in (tmp_path / "hub" / "calls.jsonl").read_text().splitlines()]
+
+
 def test_kills_during_saves_lose_nothing_and_the_run_resumes_bit_identical(tiny_tldr, tmp_path):
     out = tmp_path / "out"
     flags = [*TINY_RUN, "--query_dataset", tiny_tldr / "sft", "--output_dir", out, "--save_every", "1"]
@@ -80,6 +114,14 @@ def test_kills_during_saves_lose_nothing_and_the_run_resumes_bit_identical(tiny_
     assert "Delete the folder, or choose another, to train it again" in result.stderr
     result = run_sft(tmp_path, *flags, "--resume")
     assert f"nothing to do: {out} holds the finished run of these flags" in result.stdout
+    assert {name: (out / name).read_bytes() for name in os.listdir(out) if (out / name).is_file()} == finished_files
+    # With --push_to_hub (its push at the end may have failed) it is pushed again, on its run's branch, nothing
+    # retrained: a stand-in Hub (sitecustomize.py) records the calls.
+    calls = push_with_a_stand_in_hub(tmp_path, [str(flag) for flag in flags] + ["--resume", "--push_to_hub"])
+    run_name = json.loads((out / "args.json").read_text())["run_name"]
+    repo = "me/" + str(flags[flags.index("--base_model") + 1]).replace("/", "_") + "__sft__tldr"
+    assert ["create_branch", {"repo_id": repo, "branch": run_name, "exist_ok": True}] in calls
+    assert ["upload_folder", {"folder_path": str(out), "repo_id": repo, "revision": run_name}] in calls
     assert {name: (out / name).read_bytes() for name in os.listdir(out) if (out / name).is_file()} == finished_files
     assert not (out / "checkpoints").exists() and not any(path.exists() for path in scratch)
     previous_model_intact(out, reference)

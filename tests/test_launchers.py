@@ -339,7 +339,7 @@ sleep "${FAKE_SLEEP:-0}"
 
 def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
     """Under a fake srun / scontrol (and a python whose torch sees a GPU): task 5 runs its command with srun;
-    a finished run is skipped; USR1 (the time-limit warning) calls `scontrol requeue <array job>_<task>`."""
+    a finished run is skipped, or with PUSH=1 started to be pushed again; USR1 (the time-limit warning) calls `scontrol requeue <array job>_<task>`."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(FAKE_SRUN)
@@ -360,6 +360,11 @@ def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
     (out / "eval_metrics.json").write_text("{}")
     result = bash(str(SLURM / "reward.sbatch"), env={**env, "SLURM_ARRAY_TASK_ID": "5"})
     assert result.returncode == 0 and "nothing to do" in result.stdout and "srun:" not in result.stdout
+    # PUSH=1: the script starts (with --resume --push_to_hub it trains nothing and pushes the finished run again)
+    result = bash(str(SLURM / "reward.sbatch"), env={**env, "SLURM_ARRAY_TASK_ID": "5", "PUSH": "1"})
+    assert result.returncode == 0 and "it starts only to push it to the Hub again (PUSH=1)" in result.stdout
+    assert "srun: accelerate launch" in result.stdout and "--resume" in result.stdout
+    assert "--push_to_hub" in result.stdout, result.stdout
 
     def warned(progress: bool) -> tuple:  # task 4 under USR1 while srun runs: (stdout, stderr)
         process = subprocess.Popen(["bash", str(SLURM / "reward.sbatch")], cwd=REPO, text=True, stdout=subprocess.PIPE,

@@ -217,10 +217,46 @@ def test_a_finished_run_is_never_trained_over(tmp_path, stage):
     (tmp_path / "eval_metrics.json").write_text("{}")
     problem = module.output_dir_problem(str(tmp_path), flags, ("resume",))
     assert f"--output_dir {tmp_path} holds the finished run of these flags" in problem and "Delete the folder" in problem
-    with pytest.raises(module.RunFinished, match="holds the finished run of these flags: nothing to do"):
+    with pytest.raises(module.RunFinished, match="holds the finished run of these flags") as finished:
         module.output_dir_problem(str(tmp_path), {**flags, "resume": True}, ("resume",))
+    assert finished.value.output_dir == str(tmp_path) and finished.value.flags == {**flags, "resume": True}
     assert "holds a different run (seed=1 there, 2 now)" in module.output_dir_problem(
         str(tmp_path), {**flags, "seed": 2, "resume": True}, ("resume",))
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
+def test_a_finished_run_is_pushed_again_by_rank_0_on_its_own_branch(tmp_path, stage, monkeypatch):
+    """--resume --push_to_hub of a finished run (its push at the end of training may have failed) pushes its folder
+    again, on the branch of its run name (from its args.json), to the entity of this start; other ranks push nothing.
+    A failed push says the run is saved and how to push it again."""
+    import huggingface_hub
+
+    module = __import__(stage)
+    (tmp_path / "args.json").write_text(json.dumps({"run_name": "tldr__m__1__99", "exp_name": "x"}))
+    pushes = []
+    monkeypatch.setattr(module, "push_to_hub", lambda *args: pushes.append(args))
+    flags = {"exp_name": "x", "hf_entity": "someone", "push_to_hub": True}
+    monkeypatch.setenv("RANK", "1")
+    module.push_again(str(tmp_path), "org_model", flags)
+    assert pushes == []
+    monkeypatch.setenv("RANK", "0")
+    module.push_again(str(tmp_path), "org_model", flags)
+    assert pushes == [(str(tmp_path), "org_model", "x", "someone", "tldr__m__1__99")]
+
+    class FailingApi:  # the Hub reached, the upload cut off
+        def __init__(self, *args, **kwargs):
+            self.calls = []
+
+        def __getattr__(self, name):
+            if name == "upload_folder":
+                raise ConnectionError("connection reset")
+            return lambda *args, **kwargs: {"name": "me"}
+
+    monkeypatch.undo()
+    monkeypatch.setattr(huggingface_hub, "HfApi", FailingApi)
+    with pytest.raises(RuntimeError, match=f"pushing {tmp_path} to the Hub failed \\(ConnectionError\\); the run is "
+                                           "saved there, and the same command with --resume pushes it again"):
+        module.push_to_hub(str(tmp_path), "org_model", "x", None, "tldr__m__1__99")
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])

@@ -12,7 +12,8 @@
 #
 # Task i runs MODEL = MODELS[i / #SEEDS], SEED = SEEDS[i % #SEEDS] (the reference's indexing), so
 # task i of every stage is the same (model, seed) and `--dependency=aftercorr` chains them.
-# Requeue: a task whose DONE file exists exits at once; otherwise its command carries --resume
+# Requeue: a task whose DONE file exists exits at once (with PUSH=1 its script starts, trains nothing and pushes the
+# finished run again, in case the push that ended it failed); otherwise its command carries --resume
 # and --save_every, so a job requeued after a preemption, a node failure or its time limit continues
 # from its latest checkpoint. Before the limit a training run checkpoints and stops by itself
 # (--stop_after_minutes: the job's time left less STOP_MARGIN_MINUTES) and the task requeues; the USR1
@@ -111,8 +112,12 @@ run_stage() {  # run_stage [--dry-run]
   fi
   task_command "$i"
   if task_done; then
-    echo "$STAGE [$i]: $OUT/$DONE says the run is complete, nothing to do"
-    return 0
+    if [[ " ${CMD[*]} " != *" --push_to_hub "* ]]; then
+      echo "$STAGE [$i]: $OUT/$DONE says the run is complete, nothing to do"
+      return 0
+    fi
+    # PUSH=1: the push at the end of its training may have failed. The script trains nothing and pushes it again.
+    echo "$STAGE [$i]: $OUT/$DONE says the run is complete; it starts only to push it to the Hub again (PUSH=1)"
   fi
   if [[ $GPU == yes ]]; then
     # A training stage on a node whose torch is a CPU build (or sees no GPU) would otherwise train
