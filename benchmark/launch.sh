@@ -45,8 +45,22 @@ if [[ " ${stages[*]} " == *" judge "* && -z $JUDGE_MODEL ]] && ((!dry_run)); the
   exit 1
 fi
 
+# The global batches (each script's --batch_size default, the paper's; tests/test_launchers.py checks them). A rank's
+# micro-batch x GPUS_PER_NODE must divide each, or every task of the stage would refuse at its start, after its wait.
+declare -A BATCH=([sft]=128 [reward]=64 [dpo]=64 [ppo]=512)
+declare -A MICRO_KNOB=([sft]=SFT_MICRO [reward]=RM_MICRO [dpo]=DPO_MICRO [ppo]=PPO_MICRO)
 for model in "${MODEL_LIST[@]}"; do  # a model without knobs would fail in every task of every stage, once submitted
   if ! knobs "$model"; then echo "benchmark/launch.sh: MODELS names '$model'. Nothing was submitted." >&2; exit 1; fi
+  for stage in "${stages[@]}"; do
+    [[ -n ${BATCH[$stage]:-} ]] || continue
+    micro=${!MICRO_KNOB[$stage]}
+    if ((GPUS_PER_NODE < 1 || BATCH[$stage] % (GPUS_PER_NODE * micro))); then
+      echo "benchmark/launch.sh: GPUS_PER_NODE=$GPUS_PER_NODE does not fit $stage at $model: its batch of" \
+        "${BATCH[$stage]} is not a multiple of $GPUS_PER_NODE GPUs x its micro-batch $micro (${MICRO_KNOB[$stage]}," \
+        "benchmark/knobs.sh). Use a GPU count that divides ${BATCH[$stage]} / $micro. Nothing was submitted." >&2
+      exit 1
+    fi
+  done
 done
 
 n_tasks=$((${#MODEL_LIST[@]} * ${#SEED_LIST[@]}))

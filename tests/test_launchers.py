@@ -324,6 +324,25 @@ def test_pipeline_chains_the_stages_with_dependencies(dry_runs):
     assert [one(c, "output_dir") for c in parse_dry_run(result.stdout)] == [f"models/{PAPER_MODELS[2]}/ppo_{s}" for s in (1, 2)]
 
 
+def test_launch_refuses_a_gpu_count_that_does_not_divide_a_batch():
+    """GPUS_PER_NODE x a rank's micro-batch must divide each stage's global batch, or every task would refuse at its
+    start after waiting for a node: launch.sh refuses first, naming the stage, the model and the knob. Its batches
+    are the scripts' defaults."""
+    launch = (REPO / "benchmark" / "launch.sh").read_text()
+    batches = dict(re.findall(r"\[(\w+)\]=(\d+)", re.search(r"declare -A BATCH=\((.*)\)", launch).group(1)))
+    assert {stage: int(batch) for stage, batch in batches.items()} == {
+        stage: args_defaults(REPO / SCRIPTS[stage])["batch_size"] for stage in TRAINING}
+    result = bash("benchmark/launch.sh", "--dry-run", env={"GPUS_PER_NODE": "3"})
+    assert result.returncode == 1 and "sbatch" not in result.stdout, result.stdout
+    assert ("GPUS_PER_NODE=3 does not fit sft at EleutherAI/pythia-1b-deduped: its batch of 128 is not a multiple of "
+            "3 GPUs x its micro-batch 1 (SFT_MICRO") in result.stderr, result.stderr
+    # 2.8B PPO: 512 / (32 x 4) = 4; 1B PPO: 512 / (32 x 16) = 1; the other stages' 64 / 32 = 2
+    assert bash("benchmark/launch.sh", "--dry-run", env={"GPUS_PER_NODE": "32"}).returncode == 0
+    result = bash("benchmark/launch.sh", "--dry-run", "ppo", env={"GPUS_PER_NODE": "64"})
+    assert result.returncode == 1 and "ppo at EleutherAI/pythia-1b-deduped: its batch of 512" in result.stderr
+    assert bash("benchmark/launch.sh", "--dry-run", "judge", env={"GPUS_PER_NODE": "3"}).returncode == 0
+
+
 FAKE_SRUN = r"""#!/usr/bin/env bash
 echo "srun: $*"
 out=; previous=
