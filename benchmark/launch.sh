@@ -44,6 +44,12 @@ if [[ " ${stages[*]} " == *" judge "* && -z $JUDGE_MODEL ]] && ((!dry_run)); the
     "stage (bash benchmark/launch.sh preprocess sft reward dpo ppo). Nothing was submitted." >&2
   exit 1
 fi
+if [[ " ${stages[*]} " == *" judge "* && -z ${OPENAI_API_KEY:-} ]] && ((!dry_run)); then  # the jobs inherit this shell's
+  echo "benchmark/launch.sh: the judge stage needs OPENAI_API_KEY in this shell (its jobs inherit it; any non-empty" \
+    "value for a server without keys, OPENAI_BASE_URL naming it), or leave out the judge stage. Nothing was" \
+    "submitted." >&2
+  exit 1
+fi
 
 # The global batches (each script's --batch_size default, the paper's; tests/test_launchers.py checks them). A rank's
 # micro-batch x GPUS_PER_NODE must divide each, or every task of the stage would refuse at its start, after its wait.

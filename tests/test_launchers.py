@@ -43,7 +43,7 @@ EVAL_ROWS = {"validation": 6447, "test": 6553}
 # A clean environment for the dry runs: the knobs' defaults, not whatever the caller exported.
 KNOB_VARS = ("MODELS", "SEEDS", "DATA", "OUT_ROOT", "TOKENIZER_MODEL", "ACCELERATE_CONFIG", "TRACK", "PUSH",
              "SAVE_EVERY_SFT", "SAVE_EVERY_RM", "SAVE_EVERY_DPO", "SAVE_EVERY_PPO", "ARRAY_THROTTLE",
-             "JUDGE_MODEL", "JUDGE_ARRAY_THROTTLE", "DROP_BAD_ROWS", "FAST_SAMPLING", "COMPILE_TRAINING",
+             "JUDGE_MODEL", "JUDGE_ARRAY_THROTTLE", "DROP_BAD_ROWS", "FAST_SAMPLING", "COMPILE_TRAINING", "OPENAI_API_KEY",
              "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_SUBMIT_DIR")
 ENV = {key: value for key, value in os.environ.items() if key not in KNOB_VARS}
 
@@ -494,7 +494,8 @@ def test_judge_task_runs_again_until_a_run_finished_with_no_row_left_to_retry(tm
 
 def test_the_judge_stage_is_submitted_with_a_model_and_one_task_at_a_time():
     """Every judge task's calls share one API key's rate limit: launch.sh runs JUDGE_ARRAY_THROTTLE (1) of them at
-    once, whatever ARRAY_THROTTLE sets for the GPU stages, and refuses to submit anything while JUDGE_MODEL is unset."""
+    once, whatever ARRAY_THROTTLE sets for the GPU stages, and refuses to submit anything while JUDGE_MODEL or
+    OPENAI_API_KEY is unset."""
     result = bash("benchmark/launch.sh", "--dry-run", "ppo", "judge", env={"JUDGE_MODEL": "judge-test"})
     submits = {Path(line.split()[-1]).stem: line for line in result.stdout.splitlines() if line.startswith("sbatch ")}
     assert "--array=0-11%1 " in submits["judge"] and "--array=0-11 " in submits["ppo"]
@@ -509,6 +510,10 @@ def test_the_judge_stage_is_submitted_with_a_model_and_one_task_at_a_time():
     assert "Nothing was submitted" in unknown.stderr and "sbatch" not in unknown.stdout
     refused = bash("benchmark/launch.sh", "sft", "judge")  # no JUDGE_MODEL: nothing reaches sbatch
     assert refused.returncode == 1 and "needs JUDGE_MODEL" in refused.stderr
+    assert "Nothing was submitted" in refused.stderr and refused.stdout == ""
+    # no API key in the shell the jobs inherit: the same
+    refused = bash("benchmark/launch.sh", "sft", "judge", env={"JUDGE_MODEL": "m"})
+    assert refused.returncode == 1 and "the judge stage needs OPENAI_API_KEY in this shell" in refused.stderr
     assert "Nothing was submitted" in refused.stderr and refused.stdout == ""
 
 
