@@ -90,6 +90,12 @@ def test_gpu_check_report_has_every_stage_and_the_update_split_by_hand():
             in report)
     assert ("| StaticSampler, compiled layers (--fast_sampling --compile_training) | 2.55 | 0.25 (10%) | 0.30 (12%) | "
             "2.00 (78%) |") in report
+    # issue 17's target, on the faster run (2.55 s; generation 0.25 / 2.55 = 10%), and missed by a slower one
+    assert ("The faster run (fast): 2.55 s (met), generation 10% (met).") in report
+    slow = made_up_measurements(fast_training=2.0)
+    slow[5]["time/training"], slow[6]["time/training"] = [5.0, 4.2], [5.0, 4.0]
+    assert "The faster run (fast): 4.55 s (not met, 0.55 s over), generation 5% (met)." in "\n".join(
+        gpu_check.report_lines(*slow))
     # 4 PPO epochs x (64 / 16) micro-batches x policy and critic = 32 passes of 0.05 s: a floor of 1.60 s. The eager
     # run's training phase (2.2 s) is 1.38x it, at 32 x 6e12 / 2.2 = 87 TFLOP/s = 44% of the 200 TFLOP/s peak; the
     # compiled run's (2.0 s) 1.25x, 96 TFLOP/s = 48%; 2.0 / 2.2 = 0.909
