@@ -544,6 +544,7 @@ def check_rows(args: Args, sft, preference) -> tuple:
     if len(preference["validation_cnndm"]) == 0:
         print(f"{args.preference_dataset}: no CNN/DM comparisons (batches {', '.join(CNNDM_BATCHES)}) in "
               "validation, so validation_cnndm is empty and the cnndm_* length flags are not checked")
+    # A row is named by its split here and its index there (validation_cnndm: the source validation's CNN/DM rows).
     dropped = [dict(source=args.sft_dataset, split=split, row=i, id=row_id, problem=problem)
                for split, dataset in sft.items() for i, row_id, problem in bad_rows(as_rows(dataset), split, "sft")]
     dropped += [dict(source=args.preference_dataset, split=split, row=i, id=row_id, problem=problem)
@@ -556,7 +557,7 @@ def check_rows(args: Args, sft, preference) -> tuple:
     repeats = duplicate_rows(ids)
     if dropped or repeats:
         if not args.drop_bad_rows:
-            lines = [f"split '{row['split']}', row {row['row']} ({row_label(row['id'])}): {row['problem']}"
+            lines = [bad_row_message(row["split"], row["row"], row["id"], row["problem"])
                      for row in dropped[:10]] + (["..."] if len(dropped) > 10 else [])
             if repeats:
                 lines.append(f"{args.sft_dataset}: {duplicate_id_problem(ids)}")
@@ -619,13 +620,6 @@ def row_problem(row: dict, kind: str) -> Optional[str]:
     return None
 
 
-def validate_rows(rows, split: str, kind: str) -> None:
-    """Raise DataError naming the split and row id of the first row `row_problem` rejects."""
-    if found := bad_rows(rows, split, kind):
-        i, row_id, problem = found[0]
-        raise DataError(f"split '{split}', row {i} ({row_label(row_id)}): {problem}")
-
-
 def bad_rows(rows, split: str, kind: str) -> list:
     """[(row index, row id or None, problem)] of every row `row_problem` rejects, in order."""
     found = []
@@ -636,8 +630,9 @@ def bad_rows(rows, split: str, kind: str) -> list:
     return found
 
 
-def row_label(row_id) -> str:
-    return "no id" if row_id is None else f"id {row_id!r}"  # a preference row whose `info` is broken has none
+def bad_row_message(split: str, row: int, row_id, problem: str) -> str:
+    named = "no id" if row_id is None else f"id {row_id!r}"  # a preference row whose `info` is broken has none
+    return f"split '{split}', row {row} ({named}): {problem}"
 
 
 def duplicate_rows(ids_by_split: dict) -> list:

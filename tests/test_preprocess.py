@@ -497,14 +497,15 @@ def test_split_surgery_cnndm(tok):
     ("tldr", lambda row: row.update(batch=None), "expected `batch` to be a string"),
     ("cnndm", lambda row: row["info"].update(article=None), "expected info.article to be a string, got None"),
 ])
-def test_bad_rows_raise_naming_split_and_row(kind, change, expected):
+def test_bad_rows_are_named_by_split_and_row(kind, change, expected):
     good = sft_row("ok") if kind == "sft" else preference_row("ok", cnndm=kind == "cnndm")
     bad = sft_row("bad7") if kind == "sft" else preference_row("bad7", cnndm=kind == "cnndm")
     change(bad)
-    pre.validate_rows([good, good], "validation", kind)
-    with pytest.raises(pre.DataError) as error:
-        pre.validate_rows([good, bad], "validation", kind)
-    assert "split 'validation', row 1 (id 'bad7')" in str(error.value) and expected in str(error.value)
+    assert pre.bad_rows([good, good], "validation", kind) == []
+    found = pre.bad_rows([good, bad], "validation", kind)
+    assert len(found) == 1
+    message = pre.bad_row_message("validation", *found[0])
+    assert "split 'validation', row 1 (id 'bad7')" in message and expected in message
 
 
 def test_missing_split_names_it_and_the_existing_ones():
