@@ -1586,15 +1586,19 @@ def save_rm(accelerator, args, run_name: str, writer, model, tokenizer, staging:
 
 
 def fp32_state_dict(accelerator, model) -> dict:
-    """All ranks: the model's state dict in fp32, under DeepSpeed its fp32 master weights (not the bf16 copies)."""
+    """All ranks: the model's state dict in fp32; under DeepSpeed, on rank 0, its fp32 master weights (not the bf16
+    copies), on the CPU (the other ranks, which save nothing, keep the bf16 copies cast)."""
     state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
     if accelerator.state.deepspeed_plugin is not None:
         from deepspeed.utils import safe_get_full_fp32_param
 
         for name, param in accelerator.unwrap_model(model).named_parameters():
-            master = safe_get_full_fp32_param(param)  # collective (all-gathers the master's shards); None if frozen
-            if master is not None:
-                state_dict[name] = master
+            master = safe_get_full_fp32_param(param)  # collective: a full fp32 copy on this GPU; None if frozen
+            # To the CPU one at a time: kept on the GPU, all of them (4 bytes a trained parameter, 54 GB in 6.9B
+            # PPO) would not fit beside the training states.
+            if master is not None and accelerator.is_main_process:
+                state_dict[name] = master.cpu()
+            del master
     return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
 
 

@@ -650,20 +650,37 @@ def test_each_rank_resumes_its_own_python_numpy_and_torch_random_states(tmp_path
 
 def test_deepspeed_models_are_saved_from_the_fp32_master_weights(monkeypatch):
     """Under DeepSpeed bf16 the module holds bf16 copies; fp32_state_dict returns ZeRO's fp32 master weights instead
-    (faked here: DeepSpeed on a CPU trains in fp32), every tensor fp32."""
+    (faked here: DeepSpeed on a CPU trains in fp32), every tensor fp32. Each master comes as a full copy on the GPU
+    (a stand-in here) and goes to the CPU as it comes, on rank 0 only: every rank calls the collective, and the
+    other ranks, which save nothing, keep no copy (all of them on each GPU would not fit at 6.9B)."""
     from types import SimpleNamespace
 
     import deepspeed.utils
 
+    class OnTheGpu:  # a master weight as DeepSpeed hands it; .cpu() is the one way out
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def cpu(self):
+            moved.append(self.tensor)
+            return self.tensor
+
     model = torch.nn.Linear(3, 2).to(torch.bfloat16)
     torch.manual_seed(0)
     master = {id(param): torch.randn(param.shape) for param in model.parameters()}  # not representable in bf16
-    monkeypatch.setattr(deepspeed.utils, "safe_get_full_fp32_param", lambda param: master[id(param)])
-    accelerator = SimpleNamespace(get_state_dict=lambda module: dict(module.state_dict()), unwrap_model=lambda m: m,
-                                  state=SimpleNamespace(deepspeed_plugin=object()))
-    state_dict = sft.fp32_state_dict(accelerator, model)
-    for name, param in model.named_parameters():
-        assert state_dict[name].dtype == torch.float32 and torch.equal(state_dict[name], master[id(param)]), name
+    calls, moved = [], []
+    monkeypatch.setattr(deepspeed.utils, "safe_get_full_fp32_param",
+                        lambda param: calls.append(param) or OnTheGpu(master[id(param)]))
+    for main in (True, False):
+        accelerator = SimpleNamespace(get_state_dict=lambda module: dict(module.state_dict()),
+                                      unwrap_model=lambda m: m, is_main_process=main,
+                                      state=SimpleNamespace(deepspeed_plugin=object()))
+        calls.clear(), moved.clear()
+        state_dict = sft.fp32_state_dict(accelerator, model)
+        assert len(calls) == 2 and len(moved) == (2 if main else 0)  # weight and bias
+        for name, param in model.named_parameters():
+            expected = master[id(param)] if main else param.detach().float()
+            assert state_dict[name].dtype == torch.float32 and torch.equal(state_dict[name], expected), name
 
 
 def test_save_fp32_says_float32_for_a_bf16_module(tmp_path):
