@@ -1625,8 +1625,9 @@ def frozen_like_trained(accelerator, offload: bool, model, ref_policy, reward_mo
         # DeepSpeed's bf16 parameters with fp32 buffers, or fp32 under accelerate's autocast.
         # A more precise reference would make the KL start away from 0 by the rounding difference alone.
         dtype = next(model.parameters()).dtype
-        ref_policy = cast_parameters(ref_policy.to(accelerator.device), dtype)
-        reward_model = cast_parameters(reward_model.to(accelerator.device), dtype)
+        # Cast on the CPU, then moved: fp32 copies on the GPU first would take 4 bytes a parameter each.
+        ref_policy = cast_parameters(ref_policy, dtype).to(accelerator.device)
+        reward_model = cast_parameters(reward_model, dtype).to(accelerator.device)
     problem = rotary_problem({"policy and critic": model, "reference": ref_policy, "reward model": reward_model})
     refuse(problem and f"rotary frequencies below fp32 after accelerator.prepare: {problem}")
     return ref_policy, reward_model
