@@ -63,10 +63,13 @@ export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 # (the paper's stack); 6.9B PPO adds ppo.py --offload (the table's PPO_OFFLOAD column).
 export ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-benchmark/accelerate/deepspeed_zero2.yaml}
 
-# preprocess_tldr.py fails, listing them, on source rows it cannot use (a summary without its leading space, an
-# empty post, an SFT post id in two splits). DROP_BAD_ROWS=1 passes --drop_bad_rows: they are left out, each listed
-# with its reason in $DATA/dropped_rows.json. Off by default: a dropped row is a choice to make knowingly.
-export DROP_BAD_ROWS=${DROP_BAD_ROWS:-0}
+# More flags for preprocess_tldr.py (every length and filter is otherwise its default, the paper's). It has never
+# run on the Hub's data here, and it fails, saying which flag to pass, on source rows it cannot use (a summary
+# without its leading space, an empty post, an SFT post id in two splits: PREPROCESS_FLAGS=--drop_bad_rows leaves
+# them out, listed in $DATA/dropped_rows.json) or on a computed maximum length that differs from its flag (the
+# paper's were computed under transformers 4.33, whose decode cleaned up spaces before re-tokenizing: e.g.
+# PREPROCESS_FLAGS="--max_sft_query_response_length 563"). Empty by default: each is a choice to make knowingly.
+export PREPROCESS_FLAGS=${PREPROCESS_FLAGS:-}
 
 # PPO's sampler: ppo.py --fast_sampling (a static KV cache and a compiled one-token step; the same
 # tokens as HF generate in fp32, 98-99% of them in bf16). On one H100 at 1B it took a PPO update

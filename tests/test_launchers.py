@@ -43,7 +43,7 @@ EVAL_ROWS = {"validation": 6447, "test": 6553}
 # A clean environment for the dry runs: the knobs' defaults, not whatever the caller exported.
 KNOB_VARS = ("MODELS", "SEEDS", "DATA", "OUT_ROOT", "TOKENIZER_MODEL", "ACCELERATE_CONFIG", "TRACK", "PUSH",
              "SAVE_EVERY_SFT", "SAVE_EVERY_RM", "SAVE_EVERY_DPO", "SAVE_EVERY_PPO", "ARRAY_THROTTLE",
-             "JUDGE_MODEL", "JUDGE_ARRAY_THROTTLE", "DROP_BAD_ROWS", "FAST_SAMPLING", "COMPILE_TRAINING", "OPENAI_API_KEY",
+             "JUDGE_MODEL", "JUDGE_ARRAY_THROTTLE", "PREPROCESS_FLAGS", "FAST_SAMPLING", "COMPILE_TRAINING", "OPENAI_API_KEY",
              "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_SUBMIT_DIR")
 ENV = {key: value for key, value in os.environ.items() if key not in KNOB_VARS}
 
@@ -261,16 +261,20 @@ def test_ppo_samples_with_the_fast_path_at_every_size(dry_runs):
             assert not any("fast_sampling" in command["flags"] for command in dry_runs[stage])
 
 
-def test_preprocess_drops_bad_rows_only_when_asked(dry_runs):
-    """knobs.sh's DROP_BAD_ROWS is 0: preprocess fails on a bad source row by default; DROP_BAD_ROWS=1 passes
-    --drop_bad_rows to it and to no other stage."""
-    assert dry_runs["preprocess"] and not any("drop_bad_rows" in command["flags"] for command in dry_runs["preprocess"])
+def test_preprocess_takes_more_flags_only_when_asked(dry_runs):
+    """knobs.sh's PREPROCESS_FLAGS is empty: preprocess runs with its defaults (it fails on a bad source row or a
+    length that differs from its flag, saying which flag to pass); PREPROCESS_FLAGS reaches preprocess, and no other
+    stage, word for word."""
+    assert dry_runs["preprocess"] and set(dry_runs["preprocess"][0]["flags"]) == {"base_model", "output_dir"}
+    flags = "--drop_bad_rows --max_sft_query_response_length 563"
     for stage in STAGES:
-        result = bash(str(SLURM / f"{stage}.sbatch"), "--dry-run", env={"DROP_BAD_ROWS": "1"})
+        result = bash(str(SLURM / f"{stage}.sbatch"), "--dry-run", env={"PREPROCESS_FLAGS": flags})
         assert result.returncode == 0, result.stderr
         commands = parse_dry_run(result.stdout)
         assert commands
         assert all(("drop_bad_rows" in command["flags"]) == (stage == "preprocess") for command in commands)
+        if stage == "preprocess":
+            assert commands[0]["line"].endswith(" " + flags) and one(commands[0], "max_sft_query_response_length") == "563"
 
 
 def test_ppo_compiles_its_training_layers_only_when_asked(dry_runs):
