@@ -333,7 +333,8 @@ def main() -> None:
     assert pad_id != tokenizer.eos_token_id, f"pad id {pad_id} must differ from eos id {tokenizer.eos_token_id}"
 
     # ---- data: load, split, validate every row before any tokenization ----
-    # Until the last step this run writes only into a scratch folder (its caches, then its outputs).
+    # Until the last step this run writes into a scratch folder only (its outputs, and a local source's caches; a Hub
+    # source's download and caches go to the datasets cache, ~/.cache/huggingface/datasets, as datasets does).
     scratch = start_scratch(args.output_dir)
     sft_source = load_source(args.sft_dataset, None, scratch)
     preference_source = load_source(args.preference_dataset, args.preference_config, scratch)
