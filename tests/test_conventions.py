@@ -15,6 +15,8 @@ a checker that silently stopped checking would be noticed.
   g. every repository path that README.md, benchmark/README.md and docs/details.md name exists
   h. a stage reads as the algorithm above one fence line, its plumbing and fast paths below
   i. each stage's front page runs the tiny world with the flags benchmark/tiny.sh gives it (subprocess: bash)
+  j. every command that README.md, benchmark/README.md, docs/details.md and the scripts' front pages write gives
+     its script flags it has: each a field of its Args, a value after each non-bool flag, none after a bool
 
 Tests about stage scripts are parametrized over the scripts that exist, so they grow as stages land.
 """
@@ -1065,6 +1067,82 @@ def test_tiny_command_checker_catches_drift():
         "dpo.py: benchmark/tiny.sh never runs it",
         "reward.py: no `# tiny world` command in its module docstring",
     ], problems
+
+
+# ---- j. documented commands use flags their scripts have ----
+
+DOCUMENTS = ("README.md", "benchmark/README.md", "docs/details.md")
+
+
+def script_flags(source: str) -> dict:
+    """{flag name: whether it is a bool} of the `Args` dataclass of a script's source."""
+    cls = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == "Args")
+    return {stmt.target.id: ast.unparse(stmt.annotation) == "bool" for stmt, _ in dataclass_fields(cls)}
+
+
+def documented_commands(text: str) -> list:
+    """[(line number, script file, [tokens after it])] of every `python X.py ...` / `accelerate launch ... X.py ...`
+    of a stage or tool script in `text` (lines joined at trailing backslashes; `$NAME` expanded where the text sets
+    NAME="..."; what follows `#`, a backtick, `;`, `&&`, `|` or `>` cut off)."""
+    scripts = "|".join(re.escape(name) for name in CLI_SCRIPTS)
+    variables = dict(re.findall(r'^\s*(\w+)="([^"]*)"', text, re.M))
+    found, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        start, line = i, lines[i]
+        while line.rstrip().endswith("\\") and i + 1 < len(lines):
+            i += 1
+            line = line.rstrip()[:-1] + " " + lines[i].strip()
+        i += 1
+        match = re.search(rf"(?:python3? |accelerate launch .*?)(?:\S*/)?({scripts})((?: +\S+)*)", line)
+        if match:
+            rest = re.split(r" #|`|;|&&|\||>", match.group(2))[0]
+            tokens = []
+            for token in shlex.split(rest):
+                name = token.strip("${}") if token.startswith("$") else None
+                tokens += shlex.split(variables[name]) if name in variables else [token]
+            found.append((start + 1, match.group(1), tokens))
+    return found
+
+
+def check_documented_commands(documents: dict, flags_of: dict) -> list:
+    """Problems of the commands in `documents` ({name: text}) against `flags_of` ({script: script_flags})."""
+    problems = []
+    for document, text in documents.items():
+        for line, script, tokens in documented_commands(text):
+            flags = flags_of[script]
+            for i, token in enumerate(tokens):
+                if not token.startswith("--"):
+                    continue  # a flag's value, or more of them (--tables a=x b=y)
+                name = token[2:].split("=")[0].replace("-", "_")
+                is_bool = flags.get(name[3:] if name.startswith("no_") and name not in flags else name)
+                if is_bool is None:
+                    problems.append(f"{document}:{line}: {script} has no flag {token}")
+                elif is_bool and "=" not in token and i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+                    problems.append(f"{document}:{line}: {script} {token} is a switch, given the value {tokens[i + 1]}")
+                elif not is_bool and "=" not in token and (i + 1 == len(tokens) or tokens[i + 1].startswith("--")):
+                    problems.append(f"{document}:{line}: {script} {token} wants a value")
+    return problems
+
+
+def test_documented_commands_use_flags_their_scripts_have():
+    flags_of = {name: script_flags((REPO / name).read_text()) for name in CLI_SCRIPTS}
+    documents = {name: (REPO / name).read_text() for name in DOCUMENTS}
+    documents.update({name: ast.get_docstring(ast.parse((REPO / name).read_text())) for name in CLI_SCRIPTS})
+    assert sum(len(documented_commands(text)) for text in documents.values()) >= 30  # the checker sees them
+    problems = check_documented_commands(documents, flags_of)
+    assert not problems, "\n".join(problems)
+
+
+def test_documented_command_checker_catches_drift():
+    flags_of = {"sft.py": {"lr": False, "track": True, "seed": False}}
+    good = 'B="--seed 1"\npython sft.py $B --lr 3e-6 --track  # a comment --nope\n'
+    assert documented_commands(good) == [(2, "sft.py", ["--seed", "1", "--lr", "3e-6", "--track"])]
+    assert check_documented_commands({"d": good}, flags_of) == []
+    bad = ("accelerate launch --num_processes 8 sft.py --learning_rate 3e-6 \\\n    --seed\n"
+           "python sft.py --track yes --no_track --lr\n")
+    assert check_documented_commands({"d": bad}, flags_of) == [
+        "d:1: sft.py has no flag --learning_rate", "d:1: sft.py --seed wants a value",
+        "d:3: sft.py --track is a switch, given the value yes", "d:3: sft.py --lr wants a value"]
 
 
 def test_test_order_names_existing_files():
