@@ -388,6 +388,13 @@ def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
     assert result.returncode == 0 and "it starts only to push it to the Hub again (PUSH=1)" in result.stdout
     assert "srun: accelerate launch" in result.stdout and "--resume" in result.stdout
     assert "--push_to_hub" in result.stdout, result.stdout
+    # preprocessing is no training stage: done is done, whatever flags it was given
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "args.json").write_text("{}")
+    result = bash(str(SLURM / "preprocess.sbatch"), env={**env, "DATA": str(data), "PUSH": "1",
+                                                          "PREPROCESS_FLAGS": "--push_to_hub"})
+    assert result.returncode == 0 and "nothing to do" in result.stdout and "srun:" not in result.stdout, result.stdout
 
     def warned(progress: bool) -> tuple:  # task 4 under USR1 while srun runs: (stdout, stderr)
         process = subprocess.Popen(["bash", str(SLURM / "reward.sbatch")], cwd=REPO, text=True, stdout=subprocess.PIPE,

@@ -112,7 +112,7 @@ run_stage() {  # run_stage [--dry-run]
   fi
   task_command "$i"
   if task_done; then
-    if [[ " ${CMD[*]} " != *" --push_to_hub "* ]]; then
+    if [[ $GPU != yes || " ${CMD[*]} " != *" --push_to_hub "* ]]; then  # only the training stages push again
       echo "$STAGE [$i]: $OUT/$DONE says the run is complete, nothing to do"
       return 0
     fi
