@@ -542,3 +542,23 @@ def test_only_failed_rows_are_listed_as_failures():
              "abandoned": dict(status="abandoned", error=None)}
     listed = judge.failed_rows("sft", dict(items=items), cache, failed_row_retries=2)
     assert listed == [dict(run="sft", row=1, error="BadRequestError: x", failed_runs=3, asked_by_rerun=False)]
+
+
+def test_a_rows_seconds_are_its_own_time_not_its_wait_for_a_slot():
+    """With one slot and three rows of 0.3 s calls, the last row waits 0.6 s for the slot: its record's `seconds`
+    is its call's time (0.3 s and a little), not its wait as well (0.9 s and more)."""
+    import io
+
+    async def ask(post, a, b):
+        await asyncio.sleep(0.3)
+        return "Comparison: fine.\nPreferred: A"
+
+    todo = [dict(key=f"k{i}", ours="x", other="y", ours_is_a=True, post="p", label="ours", row=i,
+                 other_name="reference") for i in range(3)]
+    meta = dict(model="m", prompt_version=1, temperature=0.0, allow_tie=False)
+    cache, cache_file = {}, io.StringIO()
+    asyncio.run(judge.judge_all(todo, ask, cache, cache_file, meta, max_concurrency=1,
+                                retry=dict(timeout=5.0, max_retries=0, base=0.0, cap=0.0), run_id=1.0, secrets=[]))
+    seconds = sorted(record["seconds"] for record in cache.values())
+    assert len(seconds) == 3 and all(0.29 < value < 0.6 for value in seconds), seconds
+    assert {record["preferred"] for record in cache.values()} == {"ours"}
