@@ -737,7 +737,7 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
         nonlocal judged
         a, b = (item["ours"], item["other"]) if item["ours_is_a"] else (item["other"], item["ours"])
         totals = row_totals(cache.get(item["key"]))  # a failed or abandoned row's counts from earlier runs
-        before, start = dict(totals), None
+        before = dict(totals)
 
         def save(status: str, reply: Optional[str] = None, error: Optional[BaseException] = None) -> None:
             """Append the row's record: status "judged", "failed" (no reply) or "abandoned" (run stopped mid-call)."""

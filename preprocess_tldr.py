@@ -546,32 +546,30 @@ def check_rows(args: Args, sft, preference) -> tuple:
         print(f"{args.preference_dataset}: no CNN/DM comparisons (batches {', '.join(CNNDM_BATCHES)}) in "
               "validation, so validation_cnndm is empty and the cnndm_* length flags are not checked")
     # A row is named by its split here and its index there (validation_cnndm: the source validation's CNN/DM rows).
-    dropped = [dict(source=args.sft_dataset, split=split, row=i, id=row_id, problem=problem)
+    sft_bad = [dict(source=args.sft_dataset, split=split, row=i, id=row_id, problem=problem)
                for split, dataset in sft.items() for i, row_id, problem in bad_rows(as_rows(dataset), split, "sft")]
-    dropped += [dict(source=args.preference_dataset, split=split, row=i, id=row_id, problem=problem)
-                for split, dataset in preference.items()
-                for i, row_id, problem in bad_rows(as_rows(dataset), split,
-                                                   "cnndm" if split == "validation_cnndm" else "tldr")]
+    preference_bad = [dict(source=args.preference_dataset, split=split, row=i, id=row_id, problem=problem)
+                      for split, dataset in preference.items()
+                      for i, row_id, problem in bad_rows(as_rows(dataset), split,
+                                                         "cnndm" if split == "validation_cnndm" else "tldr")]
     # A post id twice in the SFT data is a post trained on twice or tested on after training. (In the
     # preference data it is normal: one post, several comparisons.)
     ids = {split: dataset["id"][:] for split, dataset in sft.items()}
-    repeats = duplicate_rows(ids)
-    if dropped or repeats:
-        if not args.drop_bad_rows:
-            lines = [bad_row_message(row["split"], row["row"], row["id"], row["problem"])
-                     for row in dropped[:10]] + (["..."] if len(dropped) > 10 else [])
-            if repeats:
-                lines.append(f"{args.sft_dataset}: {duplicate_id_problem(ids)}")
-            raise DataError(f"{len(dropped) + len(repeats)} row(s) this script cannot use:\n  " + "\n  ".join(lines)
-                            + "\nfix the source, or pass --drop_bad_rows to leave them out (each is then listed "
-                            f"with its reason in {args.output_dir}/dropped_rows.json)")
-        dropped += [dict(source=args.sft_dataset, split=split, row=i, id=row_id,
-                         problem=f"post id {row_id!r} is already in split '{first_split}' row {first_row}")
-                    for split, i, row_id, first_split, first_row in repeats]
-        sft, preference = (datasets.DatasetDict({split: without_rows(dataset, [
-            row["row"] for row in dropped if row["source"] == source and row["split"] == split])
-            for split, dataset in dataset_dict.items()})
-            for source, dataset_dict in ((args.sft_dataset, sft), (args.preference_dataset, preference)))
+    repeats = [dict(source=args.sft_dataset, split=split, row=i, id=row_id,
+                    problem=f"post id {row_id!r} is already in split '{first_split}' row {first_row}")
+               for split, i, row_id, first_split, first_row in duplicate_rows(ids)]
+    dropped = sft_bad + preference_bad + repeats
+    if dropped and not args.drop_bad_rows:
+        bad = sft_bad + preference_bad
+        lines = [bad_row_message(row["split"], row["row"], row["id"], row["problem"]) for row in bad[:10]]
+        lines += ["..."] if len(bad) > 10 else []
+        if repeats:
+            lines.append(f"{args.sft_dataset}: {duplicate_id_problem(ids)}")
+        raise DataError(f"{len(dropped)} row(s) this script cannot use:\n  " + "\n  ".join(lines)
+                        + "\nfix the source, or pass --drop_bad_rows to leave them out (each is then listed "
+                        f"with its reason in {args.output_dir}/dropped_rows.json)")
+    if dropped:
+        sft, preference = without_rows(sft, sft_bad + repeats), without_rows(preference, preference_bad)
         print(f"--drop_bad_rows: left out {len(dropped)} row(s), listed with their reasons in dropped_rows.json")
         require_splits(sft, SFT_SPLITS, f"{args.sft_dataset} without the dropped rows")
         require_splits(preference, PREFERENCE_SPLITS, f"{args.preference_dataset} without the dropped rows")
@@ -579,10 +577,11 @@ def check_rows(args: Args, sft, preference) -> tuple:
     return sft, preference, dropped
 
 
-def without_rows(dataset, rows: list):
-    """`dataset` less the rows at the indices `rows` (itself where there are none)."""
-    drop = set(rows)
-    return dataset.select([i for i in range(len(dataset)) if i not in drop]) if drop else dataset
+def without_rows(dataset_dict, dropped: list):
+    """`dataset_dict` less the rows `dropped` names ({"split", "row"} each)."""
+    gone = {(row["split"], row["row"]) for row in dropped}
+    return datasets.DatasetDict({split: dataset.select([i for i in range(len(dataset)) if (split, i) not in gone])
+                                 for split, dataset in dataset_dict.items()})
 
 
 def row_problem(row: dict, kind: str) -> Optional[str]:

@@ -881,6 +881,7 @@ def plot_token_rewards(samples: list, path: str) -> None:
 # None of these changes what the run computes.
 RESUME_FLAGS = ("resume", "stop_after_updates", "stop_after_minutes", "run_name", "save_every",
                 "track", "wandb_project_name", "wandb_entity", "push_to_hub", "hf_entity")  # where it logs and publishes
+HUB_REPO_FROM = "sft_model_path"  # the Hub repository of a run is named after this model
 # Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
 POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
 NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
@@ -1577,8 +1578,7 @@ def save_rm(accelerator, args, run_name: str, writer, model, tokenizer, staging:
     if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
     if args.push_to_hub:
-        repo_name = args.sft_model_path.rstrip("/").replace("/", "_")
-        push_to_hub(args.output_dir, repo_name, args.exp_name, args.hf_entity, run_name)
+        push_to_hub(args.output_dir, hub_repo_name(vars(args)), args.exp_name, args.hf_entity, run_name)
     if args.track:
         import wandb
 
@@ -1623,6 +1623,11 @@ def push_to_hub(output_dir: str, repo_name: str, exp_name: str, hf_entity: Optio
         raise RuntimeError(f"pushing {output_dir} to the Hub failed ({type(error).__name__}); the run is saved there, "
                            "and the same command with --resume pushes it again") from error
     print(f"pushed https://huggingface.co/{repo_id}/tree/{run_name}")
+
+
+def hub_repo_name(flags: dict) -> str:
+    """The name of the Hub repository a run is pushed to: the model its HUB_REPO_FROM flag names, "/" as "_"."""
+    return flags[HUB_REPO_FROM].rstrip("/").replace("/", "_")
 
 
 def push_again(output_dir: str, repo_name: str, flags: dict) -> None:
@@ -1744,7 +1749,7 @@ if __name__ == "__main__":
         sys.exit(f"SetupError: {error}")
     except RunFinished as done:  # a repeated or requeued start of a finished run: nothing is trained
         if done.flags["push_to_hub"]:  # its push at the end of training may have failed: push it again
-            push_again(done.output_dir, done.flags["sft_model_path"].rstrip("/").replace("/", "_"), done.flags)
+            push_again(done.output_dir, hub_repo_name(done.flags), done.flags)
         else:
             print(f"nothing to do: {done}")
         finished = True

@@ -55,7 +55,8 @@ export STOP_MARGIN_MINUTES=${STOP_MARGIN_MINUTES:-20}
 
 # GPUs of the one node each training run takes (the paper's 8). Another count keeps every global batch: the
 # scripts accumulate more (4 GPUs: PPO at 1B steps 16 x 8 micro-batches a rank); launch.sh refuses, before
-# submitting, a count that does not divide it. launch.sh asks SLURM for that many (sbatch --gpus-per-task); several nodes are not supported here.
+# submitting, a count that does not divide it, and asks SLURM for that many (sbatch --gpus-per-task); several nodes
+# are not supported here.
 export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 
 # Detail 8: Tech stack

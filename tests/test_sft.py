@@ -259,6 +259,16 @@ def test_a_finished_run_is_pushed_again_by_rank_0_on_its_own_branch(tmp_path, st
         module.push_to_hub(str(tmp_path), "org_model", "x", None, "tldr__m__1__99")
 
 
+@pytest.mark.parametrize("stage, named_after", [("sft", "base_model"), ("reward", "sft_model_path"),
+                                                ("dpo", "sft_model_path"), ("ppo", "base_model")])
+def test_a_run_and_its_push_again_go_to_one_hub_repository(stage, named_after):
+    """The end of training and a re-push name the repository by one rule: the model of the stage's flag, "/" as "_"."""
+    module = __import__(stage)
+    flags = {"base_model": "EleutherAI/pythia-1b-deduped", "sft_model_path": "models/m/sft_1/"}
+    assert module.hub_repo_name(flags) == {"base_model": "EleutherAI_pythia-1b-deduped",
+                                           "sft_model_path": "models_m_sft_1"}[named_after]
+
+
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
 def test_a_model_folder_of_the_wrong_stage_is_named_before_it_loads(tmp_path, stage):
     """An RM folder passed where a causal LM is wanted (and, in ppo.py, the reverse) stops with what the folder
