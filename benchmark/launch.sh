@@ -7,8 +7,9 @@
 #
 # Task i of every array is the same (model, seed), so a stage depends on its predecessors task by
 # task (`aftercorr`: reward of 1B seed 44413 starts as soon as that SFT run succeeds, not when all
-# twelve have). A failed predecessor cancels its dependants (--kill-on-invalid-dep); submitting
-# again is cheap, since a task whose output is complete exits at once.
+# twelve have). A failed predecessor cancels its dependants (--kill-on-invalid-dep). Only the tasks
+# with work left are submitted, so submitting again after a failure or for more seeds runs only what
+# is missing, and no complete task waits for a node.
 #
 #   bash benchmark/launch.sh --dry-run             # print the sbatch commands and every task's command
 #   bash benchmark/launch.sh                       # submit the whole pipeline (from any folder)
@@ -69,28 +70,85 @@ for model in "${MODEL_LIST[@]}"; do  # a model without knobs would fail in every
   done
 done
 
-n_tasks=$((${#MODEL_LIST[@]} * ${#SEED_LIST[@]}))
-declare -A JOB=()  # stage -> submitted job id (the stages of this call only)
+# Only the tasks with work left are submitted (each launcher's --pending: a finished run is left out, unless PUSH=1
+# starts it to push again), so a sweep submitted again waits for no node on behalf of runs already done. A task
+# depends on the jobs that hold its own predecessors: SLURM's aftercorr, given an array without the task's index,
+# would wait for that whole array instead, and cancel the task if any of its tasks failed.
+declare -A TASK_JOB=()  # "stage index" -> the job submitted for that task in this call (preprocess: "preprocess 0")
+declare -A GROUP=()     # dependency list -> the indices that share it, in the order met
 if ((!dry_run)); then mkdir -p runs/slurm; fi  # the #SBATCH --output folder
-for stage in "${ALL_STAGES[@]}"; do
-  [[ " ${stages[*]} " == *" $stage "* ]] || continue
-  args=(--parsable --kill-on-invalid-dep=yes)
-  throttle=${ARRAY_THROTTLE:-}
-  if [[ $stage == judge ]]; then throttle=$JUDGE_ARRAY_THROTTLE; fi  # its own knob: the tasks share one API key
-  if [[ $stage != preprocess ]]; then args+=("--array=0-$((n_tasks - 1))${throttle:+%$throttle}"); fi
-  if [[ $stage =~ ^(sft|reward|dpo|ppo)$ ]]; then args+=("--gpus-per-task=$GPUS_PER_NODE"); fi  # the knob, not the #SBATCH 8
-  deps=()
-  for need in ${NEEDS[$stage]}; do
-    [[ -n ${JOB[$need]:-} ]] || continue  # not submitted in this call: assumed done
-    if [[ $need == preprocess ]]; then deps+=("afterok:${JOB[$need]}"); else deps+=("aftercorr:${JOB[$need]}"); fi
+ranges() {  # ranges 0 1 2 5 7 8 -> 0-2,5,7-8: sbatch's --array list
+  local out=() start=$1 end=$1 i
+  shift
+  for i in "$@" ""; do
+    if [[ -n $i ]] && ((i == end + 1)); then end=$i; continue; fi
+    if ((start == end)); then out+=("$start"); else out+=("$start-$end"); fi
+    start=$i end=$i
   done
-  if ((${#deps[@]})); then args+=("--dependency=$(IFS=,; echo "${deps[*]}")"); fi
-  if ((dry_run)); then
-    JOB[$stage]="<$stage job id>"
-    echo "sbatch ${args[*]} benchmark/slurm/$stage.sbatch"
-    bash "benchmark/slurm/$stage.sbatch" --dry-run
-  else
-    JOB[$stage]=$(sbatch "${args[@]}" "benchmark/slurm/$stage.sbatch")
-    echo "$stage: job ${JOB[$stage]} (logs: runs/slurm/tldr-${stage}_${JOB[$stage]}*.out)"
+  (IFS=,; echo "${out[*]}")
+}
+if ((!dry_run)) && ! command -v sbatch >/dev/null; then
+  echo "benchmark/launch.sh: sbatch is not on PATH: submit from a SLURM login node, or see the commands with" \
+    "bash benchmark/launch.sh --dry-run. Nothing was submitted." >&2
+  exit 1
+fi
+declare -A PENDING=()  # stage -> the indices of its tasks with work left, all asked before anything is submitted
+for stage in "${stages[@]}"; do
+  if ! PENDING[$stage]=$(bash "benchmark/slurm/$stage.sbatch" --pending); then
+    echo "benchmark/launch.sh: could not tell which $stage tasks are complete (the error above, from" \
+      "bash benchmark/slurm/$stage.sbatch --pending). Nothing was submitted." >&2
+    exit 1
   fi
 done
+submitted=0
+for stage in "${ALL_STAGES[@]}"; do
+  [[ " ${stages[*]} " == *" $stage "* ]] || continue
+  read -r -a pending <<< "${PENDING[$stage]}"
+  if ((${#pending[@]} == 0)); then
+    echo "# $stage: every task is complete; nothing to submit"
+    continue
+  fi
+  GROUP=()
+  order=()
+  for i in "${pending[@]}"; do  # group the tasks by the jobs they wait for
+    deps=()
+    for need in ${NEEDS[$stage]}; do
+      if [[ $need == preprocess ]]; then job=${TASK_JOB[preprocess 0]:-}; else job=${TASK_JOB[$need $i]:-}; fi
+      [[ -n $job ]] || continue  # not submitted in this call: done, or assumed done
+      if [[ $need == preprocess ]]; then deps+=("afterok:$job"); else deps+=("aftercorr:$job"); fi
+    done
+    key=$(IFS=,; echo "${deps[*]}")
+    if [[ -z ${GROUP[x$key]+set} && -z $key ]]; then order=("x" ${order[@]+"${order[@]}"}); fi  # ready ones first
+    if [[ -z ${GROUP[x$key]+set} && -n $key ]]; then order+=("x$key"); fi
+    GROUP[x$key]+=" $i"
+  done
+  throttle=${ARRAY_THROTTLE:-}
+  if [[ $stage == judge ]]; then throttle=$JUDGE_ARRAY_THROTTLE; fi  # its own knob: the tasks share one API key
+  previous=
+  for key in "${order[@]}"; do
+    read -r -a indices <<< "${GROUP[$key]}"
+    tasks=$(ranges "${indices[@]}")
+    deps=${key#x}
+    # A throttle holds per array: a throttled stage's arrays run one after another, so the limit holds for the stage.
+    if [[ -n $throttle && -n $previous ]]; then deps+=${deps:+,}afterany:$previous; fi
+    args=(--parsable --kill-on-invalid-dep=yes)
+    if [[ $stage != preprocess ]]; then args+=("--array=$tasks${throttle:+%$throttle}"); fi
+    if [[ $stage =~ ^(sft|reward|dpo|ppo)$ ]]; then args+=("--gpus-per-task=$GPUS_PER_NODE"); fi  # the knob, not the #SBATCH 8
+    if [[ -n $deps ]]; then args+=("--dependency=$deps"); fi
+    if ((dry_run)); then
+      job="<$stage job id>"
+      if ((${#order[@]} > 1)); then job="<$stage job id, task${indices[1]+s} $tasks>"; fi
+      echo "sbatch ${args[*]} benchmark/slurm/$stage.sbatch"
+    else
+      job=$(sbatch "${args[@]}" "benchmark/slurm/$stage.sbatch")
+      label=task${indices[1]+s}\ $tasks
+      if [[ $stage == preprocess ]]; then label="one task"; fi
+      echo "$stage: job $job, $label (logs: runs/slurm/tldr-${stage}_${job}*.out)"
+      submitted=$((submitted + 1))
+    fi
+    for i in "${indices[@]}"; do TASK_JOB[$stage $i]=$job; done
+    previous=$job
+  done
+  if ((dry_run)); then bash "benchmark/slurm/$stage.sbatch" --dry-run; fi
+done
+if ((!dry_run && !submitted)); then echo "benchmark/launch.sh: every task of ${stages[*]} is complete; nothing was submitted"; fi

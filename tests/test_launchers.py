@@ -560,3 +560,98 @@ def test_a_failed_task_cancels_its_dependants_and_a_task_past_the_array_is_refus
     n = len(PAPER_MODELS) * len(PAPER_SEEDS)
     result = bash(str(SLURM / "sft.sbatch"), env={"SLURM_ARRAY_TASK_ID": str(n)})
     assert result.returncode == 2 and f"array task '{n}' is not in 0-{n - 1}" in result.stderr, result.stderr
+
+
+def finish(out_root: Path, model: str, run: str) -> None:
+    """Mark `out_root/model/run` complete, as its stage's last file does."""
+    (out_root / model / run).mkdir(parents=True)
+    (out_root / model / run / "eval_metrics.json").write_text("{}")
+
+
+def test_each_launcher_lists_only_its_tasks_with_work_left(tmp_path):
+    """`<stage>.sbatch --pending` prints the indices launch.sh submits: a complete run is left out, unless PUSH=1
+    starts a training task to push it again (never a complete preprocessing); the judge's own test of a finished
+    run decides for it."""
+    env = {"OUT_ROOT": str(tmp_path / "models"), "DATA": str(tmp_path / "data"), "MODELS": PAPER_MODELS[0]}
+    finish(tmp_path / "models", PAPER_MODELS[0], "sft_55513")
+    finish(tmp_path / "models", PAPER_MODELS[0], "sft_77713")
+    assert bash(str(SLURM / "sft.sbatch"), "--pending", env=env).stdout.split() == ["0", "2"]
+    assert bash(str(SLURM / "reward.sbatch"), "--pending", env=env).stdout.split() == ["0", "1", "2", "3"]
+    assert bash(str(SLURM / "sft.sbatch"), "--pending", env={**env, "PUSH": "1"}).stdout.split() == ["0", "1", "2", "3"]
+    assert bash(str(SLURM / "preprocess.sbatch"), "--pending", env=env).stdout.split() == ["0"]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "args.json").write_text("{}")
+    for push in ("0", "1"):
+        assert bash(str(SLURM / "preprocess.sbatch"), "--pending", env={**env, "PUSH": push}).stdout.split() == []
+    judged = tmp_path / "models" / PAPER_MODELS[0] / "judge_66613"
+    judged.mkdir(parents=True)
+    (judged / "results.json").write_text(json.dumps({"model": "judge-a", "this_run": {}, "failures": []}))
+    for model, pending in (("judge-a", ["0", "1", "3"]), ("judge-b", ["0", "1", "2", "3"]), ("", ["0", "1", "2", "3"])):
+        result = bash(str(SLURM / "judge.sbatch"), "--pending", env={**env, "JUDGE_MODEL": model})
+        assert result.returncode == 0 and result.stdout.split() == pending, (model, result.stdout, result.stderr)
+
+
+FAKE_SBATCH = r"""#!/usr/bin/env bash
+n=$(( $(cat "$FAKE_SBATCH_LOG" 2>/dev/null | wc -l) + 101 ))
+echo "$n $*" >> "$FAKE_SBATCH_LOG"
+echo "$n"
+"""
+
+
+def test_a_sweep_submitted_again_submits_only_the_tasks_with_work_left(tmp_path):
+    """Under a fake sbatch, with SFT complete for seeds 44413 and 66613 and the RM for 44413: SFT is submitted for
+    the two other tasks only, the RM's task 0 not at all, and every task waits on the job that holds its own
+    predecessor (aftercorr on an array without the task's index would wait for the whole array); a throttled stage's
+    arrays run one after another. With every task complete nothing is submitted."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(FAKE_SBATCH)
+    (bin_dir / "sbatch").chmod(0o755)
+    log = tmp_path / "sbatch.log"
+    models = tmp_path / "models"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "args.json").write_text("{}")  # preprocessing is done
+    for run in ("sft_44413", "sft_66613", "reward_44413"):
+        finish(models, PAPER_MODELS[0], run)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SBATCH_LOG": str(log), "OUT_ROOT": str(models),
+           "DATA": str(tmp_path / "data"), "MODELS": PAPER_MODELS[0], "SEEDS": " ".join(PAPER_SEEDS[:3]),
+           "ARRAY_THROTTLE": "2"}
+    result = bash("benchmark/launch.sh", "preprocess", "sft", "reward", "ppo", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "preprocess: every task is complete; nothing to submit" in result.stdout
+    submitted = [line.split(" ", 1) for line in log.read_text().splitlines()]
+
+    def submit(job: str) -> str:
+        return dict(submitted)[job]
+    assert [args.split()[-1] for _, args in submitted] == [
+        "benchmark/slurm/sft.sbatch", *["benchmark/slurm/reward.sbatch"] * 2, *["benchmark/slurm/ppo.sbatch"] * 3]
+    assert "--array=1%2 " in submit("101") and "--dependency" not in submit("101")  # SFT: 55513 only
+    # the RM: 66613 (its SFT done) at once, 55513 after SFT's job; one array after the other (the throttle)
+    assert "--array=2%2 " in submit("102") and "--dependency" not in submit("102")
+    assert "--array=1%2 " in submit("103") and "--dependency=aftercorr:101,afterany:102 " in submit("103")
+    # PPO: 44413 at once (its RM done); 55513 and 66613 after the RM jobs that hold them, one array each
+    assert "--array=0%2 " in submit("104") and "--dependency" not in submit("104")
+    assert "--array=1%2 " in submit("105") and "--dependency=aftercorr:103,afterany:104 " in submit("105")
+    assert "--array=2%2 " in submit("106") and "--dependency=aftercorr:102,afterany:105 " in submit("106")
+    assert "sft: job 101, task 1 (logs:" in result.stdout and "ppo: job 106, task 2 (logs:" in result.stdout
+    # no throttle: the arrays of a stage wait only for their predecessors
+    log.unlink()
+    result = bash("benchmark/launch.sh", "sft", "reward", "ppo", env={**env, "ARRAY_THROTTLE": ""})
+    submitted = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    assert "--array=1 " in submit("103") and "--dependency=aftercorr:101 " in submit("103")
+    assert "--array=2 " in submit("106") and "--dependency=aftercorr:102 " in submit("106")
+    # all complete: nothing reaches sbatch
+    log.unlink()
+    for seed in PAPER_SEEDS[:3]:
+        for stage in ("sft", "reward"):
+            if not (models / PAPER_MODELS[0] / f"{stage}_{seed}").exists():
+                finish(models, PAPER_MODELS[0], f"{stage}_{seed}")
+    result = bash("benchmark/launch.sh", "preprocess", "sft", "reward", env=env)
+    assert result.returncode == 0 and not log.exists(), result.stdout
+    assert "every task of preprocess sft reward is complete; nothing was submitted" in result.stdout
+
+
+def test_launch_without_sbatch_says_where_to_submit_from():
+    result = bash("benchmark/launch.sh", "sft", env={"PATH": "/usr/bin:/bin"})
+    assert result.returncode == 1 and "sbatch is not on PATH: submit from a SLURM login node" in result.stderr
+    assert "Nothing was submitted" in result.stderr and result.stdout == ""

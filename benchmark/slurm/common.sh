@@ -7,6 +7,7 @@
 # Then `run_stage "$@"`:
 #
 #   bash benchmark/slurm/<stage>.sbatch --dry-run   print every task's command; needs no SLURM
+#   bash benchmark/slurm/<stage>.sbatch --pending   print the indices of the tasks with work left
 #   sbatch benchmark/slurm/<stage>.sbatch           SLURM runs task $SLURM_ARRAY_TASK_ID with srun
 #   SLURM_ARRAY_TASK_ID=3 bash benchmark/slurm/<stage>.sbatch   run task 3 here, without SLURM
 #
@@ -80,6 +81,10 @@ task_done() {  # whether $OUT holds a finished run: the launcher's stage_done, e
   if declare -F stage_done >/dev/null; then stage_done; else [[ -f $OUT/$DONE ]]; fi
 }
 
+pushes_again() {  # whether a finished run of this task starts anyway: a training stage's run pushed again (PUSH=1)
+  [[ $GPU == yes && " ${CMD[*]} " == *" --push_to_hub "* ]]
+}
+
 cuda_problem() {  # prints why torch on this node cannot use a GPU; nothing when it can
   python -c 'import os, torch
 if not torch.cuda.is_available():
@@ -88,9 +93,18 @@ if not torch.cuda.is_available():
     print(f"torch {torch.__version__} sees no CUDA GPU (CUDA build: {build}; CUDA_VISIBLE_DEVICES={devices})")'
 }
 
-run_stage() {  # run_stage [--dry-run]
+run_stage() {  # run_stage [--dry-run | --pending]
   local n i
   n=$(num_tasks)
+  if [[ ${1:-} == --pending ]]; then  # the task indices with work left, one line (benchmark/launch.sh submits only these)
+    local pending=()
+    for ((i = 0; i < n; i++)); do
+      task_command "$i"
+      if ! task_done || pushes_again; then pending+=("$i"); fi
+    done
+    echo "${pending[*]}"
+    return 0
+  fi
   if [[ ${1:-} == --dry-run ]]; then
     echo "# $STAGE: $n task(s) (array 0-$((n - 1)))"
     for ((i = 0; i < n; i++)); do
@@ -101,7 +115,7 @@ run_stage() {  # run_stage [--dry-run]
     return 0
   fi
   if [[ -n ${1:-} ]]; then
-    echo "usage: bash $0 --dry-run | sbatch $0 | SLURM_ARRAY_TASK_ID=i bash $0" >&2
+    echo "usage: bash $0 --dry-run | bash $0 --pending | sbatch $0 | SLURM_ARRAY_TASK_ID=i bash $0" >&2
     return 2
   fi
   i=${SLURM_ARRAY_TASK_ID:-}
@@ -112,7 +126,7 @@ run_stage() {  # run_stage [--dry-run]
   fi
   task_command "$i"
   if task_done; then
-    if [[ $GPU != yes || " ${CMD[*]} " != *" --push_to_hub "* ]]; then  # only the training stages push again
+    if ! pushes_again; then  # only the training stages push again
       echo "$STAGE [$i]: $OUT/$DONE says the run is complete, nothing to do"
       return 0
     fi
