@@ -12,14 +12,17 @@ benchmark/knobs.sh), checked through their dry runs: no SLURM, no GPU, no model 
 """
 
 import ast
+import atexit
 import json
 import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +55,21 @@ def bash(*args, env=None, timeout=60):
     """Run bash with `args` in the repository root -> CompletedProcess (text)."""
     return subprocess.run(["bash", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**ENV, **(env or {})})
+
+
+LAUNCH_COPY = []  # the folder that holds a copy of benchmark/, made at the first launch() call
+
+
+def launch(*args, env=None):
+    """Run benchmark/launch.sh from a copy of benchmark/ in a temporary folder -> CompletedProcess. launch.sh submits
+    only the tasks whose runs are not complete, so it must not see the runs this checkout may hold (its default
+    models/ and data/tldr), and it makes runs/slurm/ where it stands."""
+    if not LAUNCH_COPY:
+        root = Path(tempfile.mkdtemp(prefix="launch_"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        shutil.copytree(REPO / "benchmark", root / "benchmark", ignore=shutil.ignore_patterns("results", "__pycache__"))
+        LAUNCH_COPY.append(root)
+    return bash(str(LAUNCH_COPY[0] / "benchmark" / "launch.sh"), *args, env=env)
 
 
 def help_flags(text: str) -> set:
@@ -305,7 +323,7 @@ def test_knobs_table_has_the_papers_sizes():
 
 
 def test_pipeline_chains_the_stages_with_dependencies(dry_runs):
-    result = bash("benchmark/launch.sh", "--dry-run")
+    result = launch("--dry-run")
     assert result.returncode == 0, result.stderr
     submits = {Path(line.split()[-1]).stem: line for line in result.stdout.splitlines() if line.startswith("sbatch ")}
     assert list(submits) == list(STAGES)
@@ -319,11 +337,11 @@ def test_pipeline_chains_the_stages_with_dependencies(dry_runs):
     assert [c["line"] for c in commands] == [c["line"] for stage in STAGES for c in dry_runs[stage]]
     for stage in STAGES:  # the training stages ask SLURM for GPUS_PER_NODE GPUs and start as many processes
         assert ("--gpus-per-task=8" in submits[stage]) == (stage in TRAINING), submits[stage]
-    result4 = bash("benchmark/launch.sh", "--dry-run", "sft", "ppo", env={"GPUS_PER_NODE": "4"})
+    result4 = launch("--dry-run", "sft", "ppo", env={"GPUS_PER_NODE": "4"})
     assert result4.returncode == 0 and result4.stdout.count("--gpus-per-task=4 ") == 2, result4.stdout
     assert {world_size(c) for c in parse_dry_run(result4.stdout)} == {4}
     # a subset: the array shrinks and the tasks follow
-    result = bash("benchmark/launch.sh", "--dry-run", "ppo", env={"MODELS": PAPER_MODELS[2], "SEEDS": "1 2"})
+    result = launch("--dry-run", "ppo", env={"MODELS": PAPER_MODELS[2], "SEEDS": "1 2"})
     assert "--array=0-1 " in result.stdout and "--dependency" not in result.stdout
     assert [one(c, "output_dir") for c in parse_dry_run(result.stdout)] == [f"models/{PAPER_MODELS[2]}/ppo_{s}" for s in (1, 2)]
 
@@ -332,19 +350,19 @@ def test_launch_refuses_a_gpu_count_that_does_not_divide_a_batch():
     """GPUS_PER_NODE x a rank's micro-batch must divide each stage's global batch, or every task would refuse at its
     start after waiting for a node: launch.sh refuses first, naming the stage, the model and the knob. Its batches
     are the scripts' defaults."""
-    launch = (REPO / "benchmark" / "launch.sh").read_text()
-    batches = dict(re.findall(r"\[(\w+)\]=(\d+)", re.search(r"declare -A BATCH=\((.*)\)", launch).group(1)))
+    source = (REPO / "benchmark" / "launch.sh").read_text()
+    batches = dict(re.findall(r"\[(\w+)\]=(\d+)", re.search(r"declare -A BATCH=\((.*)\)", source).group(1)))
     assert {stage: int(batch) for stage, batch in batches.items()} == {
         stage: args_defaults(REPO / SCRIPTS[stage])["batch_size"] for stage in TRAINING}
-    result = bash("benchmark/launch.sh", "--dry-run", env={"GPUS_PER_NODE": "3"})
+    result = launch("--dry-run", env={"GPUS_PER_NODE": "3"})
     assert result.returncode == 1 and "sbatch" not in result.stdout, result.stdout
     assert ("GPUS_PER_NODE=3 does not fit sft at EleutherAI/pythia-1b-deduped: its batch of 128 is not a multiple of "
             "3 GPUs x its micro-batch 1 (SFT_MICRO") in result.stderr, result.stderr
     # 2.8B PPO: 512 / (32 x 4) = 4; 1B PPO: 512 / (32 x 16) = 1; the other stages' 64 / 32 = 2
-    assert bash("benchmark/launch.sh", "--dry-run", env={"GPUS_PER_NODE": "32"}).returncode == 0
-    result = bash("benchmark/launch.sh", "--dry-run", "ppo", env={"GPUS_PER_NODE": "64"})
+    assert launch("--dry-run", env={"GPUS_PER_NODE": "32"}).returncode == 0
+    result = launch("--dry-run", "ppo", env={"GPUS_PER_NODE": "64"})
     assert result.returncode == 1 and "ppo at EleutherAI/pythia-1b-deduped: its batch of 512" in result.stderr
-    assert bash("benchmark/launch.sh", "--dry-run", "judge", env={"GPUS_PER_NODE": "3"}).returncode == 0
+    assert launch("--dry-run", "judge", env={"GPUS_PER_NODE": "3"}).returncode == 0
 
 
 FAKE_SRUN = r"""#!/usr/bin/env bash
@@ -507,23 +525,23 @@ def test_the_judge_stage_is_submitted_with_a_model_and_one_task_at_a_time():
     """Every judge task's calls share one API key's rate limit: launch.sh runs JUDGE_ARRAY_THROTTLE (1) of them at
     once, whatever ARRAY_THROTTLE sets for the GPU stages, and refuses to submit anything while JUDGE_MODEL or
     OPENAI_API_KEY is unset."""
-    result = bash("benchmark/launch.sh", "--dry-run", "ppo", "judge", env={"JUDGE_MODEL": "judge-test"})
+    result = launch("--dry-run", "ppo", "judge", env={"JUDGE_MODEL": "judge-test"})
     submits = {Path(line.split()[-1]).stem: line for line in result.stdout.splitlines() if line.startswith("sbatch ")}
     assert "--array=0-11%1 " in submits["judge"] and "--array=0-11 " in submits["ppo"]
     assert all(one(c, "model") == "judge-test" for c in parse_dry_run(result.stdout) if c["script"] == "judge.py")
-    result = bash("benchmark/launch.sh", "--dry-run", "ppo", "judge", env={"JUDGE_MODEL": "m", "ARRAY_THROTTLE": "3"})
+    result = launch("--dry-run", "ppo", "judge", env={"JUDGE_MODEL": "m", "ARRAY_THROTTLE": "3"})
     submits = {Path(line.split()[-1]).stem: line for line in result.stdout.splitlines() if line.startswith("sbatch ")}
     assert "--array=0-11%3 " in submits["ppo"] and "--array=0-11%1 " in submits["judge"]
-    result = bash("benchmark/launch.sh", "--dry-run", "judge", env={"JUDGE_MODEL": "m", "JUDGE_ARRAY_THROTTLE": "4"})
+    result = launch("--dry-run", "judge", env={"JUDGE_MODEL": "m", "JUDGE_ARRAY_THROTTLE": "4"})
     assert "--array=0-11%4 " in result.stdout
-    unknown = bash("benchmark/launch.sh", "--dry-run", "sft", env={"MODELS": "EleutherAI/pythia-1.4b-deduped"})
+    unknown = launch("--dry-run", "sft", env={"MODELS": "EleutherAI/pythia-1.4b-deduped"})
     assert unknown.returncode == 1 and "no knobs for model 'EleutherAI/pythia-1.4b-deduped'" in unknown.stderr
     assert "Nothing was submitted" in unknown.stderr and "sbatch" not in unknown.stdout
-    refused = bash("benchmark/launch.sh", "sft", "judge")  # no JUDGE_MODEL: nothing reaches sbatch
+    refused = launch("sft", "judge")  # no JUDGE_MODEL: nothing reaches sbatch
     assert refused.returncode == 1 and "needs JUDGE_MODEL" in refused.stderr
     assert "Nothing was submitted" in refused.stderr and refused.stdout == ""
     # no API key in the shell the jobs inherit: the same
-    refused = bash("benchmark/launch.sh", "sft", "judge", env={"JUDGE_MODEL": "m"})
+    refused = launch("sft", "judge", env={"JUDGE_MODEL": "m"})
     assert refused.returncode == 1 and "the judge stage needs OPENAI_API_KEY in this shell" in refused.stderr
     assert "Nothing was submitted" in refused.stderr and refused.stdout == ""
 
@@ -554,7 +572,7 @@ def test_every_task_gets_its_models_row_of_the_knobs_table(dry_runs):
 def test_a_failed_task_cancels_its_dependants_and_a_task_past_the_array_is_refused():
     """launch.sh submits every stage with --kill-on-invalid-dep=yes: a failed predecessor cancels the tasks that
     wait on it instead of leaving them pending forever. A task index past the sweep (12 of 0-11) starts nothing."""
-    result = bash("benchmark/launch.sh", "--dry-run")
+    result = launch("--dry-run")
     submits = [line for line in result.stdout.splitlines() if line.startswith("sbatch ")]
     assert len(submits) == len(STAGES) and all("--kill-on-invalid-dep=yes" in line for line in submits), submits
     n = len(PAPER_MODELS) * len(PAPER_SEEDS)
@@ -616,7 +634,7 @@ def test_a_sweep_submitted_again_submits_only_the_tasks_with_work_left(tmp_path)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SBATCH_LOG": str(log), "OUT_ROOT": str(models),
            "DATA": str(tmp_path / "data"), "MODELS": PAPER_MODELS[0], "SEEDS": " ".join(PAPER_SEEDS[:3]),
            "ARRAY_THROTTLE": "2"}
-    result = bash("benchmark/launch.sh", "preprocess", "sft", "reward", "ppo", env=env)
+    result = launch("preprocess", "sft", "reward", "ppo", env=env)
     assert result.returncode == 0, result.stderr
     assert "preprocess: every task is complete; nothing to submit" in result.stdout
     submitted = [line.split(" ", 1) for line in log.read_text().splitlines()]
@@ -636,7 +654,7 @@ def test_a_sweep_submitted_again_submits_only_the_tasks_with_work_left(tmp_path)
     assert "sft: job 101, task 1 (logs:" in result.stdout and "ppo: job 106, task 2 (logs:" in result.stdout
     # no throttle: the arrays of a stage wait only for their predecessors
     log.unlink()
-    result = bash("benchmark/launch.sh", "sft", "reward", "ppo", env={**env, "ARRAY_THROTTLE": ""})
+    result = launch("sft", "reward", "ppo", env={**env, "ARRAY_THROTTLE": ""})
     submitted = [line.split(" ", 1) for line in log.read_text().splitlines()]
     assert "--array=1 " in submit("103") and "--dependency=aftercorr:101 " in submit("103")
     assert "--array=2 " in submit("106") and "--dependency=aftercorr:102 " in submit("106")
@@ -646,12 +664,12 @@ def test_a_sweep_submitted_again_submits_only_the_tasks_with_work_left(tmp_path)
         for stage in ("sft", "reward"):
             if not (models / PAPER_MODELS[0] / f"{stage}_{seed}").exists():
                 finish(models, PAPER_MODELS[0], f"{stage}_{seed}")
-    result = bash("benchmark/launch.sh", "preprocess", "sft", "reward", env=env)
+    result = launch("preprocess", "sft", "reward", env=env)
     assert result.returncode == 0 and not log.exists(), result.stdout
     assert "every task of preprocess sft reward is complete; nothing was submitted" in result.stdout
 
 
 def test_launch_without_sbatch_says_where_to_submit_from():
-    result = bash("benchmark/launch.sh", "sft", env={"PATH": "/usr/bin:/bin"})
+    result = launch("sft", env={"PATH": "/usr/bin:/bin"})
     assert result.returncode == 1 and "sbatch is not on PATH: submit from a SLURM login node" in result.stderr
     assert "Nothing was submitted" in result.stderr and result.stdout == ""
