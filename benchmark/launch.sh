@@ -101,12 +101,18 @@ for stage in "${stages[@]}"; do
   fi
 done
 submitted=0
+n_tasks=$((${#MODEL_LIST[@]} * ${#SEED_LIST[@]}))
 for stage in "${ALL_STAGES[@]}"; do
   [[ " ${stages[*]} " == *" $stage "* ]] || continue
   read -r -a pending <<< "${PENDING[$stage]}"
   if ((${#pending[@]} == 0)); then
     echo "# $stage: every task is complete; nothing to submit"
     continue
+  fi
+  total=$n_tasks
+  if [[ $stage == preprocess ]]; then total=1; fi
+  if ((${#pending[@]} < total)); then
+    echo "# $stage: $((total - ${#pending[@]})) of $total tasks complete; submitting tasks $(ranges "${pending[@]}")"
   fi
   GROUP=()
   order=()

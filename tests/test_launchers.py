@@ -637,6 +637,8 @@ def test_a_sweep_submitted_again_submits_only_the_tasks_with_work_left(tmp_path)
     result = launch("preprocess", "sft", "reward", "ppo", env=env)
     assert result.returncode == 0, result.stderr
     assert "preprocess: every task is complete; nothing to submit" in result.stdout
+    assert "# sft: 2 of 3 tasks complete; submitting tasks 1" in result.stdout
+    assert "# ppo: " not in result.stdout  # none complete: nothing to say
     submitted = [line.split(" ", 1) for line in log.read_text().splitlines()]
 
     def submit(job: str) -> str:
