@@ -276,12 +276,13 @@ def plot(path: str, found: dict, sizes: dict, rows: dict, metrics: dict) -> None
                 ax.scatter([position] * len(values), list(values.values()), color=colours[method], alpha=0.35, s=14)
         ax.axhline(0.5, color="gray", linestyle="--", linewidth=1)
         ax.set(ylabel=ylabel, ylim=(-0.02, 1.02), title=title)
-    for column, style in (("RM accuracy", "-"), ("RM on CNN/DM", ":"), ("DPO implicit accuracy", "-"),
-                          ("DPO on CNN/DM", ":")):
+    for column, style, colour in (("RM accuracy", "-", "C7"), ("RM on CNN/DM", ":", "C7"),
+                                  ("DPO implicit accuracy", "-", colours.get("dpo", "C2")),
+                                  ("DPO on CNN/DM", ":", colours.get("dpo", "C2"))):
         points = [(x[m], metrics[(m, column)]) for m in models if (m, column) in metrics]
         if points:
             axes[2].plot([p[0] for p in points], [statistics.mean(p[1].values()) for p in points], marker="o",
-                         linestyle=style, label=column)
+                         linestyle=style, color=colour, label=column)
     axes[2].axhline(0.5, color="gray", linestyle="--", linewidth=1)
     axes[2].set(ylabel="accuracy against the labels", ylim=(0.4, 0.85), title="RM and DPO (Fig. 6)")
     for ax in axes:
