@@ -554,17 +554,19 @@ def check_rows(args: Args, sft, preference) -> tuple:
                                                          "cnndm" if split == "validation_cnndm" else "tldr")]
     # A post id twice in the SFT data is a post trained on twice or tested on after training. (In the
     # preference data it is normal: one post, several comparisons.)
+    # Among the rows kept: a bad first copy goes anyway, so a good second one is no repeat (and no row is listed twice).
     ids = {split: dataset["id"][:] for split, dataset in sft.items()}
+    bad_at = frozenset((row["split"], row["row"]) for row in sft_bad)
     repeats = [dict(source=args.sft_dataset, split=split, row=i, id=row_id,
                     problem=f"post id {row_id!r} is already in split '{first_split}' row {first_row}")
-               for split, i, row_id, first_split, first_row in duplicate_rows(ids)]
+               for split, i, row_id, first_split, first_row in duplicate_rows(ids, bad_at)]
     dropped = sft_bad + preference_bad + repeats
     if dropped and not args.drop_bad_rows:
         bad = sft_bad + preference_bad
         lines = [bad_row_message(row["split"], row["row"], row["id"], row["problem"]) for row in bad[:10]]
         lines += ["..."] if len(bad) > 10 else []
         if repeats:
-            lines.append(f"{args.sft_dataset}: {duplicate_id_problem(ids)}")
+            lines.append(f"{args.sft_dataset}: {duplicate_id_problem(ids, bad_at)}")
         raise DataError(f"{len(dropped)} row(s) this script cannot use:\n  " + "\n  ".join(lines)
                         + "\nfix the source, or pass --drop_bad_rows to leave them out (each is then listed "
                         f"with its reason in {args.output_dir}/dropped_rows.json)")
@@ -635,12 +637,15 @@ def bad_row_message(split: str, row: int, row_id, problem: str) -> str:
     return f"split '{split}', row {row} ({named}): {problem}"
 
 
-def duplicate_rows(ids_by_split: dict) -> list:
+def duplicate_rows(ids_by_split: dict, skip: frozenset = frozenset()) -> list:
     """[(split, row, id, split of its first row, first row)] of every repeat of an id in `ids_by_split` ({split:
-    [id per row]}), the splits in their order: the first occurrence is not a repeat."""
+    [id per row]}), the splits in their order: the first occurrence is not a repeat. Rows in `skip` ({(split,
+    row)}: rows dropped anyway) are neither repeats nor first occurrences."""
     seen, repeats = {}, []
     for split, ids in ids_by_split.items():
         for i, row_id in enumerate(ids):
+            if (split, i) in skip:
+                continue
             if row_id in seen:
                 repeats.append((split, i, row_id, *seen[row_id]))
             else:
@@ -648,10 +653,11 @@ def duplicate_rows(ids_by_split: dict) -> list:
     return repeats
 
 
-def duplicate_id_problem(ids_by_split: dict) -> Optional[str]:
-    """Which ids occur twice across `ids_by_split` ({split: [id per row]}), with where; None if all differ."""
+def duplicate_id_problem(ids_by_split: dict, skip: frozenset = frozenset()) -> Optional[str]:
+    """Which ids occur twice across `ids_by_split` ({split: [id per row]}) but in rows of `skip`, with where; None
+    if all differ."""
     duplicates = [f"id {row_id!r} in split '{first_split}' row {first_row} and split '{split}' row {i}"
-                  for split, i, row_id, first_split, first_row in duplicate_rows(ids_by_split)]
+                  for split, i, row_id, first_split, first_row in duplicate_rows(ids_by_split, skip)]
     if not duplicates:
         return None
     # One post twice would be trained on twice, or trained on and then tested on.

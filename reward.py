@@ -629,11 +629,12 @@ def local_episode_order(num_rows: int, num_updates: int, gradient_accumulation_s
 
 
 def shift_head_bias(accelerator, model, shift: float) -> dict:
-    """All ranks: head.bias += `shift` in the module and in its fp32 state dict (returned, for saving)."""
+    """All ranks: head.bias += `shift` in the module and, on rank 0, in its fp32 state dict (returned, for saving)."""
     # The trained weights in fp32 (under DeepSpeed the masters: its bf16 module copy is not what we
     # save); the shift goes onto the saved bias in fp32, and onto the module's for the evaluation.
-    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it
-    state_dict["head.bias"] = state_dict["head.bias"] + shift
+    state_dict = fp32_state_dict(accelerator, model)  # every rank must call it; only rank 0 gets it
+    if state_dict:
+        state_dict["head.bias"] = state_dict["head.bias"] + shift
     with torch.no_grad():
         accelerator.unwrap_model(model).head.bias += shift
     return state_dict
@@ -1586,8 +1587,8 @@ def save_rm(accelerator, args, run_name: str, writer, model, tokenizer, staging:
 
 
 def fp32_state_dict(accelerator, model) -> dict:
-    """All ranks: the model's state dict in fp32; under DeepSpeed, on rank 0, its fp32 master weights (not the bf16
-    copies), on the CPU (the other ranks, which save nothing, keep the bf16 copies cast)."""
+    """All ranks call it; rank 0 gets the model's state dict in fp32 on the CPU (under DeepSpeed its fp32 master
+    weights, not the bf16 copies), the other ranks, which save nothing, an empty dict."""
     state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
     if accelerator.state.deepspeed_plugin is not None:
         from deepspeed.utils import safe_get_full_fp32_param
@@ -1599,6 +1600,8 @@ def fp32_state_dict(accelerator, model) -> dict:
             if master is not None and accelerator.is_main_process:
                 state_dict[name] = master.cpu()
             del master
+    if not accelerator.is_main_process:
+        return {}  # an fp32 copy on each of 7 more ranks: ~580 GB of host memory at 6.9B PPO's save
     return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
 
 

@@ -70,12 +70,15 @@ for model in "${MODEL_LIST[@]}"; do  # a model without knobs would fail in every
   done
 done
 
-# Only the tasks with work left are submitted (each launcher's --pending: a finished run is left out, unless PUSH=1
-# starts it to push again), so a sweep submitted again waits for no node on behalf of runs already done. A task
-# depends on the jobs that hold its own predecessors: SLURM's aftercorr, given an array without the task's index,
-# would wait for that whole array instead, and cancel the task if any of its tasks failed.
-declare -A TASK_JOB=()  # "stage index" -> the job submitted for that task in this call (preprocess: "preprocess 0")
-declare -A GROUP=()     # dependency list -> the indices that share it, in the order met
+# Only the tasks with work left are submitted (each launcher's --pending), so a sweep submitted again waits for no
+# node on behalf of runs already done. A task waits for the jobs that hold its own predecessors, or, where a
+# predecessor is complete, for what that one would have waited for (SLURM's aftercorr, given an array without the
+# task's index, would wait for that whole array instead, and cancel the task if any of its tasks failed). With
+# PUSH=1 a complete training task is submitted to push its run again; nothing waits for such a push.
+declare -A WORK_JOB=()  # "stage index" -> the job that does that task's work in this call (preprocess: index 0)
+declare -A WAITS=()     # "stage index" -> the dependency list of that task, whether submitted or complete
+declare -A GROUP=()     # a stage's arrays: key -> the indices in it
+declare -A DEPS_OF=()   # key -> the array's dependency list
 if ((!dry_run)); then mkdir -p runs/slurm; fi  # the #SBATCH --output folder
 ranges() {  # ranges 0 1 2 5 7 8 -> 0-2,5,7-8: sbatch's --array list
   local out=() start=$1 end=$1 i
@@ -86,6 +89,20 @@ ranges() {  # ranges 0 1 2 5 7 8 -> 0-2,5,7-8: sbatch's --array list
     start=$i end=$i
   done
   (IFS=,; echo "${out[*]}")
+}
+waits_of() {  # waits_of STAGE I: the dependency list of task I of STAGE (predecessors submitted, or inherited)
+  local need j dep list=
+  for need in ${NEEDS[$1]}; do
+    j=$2
+    if [[ $need == preprocess ]]; then j=0; fi
+    if [[ -n ${WORK_JOB[$need $j]:-} ]]; then
+      if [[ $need == preprocess ]]; then dep=afterok:${WORK_JOB[$need $j]}; else dep=aftercorr:${WORK_JOB[$need $j]}; fi
+      list+=,$dep
+    elif [[ -n ${WAITS[$need $j]:-} ]]; then  # complete (or pushed again): what it waits for, the same inputs
+      list+=,${WAITS[$need $j]}
+    fi  # else not in this call: done, or assumed done
+  done
+  tr ',' '\n' <<< "${list#,}" | awk 'NF && !seen[$0]++' | paste -sd, -  # each job once
 }
 if ((!dry_run)) && ! command -v sbatch >/dev/null; then
   echo "benchmark/launch.sh: sbatch is not on PATH: submit from a SLURM login node, or see the commands with" \
@@ -104,37 +121,41 @@ submitted=0
 n_tasks=$((${#MODEL_LIST[@]} * ${#SEED_LIST[@]}))
 for stage in "${ALL_STAGES[@]}"; do
   [[ " ${stages[*]} " == *" $stage "* ]] || continue
-  read -r -a pending <<< "${PENDING[$stage]}"
-  if ((${#pending[@]} == 0)); then
+  total=$n_tasks
+  if [[ $stage == preprocess ]]; then total=1; fi
+  work=() push=()
+  for token in ${PENDING[$stage]}; do  # "I" has work left; "I:push" is complete, started only to push (PUSH=1)
+    if [[ $token == *:push ]]; then push+=("${token%:push}"); else work+=("$token"); fi
+  done
+  for ((i = 0; i < total; i++)); do WAITS[$stage $i]=$(waits_of "$stage" "$i"); done
+  if ((${#work[@]} + ${#push[@]} == 0)); then
     echo "# $stage: every task is complete; nothing to submit"
     continue
   fi
-  total=$n_tasks
-  if [[ $stage == preprocess ]]; then total=1; fi
-  if ((${#pending[@]} < total)); then
-    echo "# $stage: $((total - ${#pending[@]})) of $total tasks complete; submitting tasks $(ranges "${pending[@]}")"
+  if ((${#work[@]} < total)); then
+    line="# $stage: $((total - ${#work[@]})) of $total tasks complete"
+    if ((${#work[@]})); then line+="; submitting tasks $(ranges "${work[@]}")"; fi
+    if ((${#push[@]})); then line+="; pushing again tasks $(ranges "${push[@]}") (PUSH=1)"; fi
+    echo "$line"
   fi
-  GROUP=()
+  GROUP=() DEPS_OF=()
   order=()
-  for i in "${pending[@]}"; do  # group the tasks by the jobs they wait for
-    deps=()
-    for need in ${NEEDS[$stage]}; do
-      if [[ $need == preprocess ]]; then job=${TASK_JOB[preprocess 0]:-}; else job=${TASK_JOB[$need $i]:-}; fi
-      [[ -n $job ]] || continue  # not submitted in this call: done, or assumed done
-      if [[ $need == preprocess ]]; then deps+=("afterok:$job"); else deps+=("aftercorr:$job"); fi
-    done
-    key=$(IFS=,; echo "${deps[*]}")
-    if [[ -z ${GROUP[x$key]+set} && -z $key ]]; then order=("x" ${order[@]+"${order[@]}"}); fi  # ready ones first
-    if [[ -z ${GROUP[x$key]+set} && -n $key ]]; then order+=("x$key"); fi
-    GROUP[x$key]+=" $i"
+  for i in ${work[@]+"${work[@]}"}; do  # group the tasks by what they wait for, the ready ones first
+    key=x${WAITS[$stage $i]}
+    if [[ -z ${GROUP[$key]+set} ]]; then
+      if [[ $key == x ]]; then order=(x ${order[@]+"${order[@]}"}); else order+=("$key"); fi
+      DEPS_OF[$key]=${WAITS[$stage $i]}
+    fi
+    GROUP[$key]+=" $i"
   done
+  if ((${#push[@]})); then order+=(push) GROUP[push]=" ${push[*]}" DEPS_OF[push]=; fi  # no input needed: last
   throttle=${ARRAY_THROTTLE:-}
   if [[ $stage == judge ]]; then throttle=$JUDGE_ARRAY_THROTTLE; fi  # its own knob: the tasks share one API key
   previous=
   for key in "${order[@]}"; do
     read -r -a indices <<< "${GROUP[$key]}"
     tasks=$(ranges "${indices[@]}")
-    deps=${key#x}
+    deps=${DEPS_OF[$key]}
     # A throttle holds per array: a throttled stage's arrays run one after another, so the limit holds for the stage.
     if [[ -n $throttle && -n $previous ]]; then deps+=${deps:+,}afterany:$previous; fi
     args=(--parsable --kill-on-invalid-dep=yes)
@@ -143,18 +164,23 @@ for stage in "${ALL_STAGES[@]}"; do
     if [[ -n $deps ]]; then args+=("--dependency=$deps"); fi
     if ((dry_run)); then
       job="<$stage job id>"
-      if ((${#order[@]} > 1)); then job="<$stage job id, task${indices[1]+s} $tasks>"; fi
+      if ((${#order[@]} > 1)); then job="<$stage job id of task${indices[1]+s} ${tasks//,/+}>"; fi  # no comma: a list
       echo "sbatch ${args[*]} benchmark/slurm/$stage.sbatch"
     else
       job=$(sbatch "${args[@]}" "benchmark/slurm/$stage.sbatch")
       label=task${indices[1]+s}\ $tasks
       if [[ $stage == preprocess ]]; then label="one task"; fi
+      if [[ $key == push ]]; then label+=", to push again"; fi
       echo "$stage: job $job, $label (logs: runs/slurm/tldr-${stage}_${job}*.out)"
       submitted=$((submitted + 1))
     fi
-    for i in "${indices[@]}"; do TASK_JOB[$stage $i]=$job; done
+    if [[ $key != push ]]; then
+      for i in "${indices[@]}"; do WORK_JOB[$stage $i]=$job; done
+    fi
     previous=$job
   done
   if ((dry_run)); then bash "benchmark/slurm/$stage.sbatch" --dry-run; fi
 done
-if ((!dry_run && !submitted)); then echo "benchmark/launch.sh: every task of ${stages[*]} is complete; nothing was submitted"; fi
+if ((!dry_run && !submitted)); then
+  echo "benchmark/launch.sh: every task of ${stages[*]} is complete; nothing was submitted"
+fi

@@ -595,7 +595,8 @@ def test_each_launcher_lists_only_its_tasks_with_work_left(tmp_path):
     finish(tmp_path / "models", PAPER_MODELS[0], "sft_77713")
     assert bash(str(SLURM / "sft.sbatch"), "--pending", env=env).stdout.split() == ["0", "2"]
     assert bash(str(SLURM / "reward.sbatch"), "--pending", env=env).stdout.split() == ["0", "1", "2", "3"]
-    assert bash(str(SLURM / "sft.sbatch"), "--pending", env={**env, "PUSH": "1"}).stdout.split() == ["0", "1", "2", "3"]
+    pushed = bash(str(SLURM / "sft.sbatch"), "--pending", env={**env, "PUSH": "1"}).stdout.split()
+    assert pushed == ["0", "1:push", "2", "3:push"]  # complete, started only to push again
     assert bash(str(SLURM / "preprocess.sbatch"), "--pending", env=env).stdout.split() == ["0"]
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "args.json").write_text("{}")
@@ -675,3 +676,60 @@ def test_launch_without_sbatch_says_where_to_submit_from():
     result = launch("sft", env={"PATH": "/usr/bin:/bin"})
     assert result.returncode == 1 and "sbatch is not on PATH: submit from a SLURM login node" in result.stderr
     assert "Nothing was submitted" in result.stderr and result.stdout == ""
+
+
+def test_a_task_whose_predecessor_is_complete_waits_for_what_that_one_would_have(tmp_path):
+    """The data folder is gone but every SFT run is complete: preprocessing runs again, and the RM and DPO tasks wait
+    for it (through SFT, which is not submitted), DPO and PPO's waits merge into one for the judge, each job once. With
+    PUSH=1 the complete SFT runs are submitted to push again, last and waiting for nothing, and nothing waits for
+    them."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(FAKE_SBATCH)
+    (bin_dir / "sbatch").chmod(0o755)
+    log = tmp_path / "sbatch.log"
+    models = tmp_path / "models"
+    for seed in PAPER_SEEDS[:2]:
+        finish(models, PAPER_MODELS[0], f"sft_{seed}")
+    finish(models, PAPER_MODELS[0], f"reward_{PAPER_SEEDS[1]}")
+    finish(models, PAPER_MODELS[0], f"ppo_{PAPER_SEEDS[1]}")
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SBATCH_LOG": str(log), "OUT_ROOT": str(models),
+           "DATA": str(tmp_path / "data"), "MODELS": PAPER_MODELS[0], "SEEDS": " ".join(PAPER_SEEDS[:2]),
+           "JUDGE_MODEL": "m", "OPENAI_API_KEY": "k", "TRACK": "0"}
+    result = launch(env=env)
+    assert result.returncode == 0, result.stderr
+    submitted = dict(line.split(" ", 1) for line in log.read_text().splitlines())
+    stage_of = {job: args.split()[-1].split("/")[-1].split(".")[0] for job, args in submitted.items()}
+    assert list(stage_of.values()) == ["preprocess", "reward", "dpo", "ppo", "judge", "judge"], submitted  # no SFT
+    assert "--array=0 " in submitted["102"] and "--dependency=afterok:101 " in submitted["102"]  # the RM of seed 1
+    assert "--array=0-1 " in submitted["103"] and "--dependency=afterok:101 " in submitted["103"]  # DPO
+    assert "--array=0 " in submitted["104"] and "--dependency=aftercorr:102 " in submitted["104"]  # PPO
+    # the judge: seed 1 after its PPO and DPO; seed 2 after DPO and, through its complete PPO, RM and SFT, the data,
+    # then (the judge's throttle of 1) after the other array
+    assert "--array=0%1 --dependency=aftercorr:104,aftercorr:103 " in submitted["105"], submitted["105"]
+    assert "--array=1%1 --dependency=afterok:101,aftercorr:103,afterany:105 " in submitted["106"], submitted["106"]
+    assert "# sft: every task is complete; nothing to submit" in result.stdout
+
+    log.unlink()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "args.json").write_text("{}")
+    result = launch("sft", "reward", env={**env, "PUSH": "1"})
+    assert result.returncode == 0, result.stderr
+    submitted = dict(line.split(" ", 1) for line in log.read_text().splitlines())
+    assert list(submitted) == ["101", "102", "103"], submitted
+    assert "--array=0-1 " in submitted["101"] and "--dependency" not in submitted["101"]  # SFT pushed again
+    assert "sft: job 101, tasks 0-1, to push again" in result.stdout
+    assert "# sft: 2 of 2 tasks complete; pushing again tasks 0-1 (PUSH=1)" in result.stdout
+    # the RM: seed 1 to train, waiting for nothing (its SFT is complete); seed 2 pushed again
+    assert "--array=0 " in submitted["102"] and "--dependency" not in submitted["102"]
+    assert "--array=1 " in submitted["103"] and "--dependency" not in submitted["103"]
+
+    # seed 2 complete up to the judge, the data gone again: its judge waits for the data once, not once per path
+    log.unlink()
+    (tmp_path / "data" / "args.json").unlink()
+    finish(models, PAPER_MODELS[0], f"dpo_{PAPER_SEEDS[1]}")
+    result = launch(env=env)
+    assert result.returncode == 0, result.stderr
+    judge = [args for args in dict(line.split(" ", 1) for line in log.read_text().splitlines()).values()
+             if args.endswith("judge.sbatch")]
+    assert any("--array=1%1 --dependency=afterok:101," in args and args.count("afterok:101") == 1 for args in judge), judge

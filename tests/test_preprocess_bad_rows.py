@@ -94,6 +94,9 @@ def test_bad_rows_lists_every_bad_row_and_duplicate_rows_every_repeat():
     # the first occurrence stays, every later one (in the splits' order) is a repeat of it
     assert pre.duplicate_rows({"train": ["a", "b", "a"], "validation": ["c"], "test": ["b", "a"]}) == [
         ("train", 2, "a", "train", 0), ("test", 0, "b", "train", 1), ("test", 1, "a", "train", 0)]
+    # rows dropped anyway are skipped: the next copy is the first one
+    assert pre.duplicate_rows({"train": ["a", "b", "a"], "validation": ["c"], "test": ["b", "a"]},
+                              frozenset({("train", 0), ("test", 0)})) == [("test", 1, "a", "train", 2)]
 
 
 def bad_sources():
@@ -132,6 +135,21 @@ def test_check_rows_lists_every_bad_row_or_drops_them_all():
         "train": ["a1", "a2", "a3"], "validation": ["b1"], "test": ["c1"]}
     assert [row["id"] for row in kept_preference["train"]["info"]] == ["p1", "p2"]
     assert kept_preference["validation"].num_rows == 1 and kept_preference["validation_cnndm"].num_rows == 2
+
+    # a bad first copy of an id goes anyway: its good repeat is kept, and a bad repeat is listed once, as bad
+    twice = datasets.DatasetDict(train=datasets.Dataset.from_list([sft_row("a1"), sft_row("x", post=" ")]),
+                                 validation=datasets.Dataset.from_list([sft_row("b1"), sft_row("y")]),
+                                 test=datasets.Dataset.from_list([sft_row("x"), sft_row("y", post=" ")]))
+    kept_sft, _, dropped = pre.check_rows(args, twice, preference)
+    assert [(row["split"], row["row"], row["problem"]) for row in dropped if row["source"] == "sft_src"] == [
+        ("train", 1, "expected a non-empty post, got ' '"), ("test", 1, "expected a non-empty post, got ' '")]
+    assert {split: dataset["id"][:] for split, dataset in kept_sft.items()} == {
+        "train": ["a1"], "validation": ["b1", "y"], "test": ["x"]}
+    args.drop_bad_rows = False
+    with pytest.raises(pre.DataError) as error:
+        pre.check_rows(args, twice, preference)
+    assert str(error.value).startswith("3 row(s)") and "duplicate" not in str(error.value)  # 2 SFT + p3
+    args.drop_bad_rows = True
 
     # dropping must not empty a split the later stages read
     sft["validation"] = datasets.Dataset.from_list([sft_row("b2", post=" ")])

@@ -271,6 +271,26 @@ def test_normalise_rewards_logs_right_minus_left_as_the_reference_and_shifts_by_
     assert (normalization["mean"], normalization["references"]) == (2.0, 3)
 
 
+def test_shift_head_bias_moves_the_module_on_every_rank_and_the_saved_bias_on_rank_0():
+    """Detail 15's shift reaches the module every rank evaluates with, and the fp32 state dict only rank 0 saves;
+    the other ranks hold no state dict (an fp32 copy of the RM per rank through the whole evaluation)."""
+    from types import SimpleNamespace
+
+    for main in (True, False):
+        model = torch.nn.Module()
+        model.head = torch.nn.Linear(2, 1)
+        bias = model.head.bias.item()
+        accelerator = SimpleNamespace(get_state_dict=lambda module: dict(module.state_dict()),
+                                      unwrap_model=lambda m: m, is_main_process=main,
+                                      state=SimpleNamespace(deepspeed_plugin=None))
+        state_dict = reward.shift_head_bias(accelerator, model, -0.5)
+        assert model.head.bias.item() == pytest.approx(bias - 0.5)
+        if main:
+            assert state_dict["head.bias"].item() == pytest.approx(bias - 0.5) and "head.weight" in state_dict
+        else:
+            assert state_dict == {}
+
+
 def test_grouped_accuracy_hand_made_table():
     """Detail 16: accuracy overall and per value of each grouping column; a missing confidence is a group."""
     table = pd.DataFrame({"accuracy": [1.0, 0.0, 1.0, 1.0, 0.0],

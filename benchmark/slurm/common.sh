@@ -96,13 +96,13 @@ if not torch.cuda.is_available():
 run_stage() {  # run_stage [--dry-run | --pending]
   local n i
   n=$(num_tasks)
-  if [[ ${1:-} == --pending ]]; then  # the task indices with work left, one line (benchmark/launch.sh submits only these)
-    local pending=()
+  if [[ ${1:-} == --pending ]]; then  # one line: the indices of the tasks with work left, "I:push" for a complete
+    local pending=            # run that PUSH=1 starts to push again (benchmark/launch.sh submits only these)
     for ((i = 0; i < n; i++)); do
       task_command "$i"
-      if ! task_done || pushes_again; then pending+=("$i"); fi
+      if ! task_done; then pending+=" $i"; elif pushes_again; then pending+=" $i:push"; fi
     done
-    echo "${pending[*]}"
+    echo "${pending# }"
     return 0
   fi
   if [[ ${1:-} == --dry-run ]]; then
