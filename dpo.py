@@ -1448,8 +1448,12 @@ def save_dpo(accelerator, args, run_name: str, writer, model, tokenizer, staging
 def fp32_state_dict(accelerator, model) -> dict:
     """All ranks call it; rank 0 gets the model's state dict in fp32 on the CPU (under DeepSpeed its fp32 master
     weights, not the bf16 copies), the other ranks, which save nothing, an empty dict."""
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO shards: every rank must call it
-    if accelerator.state.deepspeed_plugin is not None:
+    plugin = accelerator.state.deepspeed_plugin
+    # A collective only under ZeRO-3 (refused at start); else each rank's own bf16 copy, cloned to the CPU: rank 0's
+    # alone (all 8: ~220 GB of host memory at 6.9B PPO's save).
+    sharded = plugin is not None and plugin.zero_stage == 3
+    state_dict = accelerator.get_state_dict(model) if accelerator.is_main_process or sharded else {}
+    if plugin is not None:
         from deepspeed.utils import safe_get_full_fp32_param
 
         for name, param in accelerator.unwrap_model(model).named_parameters():
