@@ -608,6 +608,10 @@ def test_each_launcher_lists_only_its_tasks_with_work_left(tmp_path):
     for model, pending in (("judge-a", ["0", "1", "3"]), ("judge-b", ["0", "1", "2", "3"]), ("", ["0", "1", "2", "3"])):
         result = bash(str(SLURM / "judge.sbatch"), "--pending", env={**env, "JUDGE_MODEL": model})
         assert result.returncode == 0 and result.stdout.split() == pending, (model, result.stdout, result.stderr)
+    (judged / "results.json").write_text('{"model": "judge-a", "this')  # torn: not finished, said in one line
+    result = bash(str(SLURM / "judge.sbatch"), "--pending", env={**env, "JUDGE_MODEL": "judge-a"})
+    assert result.returncode == 0 and result.stdout.split() == ["0", "1", "2", "3"], result.stderr
+    assert "results.json unreadable" in result.stderr and "Traceback" not in result.stderr
 
 
 FAKE_SBATCH = r"""#!/usr/bin/env bash
