@@ -96,6 +96,11 @@ def test_gpu_check_report_has_every_stage_and_the_update_split_by_hand():
     slow[5]["time/training"], slow[6]["time/training"] = [5.0, 4.2], [5.0, 4.0]
     assert "The faster run (fast): 4.55 s (not met, 0.55 s over), generation 5% (met)." in "\n".join(
         gpu_check.report_lines(*slow))
+    # within 4 s but sampling-bound: 1.5 + 0.3 + 1.0 = 2.8 s, generation 1.5 / 2.8 = 54% (over the 40%)
+    bound = made_up_measurements(fast_training=1.0)
+    bound[6]["time/generation"] = [30.0, 1.5]
+    assert "The faster run (fast): 2.80 s (met), generation 54% (not met)." in "\n".join(
+        gpu_check.report_lines(*bound))
     # 4 PPO epochs x (64 / 16) micro-batches x policy and critic = 32 passes of 0.05 s: a floor of 1.60 s. The eager
     # run's training phase (2.2 s) is 1.38x it, at 32 x 6e12 / 2.2 = 87 TFLOP/s = 44% of the 200 TFLOP/s peak; the
     # compiled run's (2.0 s) 1.25x, 96 TFLOP/s = 48%; 2.0 / 2.2 = 0.909

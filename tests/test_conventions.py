@@ -559,6 +559,30 @@ def test_shared_helper_checker_accepts_cut_copies_only_with_a_test(tmp_path):
     assert len(problems) == 1 and "which does not exist" in problems[0]
 
 
+def main_guard_code(source: str) -> Optional[str]:
+    """The code of a script's `if __name__ == "__main__":` block (docstrings and comments dropped), None if none."""
+    guards = [node for node in ast.parse(source).body if isinstance(node, ast.If)
+              and ast.unparse(node.test).replace("'", '"') == '__name__ == "__main__"']
+    return ast.unparse(_without_docstrings(guards[-1])) if guards else None
+
+
+def test_training_stages_start_and_end_the_same_way():
+    """The training stages share their `__main__` block: the SetupError message, the finished run's re-push
+    (--resume --push_to_hub) or "nothing to do", the process group's exit. Only sft.py's runs end to end
+    (test_faults_kill.py); the others' blocks must be the same code."""
+    blocks = {name: main_guard_code((REPO / name).read_text()) for name in ("sft.py", "reward.py", "dpo.py", "ppo.py")
+              if (REPO / name).is_file()}
+    assert all(blocks.values()), [name for name, block in blocks.items() if not block]
+    assert len(set(blocks.values())) == 1, {name: block.splitlines() for name, block in blocks.items()}
+    flipped = (REPO / "sft.py").read_text().replace('if done.flags["push_to_hub"]', 'if not done.flags["push_to_hub"]')
+    assert main_guard_code(flipped) != blocks["sft.py"]  # the comparison sees such a change
+    # The push at the end of training, in each stage's own save function: the same call (sft.py's is run end to end)
+    pushes = {name: re.findall(r"^ +(push_to_hub\(args\.output_dir, .*\))$", (REPO / name).read_text(), re.M)
+              for name in blocks}
+    assert all(len(calls) == 1 for calls in pushes.values()) and len({calls[0] for calls in pushes.values()}) == 1, (
+        pushes)
+
+
 # ---------------------------------------------------------------------------------------------
 # e. Importing a stage script runs nothing
 # ---------------------------------------------------------------------------------------------

@@ -84,25 +84,33 @@ huggingface_hub.HfApi = HfApi
 """
 
 
-def push_with_a_stand_in_hub(tmp_path, flags: list) -> list:
+def push_with_a_stand_in_hub(tmp_path, flags: list, again: bool = True) -> list:
     """Run sft.py FLAGS (one process, a fresh interpreter) with huggingface_hub.HfApi replaced by a recorder; the
-    calls it made, as [[method, keyword arguments]]."""
+    calls it made, as [[method, keyword arguments]]. `again`: a finished run, pushed again with nothing trained."""
     (tmp_path / "hub").mkdir(exist_ok=True)
     (tmp_path / "hub" / "sitecustomize.py").write_text(STAND_IN_HUB)
+    calls = tmp_path / "hub" / "calls.jsonl"
+    calls.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'hub'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "HUB_CALLS": str(tmp_path / "hub" / "calls.jsonl")}
+           "HUB_CALLS": str(calls)}
     result = subprocess.run([sys.executable, str(REPO / "sft.py"), *flags], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "nothing to train" in result.stdout and "pushing it again (--push_to_hub)" in result.stdout
-    return [json.loads(line) for line in (tmp_path / "hub" / "calls.jsonl").read_text().splitlines()]
+    pushed_again = "nothing to train" in result.stdout and "pushing it again (--push_to_hub)" in result.stdout
+    assert pushed_again == again, result.stdout[-2000:]
+    return [json.loads(line) for line in calls.read_text().splitlines()]
 
 
 def test_kills_during_saves_lose_nothing_and_the_run_resumes_bit_identical(tiny_tldr, tmp_path):
     out = tmp_path / "out"
     flags = [*TINY_RUN, "--query_dataset", tiny_tldr / "sft", "--output_dir", out, "--save_every", "1"]
-    run_sft(tmp_path, *flags)  # uninterrupted: its model is the reference, and the "previous model" below
+    # uninterrupted: its model is the reference, and the "previous model" below; pushed at its end to a stand-in
+    # Hub (sitecustomize.py records the calls), on its run's own branch
+    calls = push_with_a_stand_in_hub(tmp_path, [str(flag) for flag in flags] + ["--push_to_hub"], again=False)
     reference = weights(out)
+    run_name = json.loads((out / "args.json").read_text())["run_name"]
+    repo = "me/" + str(flags[flags.index("--base_model") + 1]).replace("/", "_") + "__sft__tldr"
+    assert ["upload_folder", {"folder_path": str(out), "repo_id": repo, "revision": run_name}] in calls, calls
     scratch = [tmp_path / ".out.partial", tmp_path / ".out.new", tmp_path / ".out.old"]
     assert not (out / "checkpoints").exists() and not any(path.exists() for path in scratch)
 
@@ -118,8 +126,6 @@ def test_kills_during_saves_lose_nothing_and_the_run_resumes_bit_identical(tiny_
     # With --push_to_hub (its push at the end may have failed) it is pushed again, on its run's branch, nothing
     # retrained: a stand-in Hub (sitecustomize.py) records the calls.
     calls = push_with_a_stand_in_hub(tmp_path, [str(flag) for flag in flags] + ["--resume", "--push_to_hub"])
-    run_name = json.loads((out / "args.json").read_text())["run_name"]
-    repo = "me/" + str(flags[flags.index("--base_model") + 1]).replace("/", "_") + "__sft__tldr"
     assert ["create_branch", {"repo_id": repo, "branch": run_name, "exist_ok": True}] in calls
     assert ["upload_folder", {"folder_path": str(out), "repo_id": repo, "revision": run_name}] in calls
     assert {name: (out / name).read_bytes() for name in os.listdir(out) if (out / name).is_file()} == finished_files

@@ -642,6 +642,7 @@ def test_a_sweep_submitted_again_submits_only_the_tasks_with_work_left(tmp_path)
     result = launch("preprocess", "sft", "reward", "ppo", env=env)
     assert result.returncode == 0, result.stderr
     assert "preprocess: every task is complete; nothing to submit" in result.stdout
+    assert "nothing was submitted" not in result.stdout
     assert "# sft: 2 of 3 tasks complete; submitting tasks 1" in result.stdout
     assert "# ppo: " not in result.stdout  # none complete: nothing to say
     submitted = [line.split(" ", 1) for line in log.read_text().splitlines()]
@@ -737,3 +738,17 @@ def test_a_task_whose_predecessor_is_complete_waits_for_what_that_one_would_have
     judge = [args for args in dict(line.split(" ", 1) for line in log.read_text().splitlines()).values()
              if args.endswith("judge.sbatch")]
     assert any("--array=1%1 --dependency=afterok:101," in args and args.count("afterok:101") == 1 for args in judge), judge
+
+
+def test_pending_tasks_are_submitted_as_sbatch_ranges(tmp_path):
+    """Tasks 1, 4 and 6 of 8 complete: SFT's array is 0,2-3,5,7 (a gap of one index is no range: a complete task
+    in it would wait for a node again)."""
+    models = tmp_path / "models"
+    for model, seed in ((PAPER_MODELS[0], PAPER_SEEDS[1]), (PAPER_MODELS[1], PAPER_SEEDS[0]),
+                        (PAPER_MODELS[1], PAPER_SEEDS[2])):
+        finish(models, model, f"sft_{seed}")
+    env = {"OUT_ROOT": str(models), "MODELS": " ".join(PAPER_MODELS[:2])}
+    result = launch("--dry-run", "sft", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "sbatch --parsable --kill-on-invalid-dep=yes --array=0,2-3,5,7 " in result.stdout, result.stdout
+    assert "# sft: 3 of 8 tasks complete; submitting tasks 0,2-3,5,7" in result.stdout

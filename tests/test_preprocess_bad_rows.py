@@ -136,24 +136,36 @@ def test_check_rows_lists_every_bad_row_or_drops_them_all():
     assert [row["id"] for row in kept_preference["train"]["info"]] == ["p1", "p2"]
     assert kept_preference["validation"].num_rows == 1 and kept_preference["validation_cnndm"].num_rows == 2
 
-    # a bad first copy of an id goes anyway: its good repeat is kept, and a bad repeat is listed once, as bad
-    twice = datasets.DatasetDict(train=datasets.Dataset.from_list([sft_row("a1"), sft_row("x", post=" ")]),
-                                 validation=datasets.Dataset.from_list([sft_row("b1"), sft_row("y")]),
-                                 test=datasets.Dataset.from_list([sft_row("x"), sft_row("y", post=" ")]))
-    kept_sft, _, dropped = pre.check_rows(args, twice, preference)
+    # a bad first copy of an id goes anyway: its good repeat is kept, and a bad repeat is listed once, as bad; an
+    # SFT repeat at train row 1 leaves the preference data's train row 1 alone (the two datasets share split names)
+    twice = datasets.DatasetDict(
+        train=datasets.Dataset.from_list([sft_row("a1"), sft_row("a1"), sft_row("x", post=" ")]),
+        validation=datasets.Dataset.from_list([sft_row("b1"), sft_row("y")]),
+        test=datasets.Dataset.from_list([sft_row("x"), sft_row("y", post=" ")]))
+    kept_sft, kept_preference, dropped = pre.check_rows(args, twice, preference)
     assert [(row["split"], row["row"], row["problem"]) for row in dropped if row["source"] == "sft_src"] == [
-        ("train", 1, "expected a non-empty post, got ' '"), ("test", 1, "expected a non-empty post, got ' '")]
+        ("train", 2, "expected a non-empty post, got ' '"), ("test", 1, "expected a non-empty post, got ' '"),
+        ("train", 1, "post id 'a1' is already in split 'train' row 0")]
     assert {split: dataset["id"][:] for split, dataset in kept_sft.items()} == {
         "train": ["a1"], "validation": ["b1", "y"], "test": ["x"]}
+    assert [row["id"] for row in kept_preference["train"]["info"]] == ["p1", "p2"]
     args.drop_bad_rows = False
     with pytest.raises(pre.DataError) as error:
         pre.check_rows(args, twice, preference)
-    assert str(error.value).startswith("3 row(s)") and "duplicate" not in str(error.value)  # 2 SFT + p3
+    assert str(error.value).startswith("4 row(s)")  # 2 bad SFT rows, p3, the repeat of a1
+    assert "1 duplicate post id(s): id 'a1' in split 'train' row 0 and split 'train' row 1;" in str(error.value)
     args.drop_bad_rows = True
 
-    # dropping must not empty a split the later stages read
+    # dropping must not empty a split the later stages read, in either dataset
+    good_validation = sft["validation"]
     sft["validation"] = datasets.Dataset.from_list([sft_row("b2", post=" ")])
     with pytest.raises(pre.DataError, match=r"sft_src without the dropped rows: split\(s\) \['validation'\] have no rows"):
+        pre.check_rows(args, sft, preference)
+    sft["validation"] = good_validation
+    bad_validation = preference["validation"].map(lambda row: {"summaries": [{**row["summaries"][0], "text": "x"},
+                                                                            row["summaries"][1]]})
+    preference = datasets.DatasetDict({**preference, "validation": bad_validation})
+    with pytest.raises(pre.DataError, match=r"pref_src without the dropped rows: split\(s\) \['validation'\] have no rows"):
         pre.check_rows(args, sft, preference)
 
 
