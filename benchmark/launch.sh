@@ -184,3 +184,6 @@ done
 if ((!dry_run && !submitted)); then
   echo "benchmark/launch.sh: every task of ${stages[*]} is complete; nothing was submitted"
 fi
+if ((!dry_run)); then  # what the sweep shows so far, at any time: Figure 1 from the judge folders, each stage's metrics
+  echo "progress and results: squeue --me; python benchmark/sweep_report.py --out_root $OUT_ROOT (runs/sweep_report.md)"
+fi
