@@ -44,7 +44,7 @@ over the micro-batch (the reference is right only with micro-batch 1) and all ra
 shuffle (the reference shuffles per rank, so its ranks read overlapping pairs).
 Logged (TensorBoard, and W&B with --track; x-axis = training pairs seen):
   train/dpo/loss                     mean DPO loss of the update's pairs, all ranks
-  train/dpo/accuracy                 fraction of the update's pairs whose chosen implicit reward is higher
+  train/dpo/accuracy                 fraction of the update's pairs whose chosen implicit reward is higher (a tie 1/2)
   train/dpo/chosen_rewards|rejected_rewards  mean implicit reward beta * (log pi - log pi_ref) of each side
   train/dpo/margin                   mean chosen minus rejected implicit reward (= beta * h)
   train/dpo/lr                       learning rate used by the update
@@ -245,7 +245,10 @@ def dpo_update(accelerator, model, ref_policy, optimizer, micro_batches: list, p
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-        stats.append({"loss": loss.detach().float(), "accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+        # A tie counts 1/2, as in the evaluation: at the first update the policy is the reference, every implicit
+        # reward is 0, and the reference's strict > logged an accuracy of 0.
+        accuracy = ((chosen_rewards - rejected_rewards).sign().float() + 1).mean() / 2
+        stats.append({"loss": loss.detach().float(), "accuracy": accuracy,
                       "chosen_rewards": chosen_rewards.float().mean(), "rejected_rewards": rejected_rewards.float().mean()})
     return {name: torch.stack([step[name] for step in stats]) for name in stats[0]}
 

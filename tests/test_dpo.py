@@ -148,6 +148,22 @@ def test_micro_batch_1_and_4_give_the_same_gradient(tiny_tldr):
         assert torch.allclose(gradients[0][name], gradients[2][name], atol=1e-6, rtol=1e-4), name
 
 
+def test_logged_training_accuracy_counts_a_tie_as_half(tiny_tldr):
+    """At the first update the policy is the reference: every implicit reward is 0, every pair a tie, and the logged
+    accuracy is 1/2 (the evaluation's rule), not the 0 of a strict >; a policy moved away ranks each pair."""
+    batch = pairs(tiny_tldr, 4)
+    args = SimpleNamespace(beta=0.05, ipo=False, label_smoothing=0.0)
+    reference = tiny_model().double().eval()
+    stats = dpo.dpo_update(Accumulating(1), tiny_model().double(), reference, KeepGradients(), [batch], PAD, args)
+    assert stats["accuracy"].tolist() == [0.5] and stats["loss"].item() == pytest.approx(math.log(2))
+    policy = tiny_model(seed=1).double()
+    stats = dpo.dpo_update(Accumulating(1), policy, reference, KeepGradients(), [batch], PAD, args)
+    with torch.no_grad():
+        _, chosen, rejected = dpo.dpo_loss(*dpo.pair_logprobs(policy, batch, PAD), *dpo.pair_logprobs(reference, batch, PAD),
+                                           beta=0.05)
+    assert (chosen != rejected).all() and stats["accuracy"].item() == (chosen > rejected).double().mean().item()
+
+
 def test_implicit_rewards_are_beta_times_the_log_ratio_of_each_summary(tiny_tldr):
     """Detail 19: the evaluation's implicit rewards are beta (log pi(y|x) - log pi_ref(y|x)) of the chosen and of the
     rejected summary, each with its own reference log-prob; exactly 0 for the reference itself. Rows in dataset

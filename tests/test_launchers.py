@@ -425,14 +425,19 @@ def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
                 break
         time.sleep(0.5)  # the fake run writes its checkpoint right after its first line
         process.send_signal(signal.SIGUSR1)
+        signalled = time.monotonic()
         stdout, stderr = process.communicate(timeout=30)
+        outcome.update(returncode=process.returncode, seconds=time.monotonic() - signalled)
         return "".join(started) + stdout, stderr
 
+    outcome = {}
     stdout, _ = warned(progress=True)  # the attempt got further (a checkpoint past its start): requeued
     assert "scontrol: requeue 70_4" in stdout, stdout
     stdout, stderr = warned(progress=False)  # it did not (the final evaluation outlasts the limit): not again
     assert "scontrol:" not in stdout and "not requeueing 70_4: this attempt saved no checkpoint past update 1" in stderr
     assert "longer time limit" in stderr
+    # and the job goes on: the run may still finish before the limit (srun, 5 s here, ends as it would have)
+    assert outcome["returncode"] == 0 and outcome["seconds"] > 3, outcome
 
 
 def test_a_training_run_stops_before_the_time_limit_and_its_task_requeues(tmp_path):

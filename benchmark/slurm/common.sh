@@ -163,7 +163,7 @@ run_stage() {  # run_stage [--dry-run | --pending]
   echo "$STAGE [$i] on $(hostname) at $(date -u +%FT%TZ): $(print_command "${CMD[@]}")"
   STARTED_AT_UPDATE=$(latest_update)  # requeue_self compares: did this attempt get any further?
   if [[ -n ${SLURM_JOB_ID:-} ]]; then
-    trap requeue_self USR1
+    trap 'requeue_self || true' USR1  # under set -e a declined requeue would end the job, and kill srun, at once
     srun "${CMD[@]}" &
     local pid=$! rc
     while true; do  # a trapped USR1 interrupts `wait`; the requeue then ends the job
