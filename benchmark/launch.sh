@@ -17,6 +17,9 @@
 #   MODELS="EleutherAI/pythia-1b-deduped" SEEDS="44413" bash benchmark/launch.sh   # a subset
 #   GPUS_PER_NODE=4 bash benchmark/launch.sh       # nodes of 4 GPUs: the same global batches, more accumulation
 #
+# It refuses while jobs of the sweep (tldr-*) are in your queue: a task would run twice in one folder, and a stage
+# would not wait for them (QUEUED_OK=1 submits anyway, for another sweep's jobs).
+#
 # Cluster options go to sbatch through its own environment variables, e.g. SBATCH_PARTITION,
 # SBATCH_QOS, SBATCH_ACCOUNT, SBATCH_TIMELIMIT (a job reaching its time limit requeues itself and
 # resumes from its latest checkpoint). The jobs inherit this shell's environment: activate the
@@ -109,6 +112,31 @@ if ((!dry_run)) && ! command -v sbatch >/dev/null; then
     "bash benchmark/launch.sh --dry-run. Nothing was submitted." >&2
   exit 1
 fi
+# Jobs of the sweep still in the queue: a task submitted now would run beside its queued twin in the same folder (the
+# two would delete each other's checkpoints), and a stage submitted now would not wait for theirs.
+if ((!dry_run)) && [[ ${QUEUED_OK:-0} != 1 ]]; then
+  if queue=$(squeue -h -u "${USER:-$(id -un)}" -o "%i %j %T" 2>&1); then
+    queue=$(awk '$2 ~ /^tldr-/' <<< "$queue")
+    if [[ -n $queue ]]; then
+      echo "benchmark/launch.sh: $(wc -l <<< "$queue") job(s) of the sweep are still in the queue (squeue -u" \
+        "\$USER):" >&2
+      head -5 <<< "$queue" | sed 's/^/  /' >&2
+      echo "A task submitted now would run beside its queued twin in the same folder, and a stage submitted now" \
+        "would not wait for theirs. Wait until they end, or cancel them (scancel --name tldr-<stage>), and submit" \
+        "again; QUEUED_OK=1 submits anyway (for jobs that write another OUT_ROOT). Nothing was submitted." >&2
+      exit 1
+    fi
+  else
+    echo "benchmark/launch.sh: squeue failed ($queue): jobs of the sweep still queued are not checked" >&2
+  fi
+fi
+if ((!dry_run)) && [[ $TRACK == 1 && ! ${WANDB_MODE:-} =~ ^(offline|disabled|dryrun)$ && -z ${WANDB_API_KEY:-} ]] \
+  && [[ " ${stages[*]} " =~ " "(sft|reward|dpo|ppo)" " ]] && ! grep -qs "api.wandb.ai" "${NETRC:-$HOME/.netrc}"; then
+  echo "benchmark/launch.sh: TRACK=1 logs every training run to W&B, but this shell has no W&B login" \
+    "(WANDB_API_KEY, or wandb login's ~/.netrc): every task would fail at its start. Run wandb login, or set" \
+    "WANDB_MODE=offline (nodes without internet; wandb sync afterwards) or TRACK=0. Nothing was submitted." >&2
+  exit 1
+fi
 declare -A PENDING=()  # stage -> the indices of its tasks with work left, all asked before anything is submitted
 for stage in "${stages[@]}"; do
   if ! PENDING[$stage]=$(bash "benchmark/slurm/$stage.sbatch" --pending); then
@@ -117,7 +145,7 @@ for stage in "${stages[@]}"; do
     exit 1
   fi
 done
-submitted=0
+submitted=0 SUBMITTED=
 n_tasks=$((${#MODEL_LIST[@]} * ${#SEED_LIST[@]}))
 for stage in "${ALL_STAGES[@]}"; do
   [[ " ${stages[*]} " == *" $stage "* ]] || continue
@@ -167,7 +195,16 @@ for stage in "${ALL_STAGES[@]}"; do
       if ((${#order[@]} > 1)); then job="<$stage job id of task${indices[1]+s} ${tasks//,/+}>"; fi  # no comma: a list
       echo "sbatch ${args[*]} benchmark/slurm/$stage.sbatch"
     else
-      job=$(sbatch "${args[@]}" "benchmark/slurm/$stage.sbatch")
+      if ! job=$(sbatch "${args[@]}" "benchmark/slurm/$stage.sbatch"); then
+        before=
+        if [[ -n $SUBMITTED ]]; then
+          before=" Already submitted, and queued as they are:$SUBMITTED (scancel them, or let them run and submit"
+          before+=" the rest once they end)."
+        fi
+        echo "benchmark/launch.sh: sbatch refused $stage (above).$before" >&2
+        exit 1
+      fi
+      SUBMITTED+=" $job"
       label=task${indices[1]+s}\ $tasks
       if [[ $stage == preprocess ]]; then label="one task"; fi
       if [[ $key == push ]]; then label+=", to push again"; fi
@@ -185,5 +222,6 @@ if ((!dry_run && !submitted)); then
   echo "benchmark/launch.sh: every task of ${stages[*]} is complete; nothing was submitted"
 fi
 if ((!dry_run)); then  # what the sweep shows so far, at any time: Figure 1 from the judge folders, each stage's metrics
-  echo "progress and results: squeue --me; python benchmark/sweep_report.py --out_root $OUT_ROOT (runs/sweep_report.md)"
+  echo "progress and results: squeue -u \$USER; python benchmark/sweep_report.py --out_root $(realpath -m "$OUT_ROOT")" \
+    "(writes runs/sweep_report.md and .png)"
 fi

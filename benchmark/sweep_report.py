@@ -7,7 +7,7 @@ rates against the references, PPO and DPO head to head against SFT) and each sta
 ROUGE, the RM's and DPO's accuracy against the labels and on CNN/DM, PPO's RM score). Writes:
 
     {out}.md     per model and method: the mean win rate over seeds, its sample std and every seed's; the stages'
-                 metrics; every run that is missing or not complete
+                 metrics; every run started but not complete (a model or seed with no folder yet is not known here)
     {out}.png    Figure 1 (win rate against the references by model size, the mean over seeds and each seed), PPO
                  and DPO head to head against SFT, and the RM's and DPO's accuracy against the labels (Fig. 6)
 

@@ -621,9 +621,24 @@ def test_each_launcher_lists_only_its_tasks_with_work_left(tmp_path):
 
 FAKE_SBATCH = r"""#!/usr/bin/env bash
 n=$(( $(cat "$FAKE_SBATCH_LOG" 2>/dev/null | wc -l) + 101 ))
+if [[ $n == "${FAKE_SBATCH_REFUSES:-}" ]]; then echo "sbatch: error: QOSMaxSubmitJobPerUserLimit" >&2; exit 1; fi
 echo "$n $*" >> "$FAKE_SBATCH_LOG"
 echo "$n"
 """
+FAKE_SQUEUE = r"""#!/usr/bin/env bash
+printf '%b' "${FAKE_QUEUE:-}"
+"""
+
+
+def fake_slurm(tmp_path) -> dict:
+    """A fake sbatch (job ids from 101, each call logged; FAKE_SBATCH_REFUSES=N refuses the call that would get id N)
+    and squeue (prints $FAKE_QUEUE) on PATH: the environment for launch(), W&B off (TRACK=0)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("sbatch", FAKE_SBATCH), ("squeue", FAKE_SQUEUE)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SBATCH_LOG": str(tmp_path / "sbatch.log"), "TRACK": "0"}
 
 
 def test_a_sweep_submitted_again_submits_only_the_tasks_with_work_left(tmp_path):
@@ -631,19 +646,14 @@ def test_a_sweep_submitted_again_submits_only_the_tasks_with_work_left(tmp_path)
     the two other tasks only, the RM's task 0 not at all, and every task waits on the job that holds its own
     predecessor (aftercorr on an array without the task's index would wait for the whole array); a throttled stage's
     arrays run one after another. With every task complete nothing is submitted."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text(FAKE_SBATCH)
-    (bin_dir / "sbatch").chmod(0o755)
     log = tmp_path / "sbatch.log"
     models = tmp_path / "models"
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "args.json").write_text("{}")  # preprocessing is done
     for run in ("sft_44413", "sft_66613", "reward_44413"):
         finish(models, PAPER_MODELS[0], run)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SBATCH_LOG": str(log), "OUT_ROOT": str(models),
-           "DATA": str(tmp_path / "data"), "MODELS": PAPER_MODELS[0], "SEEDS": " ".join(PAPER_SEEDS[:3]),
-           "ARRAY_THROTTLE": "2"}
+    env = {**fake_slurm(tmp_path), "OUT_ROOT": str(models), "DATA": str(tmp_path / "data"), "MODELS": PAPER_MODELS[0],
+           "SEEDS": " ".join(PAPER_SEEDS[:3]), "ARRAY_THROTTLE": "2"}
     result = launch("preprocess", "sft", "reward", "ppo", env=env)
     assert result.returncode == 0, result.stderr
     assert "preprocess: every task is complete; nothing to submit" in result.stdout
@@ -693,19 +703,14 @@ def test_a_task_whose_predecessor_is_complete_waits_for_what_that_one_would_have
     for it (through SFT, which is not submitted), DPO and PPO's waits merge into one for the judge, each job once. With
     PUSH=1 the complete SFT runs are submitted to push again, last and waiting for nothing, and nothing waits for
     them."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text(FAKE_SBATCH)
-    (bin_dir / "sbatch").chmod(0o755)
     log = tmp_path / "sbatch.log"
     models = tmp_path / "models"
     for seed in PAPER_SEEDS[:2]:
         finish(models, PAPER_MODELS[0], f"sft_{seed}")
     finish(models, PAPER_MODELS[0], f"reward_{PAPER_SEEDS[1]}")
     finish(models, PAPER_MODELS[0], f"ppo_{PAPER_SEEDS[1]}")
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SBATCH_LOG": str(log), "OUT_ROOT": str(models),
-           "DATA": str(tmp_path / "data"), "MODELS": PAPER_MODELS[0], "SEEDS": " ".join(PAPER_SEEDS[:2]),
-           "JUDGE_MODEL": "m", "OPENAI_API_KEY": "k", "TRACK": "0"}
+    env = {**fake_slurm(tmp_path), "OUT_ROOT": str(models), "DATA": str(tmp_path / "data"), "MODELS": PAPER_MODELS[0],
+           "SEEDS": " ".join(PAPER_SEEDS[:2]), "JUDGE_MODEL": "m", "OPENAI_API_KEY": "k"}
     result = launch(env=env)
     assert result.returncode == 0, result.stderr
     submitted = dict(line.split(" ", 1) for line in log.read_text().splitlines())
@@ -757,3 +762,38 @@ def test_pending_tasks_are_submitted_as_sbatch_ranges(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "sbatch --parsable --kill-on-invalid-dep=yes --array=0,2-3,5,7 " in result.stdout, result.stdout
     assert "# sft: 3 of 8 tasks complete; submitting tasks 0,2-3,5,7" in result.stdout
+
+
+def test_launch_refuses_while_jobs_of_the_sweep_are_queued_or_w_and_b_cannot_log(tmp_path):
+    """Jobs named tldr-* in the user's queue: a task submitted again would run beside its queued twin in the same
+    folder, and a stage would not wait for theirs: refused, listed, unless QUEUED_OK=1 (another sweep's jobs). TRACK=1
+    without a W&B login (nor WANDB_MODE=offline) would fail every task at its start: refused. A refusal by sbatch
+    partway names the jobs already submitted."""
+    env = {**fake_slurm(tmp_path), "OUT_ROOT": str(tmp_path / "models"), "DATA": str(tmp_path / "data"),
+           "MODELS": PAPER_MODELS[0], "SEEDS": PAPER_SEEDS[0]}
+    log = tmp_path / "sbatch.log"
+    queue = "77_[0-11] tldr-sft PENDING\\n78 other-job RUNNING\\n"
+    result = launch("sft", env={**env, "FAKE_QUEUE": queue})
+    assert result.returncode == 1 and "1 job(s) of the sweep are still in the queue" in result.stderr, result.stderr
+    assert "77_[0-11] tldr-sft PENDING" in result.stderr and "other-job" not in result.stderr
+    assert "QUEUED_OK=1" in result.stderr and not log.exists()
+    result = launch("sft", env={**env, "FAKE_QUEUE": queue, "QUEUED_OK": "1"})
+    assert result.returncode == 0 and len(log.read_text().splitlines()) == 1, result.stderr
+    log.unlink()
+    result = launch("sft", env={**env, "FAKE_QUEUE": "78 other-job RUNNING\\n"})
+    assert result.returncode == 0 and len(log.read_text().splitlines()) == 1, result.stderr
+    log.unlink()
+    # W&B: no key, no netrc entry, online
+    no_login = {**env, "TRACK": "1", "WANDB_MODE": "online", "WANDB_API_KEY": "", "NETRC": str(tmp_path / "netrc")}
+    result = launch("sft", env=no_login)
+    assert result.returncode == 1 and "TRACK=1 logs every training run to W&B" in result.stderr and not log.exists()
+    assert launch("sft", env={**no_login, "WANDB_MODE": "offline"}).returncode == 0
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password k\n")
+    assert launch("sft", env=no_login).returncode == 0
+    assert launch("judge", env={**no_login, "NETRC": str(tmp_path / "none"), "JUDGE_MODEL": "m",
+                                "OPENAI_API_KEY": "k"}).returncode == 0  # the judge logs nothing to W&B
+    # sbatch refuses the third submission (a QOS limit): the two before are named
+    log.unlink()
+    result = launch("preprocess", "sft", "reward", env={**env, "FAKE_SBATCH_REFUSES": "103"})
+    assert result.returncode == 1 and "QOSMaxSubmitJobPerUserLimit" in result.stderr
+    assert "sbatch refused reward (above). Already submitted, and queued as they are: 101 102" in result.stderr
