@@ -17,8 +17,9 @@
 #   MODELS="EleutherAI/pythia-1b-deduped" SEEDS="44413" bash benchmark/launch.sh   # a subset
 #   GPUS_PER_NODE=4 bash benchmark/launch.sh       # nodes of 4 GPUs: the same global batches, more accumulation
 #
-# It refuses while jobs of the sweep (tldr-*) are in your queue: a task would run twice in one folder, and a stage
-# would not wait for them (QUEUED_OK=1 submits anyway, for another sweep's jobs).
+# A task still in the queue from an earlier call (runs/slurm/jobs.tsv records what it submitted) is not submitted
+# again, and its dependants wait for it; a queued tldr-* job it did not submit is refused (QUEUED_OK=1: another
+# sweep's).
 #
 # Cluster options go to sbatch through its own environment variables, e.g. SBATCH_PARTITION,
 # SBATCH_QOS, SBATCH_ACCOUNT, SBATCH_TIMELIMIT (a job reaching its time limit requeues itself and
@@ -101,6 +102,8 @@ waits_of() {  # waits_of STAGE I: the dependency list of task I of STAGE (predec
     if [[ -n ${WORK_JOB[$need $j]:-} ]]; then
       if [[ $need == preprocess ]]; then dep=afterok:${WORK_JOB[$need $j]}; else dep=aftercorr:${WORK_JOB[$need $j]}; fi
       list+=,$dep
+    elif [[ -n ${LIVE[${OUT_OF[$need $j]:-}]:-} ]]; then  # in the queue already: that job's task
+      list+=,${LIVE[${OUT_OF[$need $j]}]}
     elif [[ -n ${WAITS[$need $j]:-} ]]; then  # complete (or pushed again): what it waits for, the same inputs
       list+=,${WAITS[$need $j]}
     fi  # else not in this call: done, or assumed done
@@ -112,22 +115,39 @@ if ((!dry_run)) && ! command -v sbatch >/dev/null; then
     "bash benchmark/launch.sh --dry-run. Nothing was submitted." >&2
   exit 1
 fi
-# Jobs of the sweep still in the queue: a task submitted now would run beside its queued twin in the same folder (the
-# two would delete each other's checkpoints), and a stage submitted now would not wait for theirs.
-if ((!dry_run)) && [[ ${QUEUED_OK:-0} != 1 ]]; then
-  if queue=$(squeue -h -u "${USER:-$(id -un)}" -o "%i %j %T" 2>&1); then
-    queue=$(awk '$2 ~ /^tldr-/' <<< "$queue")
-    if [[ -n $queue ]]; then
-      echo "benchmark/launch.sh: $(wc -l <<< "$queue") job(s) of the sweep are still in the queue (squeue -u" \
-        "\$USER):" >&2
-      head -5 <<< "$queue" | sed 's/^/  /' >&2
-      echo "A task submitted now would run beside its queued twin in the same folder, and a stage submitted now" \
-        "would not wait for theirs. Wait until they end, or cancel them (scancel --name tldr-<stage>), and submit" \
-        "again; QUEUED_OK=1 submits anyway (for jobs that write another OUT_ROOT). Nothing was submitted." >&2
-      exit 1
-    fi
-  else
-    echo "benchmark/launch.sh: squeue failed ($queue): jobs of the sweep still queued are not checked" >&2
+# Tasks already in the queue: launch.sh records each task it submits (runs/slurm/jobs.tsv: job, index, stage,
+# folder), and a task whose folder a queued job of that record writes is not submitted again (the two would delete
+# each other's checkpoints): its dependants wait for that job's task instead. A queued tldr-* job missing from the
+# record (submitted otherwise) cannot be told apart: refused, unless QUEUED_OK=1.
+LEDGER=runs/slurm/jobs.tsv
+declare -A LIVE=()  # output folder -> "afterok:<job>_<task>" (preprocess: "afterok:<job>") of the queued job writing it
+if ((!dry_run)); then
+  if ! queue=$(squeue -h -r -u "${USER:-$(id -un)}" -o "%i %j" 2>&1); then
+    echo "benchmark/launch.sh: squeue failed ($queue): jobs of the sweep still in the queue are not checked" >&2
+    queue=
+  fi
+  declare -A QUEUED=() RECORDED=()
+  while read -r id name; do [[ $name == tldr-* ]] && QUEUED[$id]=$name; done <<< "$queue"
+  if [[ -f $LEDGER ]]; then
+    while IFS=$'\t' read -r job index stage out; do
+      RECORDED[$job]=1
+      id=$job
+      if [[ $index != - ]]; then id=${job}_$index; fi
+      if [[ -n ${QUEUED[$id]:-} ]]; then LIVE[$out]=afterok:$id; fi
+    done < "$LEDGER"
+  fi
+  unknown=
+  if ((${#QUEUED[@]})); then  # (an empty array is unset to bash before 4.4)
+    for id in "${!QUEUED[@]}"; do
+      if [[ -z ${RECORDED[${id%%_*}]:-} ]]; then unknown+=" $id (${QUEUED[$id]})"; fi
+    done
+  fi
+  if [[ -n $unknown && ${QUEUED_OK:-0} != 1 ]]; then
+    echo "benchmark/launch.sh: jobs of the sweep that launch.sh did not submit are in the queue:$unknown. A task" \
+      "submitted now could run beside one of them in the same folder, and would not wait for them. Wait until they" \
+      "end or cancel them (scancel --name tldr-<stage>); QUEUED_OK=1 submits anyway (jobs of another sweep)." \
+      "Nothing was submitted." >&2
+    exit 1
   fi
 fi
 if ((!dry_run)) && [[ $TRACK == 1 && ! ${WANDB_MODE:-} =~ ^(offline|disabled|dryrun)$ && -z ${WANDB_API_KEY:-} ]] \
@@ -137,13 +157,16 @@ if ((!dry_run)) && [[ $TRACK == 1 && ! ${WANDB_MODE:-} =~ ^(offline|disabled|dry
     "WANDB_MODE=offline (nodes without internet; wandb sync afterwards) or TRACK=0. Nothing was submitted." >&2
   exit 1
 fi
-declare -A PENDING=()  # stage -> the indices of its tasks with work left, all asked before anything is submitted
+declare -A STATE=() OUT_OF=()  # "stage index" -> work, push or done; its output folder (absolute), all asked first
 for stage in "${stages[@]}"; do
-  if ! PENDING[$stage]=$(bash "benchmark/slurm/$stage.sbatch" --pending); then
+  if ! list=$(bash "benchmark/slurm/$stage.sbatch" --pending); then
     echo "benchmark/launch.sh: could not tell which $stage tasks are complete (the error above, from" \
       "bash benchmark/slurm/$stage.sbatch --pending). Nothing was submitted." >&2
     exit 1
   fi
+  while IFS=$'\t' read -r i state out; do
+    STATE[$stage $i]=$state OUT_OF[$stage $i]=$(realpath -m "$out")
+  done <<< "$list"
 done
 submitted=0 SUBMITTED=
 n_tasks=$((${#MODEL_LIST[@]} * ${#SEED_LIST[@]}))
@@ -151,17 +174,21 @@ for stage in "${ALL_STAGES[@]}"; do
   [[ " ${stages[*]} " == *" $stage "* ]] || continue
   total=$n_tasks
   if [[ $stage == preprocess ]]; then total=1; fi
-  work=() push=()
-  for token in ${PENDING[$stage]}; do  # "I" has work left; "I:push" is complete, started only to push (PUSH=1)
-    if [[ $token == *:push ]]; then push+=("${token%:push}"); else work+=("$token"); fi
+  work=() push=() queued=()
+  for ((i = 0; i < total; i++)); do
+    WAITS[$stage $i]=$(waits_of "$stage" "$i")
+    if [[ -n ${LIVE[${OUT_OF[$stage $i]}]:-} ]]; then queued+=("$i"); continue; fi  # its job is in the queue
+    if [[ ${STATE[$stage $i]} == work ]]; then work+=("$i"); elif [[ ${STATE[$stage $i]} == push ]]; then push+=("$i"); fi
   done
-  for ((i = 0; i < total; i++)); do WAITS[$stage $i]=$(waits_of "$stage" "$i"); done
+  line="# $stage:"
+  if ((${#queued[@]})); then line+=" tasks $(ranges "${queued[@]}") are in the queue already;"; fi
   if ((${#work[@]} + ${#push[@]} == 0)); then
-    echo "# $stage: every task is complete; nothing to submit"
+    if ((${#queued[@]})); then echo "$line every other task is complete; nothing to submit"
+    else echo "# $stage: every task is complete; nothing to submit"; fi
     continue
   fi
   if ((${#work[@]} < total)); then
-    line="# $stage: $((total - ${#work[@]})) of $total tasks complete"
+    line+=" $((total - ${#work[@]} - ${#queued[@]})) of $total tasks complete"
     if ((${#work[@]})); then line+="; submitting tasks $(ranges "${work[@]}")"; fi
     if ((${#push[@]})); then line+="; pushing again tasks $(ranges "${push[@]}") (PUSH=1)"; fi
     echo "$line"
@@ -205,6 +232,11 @@ for stage in "${ALL_STAGES[@]}"; do
         exit 1
       fi
       SUBMITTED+=" $job"
+      for i in "${indices[@]}"; do  # the record that tells a later call this task is in the queue
+        index=$i
+        if [[ $stage == preprocess ]]; then index=-; fi
+        printf '%s\t%s\t%s\t%s\n' "$job" "$index" "$stage" "${OUT_OF[$stage $i]}" >> "$LEDGER"
+      done
       label=task${indices[1]+s}\ $tasks
       if [[ $stage == preprocess ]]; then label="one task"; fi
       if [[ $key == push ]]; then label+=", to push again"; fi

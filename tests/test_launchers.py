@@ -598,24 +598,32 @@ def test_each_launcher_lists_only_its_tasks_with_work_left(tmp_path):
     env = {"OUT_ROOT": str(tmp_path / "models"), "DATA": str(tmp_path / "data"), "MODELS": PAPER_MODELS[0]}
     finish(tmp_path / "models", PAPER_MODELS[0], "sft_55513")
     finish(tmp_path / "models", PAPER_MODELS[0], "sft_77713")
-    assert bash(str(SLURM / "sft.sbatch"), "--pending", env=env).stdout.split() == ["0", "2"]
-    assert bash(str(SLURM / "reward.sbatch"), "--pending", env=env).stdout.split() == ["0", "1", "2", "3"]
-    pushed = bash(str(SLURM / "sft.sbatch"), "--pending", env={**env, "PUSH": "1"}).stdout.split()
-    assert pushed == ["0", "1:push", "2", "3:push"]  # complete, started only to push again
-    assert bash(str(SLURM / "preprocess.sbatch"), "--pending", env=env).stdout.split() == ["0"]
+
+    def pending(stage: str, **extra) -> list:  # the tasks with work left: "I", or "I:push" for a push only
+        result = bash(str(SLURM / f"{stage}.sbatch"), "--pending", env={**env, **extra})
+        assert result.returncode == 0, result.stderr
+        rows = [line.split("\t") for line in result.stdout.splitlines()]
+        assert [row[0] for row in rows] == [str(i) for i in range(len(rows))]  # every task, in order, with its folder
+        assert all(row[2] == (str(tmp_path / "data") if stage == "preprocess" else
+                              f"{tmp_path / 'models'}/{PAPER_MODELS[0]}/{stage}_{PAPER_SEEDS[int(row[0])]}")
+                   for row in rows), rows
+        return [row[0] + (":push" if row[1] == "push" else "") for row in rows if row[1] != "done"]
+    assert pending("sft") == ["0", "2"]
+    assert pending("reward") == ["0", "1", "2", "3"]
+    assert pending("sft", PUSH="1") == ["0", "1:push", "2", "3:push"]  # complete, started only to push again
+    assert pending("preprocess") == ["0"]
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "args.json").write_text("{}")
     for push in ("0", "1"):
-        assert bash(str(SLURM / "preprocess.sbatch"), "--pending", env={**env, "PUSH": push}).stdout.split() == []
+        assert pending("preprocess", PUSH=push) == []
     judged = tmp_path / "models" / PAPER_MODELS[0] / "judge_66613"
     judged.mkdir(parents=True)
     (judged / "results.json").write_text(json.dumps({"model": "judge-a", "this_run": {}, "failures": []}))
-    for model, pending in (("judge-a", ["0", "1", "3"]), ("judge-b", ["0", "1", "2", "3"]), ("", ["0", "1", "2", "3"])):
-        result = bash(str(SLURM / "judge.sbatch"), "--pending", env={**env, "JUDGE_MODEL": model})
-        assert result.returncode == 0 and result.stdout.split() == pending, (model, result.stdout, result.stderr)
+    for model, expected in (("judge-a", ["0", "1", "3"]), ("judge-b", ["0", "1", "2", "3"]), ("", ["0", "1", "2", "3"])):
+        assert pending("judge", JUDGE_MODEL=model) == expected, model
     (judged / "results.json").write_text('{"model": "judge-a", "this')  # torn: not finished, said in one line
     result = bash(str(SLURM / "judge.sbatch"), "--pending", env={**env, "JUDGE_MODEL": "judge-a"})
-    assert result.returncode == 0 and result.stdout.split() == ["0", "1", "2", "3"], result.stderr
+    assert pending("judge", JUDGE_MODEL="judge-a") == ["0", "1", "2", "3"]
     assert "results.json unreadable" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -765,24 +773,42 @@ def test_pending_tasks_are_submitted_as_sbatch_ranges(tmp_path):
 
 
 def test_launch_refuses_while_jobs_of_the_sweep_are_queued_or_w_and_b_cannot_log(tmp_path):
-    """Jobs named tldr-* in the user's queue: a task submitted again would run beside its queued twin in the same
-    folder, and a stage would not wait for theirs: refused, listed, unless QUEUED_OK=1 (another sweep's jobs). TRACK=1
-    without a W&B login (nor WANDB_MODE=offline) would fail every task at its start: refused. A refusal by sbatch
-    partway names the jobs already submitted."""
+    """A task whose folder a queued job of launch.sh's record (runs/slurm/jobs.tsv) writes is not submitted again
+    (the two would delete each other's checkpoints), and its dependants wait for that job's task; a queued tldr-* job
+    missing from the record is refused, unless QUEUED_OK=1 (another sweep's). TRACK=1 without a W&B login (nor
+    WANDB_MODE=offline) would fail every task at its start: refused. A refusal by sbatch partway names the jobs
+    already submitted."""
+    if LAUNCH_COPY:  # earlier tests' submissions
+        (LAUNCH_COPY[0] / "runs" / "slurm" / "jobs.tsv").unlink(missing_ok=True)
     env = {**fake_slurm(tmp_path), "OUT_ROOT": str(tmp_path / "models"), "DATA": str(tmp_path / "data"),
-           "MODELS": PAPER_MODELS[0], "SEEDS": PAPER_SEEDS[0]}
+           "MODELS": PAPER_MODELS[0], "SEEDS": " ".join(PAPER_SEEDS[:2])}
     log = tmp_path / "sbatch.log"
-    queue = "77_[0-11] tldr-sft PENDING\\n78 other-job RUNNING\\n"
-    result = launch("sft", env={**env, "FAKE_QUEUE": queue})
-    assert result.returncode == 1 and "1 job(s) of the sweep are still in the queue" in result.stderr, result.stderr
-    assert "77_[0-11] tldr-sft PENDING" in result.stderr and "other-job" not in result.stderr
+    result = launch("sft", env=env)  # job 101: SFT of both seeds, recorded
+    assert result.returncode == 0 and len(log.read_text().splitlines()) == 1, result.stderr
+    ledger = (LAUNCH_COPY[0] / "runs" / "slurm" / "jobs.tsv").read_text().splitlines()
+    sft_out = tmp_path / "models" / PAPER_MODELS[0]
+    assert ledger == [f"101\t{i}\tsft\t{sft_out}/sft_{seed}" for i, seed in enumerate(PAPER_SEEDS[:2])]
+    # task 1 still queued (task 0 failed and left the queue), beside someone's other job: SFT's task 0 again, the
+    # RM of seed 1 after its SFT in this call, the RM of seed 2 after the queued task (job ids go on from 102)
+    queue = "101_1 tldr-sft\\n90 other-job\\n"
+    result = launch("sft", "reward", env={**env, "FAKE_QUEUE": queue})
+    assert result.returncode == 0, result.stderr
+    submitted = dict(line.split(" ", 1) for line in log.read_text().splitlines())
+    assert "--array=0 " in submitted["102"] and "--dependency" not in submitted["102"]  # SFT's task 0 only
+    assert "--array=0 " in submitted["103"] and "--dependency=aftercorr:102 " in submitted["103"]
+    assert "--array=1 " in submitted["104"] and "--dependency=afterok:101_1 " in submitted["104"], submitted
+    assert "# sft: tasks 1 are in the queue already; 0 of 2 tasks complete; submitting tasks 0" in result.stdout
+    log.unlink()
+    # a queued job of the sweep that launch.sh did not submit: refused, unless QUEUED_OK=1
+    unknown = "77_[0-11] tldr-sft\\n"
+    result = launch("sft", env={**env, "FAKE_QUEUE": unknown})
+    assert result.returncode == 1 and "jobs of the sweep that launch.sh did not submit are in the queue: " \
+        "77_[0-11] (tldr-sft)" in result.stderr, result.stderr
     assert "QUEUED_OK=1" in result.stderr and not log.exists()
-    result = launch("sft", env={**env, "FAKE_QUEUE": queue, "QUEUED_OK": "1"})
+    result = launch("sft", env={**env, "FAKE_QUEUE": unknown, "QUEUED_OK": "1"})
     assert result.returncode == 0 and len(log.read_text().splitlines()) == 1, result.stderr
     log.unlink()
-    result = launch("sft", env={**env, "FAKE_QUEUE": "78 other-job RUNNING\\n"})
-    assert result.returncode == 0 and len(log.read_text().splitlines()) == 1, result.stderr
-    log.unlink()
+    env["SEEDS"] = PAPER_SEEDS[0]
     # W&B: no key, no netrc entry, online
     no_login = {**env, "TRACK": "1", "WANDB_MODE": "online", "WANDB_API_KEY": "", "NETRC": str(tmp_path / "netrc")}
     result = launch("sft", env=no_login)

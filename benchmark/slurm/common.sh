@@ -7,7 +7,7 @@
 # Then `run_stage "$@"`:
 #
 #   bash benchmark/slurm/<stage>.sbatch --dry-run   print every task's command; needs no SLURM
-#   bash benchmark/slurm/<stage>.sbatch --pending   print the indices of the tasks with work left
+#   bash benchmark/slurm/<stage>.sbatch --pending   each task's index, state (work, push, done) and folder
 #   sbatch benchmark/slurm/<stage>.sbatch           SLURM runs task $SLURM_ARRAY_TASK_ID with srun
 #   SLURM_ARRAY_TASK_ID=3 bash benchmark/slurm/<stage>.sbatch   run task 3 here, without SLURM
 #
@@ -96,13 +96,13 @@ if not torch.cuda.is_available():
 run_stage() {  # run_stage [--dry-run | --pending]
   local n i
   n=$(num_tasks)
-  if [[ ${1:-} == --pending ]]; then  # one line: the indices of the tasks with work left, "I:push" for a complete
-    local pending=            # run that PUSH=1 starts to push again (benchmark/launch.sh submits only these)
+  if [[ ${1:-} == --pending ]]; then  # a line a task: index, state, output folder, tab-separated; the state is
+    local state                       # work (left to do), push (complete; PUSH=1 starts it to push again) or done
     for ((i = 0; i < n; i++)); do
       task_command "$i"
-      if ! task_done; then pending+=" $i"; elif pushes_again; then pending+=" $i:push"; fi
+      if ! task_done; then state=work; elif pushes_again; then state=push; else state=done; fi
+      printf '%s\t%s\t%s\n' "$i" "$state" "$OUT"
     done
-    echo "${pending# }"
     return 0
   fi
   if [[ ${1:-} == --dry-run ]]; then
