@@ -102,8 +102,8 @@ waits_of() {  # waits_of STAGE I: the dependency list of task I of STAGE (predec
     if [[ -n ${WORK_JOB[$need $j]:-} ]]; then
       if [[ $need == preprocess ]]; then dep=afterok:${WORK_JOB[$need $j]}; else dep=aftercorr:${WORK_JOB[$need $j]}; fi
       list+=,$dep
-    elif [[ -n ${LIVE[${OUT_OF[$need $j]:-}]:-} ]]; then  # in the queue already: that job's task
-      list+=,${LIVE[${OUT_OF[$need $j]}]}
+    elif [[ ${LIVE_KIND[${OUT_OF[$need $j]}]:-} == work ]]; then  # in the queue already: that job's task
+      list+=,afterok:${LIVE[${OUT_OF[$need $j]}]}
     elif [[ -n ${WAITS[$need $j]:-} ]]; then  # complete (or pushed again): what it waits for, the same inputs
       list+=,${WAITS[$need $j]}
     fi  # else not in this call: done, or assumed done
@@ -116,24 +116,33 @@ if ((!dry_run)) && ! command -v sbatch >/dev/null; then
   exit 1
 fi
 # Tasks already in the queue: launch.sh records each task it submits (runs/slurm/jobs.tsv: job, index, stage,
-# folder), and a task whose folder a queued job of that record writes is not submitted again (the two would delete
-# each other's checkpoints): its dependants wait for that job's task instead. A queued tldr-* job missing from the
-# record (submitted otherwise) cannot be told apart: refused, unless QUEUED_OK=1.
+# folder, work or push), and a task whose folder a queued job of that record writes is not submitted again (the two
+# would delete each other's checkpoints): its dependants wait for that job's task instead (not for a push). A
+# queued tldr-* job missing from the record (submitted otherwise) cannot be told apart: refused, unless QUEUED_OK=1.
+# A dry run does not look at the queue.
 LEDGER=runs/slurm/jobs.tsv
-declare -A LIVE=()  # output folder -> "afterok:<job>_<task>" (preprocess: "afterok:<job>") of the queued job writing it
+declare -A LIVE=() LIVE_KIND=()  # output folder -> "<job>_<task>" ("<job>": preprocess) of the queued job writing
+#                                  it, and whether it works or only pushes
 if ((!dry_run)); then
   if ! queue=$(squeue -h -r -u "${USER:-$(id -un)}" -o "%i %j" 2>&1); then
-    echo "benchmark/launch.sh: squeue failed ($queue): jobs of the sweep still in the queue are not checked" >&2
+    if [[ -f $LEDGER && ${QUEUED_OK:-0} != 1 ]]; then
+      echo "benchmark/launch.sh: squeue failed ($queue), so the tasks of earlier submissions still in the queue" \
+        "cannot be left out (two jobs in one folder delete each other's checkpoints). Try again, or QUEUED_OK=1" \
+        "if none of them is queued. Nothing was submitted." >&2
+      exit 1
+    fi
     queue=
   fi
   declare -A QUEUED=() RECORDED=()
   while read -r id name; do [[ $name == tldr-* ]] && QUEUED[$id]=$name; done <<< "$queue"
   if [[ -f $LEDGER ]]; then
-    while IFS=$'\t' read -r job index stage out; do
+    while IFS=$'\t' read -r job index stage out kind; do
       RECORDED[$job]=1
       id=$job
       if [[ $index != - ]]; then id=${job}_$index; fi
-      if [[ -n ${QUEUED[$id]:-} ]]; then LIVE[$out]=afterok:$id; fi
+      if [[ ${QUEUED[$id]:-} == "tldr-$stage" ]]; then  # the name too: SLURM reuses job ids in the end
+        LIVE[$out]=$id LIVE_KIND[$out]=${kind:-work}
+      fi
     done < "$LEDGER"
   fi
   unknown=
@@ -150,15 +159,19 @@ if ((!dry_run)); then
     exit 1
   fi
 fi
+wandb_url=${WANDB_BASE_URL:-https://api.wandb.ai}
+wandb_host=${wandb_url#*://}
+wandb_host=${wandb_host%%[/:]*}  # the netrc machine `wandb login` (--host for a server of your own) writes
 if ((!dry_run)) && [[ $TRACK == 1 && ! ${WANDB_MODE:-} =~ ^(offline|disabled|dryrun)$ && -z ${WANDB_API_KEY:-} ]] \
-  && [[ " ${stages[*]} " =~ " "(sft|reward|dpo|ppo)" " ]] && ! grep -qs "api.wandb.ai" "${NETRC:-$HOME/.netrc}"; then
-  echo "benchmark/launch.sh: TRACK=1 logs every training run to W&B, but this shell has no W&B login" \
-    "(WANDB_API_KEY, or wandb login's ~/.netrc): every task would fail at its start. Run wandb login, or set" \
-    "WANDB_MODE=offline (nodes without internet; wandb sync afterwards) or TRACK=0. Nothing was submitted." >&2
+  && [[ " ${stages[*]} " =~ " "(sft|reward|dpo|ppo)" " ]] && ! grep -qsF "$wandb_host" "${NETRC:-$HOME/.netrc}"; then
+  echo "benchmark/launch.sh: TRACK=1 logs every training run to W&B, but this shell has no W&B login for" \
+    "$wandb_host (WANDB_API_KEY, or wandb login's ~/.netrc): every task would fail at its start. Run wandb login," \
+    "or set WANDB_MODE=offline (nodes without internet; wandb sync afterwards) or TRACK=0. Nothing was submitted." >&2
   exit 1
 fi
+# Every stage's tasks, those of the stages not submitted too: what they wait for passes on to their dependants.
 declare -A STATE=() OUT_OF=()  # "stage index" -> work, push or done; its output folder (absolute), all asked first
-for stage in "${stages[@]}"; do
+for stage in "${ALL_STAGES[@]}"; do
   if ! list=$(bash "benchmark/slurm/$stage.sbatch" --pending); then
     echo "benchmark/launch.sh: could not tell which $stage tasks are complete (the error above, from" \
       "bash benchmark/slurm/$stage.sbatch --pending). Nothing was submitted." >&2
@@ -171,13 +184,17 @@ done
 submitted=0 SUBMITTED=
 n_tasks=$((${#MODEL_LIST[@]} * ${#SEED_LIST[@]}))
 for stage in "${ALL_STAGES[@]}"; do
-  [[ " ${stages[*]} " == *" $stage "* ]] || continue
   total=$n_tasks
   if [[ $stage == preprocess ]]; then total=1; fi
-  work=() push=() queued=()
+  for ((i = 0; i < total; i++)); do WAITS[$stage $i]=$(waits_of "$stage" "$i"); done
+  [[ " ${stages[*]} " == *" $stage "* ]] || continue  # not in this call: done, queued, or assumed done
+  work=() push=() queued=() earlier=
   for ((i = 0; i < total; i++)); do
-    WAITS[$stage $i]=$(waits_of "$stage" "$i")
-    if [[ -n ${LIVE[${OUT_OF[$stage $i]}]:-} ]]; then queued+=("$i"); continue; fi  # its job is in the queue
+    if [[ -n ${LIVE[${OUT_OF[$stage $i]}]:-} ]]; then  # its job is in the queue
+      queued+=("$i")
+      earlier+=" afterany:${LIVE[${OUT_OF[$stage $i]}]%%_*}"
+      continue
+    fi
     if [[ ${STATE[$stage $i]} == work ]]; then work+=("$i"); elif [[ ${STATE[$stage $i]} == push ]]; then push+=("$i"); fi
   done
   line="# $stage:"
@@ -206,13 +223,13 @@ for stage in "${ALL_STAGES[@]}"; do
   if ((${#push[@]})); then order+=(push) GROUP[push]=" ${push[*]}" DEPS_OF[push]=; fi  # no input needed: last
   throttle=${ARRAY_THROTTLE:-}
   if [[ $stage == judge ]]; then throttle=$JUDGE_ARRAY_THROTTLE; fi  # its own knob: the tasks share one API key
-  previous=
+  # A throttle holds per array: a throttled stage's arrays run one after another, after its arrays still queued.
+  previous=$(tr ' ' '\n' <<< "$earlier" | awk 'NF && !seen[$0]++' | paste -sd, -)
   for key in "${order[@]}"; do
     read -r -a indices <<< "${GROUP[$key]}"
     tasks=$(ranges "${indices[@]}")
     deps=${DEPS_OF[$key]}
-    # A throttle holds per array: a throttled stage's arrays run one after another, so the limit holds for the stage.
-    if [[ -n $throttle && -n $previous ]]; then deps+=${deps:+,}afterany:$previous; fi
+    if [[ -n $throttle && -n $previous ]]; then deps+=${deps:+,}$previous; fi
     args=(--parsable --kill-on-invalid-dep=yes)
     if [[ $stage != preprocess ]]; then args+=("--array=$tasks${throttle:+%$throttle}"); fi
     if [[ $stage =~ ^(sft|reward|dpo|ppo)$ ]]; then args+=("--gpus-per-task=$GPUS_PER_NODE"); fi  # the knob, not the #SBATCH 8
@@ -222,7 +239,7 @@ for stage in "${ALL_STAGES[@]}"; do
       if ((${#order[@]} > 1)); then job="<$stage job id of task${indices[1]+s} ${tasks//,/+}>"; fi  # no comma: a list
       echo "sbatch ${args[*]} benchmark/slurm/$stage.sbatch"
     else
-      if ! job=$(sbatch "${args[@]}" "benchmark/slurm/$stage.sbatch"); then
+      if ! job=$(sbatch "${args[@]}" "benchmark/slurm/$stage.sbatch"); then  # (--parsable: "<id>[;<cluster>]")
         before=
         if [[ -n $SUBMITTED ]]; then
           before=" Already submitted, and queued as they are:$SUBMITTED (scancel them, or let them run and submit"
@@ -231,11 +248,13 @@ for stage in "${ALL_STAGES[@]}"; do
         echo "benchmark/launch.sh: sbatch refused $stage (above).$before" >&2
         exit 1
       fi
+      job=${job%%;*}
       SUBMITTED+=" $job"
       for i in "${indices[@]}"; do  # the record that tells a later call this task is in the queue
-        index=$i
+        index=$i kind=work
         if [[ $stage == preprocess ]]; then index=-; fi
-        printf '%s\t%s\t%s\t%s\n' "$job" "$index" "$stage" "${OUT_OF[$stage $i]}" >> "$LEDGER"
+        if [[ $key == push ]]; then kind=push; fi
+        printf '%s\t%s\t%s\t%s\t%s\n' "$job" "$index" "$stage" "${OUT_OF[$stage $i]}" "$kind" >> "$LEDGER"
       done
       label=task${indices[1]+s}\ $tasks
       if [[ $stage == preprocess ]]; then label="one task"; fi
@@ -246,14 +265,14 @@ for stage in "${ALL_STAGES[@]}"; do
     if [[ $key != push ]]; then
       for i in "${indices[@]}"; do WORK_JOB[$stage $i]=$job; done
     fi
-    previous=$job
+    previous=afterany:$job
   done
   if ((dry_run)); then bash "benchmark/slurm/$stage.sbatch" --dry-run; fi
 done
 if ((!dry_run && !submitted)); then
-  echo "benchmark/launch.sh: every task of ${stages[*]} is complete; nothing was submitted"
+  echo "benchmark/launch.sh: every task of ${stages[*]} is complete or still in the queue; nothing was submitted"
 fi
 if ((!dry_run)); then  # what the sweep shows so far, at any time: Figure 1 from the judge folders, each stage's metrics
-  echo "progress and results: squeue -u \$USER; python benchmark/sweep_report.py --out_root $(realpath -m "$OUT_ROOT")" \
-    "(writes runs/sweep_report.md and .png)"
+  echo "progress and results: squeue -u \$USER; python benchmark/sweep_report.py --out_root" \
+    "$(printf '%q' "$(realpath -m "$OUT_ROOT")") (writes runs/sweep_report.md and .png)"
 fi

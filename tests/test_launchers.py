@@ -631,16 +631,18 @@ FAKE_SBATCH = r"""#!/usr/bin/env bash
 n=$(( $(cat "$FAKE_SBATCH_LOG" 2>/dev/null | wc -l) + 101 ))
 if [[ $n == "${FAKE_SBATCH_REFUSES:-}" ]]; then echo "sbatch: error: QOSMaxSubmitJobPerUserLimit" >&2; exit 1; fi
 echo "$n $*" >> "$FAKE_SBATCH_LOG"
-echo "$n"
+echo "$n${FAKE_CLUSTER:+;$FAKE_CLUSTER}"
 """
 FAKE_SQUEUE = r"""#!/usr/bin/env bash
+if [[ -n ${FAKE_SQUEUE_FAILS:-} ]]; then echo "slurm_load_jobs error: Socket timed out" >&2; exit 1; fi
 printf '%b' "${FAKE_QUEUE:-}"
 """
 
 
 def fake_slurm(tmp_path) -> dict:
-    """A fake sbatch (job ids from 101, each call logged; FAKE_SBATCH_REFUSES=N refuses the call that would get id N)
-    and squeue (prints $FAKE_QUEUE) on PATH: the environment for launch(), W&B off (TRACK=0)."""
+    """A fake sbatch (job ids from 101, each call logged; FAKE_SBATCH_REFUSES=N refuses the call that would get id N;
+    FAKE_CLUSTER=c prints "<id>;c" as sbatch --parsable does on a named cluster) and squeue (prints $FAKE_QUEUE;
+    FAKE_SQUEUE_FAILS=1 fails) on PATH: the environment for launch(), W&B off (TRACK=0)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, text in (("sbatch", FAKE_SBATCH), ("squeue", FAKE_SQUEUE)):
@@ -697,7 +699,7 @@ def test_a_sweep_submitted_again_submits_only_the_tasks_with_work_left(tmp_path)
                 finish(models, PAPER_MODELS[0], f"{stage}_{seed}")
     result = launch("preprocess", "sft", "reward", env=env)
     assert result.returncode == 0 and not log.exists(), result.stdout
-    assert "every task of preprocess sft reward is complete; nothing was submitted" in result.stdout
+    assert "every task of preprocess sft reward is complete or still in the queue; nothing was submitted" in result.stdout
 
 
 def test_launch_without_sbatch_says_where_to_submit_from():
@@ -787,7 +789,7 @@ def test_launch_refuses_while_jobs_of_the_sweep_are_queued_or_w_and_b_cannot_log
     assert result.returncode == 0 and len(log.read_text().splitlines()) == 1, result.stderr
     ledger = (LAUNCH_COPY[0] / "runs" / "slurm" / "jobs.tsv").read_text().splitlines()
     sft_out = tmp_path / "models" / PAPER_MODELS[0]
-    assert ledger == [f"101\t{i}\tsft\t{sft_out}/sft_{seed}" for i, seed in enumerate(PAPER_SEEDS[:2])]
+    assert ledger == [f"101\t{i}\tsft\t{sft_out}/sft_{seed}\twork" for i, seed in enumerate(PAPER_SEEDS[:2])]
     # task 1 still queued (task 0 failed and left the queue), beside someone's other job: SFT's task 0 again, the
     # RM of seed 1 after its SFT in this call, the RM of seed 2 after the queued task (job ids go on from 102)
     queue = "101_1 tldr-sft\\n90 other-job\\n"
@@ -816,6 +818,12 @@ def test_launch_refuses_while_jobs_of_the_sweep_are_queued_or_w_and_b_cannot_log
     assert launch("sft", env={**no_login, "WANDB_MODE": "offline"}).returncode == 0
     (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password k\n")
     assert launch("sft", env=no_login).returncode == 0
+    # a W&B server of one's own: its host's login, not api.wandb.ai's
+    own = {**no_login, "WANDB_BASE_URL": "https://wandb.example.org:8443/"}
+    result = launch("sft", env=own)
+    assert result.returncode == 1 and "no W&B login for wandb.example.org" in result.stderr
+    (tmp_path / "netrc").write_text("machine wandb.example.org\n  login user\n  password k\n")
+    assert launch("sft", env=own).returncode == 0
     assert launch("judge", env={**no_login, "NETRC": str(tmp_path / "none"), "JUDGE_MODEL": "m",
                                 "OPENAI_API_KEY": "k"}).returncode == 0  # the judge logs nothing to W&B
     # sbatch refuses the third submission (a QOS limit): the two before are named
@@ -823,3 +831,52 @@ def test_launch_refuses_while_jobs_of_the_sweep_are_queued_or_w_and_b_cannot_log
     result = launch("preprocess", "sft", "reward", env={**env, "FAKE_SBATCH_REFUSES": "103"})
     assert result.returncode == 1 and "QOSMaxSubmitJobPerUserLimit" in result.stderr
     assert "sbatch refused reward (above). Already submitted, and queued as they are: 101 102" in result.stderr
+
+
+def test_a_later_call_waits_for_the_queued_tasks_of_an_earlier_one(tmp_path):
+    """Submitted in two calls, as the README's nodes-without-internet recipe does (the training stages, then the
+    judge): the judge waits for the queued PPO and DPO tasks of the first call, and, throttled, for the judge tasks
+    still queued from before; a queued push (PUSH=1) is waited for by nothing; a reused job id of another stage is
+    no queued task of this one; a named cluster's "<id>;<cluster>" is read as the id; if squeue fails while tasks
+    may be queued, nothing is submitted."""
+    if LAUNCH_COPY:  # earlier tests' submissions
+        (LAUNCH_COPY[0] / "runs" / "slurm" / "jobs.tsv").unlink(missing_ok=True)
+    env = {**fake_slurm(tmp_path), "OUT_ROOT": str(tmp_path / "models"), "DATA": str(tmp_path / "data"),
+           "MODELS": PAPER_MODELS[0], "SEEDS": PAPER_SEEDS[0], "JUDGE_MODEL": "m", "OPENAI_API_KEY": "k",
+           "FAKE_CLUSTER": "gpu"}
+    log = tmp_path / "sbatch.log"
+
+    def calls() -> dict:
+        return dict(line.split(" ", 1) for line in log.read_text().splitlines())
+    result = launch("preprocess", "sft", "reward", "dpo", "ppo", env=env)  # 101-105
+    assert result.returncode == 0, result.stderr
+    assert "--dependency=aftercorr:102 " in calls()["103"]  # the cluster's name is not part of the id
+    everything = "101 tldr-preprocess\\n102_0 tldr-sft\\n103_0 tldr-reward\\n104_0 tldr-dpo\\n105_0 tldr-ppo\\n"
+    result = launch("judge", env={**env, "FAKE_QUEUE": everything})
+    assert result.returncode == 0, result.stderr
+    assert "--array=0%1 --dependency=afterok:105_0,afterok:104_0 " in calls()["106"], calls()["106"]
+    # the judge again, its task 106_0 still queued: nothing to submit
+    result = launch("judge", env={**env, "FAKE_QUEUE": everything + "106_0 tldr-judge\\n"})
+    assert result.returncode == 0 and "107" not in calls(), result.stdout
+    assert "# judge: tasks 0 are in the queue already; every other task is complete; nothing to submit" in result.stdout
+    # another seed's judge (a new task) while the first is queued: after it (the throttle); its own PPO and DPO are
+    # neither complete nor queued (assumed done, as any stage left out of a call), what they wait for passes on
+    queued = everything + "106_0 tldr-judge\\n"
+    result = launch("judge", env={**env, "SEEDS": " ".join(PAPER_SEEDS[:2]), "FAKE_QUEUE": queued})
+    assert result.returncode == 0, result.stderr
+    assert "--array=1%1 --dependency=afterok:101,afterany:106 " in calls()["107"], calls()["107"]
+    # a job id SLURM gave again to a job of another stage is no queued task of this one
+    result = launch("sft", env={**env, "FAKE_QUEUE": "102_0 tldr-ppo\\n", "QUEUED_OK": "1"})
+    assert result.returncode == 0 and "--array=0 " in calls()["108"] and calls()["108"].endswith("sft.sbatch")
+    # squeue fails while the record says tasks may be queued: nothing is submitted
+    result = launch("sft", env={**env, "FAKE_SQUEUE_FAILS": "1"})
+    assert result.returncode == 1 and "squeue failed" in result.stderr and "109" not in calls()
+
+    # PUSH=1: a complete SFT run pushed again (job 109); while that push is queued the RM waits for nothing
+    finish(tmp_path / "models", PAPER_MODELS[0], f"sft_{PAPER_SEEDS[0]}")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "args.json").write_text("{}")
+    result = launch("sft", env={**env, "PUSH": "1"})
+    assert result.returncode == 0 and "sft: job 109, task 0, to push again" in result.stdout, result.stdout
+    result = launch("reward", env={**env, "FAKE_QUEUE": "109_0 tldr-sft\\n"})
+    assert result.returncode == 0 and "--dependency" not in calls()["110"], calls()["110"]
