@@ -119,17 +119,22 @@ fi
 # folder, work or push), and a task whose folder a queued job of that record writes is not submitted again (the two
 # would delete each other's checkpoints): its dependants wait for that job's task instead (not for a push). A
 # queued tldr-* job missing from the record (submitted otherwise) cannot be told apart: refused, unless QUEUED_OK=1.
-# A dry run does not look at the queue.
+# A dry run looks at the queue too where squeue is at hand, and says where a submission would stop.
 LEDGER=runs/slurm/jobs.tsv
 declare -A LIVE=() LIVE_KIND=()  # output folder -> "<job>_<task>" ("<job>": preprocess) of the queued job writing
 #                                  it, and whether it works or only pushes
-if ((!dry_run)); then
+refuse() {  # refuse MESSAGE: stop before submitting anything; a dry run says so and goes on
+  local message
+  message=$(tr -s ' \n' '  ' <<< "$1")  # one line
+  if ((dry_run)); then echo "# a submission would stop here: ${message% }"; return 0; fi
+  echo "benchmark/launch.sh: ${message% } Nothing was submitted." >&2
+  exit 1
+}
+if ((!dry_run)) || command -v squeue >/dev/null; then
   if ! queue=$(squeue -h -r -u "${USER:-$(id -un)}" -o "%i %j" 2>&1); then
     if [[ -f $LEDGER && ${QUEUED_OK:-0} != 1 ]]; then
-      echo "benchmark/launch.sh: squeue failed ($queue), so the tasks of earlier submissions still in the queue" \
-        "cannot be left out (two jobs in one folder delete each other's checkpoints). Try again, or QUEUED_OK=1" \
-        "if none of them is queued. Nothing was submitted." >&2
-      exit 1
+      refuse "squeue failed ($queue), so the tasks of earlier submissions still in the queue cannot be left out (two
+        jobs in one folder delete each other's checkpoints). Try again, or QUEUED_OK=1 if none of them is queued."
     fi
     queue=
   fi
@@ -152,11 +157,9 @@ if ((!dry_run)); then
     done
   fi
   if [[ -n $unknown && ${QUEUED_OK:-0} != 1 ]]; then
-    echo "benchmark/launch.sh: jobs of the sweep that launch.sh did not submit are in the queue:$unknown. A task" \
-      "submitted now could run beside one of them in the same folder, and would not wait for them. Wait until they" \
-      "end or cancel them (scancel --name tldr-<stage>); QUEUED_OK=1 submits anyway (jobs of another sweep)." \
-      "Nothing was submitted." >&2
-    exit 1
+    refuse "jobs of the sweep that launch.sh did not submit are in the queue:$unknown. A task submitted now could run
+      beside one of them in the same folder, and would not wait for them. Wait until they end or cancel them (scancel
+      --name tldr-<stage>); QUEUED_OK=1 submits anyway (jobs of another sweep)."
   fi
 fi
 wandb_url=${WANDB_BASE_URL:-https://api.wandb.ai}

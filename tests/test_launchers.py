@@ -809,6 +809,12 @@ def test_launch_refuses_while_jobs_of_the_sweep_are_queued_or_w_and_b_cannot_log
     assert "QUEUED_OK=1" in result.stderr and not log.exists()
     result = launch("sft", env={**env, "FAKE_QUEUE": unknown, "QUEUED_OK": "1"})
     assert result.returncode == 0 and len(log.read_text().splitlines()) == 1, result.stderr
+    # a dry run looks at the queue too: it says where a submission would stop, and leaves out what is queued
+    result = launch("--dry-run", "sft", env={**env, "FAKE_QUEUE": unknown + "101_1 tldr-sft\\n"})
+    assert result.returncode == 0, result.stderr
+    assert ("# a submission would stop here: jobs of the sweep that launch.sh did not submit are in the queue: "
+            in result.stdout) and "(scancel --name tldr-<stage>); QUEUED_OK=1 submits anyway" in result.stdout
+    assert "# sft: tasks 1 are in the queue already;" in result.stdout and "--array=0 " in result.stdout
     log.unlink()
     env["SEEDS"] = PAPER_SEEDS[0]
     # W&B: no key, no netrc entry, online
