@@ -213,6 +213,16 @@ for stage in "${ALL_STAGES[@]}"; do
     if ((${#push[@]})); then line+="; pushing again tasks $(ranges "${push[@]}") (PUSH=1)"; fi
     echo "$line"
   fi
+  for i in ${work[@]+"${work[@]}"}; do  # a predecessor nobody will run: the task would fail at its start
+    for need in ${NEEDS[$stage]}; do
+      j=$i
+      if [[ $need == preprocess ]]; then j=0; fi
+      if [[ ${STATE[$need $j]} == work && -z ${WORK_JOB[$need $j]:-} && -z ${LIVE[${OUT_OF[$need $j]}]:-} ]]; then
+        echo "# warning: $stage task $i needs $need task $j (${OUT_OF[$need $j]}), which is not complete, not queued" \
+          "and not in this call: it would stop at its start (add $need to the call)" >&2
+      fi
+    done
+  done
   GROUP=() DEPS_OF=()
   order=()
   for i in ${work[@]+"${work[@]}"}; do  # group the tasks by what they wait for, the ready ones first

@@ -871,6 +871,12 @@ def test_a_later_call_waits_for_the_queued_tasks_of_an_earlier_one(tmp_path):
     result = launch("judge", env={**env, "SEEDS": " ".join(PAPER_SEEDS[:2]), "FAKE_QUEUE": queued})
     assert result.returncode == 0, result.stderr
     assert "--array=1%1 --dependency=afterok:101,afterany:106 " in calls()["107"], calls()["107"]
+    # a task whose predecessor is neither complete, nor queued, nor in the call: said (it would stop at its start)
+    result = launch("--dry-run", "ppo", env={**env, "SEEDS": " ".join(PAPER_SEEDS[:2]), "FAKE_QUEUE": queued})
+    assert result.returncode == 0, result.stderr
+    assert (f"# warning: ppo task 1 needs reward task 1 ({tmp_path / 'models'}/{PAPER_MODELS[0]}/reward_{PAPER_SEEDS[1]}),"
+            " which is not complete, not queued and not in this call") in result.stderr, result.stderr
+    assert "ppo task 0 needs" not in result.stderr  # task 0 is queued itself
     # a job id SLURM gave again to a job of another stage is no queued task of this one
     result = launch("sft", env={**env, "FAKE_QUEUE": "102_0 tldr-ppo\\n", "QUEUED_OK": "1"})
     assert result.returncode == 0 and "--array=0 " in calls()["108"] and calls()["108"].endswith("sft.sbatch")
