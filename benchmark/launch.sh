@@ -131,7 +131,8 @@ refuse() {  # refuse MESSAGE: stop before submitting anything; a dry run says so
   exit 1
 }
 if ((!dry_run)) || command -v squeue >/dev/null; then
-  if ! queue=$(squeue -h -r -u "${USER:-$(id -un)}" -o "%i %j" 2>&1); then
+  # -M: a cluster named for sbatch (SBATCH_CLUSTERS) is not the one squeue asks unless named for it too
+  if ! queue=$(squeue ${SBATCH_CLUSTERS:+-M "$SBATCH_CLUSTERS"} -h -r -u "${USER:-$(id -un)}" -o "%i %j" 2>&1); then
     if [[ -f $LEDGER && ${QUEUED_OK:-0} != 1 ]]; then
       refuse "squeue failed ($queue), so the tasks of earlier submissions still in the queue cannot be left out (two
         jobs in one folder delete each other's checkpoints). Try again, or QUEUED_OK=1 if none of them is queued."

@@ -635,6 +635,10 @@ echo "$n${FAKE_CLUSTER:+;$FAKE_CLUSTER}"
 """
 FAKE_SQUEUE = r"""#!/usr/bin/env bash
 if [[ -n ${FAKE_SQUEUE_FAILS:-} ]]; then echo "slurm_load_jobs error: Socket timed out" >&2; exit 1; fi
+if [[ -n ${FAKE_QUEUE_CLUSTER:-} ]]; then  # the jobs are on that cluster: listed only when -M names it
+  [[ " $* " == *" -M $FAKE_QUEUE_CLUSTER "* ]] || exit 0
+  echo "CLUSTER: $FAKE_QUEUE_CLUSTER"
+fi
 printf '%b' "${FAKE_QUEUE:-}"
 """
 
@@ -861,6 +865,11 @@ def test_a_later_call_waits_for_the_queued_tasks_of_an_earlier_one(tmp_path):
     result = launch("judge", env={**env, "FAKE_QUEUE": everything})
     assert result.returncode == 0, result.stderr
     assert "--array=0%1 --dependency=afterok:105_0,afterok:104_0 " in calls()["106"], calls()["106"]
+    assert "warning" not in result.stderr  # its PPO and DPO are queued: no predecessor is missing
+    # the same where the jobs run on a cluster named for sbatch: squeue is asked about that cluster
+    result = launch("--dry-run", "judge", env={**env, "FAKE_QUEUE": everything, "FAKE_QUEUE_CLUSTER": "gpu",
+                                               "SBATCH_CLUSTERS": "gpu"})
+    assert "--dependency=afterok:105_0,afterok:104_0 " in result.stdout, result.stdout
     # the judge again, its task 106_0 still queued: nothing to submit
     result = launch("judge", env={**env, "FAKE_QUEUE": everything + "106_0 tldr-judge\\n"})
     assert result.returncode == 0 and "107" not in calls(), result.stdout
