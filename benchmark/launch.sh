@@ -81,8 +81,7 @@ done
 # PUSH=1 a complete training task is submitted to push its run again; nothing waits for such a push.
 declare -A WORK_JOB=()  # "stage index" -> the job that does that task's work in this call (preprocess: index 0)
 declare -A WAITS=()     # "stage index" -> the dependency list of that task, whether submitted or complete
-declare -A GROUP=()     # a stage's arrays: key -> the indices in it
-declare -A DEPS_OF=()   # key -> the array's dependency list
+declare -A GROUP=()     # a stage's arrays: "x<dependency list>" (or "push") -> the indices in it
 if ((!dry_run)); then mkdir -p runs/slurm; fi  # the #SBATCH --output folder
 ranges() {  # ranges 0 1 2 5 7 8 -> 0-2,5,7-8: sbatch's --array list
   local out=() start=$1 end=$1 i
@@ -185,7 +184,7 @@ for stage in "${ALL_STAGES[@]}"; do
     STATE[$stage $i]=$state OUT_OF[$stage $i]=$(realpath -m "$out")
   done <<< "$list"
 done
-submitted=0 SUBMITTED=
+SUBMITTED=  # the jobs this call submitted
 n_tasks=$((${#MODEL_LIST[@]} * ${#SEED_LIST[@]}))
 for stage in "${ALL_STAGES[@]}"; do
   total=$n_tasks
@@ -224,17 +223,16 @@ for stage in "${ALL_STAGES[@]}"; do
       fi
     done
   done
-  GROUP=() DEPS_OF=()
+  GROUP=()
   order=()
   for i in ${work[@]+"${work[@]}"}; do  # group the tasks by what they wait for, the ready ones first
     key=x${WAITS[$stage $i]}
     if [[ -z ${GROUP[$key]+set} ]]; then
       if [[ $key == x ]]; then order=(x ${order[@]+"${order[@]}"}); else order+=("$key"); fi
-      DEPS_OF[$key]=${WAITS[$stage $i]}
     fi
     GROUP[$key]+=" $i"
   done
-  if ((${#push[@]})); then order+=(push) GROUP[push]=" ${push[*]}" DEPS_OF[push]=; fi  # no input needed: last
+  if ((${#push[@]})); then order+=(push) GROUP[push]=" ${push[*]}"; fi  # no input needed: last
   throttle=${ARRAY_THROTTLE:-}
   if [[ $stage == judge ]]; then throttle=$JUDGE_ARRAY_THROTTLE; fi  # its own knob: the tasks share one API key
   # A throttle holds per array: a throttled stage's arrays run one after another, after its arrays still queued.
@@ -242,7 +240,8 @@ for stage in "${ALL_STAGES[@]}"; do
   for key in "${order[@]}"; do
     read -r -a indices <<< "${GROUP[$key]}"
     tasks=$(ranges "${indices[@]}")
-    deps=${DEPS_OF[$key]}
+    deps=${key#x}
+    if [[ $key == push ]]; then deps=; fi
     if [[ -n $throttle && -n $previous ]]; then deps+=${deps:+,}$previous; fi
     args=(--parsable --kill-on-invalid-dep=yes)
     if [[ $stage != preprocess ]]; then args+=("--array=$tasks${throttle:+%$throttle}"); fi
@@ -274,7 +273,6 @@ for stage in "${ALL_STAGES[@]}"; do
       if [[ $stage == preprocess ]]; then label="one task"; fi
       if [[ $key == push ]]; then label+=", to push again"; fi
       echo "$stage: job $job, $label (logs: runs/slurm/tldr-${stage}_${job}*.out)"
-      submitted=$((submitted + 1))
     fi
     if [[ $key != push ]]; then
       for i in "${indices[@]}"; do WORK_JOB[$stage $i]=$job; done
@@ -283,7 +281,7 @@ for stage in "${ALL_STAGES[@]}"; do
   done
   if ((dry_run)); then bash "benchmark/slurm/$stage.sbatch" --dry-run; fi
 done
-if ((!dry_run && !submitted)); then
+if ((!dry_run)) && [[ -z $SUBMITTED ]]; then
   echo "benchmark/launch.sh: every task of ${stages[*]} is complete or still in the queue; nothing was submitted"
 fi
 if ((!dry_run)); then  # what the sweep shows so far, at any time: Figure 1 from the judge folders, each stage's metrics
