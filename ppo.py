@@ -1943,7 +1943,7 @@ def fp32_state_dict(accelerator, model) -> dict:
                 state_dict[name] = master.cpu()
             del master
     if not accelerator.is_main_process:
-        return {}  # an fp32 copy on each of 7 more ranks: ~580 GB of host memory at 6.9B PPO's save
+        return {}  # ZeRO-3's gather gave them a copy too: none is kept
     return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
 
 
