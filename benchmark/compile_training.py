@@ -11,14 +11,18 @@ aot_eager swaps inductor for dynamo's graphs run with the eager kernels.
     python benchmark/compile_training.py                      # Pythia-1B shape, bf16 on one GPU (~1 min)
     python benchmark/compile_training.py --size tiny --context 32 --allow_cpu   # a smoke run on CPU
     python benchmark/compile_training.py --backend aot_eager  # dynamo's graphs run eagerly: its overhead alone
+    python benchmark/compile_training.py --check              # also: as exact as the eager pass? (bf16 against fp32)
 
 Prints a markdown table: ms per pass (the mean of --repeats after one warm-up call of each width),
 eager and compiled, the seconds the two compiles took, and the peak GPU memory. With --profile N, also
 each mode's N costliest ops (CUDA kernels on a GPU) and how busy the device was: where the pass's
-time goes, for what might come after compiling.
+time goes, for what might come after compiling. With --check, also how far the compiled pass's logits, values
+and gradients are from the eager pass's, beside how far bf16 rounding alone moves the eager pass (against an fp32
+copy of it): is the compiled pass as exact as the eager one?
 """
 
 import argparse
+import copy
 import os
 import sys
 import time
@@ -57,6 +61,34 @@ def build_models(size: str, device: str, dtype: torch.dtype) -> tuple:
         base_config = {k: v for k, v in policy.base_model.config.to_dict().items() if k != "_name_or_path"}
         critic = ppo.ScalarModel(ppo.ScalarModelConfig(base_config=base_config)).to(dtype)
     return policy, critic
+
+
+def agreement_lines(eager_model, compiled_model, ids: torch.Tensor, context: int) -> str:
+    """The compiled pass against the eager one on `ids` (one forward and backward each, the benchmark's stand-in loss),
+    and both against an fp32 copy of the eager pass: max |difference| of the response logits and of the values, and
+    the gradients' relative error ||g - g_ref|| / ||g_ref|| over every parameter of policy and critic."""
+    def run(model) -> tuple:
+        logits, values = ppo.response_logits_and_values(model, ids, PAD, context, RESPONSE)
+        (logits.float().logsumexp(-1).mean() + values.float().mean()).backward()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+        model.zero_grad(set_to_none=True)
+        return logits.detach().float(), values.detach().float(), grads
+
+    eager, compiled = run(eager_model), run(compiled_model)
+    reference_model = copy.deepcopy(eager_model).float()
+    reference = run(reference_model)
+    del reference_model
+
+    def gap(a: tuple, b: tuple) -> str:
+        return (f"{(a[0] - b[0]).abs().max():.2e} | {(a[1] - b[1]).abs().max():.2e} | "
+                f"{(a[2] - b[2]).norm() / b[2].norm():.2e}")
+
+    return "\n".join([f"Agreement on the first micro-batch, window width "
+                      f"{ppo.response_window(ids, PAD, context, RESPONSE)[0].size(1)} (mean |logit| {eager[0].abs().mean():.2f}, mean |value| {eager[1].abs().mean():.3f}):", "",
+                      "| pair | max abs logit diff | max abs value diff | gradient relative error |", "|---|---|---|---|",
+                      f"| compiled vs eager | {gap(compiled, eager)} |",
+                      f"| eager vs its fp32 copy | {gap(eager, reference)} |",
+                      f"| compiled vs the fp32 copy | {gap(compiled, reference)} |", ""])
 
 
 def profile_lines(name: str, step, repeats: int, top: int, device: str) -> str:
@@ -101,6 +133,9 @@ def main() -> None:
                              "graphs with the eager kernels, which shows what the compiled code itself gains")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile --repeats passes of each mode (first width) and print its N costliest ops")
+    parser.add_argument("--check", action="store_true",
+                        help="also compare the compiled pass's logits, values and gradients with the eager pass's and "
+                             "with an fp32 copy's (first width; the fp32 copy needs 8 bytes a parameter more)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.allow_cpu:
@@ -156,6 +191,8 @@ def main() -> None:
         print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
     for name, model in (("eager", eager_model), ("--compile_training", compiled_model)) if args.profile else ():
         print(profile_lines(name, lambda: step(model, batches[0]), args.repeats, args.profile, device))
+    if args.check:
+        print(agreement_lines(eager_model, compiled_model, batches[0], args.context))
 
 
 if __name__ == "__main__":

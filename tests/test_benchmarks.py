@@ -160,7 +160,7 @@ def test_compile_training_smoke_run_on_cpu():
     from conftest import REPO, run_python
 
     result = run_python([sys.executable, REPO / "benchmark" / "compile_training.py", "--size", "tiny", "--context", "32",
-                         "--repeats", "1", "--allow_cpu", "--profile", "3", "--backend", "aot_eager"],
+                         "--repeats", "1", "--allow_cpu", "--profile", "3", "--backend", "aot_eager", "--check"],
                         timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "backend aot_eager" in result.stdout
@@ -179,6 +179,14 @@ def test_compile_training_smoke_run_on_cpu():
         rows = re.findall(r"^\| (.+?) \| ([\d.]+) \| (\d+)% \| (\d+) \|$", table.split("\n\n")[0], re.M)
         assert len(rows) == 3 and [float(ms) for _, ms, *_ in rows] == sorted((float(ms) for _, ms, *_ in rows), reverse=True)
         assert sum(int(share) for _, _, share, _ in rows) <= 101  # shares of the busy time, rounded
+    # --check: the compiled pass against the eager one and both against an fp32 copy, on the first width; in fp32
+    # with aot_eager (the eager kernels) all three pairs agree to float rounding, and the logits are not all zero
+    assert "Agreement on the first micro-batch, window width 84 (mean |logit| " in result.stdout
+    assert float(re.search(r"mean \|logit\| ([\d.]+)", result.stdout)[1]) > 0
+    pairs = dict((name, [float(x) for x in numbers]) for name, *numbers in re.findall(
+        r"^\| (compiled vs eager|eager vs its fp32 copy|compiled vs the fp32 copy) \| (\S+) \| (\S+) \| (\S+) \|$",
+        result.stdout, re.M))
+    assert len(pairs) == 3 and all(max(numbers) < 1e-5 for numbers in pairs.values()), pairs
 
 
 def neox_forward_flops(config, rows: int, length: int, unembed: bool = True, head: bool = False) -> int:
