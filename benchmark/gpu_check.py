@@ -336,6 +336,14 @@ def main() -> None:
     print("\n".join(lines))
 
 
+def ratio_of(stats: dict) -> str:
+    """A PPO run's first update: the first epoch's ratio (the sampler's log-probabilities against the training
+    forward's) and the KL to the reference."""
+    return (f"mean {stats['policy/ratio_first_epoch'][0]:.5f}, max |ratio - 1| "
+            f"{stats['policy/ratio_first_epoch_max_deviation'][0]:.4f}; KL to the reference at the first update "
+            f"{stats['objective/kl'][0]:.5f}")
+
+
 def training_line(stats: dict, stats_fast: dict, checks: dict, compile_failure: Optional[str] = None) -> str:
     """Each run's PPO training phase against its floor: epochs x micro-batches x 2 models of plain forward + backward."""
     from ppo import Args
@@ -412,9 +420,8 @@ def report_lines(args, name: str, versions: str, timings: dict, memory: dict, st
         update_split(stats_fast, f"StaticSampler, {'eager' if compile_failure else 'compiled'} layers ({fast_flags})"),
         *([] if compile_failure is None else [f"--compile_training failed, so the fast run sampled with StaticSampler "
                                               f"only: {compile_failure}"]), "", target_line(stats, stats_fast), "",
-        f"First-epoch ratio ({precision} sampling loop vs {precision} training forward): mean "
-        f"{stats['policy/ratio_first_epoch'][0]:.5f}, max |ratio - 1| {stats['policy/ratio_first_epoch_max_deviation'][0]:.4f}; "
-        f"KL to the reference at the first update {stats['objective/kl'][0]:.5f}.", "",
+        f"First-epoch ratio ({precision} sampling loop vs {precision} training forward): {ratio_of(stats)}. The fast run "
+        f"(StaticSampler, {'eager' if compile_failure else 'compiled'} layers): {ratio_of(stats_fast)}.", "",
         training_line(stats, stats_fast, checks, compile_failure), "",
         f"Windowed training forward vs the plain full forward (bf16, 16 rows of 512 + 53): max |logit difference| "
         f"{checks['window_max_abs_diff']:.4f}, mean {checks['window_mean_abs_diff']:.5f} (mean |logit| "

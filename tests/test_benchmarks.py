@@ -84,6 +84,14 @@ def test_gpu_check_report_has_every_stage_and_the_update_split_by_hand():
 
     report = "\n".join(gpu_check.report_lines(*made_up_measurements(fast_training=2.0)))
     assert "| DPO, 1 update | 8 pairs x 1 | 48 | 18.90 GiB |" in report
+    # the first update's ratio and KL, of each run (the fast one's sampler and compiled layers are checked there)
+    measurements = made_up_measurements(fast_training=2.0)
+    measurements[6].update({"policy/ratio_first_epoch": [0.99], "policy/ratio_first_epoch_max_deviation": [0.125],
+                            "objective/kl": [0.5]})
+    assert ("First-epoch ratio (bf16 sampling loop vs bf16 training forward): mean 1.00000, max |ratio - 1| 0.0500; "
+            "KL to the reference at the first update 0.00000. The fast run (StaticSampler, compiled layers): mean "
+            "0.99000, max |ratio - 1| 0.1250; KL to the reference at the first update 0.50000.") in "\n".join(
+        gpu_check.report_lines(*measurements))
     # the second update: 0.5 + 0.3 + 2.2 = 3.0 s (17% / 10% / 73%), with the fast paths 0.25 + 0.3 + 2.0 = 2.55 s
     # the plain run samples with ppo.py's own loop (the same tokens as HF generate), which the label names
     assert ("| plain loop (sample_rollout), eager layers (the defaults) | 3.00 | 0.50 (17%) | 0.30 (10%) | 2.20 (73%) |"
