@@ -135,7 +135,7 @@ class Args:
     fast_sampling: bool = False
     """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop in fp32 (in bf16 on a GPU rounding moves ~1-2% of draws), 1.35-1.98x faster than HF generate on CPU, 1.8-2.5x the plain loop at 1B on one H100 / H200; its compile (25-60 s per process and rank, cold) pays off only after ~20-200 updates on a CPU, hence off by default (the SLURM launchers turn it on; benchmark/README.md); not with ZeRO-3"""
     compile_training: bool = False
-    """Compile each GPT-NeoX layer of policy and critic but the last (torch.compile, one region a layer) for the PPO epochs' forwards and backwards only: the same outputs up to float rounding; layers so compiled took 0.89x the eager pass at 1B on one H200 (benchmark/compile_training.py; not yet timed inside ppo.py, hence off) and 0.95-0.99x on a CPU; compiles in ~15-20 s per process; not with ZeRO-3"""
+    """Compile each GPT-NeoX layer of policy and critic but the last (torch.compile, one region a layer) for the PPO epochs' forwards and backwards only: the same outputs up to float rounding; inside ppo.py at 1B on one H200, the training phase took 0.936x the eager one's time, as close to fp32 as eager (benchmark/results/gpu_check.md), for ~15-50 s of compiling per process; on a CPU 0.95-0.99x, and never with bf16, hence off by default (the SLURM launchers turn it on); not with ZeRO-3"""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of policy and critic (memory for compute)"""
     offload: bool = False
