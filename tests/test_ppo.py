@@ -619,6 +619,31 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients(tiny_tldr, backend
     assert graphs[1] - graphs[0] == 1 and graphs[3] == graphs[2] == graphs[1], graphs
 
 
+def test_compiled_layers_compose_with_recomputed_activations(tiny_tldr):
+    """--compile_training with --gradient_checkpointing (the SLURM launchers compile by default; a larger model may
+    add checkpointing for memory): each compiled layer recomputes its activations in the backward, and the logits,
+    values and gradients are the eager forward's (aot_eager: the same kernels in the same order)."""
+    import copy
+
+    policy, critic = tiny_models()
+    eager = PolicyAndValueWrapper(policy, critic).train()
+    both = PolicyAndValueWrapper(copy.deepcopy(policy), copy.deepcopy(critic), compile_layers=True,
+                                 checkpoint_activations=True, backend="aot_eager").train()
+    assert both.policy.base_model.gradient_checkpointing and both.critic.backbone.gradient_checkpointing
+    queries = padded_queries(tiny_tldr, 40)[:6]
+    torch.manual_seed(5)
+    torch._dynamo.reset()
+    query_responses = torch.cat((queries, torch.randint(2, 200, (len(queries), 12))), 1)
+    outputs = []
+    for model in (eager, both):
+        logits, values = response_logits_and_values(model, query_responses, PAD, queries.shape[1], 9)
+        loss = torch.log_softmax(logits, -1)[..., 5].mean() + values.square().mean()
+        grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+        outputs.append((logits.detach(), values.detach(), torch.cat([g.flatten() for g in grads])))
+    for ours, theirs in zip(outputs[1], outputs[0]):
+        assert torch.equal(ours, theirs)
+
+
 def test_compiled_training_refuses_what_it_cannot_compile():
     """model_problems: --compile_training on a backbone without SDPA attention names the model and the fix; without
     the flag the same models pass."""
