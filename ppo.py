@@ -135,7 +135,7 @@ class Args:
     fast_sampling: bool = False
     """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop in fp32 (in bf16 on a GPU rounding moves ~1-2% of draws), 1.35-1.98x faster than HF generate on CPU, 1.8-2.5x the plain loop at 1B on one H100 / H200; its compile (25-60 s per process and rank, cold) pays off only after ~20-200 updates on a CPU, hence off by default (the SLURM launchers turn it on; benchmark/README.md); not with ZeRO-3"""
     compile_training: bool = False
-    """Compile each GPT-NeoX layer of policy and critic but the last (torch.compile, one region a layer) for the PPO epochs' forwards and backwards only: the same outputs up to float rounding; inside ppo.py at 1B on one H200, the training phase took 0.936x the eager one's time, as close to fp32 as eager (benchmark/results/gpu_check.md), for ~15-50 s of compiling per process; on a CPU 0.95-0.99x, and never with bf16, hence off by default (the SLURM launchers turn it on); not with ZeRO-3"""
+    """Compile each GPT-NeoX layer of policy and critic but the last (torch.compile, one region a layer) for the PPO epochs' forwards and backwards only: the same outputs up to float rounding; inside ppo.py at 1B on one H200, the training phase took 0.936x the eager one's time, as close to fp32 as eager (benchmark/results/gpu_check.md), for ~13-20 s of compiling per process; on a CPU 0.95-0.99x, and never with bf16, hence off by default (the SLURM launchers turn it on); not with ZeRO-3"""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of policy and critic (memory for compute)"""
     offload: bool = False
@@ -476,11 +476,11 @@ def main() -> None:
 
         # 1. Rollout: sample responses, then score them with the frozen models and the critic.
         clock = time.time()
-        unwrapped.policy.eval()  # no dropout either way; eval() lets generate keep its KV cache under checkpointing
+        unwrapped.eval()  # no dropout either way; eval() lets generate keep its KV cache under checkpointing
         with torch.no_grad(), accelerator.autocast():
             batch, generation_time = rollout(args, unwrapped.policy, ref_policy, unwrapped.critic, reward_model,
                                              queries, sample_responses, pad_id, eos_id, temperature, unsampled)
-        unwrapped.policy.train()
+        unwrapped.train()  # policy and critic: checkpointing recomputes only in train mode (from_pretrained: eval)
         responses = batch["query_responses"][:, context_length:]  # (B_loc, T_resp)
         postprocessed_responses = truncate_response(responses, eos_id, pad_id)
         scoring_time = time.time() - clock - generation_time
@@ -692,7 +692,22 @@ def compiled_layers(backbone, backend: str = "inductor") -> list:
     (HF generate's growing cache would recompile at every step). Regional rather than whole-model
     compilation: it compiles in seconds, not a minute, for most of the gain (benchmark/compile_training.py).
     main refuses other backbones before this runs (model_problems)."""
-    return [torch.compile(layer, backend=backend, dynamic=True) for layer in backbone.layers[:-1]]
+    return [explain_compile_errors(torch.compile(layer, backend=backend, dynamic=True), "--compile_training",
+                                   "COMPILE_TRAINING=0") for layer in backbone.layers[:-1]]
+
+
+def explain_compile_errors(compiled, flag: str, knob: str):
+    """== compiled; a failure of torch.compile's backend names the flag that asked for it and how to run without it."""
+    # A node without a C compiler, or a GPU node without Triton, fails at the first compiled call: after loading and a
+    # rollout. The flag changes speed only, so running without it is the way out.
+    def call(*args, **kwargs):
+        try:
+            return compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            raise RuntimeError(f"{flag}: torch.compile could not build its code here ({type(error).__name__}, above). "
+                               f"{flag} changes speed only: run without it (the SLURM launchers: {knob}), or give "
+                               f"the machine a working C compiler (and Triton on a GPU)") from error
+    return call
 
 
 def sdpa_gpt_neox(backbone) -> bool:
@@ -853,8 +868,9 @@ class StaticSampler:
         if rows > self.batch_size:
             raise ValueError(f"{rows} queries for a sampler of {self.batch_size} rows")
         if self.step is None:
-            self.step = decode_step if self.backend is None else torch.compile(
-                decode_step, backend=self.backend, mode="reduce-overhead" if queries.is_cuda else None, dynamic=False)
+            self.step = decode_step if self.backend is None else explain_compile_errors(torch.compile(
+                decode_step, backend=self.backend, mode="reduce-overhead" if queries.is_cuda else None, dynamic=False),
+                "--fast_sampling", "FAST_SAMPLING=0")
         if self.cache is None or self.cache.get_max_length() != context_length + response_length:
             # On a GPU one cache for the process, its tensors at fixed addresses (what CUDA graphs replay);
             # on a CPU one per call, dropped at its end, so that the PPO epochs do not hold it.

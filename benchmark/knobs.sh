@@ -81,7 +81,7 @@ export FAST_SAMPLING=${FAST_SAMPLING:-1}
 
 # PPO's training forward and backward with each transformer layer compiled (ppo.py --compile_training).
 # On one H200 at 1B, inside ppo.py: the training phase 3.71 s against 3.96 s eager (0.936x), the update
-# 4.58 s with --fast_sampling, for ~50 s of compiling per process; as close to fp32 as the eager pass
+# 4.58 s with --fast_sampling, for ~13 s of compiling per process; as close to fp32 as the eager pass
 # (benchmark/results/gpu_check.md, 2026-11-30). Measured at 1B only. COMPILE_TRAINING=0 trains eagerly.
 export COMPILE_TRAINING=${COMPILE_TRAINING:-1}
 

@@ -622,17 +622,20 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients(tiny_tldr, backend
 def test_compiled_layers_compose_with_recomputed_activations(tiny_tldr):
     """--compile_training with --gradient_checkpointing (the SLURM launchers compile by default; a larger model may
     add checkpointing for memory): each compiled layer recomputes its activations in the backward, and the logits,
-    values and gradients are the eager forward's (aot_eager: the same kernels in the same order)."""
+    values and gradients are the eager forward's (aot_eager: the same kernels in the same order), from one graph."""
     import copy
 
     policy, critic = tiny_models()
     eager = PolicyAndValueWrapper(policy, critic).train()
     both = PolicyAndValueWrapper(copy.deepcopy(policy), copy.deepcopy(critic), compile_layers=True,
                                  checkpoint_activations=True, backend="aot_eager").train()
+    from torch._dynamo.utils import counters
+
     assert both.policy.base_model.gradient_checkpointing and both.critic.backbone.gradient_checkpointing
     queries = padded_queries(tiny_tldr, 40)[:6]
     torch.manual_seed(5)
     torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
     query_responses = torch.cat((queries, torch.randint(2, 200, (len(queries), 12))), 1)
     outputs = []
     for model in (eager, both):
@@ -642,6 +645,40 @@ def test_compiled_layers_compose_with_recomputed_activations(tiny_tldr):
         outputs.append((logits.detach(), values.detach(), torch.cat([g.flatten() for g in grads])))
     for ours, theirs in zip(outputs[1], outputs[0]):
         assert torch.equal(ours, theirs)
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # compiled, not run eagerly: one graph for every layer
+
+
+def test_a_compiler_failure_names_the_flag_that_asked_for_it(tiny_tldr):
+    """torch.compile's backend failing (a node without a C compiler, or without Triton on a GPU) at the first compiled
+    call of --compile_training's layers or --fast_sampling's step: the error names the flag and the launchers' knob
+    that turn it off, with the compiler's own error as its cause."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    def failing_backend(graph, example_inputs):  # what inductor does without a toolchain
+        raise OSError("no C compiler")
+
+    policy, critic = tiny_models()
+    queries = padded_queries(tiny_tldr, 4)
+    query_responses = torch.cat((queries, torch.randint(2, 200, (len(queries), 12))), 1)
+    torch._dynamo.reset()
+    model = PolicyAndValueWrapper(policy, critic, compile_layers=True, backend=failing_backend).train()
+    with pytest.raises(RuntimeError, match=r"^--compile_training: torch.compile could not build its code here "
+                                           r"\(BackendCompilerFailed, above\). --compile_training changes speed only: run "
+                                           r"without it \(the SLURM launchers: COMPILE_TRAINING=0\)") as raised:
+        response_logits_and_values(model, query_responses, PAD, queries.shape[1], 9)
+    assert isinstance(raised.value.__cause__, BackendCompilerFailed)
+    torch._dynamo.reset()
+    policy.eval()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"^--fast_sampling: .*the SLURM launchers: "
+                                                            r"FAST_SAMPLING=0\)") as raised:
+        StaticSampler(4, backend=failing_backend)(policy, queries[:3], PAD, EOS, 12, 0.7 + 1e-7, unsampled_ids(policy))
+    assert isinstance(raised.value.__cause__, BackendCompilerFailed)
+    # anything else passes through as it is: a result, and an error that is not the compiler's
+    from ppo import explain_compile_errors
+
+    assert explain_compile_errors(lambda x, y=1: x + y, "--flag", "KNOB=0")(2, y=3) == 5
+    with pytest.raises(ValueError, match="^a bad input$"):
+        explain_compile_errors(lambda: (_ for _ in ()).throw(ValueError("a bad input")), "--flag", "KNOB=0")()
 
 
 def test_compiled_training_refuses_what_it_cannot_compile():
@@ -1265,11 +1302,14 @@ given = {"logprobs": -torch.rand(4, 6, generator=generator) * 3, "ref_logprobs":
 captured = {}
 
 def rollout(args, policy, ref_policy, critic, reward_model, queries, *rest):  # the hand-built rollout
+    captured["rollout_training"] = (policy.training, critic.training)
     return {"query_responses": torch.cat((queries, responses), 1), **{k: v.clone() for k, v in given.items()}}, 0.0
 
 real_ppo_epochs = ppo.ppo_epochs
 def ppo_epochs(accelerator, model, optimizer, args, batch, *rest):  # what steps 2-5 hand to the PPO epochs
     captured.update({key: batch[key].clone() for key in ("advantages", "returns", "values")})
+    trained = accelerator.unwrap_model(model)
+    captured["epochs_training"] = (trained.policy.training, trained.critic.training)
     return real_ppo_epochs(accelerator, model, optimizer, args, batch, *rest)
 
 ppo.rollout, ppo.ppo_epochs = rollout, ppo_epochs
@@ -1308,3 +1348,6 @@ def test_an_update_hands_the_ppo_epochs_the_advantages_of_the_papers_definitions
     torch.testing.assert_close(out["values"].double(), values, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out["returns"].double(), returns, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out["advantages"].double(), advantages, atol=1e-5, rtol=1e-5)
+    # Policy and critic sample and score in eval mode and train in train mode: a layer recomputes its activations
+    # under --gradient_checkpointing only in train mode (from_pretrained leaves a model in eval mode)
+    assert out["rollout_training"] == (False, False) and out["epochs_training"] == (True, True)
