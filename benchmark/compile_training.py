@@ -57,9 +57,11 @@ def build_models(size: str, device: str, dtype: torch.dtype) -> tuple:
     config._attn_implementation = "sdpa"  # what ppo.py's windowed last layer runs on
     torch.manual_seed(0)
     with torch.device(device):
-        policy = GPTNeoXForCausalLM(config).to(dtype)
+        policy = GPTNeoXForCausalLM(config)
         base_config = {k: v for k, v in policy.base_model.config.to_dict().items() if k != "_name_or_path"}
-        critic = ppo.ScalarModel(ppo.ScalarModelConfig(base_config=base_config)).to(dtype)
+        critic = ppo.ScalarModel(ppo.ScalarModelConfig(base_config=base_config))
+    for parameter in (*policy.parameters(), *critic.parameters()):  # as DeepSpeed casts: the rotary buffers stay fp32
+        parameter.data = parameter.data.to(dtype)
     return policy, critic
 
 

@@ -160,6 +160,19 @@ def test_compile_training_pads_each_row_as_it_says():
     assert ((short == compile_training.PAD).sum(1) == 31).all()  # clamped: each row keeps one query token
 
 
+def test_compile_training_casts_its_models_as_deepspeed_does():
+    """benchmark/compile_training.py's bf16 models: every parameter bf16, the rotary inv_freq buffers fp32, as ppo.py
+    runs under DeepSpeed (a blanket .to(bf16) rounds the rotary angles, which ppo.py's rotary_problem refuses)."""
+    import torch
+
+    import compile_training
+
+    policy, critic = compile_training.build_models("tiny", "cpu", torch.bfloat16)
+    assert {p.dtype for p in (*policy.parameters(), *critic.parameters())} == {torch.bfloat16}
+    assert compile_training.ppo.rotary_problem({"policy": policy, "critic": critic}) is None
+    assert any(name.endswith("inv_freq") for name, _ in policy.named_buffers())  # there are buffers to keep
+
+
 def test_compile_training_smoke_run_on_cpu():
     """The benchmark end to end on the tiny shape in fp32: a row per window width, ratios that are the ms columns'
     quotient, the two compiles' seconds, and with --profile each mode's costliest ops. It runs --backend aot_eager:
