@@ -137,7 +137,7 @@ class Args:
     compile_training: bool = False
     """Compile each GPT-NeoX layer of policy and critic but the last (torch.compile, one region a layer) for the PPO epochs' forwards and backwards only: the same outputs up to float rounding; inside ppo.py at 1B on one H200, the training phase took 0.936x the eager one's time, as close to fp32 as eager (benchmark/results/gpu_check.md), for ~13-20 s of compiling per process; on a CPU 0.95-0.99x, and never with bf16, hence off by default (the SLURM launchers turn it on); not with ZeRO-3"""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass of policy and critic (memory for compute)"""
+    """Recompute activations in the backward pass of policy and critic (memory for compute), in every layer but the last (run on the response window only)"""
     offload: bool = False
     """Run the reference policy and the RM as DeepSpeed ZeRO-3 inference engines with CPU offload (6.9B)"""
 
@@ -703,7 +703,7 @@ def explain_compile_errors(compiled, flag: str, knob: str):
     def call(*args, **kwargs):
         try:
             return compiled(*args, **kwargs)
-        except torch._dynamo.exc.BackendCompilerFailed as error:
+        except torch._dynamo.exc.ShortenTraceback as error:  # BackendCompilerFailed, TritonMissing, GPUTooOldForTriton
             raise RuntimeError(f"{flag}: torch.compile could not build its code here ({type(error).__name__}, above). "
                                f"{flag} changes speed only: run without it (the SLURM launchers: {knob}), or give "
                                f"the machine a working C compiler (and Triton on a GPU)") from error

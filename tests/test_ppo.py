@@ -648,13 +648,22 @@ def test_compiled_layers_compose_with_recomputed_activations(tiny_tldr):
     assert counters["stats"]["unique_graphs"] - graphs == 1  # compiled, not run eagerly: one graph for every layer
 
 
-def test_a_compiler_failure_names_the_flag_that_asked_for_it(tiny_tldr):
+@pytest.mark.parametrize("missing", ["C compiler", "Triton"])
+def test_a_compiler_failure_names_the_flag_that_asked_for_it(tiny_tldr, missing):
     """torch.compile's backend failing (a node without a C compiler, or without Triton on a GPU) at the first compiled
     call of --compile_training's layers or --fast_sampling's step: the error names the flag and the launchers' knob
-    that turn it off, with the compiler's own error as its cause."""
-    from torch._dynamo.exc import BackendCompilerFailed
+    that turn it off, with the compiler's own error as its cause (a C compiler's error arrives wrapped in
+    BackendCompilerFailed; inductor's TritonMissing as it is)."""
+    import inspect
 
-    def failing_backend(graph, example_inputs):  # what inductor does without a toolchain
+    from torch._dynamo.exc import BackendCompilerFailed, ShortenTraceback
+    from torch._inductor.exc import TritonMissing
+
+    expected = BackendCompilerFailed if missing == "C compiler" else TritonMissing
+
+    def failing_backend(graph, example_inputs):  # what inductor does without the toolchain
+        if missing == "Triton":
+            raise TritonMissing(inspect.currentframe())
         raise OSError("no C compiler")
 
     policy, critic = tiny_models()
@@ -662,17 +671,17 @@ def test_a_compiler_failure_names_the_flag_that_asked_for_it(tiny_tldr):
     query_responses = torch.cat((queries, torch.randint(2, 200, (len(queries), 12))), 1)
     torch._dynamo.reset()
     model = PolicyAndValueWrapper(policy, critic, compile_layers=True, backend=failing_backend).train()
-    with pytest.raises(RuntimeError, match=r"^--compile_training: torch.compile could not build its code here "
-                                           r"\(BackendCompilerFailed, above\). --compile_training changes speed only: run "
-                                           r"without it \(the SLURM launchers: COMPILE_TRAINING=0\)") as raised:
+    with pytest.raises(RuntimeError, match=rf"^--compile_training: torch.compile could not build its code here "
+                                           rf"\({expected.__name__}, above\). --compile_training changes speed only: "
+                                           r"run without it \(the SLURM launchers: COMPILE_TRAINING=0\)") as raised:
         response_logits_and_values(model, query_responses, PAD, queries.shape[1], 9)
-    assert isinstance(raised.value.__cause__, BackendCompilerFailed)
+    assert type(raised.value.__cause__) is expected and issubclass(expected, ShortenTraceback)
     torch._dynamo.reset()
     policy.eval()
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"^--fast_sampling: .*the SLURM launchers: "
                                                             r"FAST_SAMPLING=0\)") as raised:
         StaticSampler(4, backend=failing_backend)(policy, queries[:3], PAD, EOS, 12, 0.7 + 1e-7, unsampled_ids(policy))
-    assert isinstance(raised.value.__cause__, BackendCompilerFailed)
+    assert type(raised.value.__cause__) is expected
     # anything else passes through as it is: a result, and an error that is not the compiler's
     from ppo import explain_compile_errors
 
