@@ -698,8 +698,8 @@ def compiled_layers(backbone, backend: str = "inductor") -> list:
 
 def explain_compile_errors(compiled, flag: str, knob: str):
     """== compiled; a failure of torch.compile's backend names the flag that asked for it and how to run without it."""
-    # A node without a C compiler, or a GPU node without Triton, fails at the first compiled call: after loading and a
-    # rollout. The flag changes speed only, so running without it is the way out.
+    # A node without a C compiler, or a GPU node without Triton, fails at the first compiled call, after the models
+    # are loaded (the sampler's in the first rollout, the layers' in the first PPO epoch). The flag changes speed only.
     def call(*args, **kwargs):
         try:
             return compiled(*args, **kwargs)

@@ -85,8 +85,9 @@ def agreement_lines(eager_model, compiled_model, ids: torch.Tensor, context: int
         return (f"{(a[0] - b[0]).abs().max():.2e} | {(a[1] - b[1]).abs().max():.2e} | "
                 f"{(a[2] - b[2]).norm() / b[2].norm():.2e}")
 
-    return "\n".join([f"Agreement on the first micro-batch, window width "
-                      f"{ppo.response_window(ids, PAD, context, RESPONSE)[0].size(1)} (mean |logit| {eager[0].abs().mean():.2f}, mean |value| {eager[1].abs().mean():.3f}):", "",
+    width = ppo.response_window(ids, PAD, context, RESPONSE)[0].size(1)
+    return "\n".join([f"Agreement on the first micro-batch, window width {width} (mean |logit| "
+                      f"{eager[0].abs().mean():.2f}, mean |value| {eager[1].abs().mean():.3f}):", "",
                       "| pair | max abs logit diff | max abs value diff | gradient relative error |", "|---|---|---|---|",
                       f"| compiled vs eager | {gap(compiled, eager)} |",
                       f"| eager vs its fp32 copy | {gap(eager, reference)} |",
