@@ -625,12 +625,12 @@ def test_compiled_layers_compose_with_recomputed_activations(tiny_tldr):
     values and gradients are the eager forward's (aot_eager: the same kernels in the same order), from one graph."""
     import copy
 
+    from torch._dynamo.utils import counters
+
     policy, critic = tiny_models()
     eager = PolicyAndValueWrapper(policy, critic).train()
     both = PolicyAndValueWrapper(copy.deepcopy(policy), copy.deepcopy(critic), compile_layers=True,
                                  checkpoint_activations=True, backend="aot_eager").train()
-    from torch._dynamo.utils import counters
-
     assert both.policy.base_model.gradient_checkpointing and both.critic.backbone.gradient_checkpointing
     queries = padded_queries(tiny_tldr, 40)[:6]
     torch.manual_seed(5)
