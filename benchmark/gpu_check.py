@@ -13,10 +13,10 @@ the paper's 512 tokens. With --hub, the real EleutherAI/pythia-1b-deduped checkp
 
 Printed and written to runs/gpu_check.md (--out; benchmark/results/gpu_check.md keeps every check): the device and versions; per stage its wall
 time and peak GPU memory; the second PPO update's time split in each run (generation / scoring /
-training; the first update's includes compiling the fast paths); each run's training phase against
+training), and what the first update took more (compiling the fast paths); each run's training phase against
 its floor (plain forward + backward passes, and the bf16 matmul peak measured in the same run), and that pass at
 micro-batches of 32 and 64 rows (does a larger --local_micro_batch_size train faster per row?); the
-first-epoch ratio (mean, and max |ratio - 1| over tokens); the windowed training forward against the
+first-epoch ratio of each run (mean, and max |ratio - 1| over tokens); the windowed training forward against the
 plain full forward (max |difference| of the logits, bf16); decode tokens/s at the paper's rollout
 batch of the fast path (StaticSampler) and of the plain loop (sample_rollout), and how many of their
 tokens agree.
@@ -420,6 +420,7 @@ def report_lines(args, name: str, versions: str, timings: dict, memory: dict, st
         update_split(stats_fast, f"StaticSampler, {'eager' if compile_failure else 'compiled'} layers ({fast_flags})"),
         *([] if compile_failure is None else [f"--compile_training failed, so the fast run sampled with StaticSampler "
                                               f"only: {compile_failure}"]), "", target_line(stats, stats_fast), "",
+        compile_line(stats, stats_fast, fast_flags), "",
         f"First-epoch ratio ({precision} sampling loop vs {precision} training forward): {ratio_of(stats)}. The fast run "
         f"(StaticSampler, {'eager' if compile_failure else 'compiled'} layers): {ratio_of(stats_fast)}.", "",
         training_line(stats, stats_fast, checks, compile_failure), "",
@@ -433,6 +434,18 @@ def report_lines(args, name: str, versions: str, timings: dict, memory: dict, st
         f"the same tokens at {checks['same_tokens']:.1%} of positions (same seed; bf16 rounding may move a "
         f"draw).", ""]
     return lines
+
+
+def compile_line(stats: dict, stats_fast: dict, fast_flags: str) -> str:
+    """What the fast paths' compiling costs, inside ppo.py: each run's first update against its second, by phase (the
+    plain run's first update pays for warming up only; the fast run's also for compiling the sampler's step, in
+    generation, and the layers, in training)."""
+    def extra(stats: dict, phase: str) -> float:
+        return stats[f"time/{phase}"][0] - stats[f"time/{phase}"][-1]
+
+    return (f"The first update over the second (compiling and warming up), seconds: generation "
+            f"+{extra(stats, 'generation'):.1f} plain, +{extra(stats_fast, 'generation'):.1f} with {fast_flags}; training "
+            f"+{extra(stats, 'training'):.1f} plain, +{extra(stats_fast, 'training'):.1f} with {fast_flags}.")
 
 
 def target_line(stats: dict, stats_fast: dict) -> str:

@@ -92,6 +92,10 @@ def test_gpu_check_report_has_every_stage_and_the_update_split_by_hand():
             "KL to the reference at the first update 0.00000. The fast run (StaticSampler, compiled layers): mean "
             "0.99000, max |ratio - 1| 0.1250; KL to the reference at the first update 0.50000.") in "\n".join(
         gpu_check.report_lines(*measurements))
+    # the first update over the second: generation 9.0 - 0.5 and 30.0 - 0.25, training 5.0 - 2.2 and 5.0 - 2.0
+    assert ("The first update over the second (compiling and warming up), seconds: generation +8.5 plain, +29.8 with "
+            "--fast_sampling --compile_training; training +2.8 plain, +3.0 with --fast_sampling --compile_training."
+            ) in report
     # the second update: 0.5 + 0.3 + 2.2 = 3.0 s (17% / 10% / 73%), with the fast paths 0.25 + 0.3 + 2.0 = 2.55 s
     # the plain run samples with ppo.py's own loop (the same tokens as HF generate), which the label names
     assert ("| plain loop (sample_rollout), eager layers (the defaults) | 3.00 | 0.50 (17%) | 0.30 (10%) | 2.20 (73%) |"
