@@ -582,6 +582,15 @@ def test_training_forward_by_length_equals_one_forward(tiny_tldr, monkeypatch, g
     torch.testing.assert_close(grouped[2], one[2], rtol=1e-4, atol=1e-5)
 
 
+def outputs_and_gradients(model, query_responses: torch.Tensor, context_length: int) -> tuple:
+    """The PPO epochs' forward of `model` on 9 response tokens: its logits, values, and the gradients of a stand-in loss
+    over every trainable parameter, flattened into one vector."""
+    logits, values = response_logits_and_values(model, query_responses, PAD, context_length, 9)
+    loss = torch.log_softmax(logits, -1)[..., 5].mean() + values.square().mean()
+    grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+    return logits.detach(), values.detach(), torch.cat([g.flatten() for g in grads])
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])  # dynamo's graph run eagerly; the compiler's own code
 def test_compiled_layers_give_the_eager_outputs_and_gradients(tiny_tldr, backend):
     """--compile_training (compiled_layers: each layer but the last wrapped by torch.compile, used by the PPO epochs'
@@ -603,12 +612,7 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients(tiny_tldr, backend
     for rows in ([0, 1, 2, 3, 4], [10, 11, 12, 13], [30, 31, 32, 33, 34, 35]):  # ever fewer left pads
         query_responses = torch.cat((queries[rows], torch.randint(2, 200, (len(rows), 12))), 1)
         widths.append(response_window(query_responses, PAD, queries.shape[1], 9)[0].shape[1])
-        outputs = []
-        for model in (eager, compiled):
-            logits, values = response_logits_and_values(model, query_responses, PAD, queries.shape[1], 9)
-            loss = torch.log_softmax(logits, -1)[..., 5].mean() + values.square().mean()
-            grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
-            outputs.append((logits.detach(), values.detach(), torch.cat([g.flatten() for g in grads])))
+        outputs = [outputs_and_gradients(model, query_responses, queries.shape[1]) for model in (eager, compiled)]
         graphs.append(counters["stats"]["unique_graphs"])
         for ours, theirs in zip(outputs[1], outputs[0]):
             if backend == "aot_eager":  # the same kernels in the same order
@@ -637,12 +641,7 @@ def test_compiled_layers_compose_with_recomputed_activations(tiny_tldr):
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     query_responses = torch.cat((queries, torch.randint(2, 200, (len(queries), 12))), 1)
-    outputs = []
-    for model in (eager, both):
-        logits, values = response_logits_and_values(model, query_responses, PAD, queries.shape[1], 9)
-        loss = torch.log_softmax(logits, -1)[..., 5].mean() + values.square().mean()
-        grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
-        outputs.append((logits.detach(), values.detach(), torch.cat([g.flatten() for g in grads])))
+    outputs = [outputs_and_gradients(model, query_responses, queries.shape[1]) for model in (eager, both)]
     for ours, theirs in zip(outputs[1], outputs[0]):
         assert torch.equal(ours, theirs)
     assert counters["stats"]["unique_graphs"] - graphs == 1  # compiled, not run eagerly: one graph for every layer
