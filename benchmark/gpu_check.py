@@ -15,7 +15,9 @@ Printed and written to runs/gpu_check.md (--out; benchmark/results/gpu_check.md 
 time and peak GPU memory; the second PPO update's time split in each run (generation / scoring /
 training), and what the first update took more (compiling the fast paths); each run's training phase against
 its floor (plain forward + backward passes, and the bf16 matmul peak measured in the same run), and that pass at
-micro-batches of 32 and 64 rows (does a larger --local_micro_batch_size train faster per row?); the
+micro-batches of 32 and 64 rows (does a larger --local_micro_batch_size train faster per row?); PPO's training
+pass at the runs' query lengths (nearly 512 tokens) and at real TL;DR ones (mean ~350), in 1, 2 and 4 forwards of rows
+sorted by length (does --length_groups pay on a GPU?), and the fast run's update projected at real lengths; the
 first-epoch ratio of each run (mean, and max |ratio - 1| over tokens); the windowed training forward against the
 plain full forward (max |difference| of the logits, bf16); decode tokens/s at the paper's rollout
 batch of the fast path (StaticSampler) and of the plain loop (sample_rollout), and how many of their
@@ -26,6 +28,7 @@ tokens agree.
 """
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -61,6 +64,34 @@ LENGTHS = ["--query_length", "512", "--max_sft_response_length", "53", "--max_sf
            "--max_rm_response_length", "169", "--max_rm_query_response_length", "638", "--cnndm_query_length", "1919",
            "--cnndm_max_rm_response_length", "155", "--cnndm_max_rm_query_response_length", "2021",
            "--no_check_length_correctness"]  # the paper's budgets; the tiny texts stay under them
+
+
+# Query lengths like the real TL;DR queries' (Pythia's tokenizer and 512-token budget: mean 346.7, median 352, at most
+# 512 tokens, in the reference's preprocessed data). The PPO runs below train on queries that fill the 512 tokens, the
+# worst case for ppo.py's training window, which drops only the left pads that all rows of a micro-batch share. These
+# are the committed tiny world's SFT train queries 0, 64, ..., 4032, their lengths in its 192-token budget scaled to
+# 512 (mean 364, median 356: slightly longer than the real ones); tests/test_benchmarks.py derives them again.
+TLDR_LIKE_QUERY_LENGTHS = (
+    413, 475, 267, 363, 381, 360, 357, 336, 371, 451, 477, 413, 421, 336, 291, 325,
+    475, 248, 312, 224, 477, 373, 296, 341, 264, 293, 331, 264, 464, 355, 499, 333,
+    331, 352, 379, 368, 227, 304, 309, 387, 507, 293, 424, 296, 400, 291, 456, 336,
+    453, 427, 349, 477, 429, 485, 301, 483, 301, 408, 392, 357, 267, 285, 320, 317)
+
+
+def tldr_like_query_lengths(tiny_query_lengths: list, tiny_budget: int = 192, budget: int = 512) -> tuple:
+    """Every 64th of the tiny world's SFT train query lengths (tokens, of a `tiny_budget`-token query), scaled to a
+    `budget`-token query: TLDR_LIKE_QUERY_LENGTHS."""
+    return tuple(min(budget, round(length * budget / tiny_budget)) for length in tiny_query_lengths[::64])
+
+
+def query_lengths(sft_dataset: str, pad_id: int, rows: Optional[int] = None) -> list:
+    """The query tokens (ids other than `pad_id`) of each of the first `rows` train rows (None: all) of preprocess_tldr.py's
+    SFT dataset folder `sft_dataset`."""
+    import datasets
+
+    train = datasets.load_from_disk(sft_dataset)["train"]
+    queries = train.select(range(min(rows, len(train))) if rows is not None else range(len(train)))["query_token"]
+    return [sum(token != pad_id for token in query) for query in queries]
 
 
 def pythia_like_tokenizer(folder: str) -> None:
@@ -152,8 +183,9 @@ def peak_memory(log: str) -> str:
 
 
 @torch.no_grad()
-def forward_checks(sft_folder: str, pad_id: int, device: str) -> dict:
-    """The windowed training forward vs the plain full forward (bf16), and the rollout sampler's decode speed."""
+def forward_checks(sft_folder: str, pad_id: int, device: str, run_query_lengths: list) -> dict:
+    """The windowed training forward vs the plain full forward (bf16), the rollout sampler's decode speed, the training
+    floor, and PPO's training pass at the runs' query lengths (`run_query_lengths`, 64) and at real TL;DR ones."""
     from transformers import AutoModelForCausalLM
 
     from ppo import PolicyAndValueWrapper, StaticSampler, cast_parameters, response_window, sample_rollout
@@ -197,26 +229,31 @@ def forward_checks(sft_folder: str, pad_id: int, device: str) -> dict:
         seconds[name] = min(seconds.get(name, float("inf")), time.time() - start)  # the faster of two, alternating
     same = (samples["plain"] == samples["fast"])[:, context:].float().mean().item()
     floor = training_floor(policy, pad_id, device)
-    return {**floor, "window_max_abs_diff": difference.max().item(), "window_mean_abs_diff": difference.mean().item(),
+    groups = length_group_passes(PolicyAndValueWrapper(policy, critic), pad_id, device, run_query_lengths)
+    return {**floor, "length_groups": groups, "run_query_length": sum(run_query_lengths) / len(run_query_lengths),
+            "window_max_abs_diff": difference.max().item(), "window_mean_abs_diff": difference.mean().item(),
             "logit_scale": full.float().abs().mean().item(), "same_tokens": same,
             **{f"{name}_tokens_per_second": 64 * response_length / value for name, value in seconds.items()},
             **{f"{name}_seconds": value for name, value in seconds.items()}}
 
 
+def mean_seconds(step, repeats: int, device: str, warmups: int = 2) -> float:
+    """Seconds per call of `step`: the mean of `repeats` calls after `warmups` calls."""
+    for _ in range(warmups):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.time()
+    for _ in range(repeats):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.time() - start) / repeats
+
+
 def training_floor(policy, pad_id: int, device: str) -> dict:
     """The matmul peak and one plain forward + backward of `policy` (bf16) at a PPO micro-batch: the floor of training."""
-    def seconds(step, repeats: int) -> float:  # mean of `repeats` after 2 warm-ups
-        for _ in range(2):
-            step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.time()
-        for _ in range(repeats):
-            step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return (time.time() - start) / repeats
-
+    seconds = functools.partial(mean_seconds, device=device)
     size = 8192 if device == "cuda" else 512
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     peak = 2 * size ** 3 / seconds(lambda: a @ a, 10)
@@ -249,6 +286,40 @@ def training_floor(policy, pad_id: int, device: str) -> dict:
     weights = sum(p.numel() for name, p in policy.named_parameters() if "embed_in" not in name)  # LM head counted
     return {"peak_flops": peak, "step_seconds": step_seconds, "step_flops": 6 * weights * base_ids.numel(),
             "weights": weights, "per_16_rows": per_16_rows}
+
+
+def length_group_passes(model, pad_id: int, device: str, run_lengths: list, lengths: tuple = TLDR_LIKE_QUERY_LENGTHS,
+                        groups: tuple = (1, 2, 4)) -> dict:
+    """PPO's training pass of a micro-batch of 16 rows: ppo.py's forward of policy and critic (the PolicyAndValueWrapper
+    `model`, response_logits_and_values_by_length) and a backward, eager; the mean seconds per micro-batch over 4
+    micro-batches of query lengths. Of `run_lengths` (the PPO runs' queries) in one forward: key "runs"; of `lengths`
+    (real TL;DR query lengths) in each number of `groups` forwards (--length_groups): that number."""
+    from ppo import response_logits_and_values_by_length
+
+    context, response_length, rows = 512, 53, 16
+    generator = torch.Generator().manual_seed(0)
+
+    def micro_batches(query_lengths) -> list:  # (rows, 512 + 53) ids each, every query left-padded to 512
+        batches = []
+        for start in range(0, 4 * rows, rows):
+            ids = torch.randint(2, 1000, (rows, context + response_length), generator=generator)
+            for row, length in enumerate(query_lengths[start:start + rows]):
+                ids[row, :context - length] = pad_id
+            batches.append(ids.to(device))
+        return batches
+
+    def step(ids: torch.Tensor, forwards: int) -> None:
+        with torch.enable_grad():
+            logits, values = response_logits_and_values_by_length(model, ids, pad_id, context, response_length,
+                                                                  forwards)
+            (logits.float().mean() + values.float().mean()).backward()
+        model.zero_grad(set_to_none=True)
+
+    def mean_pass(batches: list, forwards: int) -> float:
+        return sum(mean_seconds(lambda: step(ids, forwards), 2, device, 1) for ids in batches) / len(batches)
+
+    real = micro_batches(lengths)
+    return {"runs": mean_pass(micro_batches(run_lengths), 1), **{forwards: mean_pass(real, forwards) for forwards in groups}}
 
 
 def main() -> None:
@@ -327,7 +398,8 @@ def main() -> None:
         print(f"{stage}: {timings[stage]:.0f} s, peak GPU memory {memory[stage]}", flush=True)
     stats, stats_fast = (scalars_of(os.path.join(args.work, "runs", name)) for name in ("ppo", "ppo_fast"))
     pad_id = json.load(open(os.path.join(args.work, "models", model_name, "sft_1", "args.json")))["pad_token_id"]
-    checks = forward_checks(os.path.join(args.work, "models", model_name, "sft_1"), pad_id, device)
+    run_query_lengths = query_lengths(os.path.join(args.work, "data", model_name, "tldr", "sft"), pad_id, 64)
+    checks = forward_checks(os.path.join(args.work, "models", model_name, "sft_1"), pad_id, device, run_query_lengths)
 
     lines = report_lines(args, name, versions, timings, memory, stats, stats_fast, checks, compile_failure)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -385,6 +457,27 @@ def larger_micro_batches(checks: dict) -> str:
             + ", ".join(one(rows, seconds) for rows, seconds in checks["per_16_rows"].items()) + ".")
 
 
+def length_groups_line(stats_fast: dict, checks: dict) -> str:
+    """PPO's training pass at the runs' query lengths and at real TL;DR ones in 1, 2 and 4 length groups; and what the
+    fast run's update would take if its PPO epochs scaled as the fastest pass at real lengths."""
+    passes = checks["length_groups"]
+    runs, one = passes["runs"], passes[1]
+    groups = [forwards for forwards in passes if forwards not in ("runs", 1)]
+    best = min((1, *groups), key=lambda forwards: passes[forwards])
+    split = [stats_fast[f"time/{phase}"][-1] for phase in ("generation", "scoring", "training")]
+    projected = split[0] + split[1] + split[2] * passes[best] / runs
+    mean = sum(TLDR_LIKE_QUERY_LENGTHS) / len(TLDR_LIKE_QUERY_LENGTHS)
+    return (f"PPO's training pass of a micro-batch of 16 (ppo.py's forward of policy and critic, and a backward; eager; "
+            f"the mean over 4 micro-batches), at the query lengths of the runs above (mean "
+            f"{checks['run_query_length']:.0f} of 512 tokens): {runs * 1e3:.0f} ms. At real TL;DR query lengths (mean "
+            f"{mean:.0f}; TLDR_LIKE_QUERY_LENGTHS): one forward {one * 1e3:.0f} ms ({one / runs:.2f}x), "
+            + ", ".join(f"--length_groups {forwards} {passes[forwards] * 1e3:.0f} ms ({passes[forwards] / runs:.2f}x)"
+                        for forwards in groups)
+            + f". If the fast run's PPO epochs scaled as the {'one forward' if best == 1 else f'{best} groups'}, its "
+            f"update on real-length queries would take {split[0]:.2f} + {split[1]:.2f} + {split[2]:.2f} x "
+            f"{passes[best] / runs:.2f} = {projected:.2f} s (a projection: generation and scoring as measured).")
+
+
 def report_lines(args, name: str, versions: str, timings: dict, memory: dict, stats: dict, stats_fast: dict,
                  checks: dict, compile_failure: Optional[str] = None) -> list:
     """The lines of gpu_check.md: device, stages, the PPO update's split, ratio, floor, window and decode checks."""
@@ -424,6 +517,7 @@ def report_lines(args, name: str, versions: str, timings: dict, memory: dict, st
         f"First-epoch ratio ({precision} sampling loop vs {precision} training forward): {ratio_of(stats)}. The fast run "
         f"(StaticSampler, {'eager' if compile_failure else 'compiled'} layers): {ratio_of(stats_fast)}.", "",
         training_line(stats, stats_fast, checks, compile_failure), "",
+        length_groups_line(stats_fast, checks), "",
         f"Windowed training forward vs the plain full forward (bf16, 16 rows of 512 + 53): max |logit difference| "
         f"{checks['window_max_abs_diff']:.4f}, mean {checks['window_mean_abs_diff']:.5f} (mean |logit| "
         f"{checks['logit_scale']:.2f}).", "",

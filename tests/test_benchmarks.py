@@ -72,7 +72,8 @@ def made_up_measurements(fast_training: float) -> tuple:
     checks = {"step_seconds": 0.05, "step_flops": 6e12, "peak_flops": 2e14, "weights": 1e9, "window_max_abs_diff": 0.0,
               "window_mean_abs_diff": 0.0, "logit_scale": 1.0, "fast_tokens_per_second": 2.0, "fast_seconds": 1.0,
               "plain_tokens_per_second": 1.0, "plain_seconds": 2.0, "same_tokens": 1.0,
-              "per_16_rows": {32: 0.045, 64: None}}
+              "per_16_rows": {32: 0.045, 64: None}, "length_groups": {"runs": 0.2, 1: 0.18, 2: 0.16, 4: 0.15},
+              "run_query_length": 470.0}
     return args, "a GPU", "versions", timings, memory, stats, stats_fast, checks
 
 
@@ -122,6 +123,83 @@ def test_gpu_check_report_has_every_stage_and_the_update_split_by_hand():
     # the floor's pass at 32 rows took 0.045 s per 16 rows: 0.045 / 0.05 = 0.90x the pass at 16; 64 rows did not fit
     assert ("The same pass at larger micro-batches (--local_micro_batch_size), per 16 rows: 32 rows 45 ms (0.90x), "
             "64 rows out of memory.") in report
+
+
+def test_gpu_check_length_groups_line_by_hand():
+    """The report's line on --length_groups at real TL;DR query lengths: each pass against the runs' (0.2 s), and the
+    fast run's update projected with its training phase scaled as the fastest pass (4 groups: 0.15 / 0.2 = 0.75)."""
+    import gpu_check
+
+    report = "\n".join(gpu_check.report_lines(*made_up_measurements(fast_training=2.0)))
+    assert ("at the query lengths of the runs above (mean 470 of 512 tokens): 200 ms. At real TL;DR query lengths (mean "
+            "364; TLDR_LIKE_QUERY_LENGTHS): one forward 180 ms (0.90x), --length_groups 2 160 ms (0.80x), "
+            "--length_groups 4 150 ms (0.75x).") in report
+    # the fast run's second update: generation 0.25, scoring 0.3, training 2.0 x 0.75 = 1.5: 2.05 s
+    assert ("If the fast run's PPO epochs scaled as the 4 groups, its update on real-length queries would take 0.25 + "
+            "0.30 + 2.00 x 0.75 = 2.05 s") in report
+    # where one forward is the fastest, the projection says so and scales by it
+    measurements = made_up_measurements(fast_training=2.0)
+    measurements[7]["length_groups"] = {"runs": 0.2, 1: 0.1, 2: 0.16, 4: 0.15}
+    assert "scaled as the one forward, its update on real-length queries would take 0.25 + 0.30 + 2.00 x 0.50 = 1.55 s" in (
+        "\n".join(gpu_check.report_lines(*measurements)))
+
+
+def test_tldr_like_query_lengths_are_the_tiny_worlds_scaled_and_near_the_real_ones(tiny_tldr):
+    """gpu_check.TLDR_LIKE_QUERY_LENGTHS are every 64th tiny-world SFT train query length, scaled from its 192-token
+    budget to 512 (derived again here from the preprocessed world), and their mean and median are near the real TL;DR
+    queries' (346.7 and 352 tokens of 512, the reference's preprocessed data)."""
+    import statistics
+
+    import datasets
+
+    import gpu_check
+
+    pad_id = json.loads((tiny_tldr / "args.json").read_text())["pad_token_id"]
+    queries = datasets.load_from_disk(str(tiny_tldr / "sft"))["train"]["query_token"]
+    assert len(queries) == 4096 and len(queries[0]) == 192
+    lengths = gpu_check.query_lengths(str(tiny_tldr / "sft"), pad_id)
+    assert lengths[:3] == [len(row) - row.count(pad_id) for row in queries[:3]] and len(lengths) == 4096
+    assert gpu_check.query_lengths(str(tiny_tldr / "sft"), pad_id, 64) == lengths[:64]
+    assert gpu_check.tldr_like_query_lengths(lengths) == gpu_check.TLDR_LIKE_QUERY_LENGTHS
+    assert len(gpu_check.TLDR_LIKE_QUERY_LENGTHS) == 64 and max(gpu_check.TLDR_LIKE_QUERY_LENGTHS) <= 512
+    assert abs(statistics.mean(gpu_check.TLDR_LIKE_QUERY_LENGTHS) - 346.7) < 25
+    assert abs(statistics.median(gpu_check.TLDR_LIKE_QUERY_LENGTHS) - 352) < 10
+
+
+def test_gpu_check_length_group_passes_time_each_setting_on_its_rows(monkeypatch):
+    """length_group_passes with a fake clock (each timed loop of 2 passes, after a warm-up, takes 1 s) and a fake PolicyAndValueWrapper
+    that records the width and query lengths of each forward: 4 micro-batches of 16 rows per setting, their queries of
+    the lengths given, in 1, 2 or 4 forwards of rows sorted by query length, each as wide as its own longest query
+    (ppo.py's window: the query's tokens and 52 of the 53 response tokens); 0.5 s a pass."""
+    import torch
+
+    import gpu_check
+
+    calls = []
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, input_ids, attention_mask, position_ids, num_outputs):
+            calls.append((input_ids.shape[1], sorted((attention_mask[:, :-52].sum(1)).tolist())))
+            rows = input_ids.shape[0]
+            return self.weight * torch.ones(rows, num_outputs, 3), self.weight * torch.ones(rows, num_outputs)
+
+    clock = iter(range(1000))
+    monkeypatch.setattr(gpu_check, "time", SimpleNamespace(time=lambda: float(next(clock))))
+    run_lengths = [512 - row % 7 for row in range(64)]
+    lengths = tuple(100 + 5 * row for row in range(64))
+    passes = gpu_check.length_group_passes(Wrapper(), 0, "cpu", run_lengths, lengths)
+    assert passes == {"runs": 0.5, 1: 0.5, 2: 0.5, 4: 0.5}
+    per_setting = 4 * (1 + 2)  # 4 micro-batches x (1 warm-up + 2 timed passes)
+    assert len(calls) == per_setting * (1 + 1 + 2 + 4)
+    runs, one, two, four = (calls[:12], calls[12:24], calls[24:48], calls[48:])
+    assert runs[0] == (512 + 52, sorted(run_lengths[:16])) and runs[-1] == (512 + 52, sorted(run_lengths[48:]))
+    assert one[0] == (175 + 52, list(lengths[:16])) and one[-1] == (415 + 52, list(lengths[48:]))
+    assert two[0] == (135 + 52, list(lengths[:8])) and two[1] == (175 + 52, list(lengths[8:16]))
+    assert [width for width, _ in four[:4]] == [115 + 52, 135 + 52, 155 + 52, 175 + 52]
 
 
 def test_gpu_check_reports_a_failed_compile_and_the_fast_sampler_alone(tmp_path):
@@ -439,7 +517,8 @@ def test_gpu_check_decode_check_times_the_faster_call_and_compares_response_toke
     monkeypatch.setattr(ppo, "sample_rollout", sampler("plain", False))
     monkeypatch.setattr(ppo, "StaticSampler", lambda rows: sampler("fast", True))
     monkeypatch.setattr(gpu_check, "training_floor", lambda *args: {"peak_flops": 1.0})
-    checks = gpu_check.forward_checks(str(WORLD / "pythia-tiny"), 0, "cpu")
+    monkeypatch.setattr(gpu_check, "length_group_passes", lambda *args: {})
+    checks = gpu_check.forward_checks(str(WORLD / "pythia-tiny"), 0, "cpu", [512] * 64)
     assert checks["plain_seconds"] == pytest.approx(2.0) and checks["fast_seconds"] == pytest.approx(1.0)
     assert checks["fast_tokens_per_second"] == pytest.approx(64 * 53 / 1.0)
     assert checks["plain_tokens_per_second"] == pytest.approx(64 * 53 / 2.0)
@@ -474,7 +553,8 @@ def test_gpu_check_runs_every_stage_and_retries_a_failed_compile_without_it(tmp_
     monkeypatch.setattr(gpu_check, "run", run)
     monkeypatch.setattr(gpu_check, "build_model", lambda folder, size: None)
     monkeypatch.setattr(gpu_check, "build_world", lambda folder: None)
-    monkeypatch.setattr(gpu_check, "forward_checks", lambda folder, pad_id, device: checks)
+    monkeypatch.setattr(gpu_check, "query_lengths", lambda folder, pad_id, rows: [512] * rows)
+    monkeypatch.setattr(gpu_check, "forward_checks", lambda folder, pad_id, device, lengths: checks)
     monkeypatch.setattr(gpu_check, "scalars_of", lambda folder: {"ppo": stats, "ppo_fast": stats_fast}[os.path.basename(folder)])
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--size", "tiny", "--launcher", "plain", "--allow_cpu",
                                       "--work", str(work), "--out", str(tmp_path / "out.md")])
