@@ -18,8 +18,9 @@ its floor (plain forward + backward passes, and the bf16 matmul peak measured in
 micro-batches of 32 and 64 rows (does a larger --local_micro_batch_size train faster per row?); PPO's training
 pass at the runs' query lengths (nearly 512 tokens) and at real TL;DR ones (mean ~350), in 1, 2 and 4 forwards of rows
 sorted by length (does --length_groups pay on a GPU?), and the fast run's update projected at real lengths; the
-first-epoch ratio of each run (mean, and max |ratio - 1| over tokens); the windowed training forward against the
-plain full forward (max |difference| of the logits, bf16); decode tokens/s at the paper's rollout
+floor's pass by operator kind (matmuls, attention and its kernels, the rest: torch.profiler); the first-epoch
+ratio of each run (mean, and max |ratio - 1| over tokens); the windowed training forward against the plain full
+forward (max |difference| of the logits, bf16); decode tokens/s at the paper's rollout
 batch of the fast path (StaticSampler) and of the plain loop (sample_rollout), and how many of their
 tokens agree.
 
@@ -229,7 +230,8 @@ def forward_checks(sft_folder: str, pad_id: int, device: str, run_query_lengths:
         seconds[name] = min(seconds.get(name, float("inf")), time.time() - start)  # the faster of two, alternating
     same = (samples["plain"] == samples["fast"])[:, context:].float().mean().item()
     floor = training_floor(policy, pad_id, device)
-    groups = length_group_passes(PolicyAndValueWrapper(policy, critic), pad_id, device, run_query_lengths)
+    groups = diagnostic(lambda: length_group_passes(PolicyAndValueWrapper(policy, critic), pad_id, device,
+                                                    run_query_lengths))
     return {**floor, "length_groups": groups, "run_query_length": sum(run_query_lengths) / len(run_query_lengths),
             "window_max_abs_diff": difference.max().item(), "window_mean_abs_diff": difference.mean().item(),
             "logit_scale": full.float().abs().mean().item(), "same_tokens": same,
@@ -270,6 +272,7 @@ def training_floor(policy, pad_id: int, device: str) -> dict:
         policy.zero_grad(set_to_none=True)
 
     step_seconds = seconds(step, 5)
+    operators = diagnostic(lambda: operator_seconds(step, device))
     # The same pass at larger micro-batches (the 16 rows repeated): does the GPU run a PPO micro-batch of 32 or 64
     # (--local_micro_batch_size, memory permitting) faster per row? None where it ran out of memory.
     per_16_rows = {}
@@ -285,7 +288,47 @@ def training_floor(policy, pad_id: int, device: str) -> dict:
             torch.cuda.empty_cache()
     weights = sum(p.numel() for name, p in policy.named_parameters() if "embed_in" not in name)  # LM head counted
     return {"peak_flops": peak, "step_seconds": step_seconds, "step_flops": 6 * weights * base_ids.numel(),
-            "weights": weights, "per_16_rows": per_16_rows}
+            "weights": weights, "per_16_rows": per_16_rows, "operators": operators}
+
+
+MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mv", "aten::addmv"})
+
+
+def operator_seconds(step, device: str) -> dict:
+    """Where one call of `step` spends its time, from torch.profiler (the GPU's kernels on CUDA, the CPU's ops on a
+    CPU), by the operator that ran it: {"matmul": s, "attention": s, "other": s, "attention_ops": [its ops' names]}.
+    Attention = the SDPA ops and their backward (the kernel's name says which: flash, efficient, cudnn, math)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()  # warm
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    seconds = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    attention_ops = set()
+    for event in profiler.key_averages():
+        if str(event.device_type) != "DeviceType.CPU":  # a kernel's own row: counted in the op that launched it
+            continue
+        took = (event.self_device_time_total if device == "cuda" else event.self_cpu_time_total) / 1e6
+        if "attention" in event.key.lower():
+            seconds["attention"] += took
+            if took > 0 and event.key.startswith("aten::"):  # the ops, not their autograd wrappers
+                attention_ops.add(event.key)
+        else:
+            seconds["matmul" if event.key in MATMULS else "other"] += took
+    return {**seconds, "attention_ops": sorted(attention_ops)}
+
+
+def diagnostic(measure):
+    """measure(), or {"error": what went wrong}: a failed extra measurement must not cost the check its report."""
+    try:
+        return measure()
+    except Exception as error:  # noqa: BLE001 (out of memory, a profiler without CUPTI, ...)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
 
 
 def length_group_passes(model, pad_id: int, device: str, run_lengths: list, lengths: tuple = TLDR_LIKE_QUERY_LENGTHS,
@@ -443,7 +486,7 @@ def training_line(stats: dict, stats_fast: dict, checks: dict, compile_failure: 
             f"peak ({checks['peak_flops'] / 1e12:.0f} TFLOP/s; 6 x {checks['weights'] / 1e9:.2f} B non-embedding "
             f"weights x tokens). PPO's training phase is {passes} such passes ({Args.num_ppo_epochs} epochs x "
             f"{micro_batches} micro-batches x policy and critic): floor {floor:.2f} s. Measured: eager layers "
-            f"{measured(stats)}; {fast} {larger_micro_batches(checks)}")
+            f"{measured(stats)}; {fast} {larger_micro_batches(checks)} {operators_line(checks)}")
 
 
 def larger_micro_batches(checks: dict) -> str:
@@ -461,6 +504,8 @@ def length_groups_line(stats_fast: dict, checks: dict) -> str:
     """PPO's training pass at the runs' query lengths and at real TL;DR ones in 1, 2 and 4 length groups; and what the
     fast run's update would take if its PPO epochs scaled as the fastest pass at real lengths."""
     passes = checks["length_groups"]
+    if "error" in passes:
+        return f"PPO's training pass at real TL;DR query lengths: not measured ({passes['error']})."
     runs, one = passes["runs"], passes[1]
     groups = [forwards for forwards in passes if forwards not in ("runs", 1)]
     best = min((1, *groups), key=lambda forwards: passes[forwards])
@@ -476,6 +521,18 @@ def length_groups_line(stats_fast: dict, checks: dict) -> str:
             + f". If the fast run's PPO epochs scaled as the {'one forward' if best == 1 else f'{best} groups'}, its "
             f"update on real-length queries would take {split[0]:.2f} + {split[1]:.2f} + {split[2]:.2f} x "
             f"{passes[best] / runs:.2f} = {projected:.2f} s (a projection: generation and scoring as measured).")
+
+
+def operators_line(checks: dict) -> str:
+    """The floor's pass by operator kind (operator_seconds), or why it was not measured."""
+    operators = checks["operators"]
+    if "error" in operators:
+        return f"The pass by operator: not measured ({operators['error']})."
+    total = operators["matmul"] + operators["attention"] + operators["other"]
+    share = {kind: f"{operators[kind] * 1e3:.1f} ms ({operators[kind] / total:.0%})"
+             for kind in ("matmul", "attention", "other")}
+    return (f"The pass by operator (torch.profiler, one pass): matmuls {share['matmul']}, attention {share['attention']}"
+            f" ({', '.join(operators['attention_ops']) or 'no op'}), the rest {share['other']}.")
 
 
 def report_lines(args, name: str, versions: str, timings: dict, memory: dict, stats: dict, stats_fast: dict,

@@ -73,7 +73,9 @@ def made_up_measurements(fast_training: float) -> tuple:
               "window_mean_abs_diff": 0.0, "logit_scale": 1.0, "fast_tokens_per_second": 2.0, "fast_seconds": 1.0,
               "plain_tokens_per_second": 1.0, "plain_seconds": 2.0, "same_tokens": 1.0,
               "per_16_rows": {32: 0.045, 64: None}, "length_groups": {"runs": 0.2, 1: 0.18, 2: 0.16, 4: 0.15},
-              "run_query_length": 470.0}
+              "run_query_length": 470.0,
+              "operators": {"matmul": 0.03, "attention": 0.015, "other": 0.005,
+                            "attention_ops": ["aten::_efficient_attention_backward"]}}
     return args, "a GPU", "versions", timings, memory, stats, stats_fast, checks
 
 
@@ -142,6 +144,51 @@ def test_gpu_check_length_groups_line_by_hand():
     measurements[7]["length_groups"] = {"runs": 0.2, 1: 0.1, 2: 0.16, 4: 0.15}
     assert "scaled as the one forward, its update on real-length queries would take 0.25 + 0.30 + 2.00 x 0.50 = 1.55 s" in (
         "\n".join(gpu_check.report_lines(*measurements)))
+
+
+def test_gpu_check_operators_line_and_failed_diagnostics_by_hand():
+    """The floor pass's split by operator kind (30 + 15 + 5 ms: 60% / 30% / 10%, the attention's ops named), and a
+    diagnostic that failed (gpu_check.diagnostic: its error instead of its numbers, the report still written)."""
+    import gpu_check
+
+    report = "\n".join(gpu_check.report_lines(*made_up_measurements(fast_training=2.0)))
+    assert ("The pass by operator (torch.profiler, one pass): matmuls 30.0 ms (60%), attention 15.0 ms (30%) "
+            "(aten::_efficient_attention_backward), the rest 5.0 ms (10%).") in report
+
+    def out_of_memory():
+        raise MemoryError("no room")
+
+    failed = gpu_check.diagnostic(out_of_memory)
+    assert failed == {"error": "MemoryError: no room"} and gpu_check.diagnostic(lambda: {"a": 1}) == {"a": 1}
+    measurements = made_up_measurements(fast_training=2.0)
+    measurements[7].update(operators=failed, length_groups=failed)
+    report = "\n".join(gpu_check.report_lines(*measurements))
+    assert "The pass by operator: not measured (MemoryError: no room)." in report
+    assert "PPO's training pass at real TL;DR query lengths: not measured (MemoryError: no room)." in report
+
+
+def test_gpu_check_operator_seconds_splits_a_pass_by_operator_kind():
+    """operator_seconds on a CPU pass of one matmul and one SDPA call with a mask, forward and backward: the time goes
+    to matmul (aten::mm), attention (SDPA's ops, named) and the rest, which add up to the profiled pass."""
+    import torch
+
+    import gpu_check
+
+    weight = torch.randn(256, 256, requires_grad=True)
+    inputs = torch.randn(128, 256)
+    mask = torch.ones(64, 64, dtype=torch.bool).tril()
+
+    def step():
+        hidden = (inputs @ weight).view(2, 4, 64, 64)
+        out = torch.nn.functional.scaled_dot_product_attention(hidden, hidden, hidden, attn_mask=mask)
+        out.relu().sum().backward()
+        weight.grad = None
+
+    seconds = gpu_check.operator_seconds(step, "cpu")
+    assert seconds["matmul"] > 0 and seconds["attention"] > 0 and seconds["other"] > 0
+    assert seconds["attention_ops"] and all(name.startswith("aten::") and "attention" in name.lower()
+                                           for name in seconds["attention_ops"])
+    assert "aten::scaled_dot_product_attention" in seconds["attention_ops"]
 
 
 def test_tldr_like_query_lengths_are_the_tiny_worlds_scaled_and_near_the_real_ones(tiny_tldr):
