@@ -298,6 +298,7 @@ def operator_seconds(step, device: str) -> dict:
     """Where one call of `step` spends its time, from torch.profiler (the GPU's kernels on CUDA, the CPU's ops on a
     CPU), by the operator that ran it: {"matmul": s, "attention": s, "other": s, "attention_ops": [its ops' names]}.
     Attention = the SDPA ops and their backward (the kernel's name says which: flash, efficient, cudnn, math)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     step()  # warm
@@ -309,7 +310,7 @@ def operator_seconds(step, device: str) -> dict:
     seconds = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     attention_ops = set()
     for event in profiler.key_averages():
-        if str(event.device_type) != "DeviceType.CPU":  # a kernel's own row: counted in the op that launched it
+        if event.device_type != DeviceType.CPU:  # a kernel's own row: counted in the op that launched it
             continue
         took = (event.self_device_time_total if device == "cuda" else event.self_cpu_time_total) / 1e6
         if "attention" in event.key.lower():
