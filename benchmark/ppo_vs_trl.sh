@@ -22,7 +22,8 @@ PYTHON=${PYTHON:-.venv/bin/python}
 TRL_VENV=.venv-trl
 if [[ ! -x "$TRL_VENV/bin/python" ]] || ! "$TRL_VENV/bin/python" -c "import trl; assert trl.__version__ == '1.12.0'" 2>/dev/null; then
   echo "=== building $TRL_VENV (project pins + trl==1.12.0)"
-  "$PYTHON" -m venv --clear "$TRL_VENV"
+  rm -rf "$TRL_VENV"  # a broken or stale one, a dangling link included (venv --clear fails on a link)
+  "$PYTHON" -m venv "$TRL_VENV"
   PIP_CONSTRAINT="$PWD/constraints.txt" "$TRL_VENV/bin/pip" install -q -r requirements.txt trl==1.12.0
 fi
 echo "=== load before: $(uptime)"
