@@ -184,9 +184,9 @@ def peak_memory(log: str) -> str:
 
 
 @torch.no_grad()
-def forward_checks(sft_folder: str, pad_id: int, device: str, run_query_lengths: list) -> dict:
+def forward_checks(sft_folder: str, pad_id: int, device: str, sft_dataset: str) -> dict:
     """The windowed training forward vs the plain full forward (bf16), the rollout sampler's decode speed, the training
-    floor, and PPO's training pass at the runs' query lengths (`run_query_lengths`, 64) and at real TL;DR ones."""
+    floor, and PPO's training pass at the runs' query lengths (the first 64 of `sft_dataset`) and at real TL;DR ones."""
     from transformers import AutoModelForCausalLM
 
     from ppo import PolicyAndValueWrapper, StaticSampler, cast_parameters, response_window, sample_rollout
@@ -230,9 +230,9 @@ def forward_checks(sft_folder: str, pad_id: int, device: str, run_query_lengths:
         seconds[name] = min(seconds.get(name, float("inf")), time.time() - start)  # the faster of two, alternating
     same = (samples["plain"] == samples["fast"])[:, context:].float().mean().item()
     floor = training_floor(policy, pad_id, device)
-    groups = diagnostic(lambda: length_group_passes(PolicyAndValueWrapper(policy, critic), pad_id, device,
-                                                    run_query_lengths))
-    return {**floor, "length_groups": groups, "run_query_length": sum(run_query_lengths) / len(run_query_lengths),
+    run_lengths = lambda: query_lengths(sft_dataset, pad_id, 64)  # noqa: E731
+    groups = diagnostic(lambda: length_group_passes(PolicyAndValueWrapper(policy, critic), pad_id, device, run_lengths()))
+    return {**floor, "length_groups": groups,
             "window_max_abs_diff": difference.max().item(), "window_mean_abs_diff": difference.mean().item(),
             "logit_scale": full.float().abs().mean().item(), "same_tokens": same,
             **{f"{name}_tokens_per_second": 64 * response_length / value for name, value in seconds.items()},
@@ -336,8 +336,9 @@ def length_group_passes(model, pad_id: int, device: str, run_lengths: list, leng
                         groups: tuple = (1, 2, 4)) -> dict:
     """PPO's training pass of a micro-batch of 16 rows: ppo.py's forward of policy and critic (the PolicyAndValueWrapper
     `model`, response_logits_and_values_by_length) and a backward, eager; the mean seconds per micro-batch over 4
-    micro-batches of query lengths. Of `run_lengths` (the PPO runs' queries) in one forward: key "runs"; of `lengths`
-    (real TL;DR query lengths) in each number of `groups` forwards (--length_groups): that number."""
+    micro-batches of query lengths. Of `run_lengths` (the PPO runs' queries, 64) in one forward: "runs" (their mean
+    length: "run_query_length"); of `lengths` (real TL;DR query lengths) in each number of `groups` forwards
+    (--length_groups): "groups", {that number: seconds}."""
     from ppo import response_logits_and_values_by_length
 
     context, response_length, rows = 512, 53, 16
@@ -363,7 +364,8 @@ def length_group_passes(model, pad_id: int, device: str, run_lengths: list, leng
         return sum(mean_seconds(lambda: step(ids, forwards), 2, device, 1) for ids in batches) / len(batches)
 
     real = micro_batches(lengths)
-    return {"runs": mean_pass(micro_batches(run_lengths), 1), **{forwards: mean_pass(real, forwards) for forwards in groups}}
+    return {"runs": mean_pass(micro_batches(run_lengths), 1), "run_query_length": sum(run_lengths) / len(run_lengths),
+            "groups": {forwards: mean_pass(real, forwards) for forwards in groups}}
 
 
 def main() -> None:
@@ -442,8 +444,8 @@ def main() -> None:
         print(f"{stage}: {timings[stage]:.0f} s, peak GPU memory {memory[stage]}", flush=True)
     stats, stats_fast = (scalars_of(os.path.join(args.work, "runs", name)) for name in ("ppo", "ppo_fast"))
     pad_id = json.load(open(os.path.join(args.work, "models", model_name, "sft_1", "args.json")))["pad_token_id"]
-    run_query_lengths = query_lengths(os.path.join(args.work, "data", model_name, "tldr", "sft"), pad_id, 64)
-    checks = forward_checks(os.path.join(args.work, "models", model_name, "sft_1"), pad_id, device, run_query_lengths)
+    checks = forward_checks(os.path.join(args.work, "models", model_name, "sft_1"), pad_id, device,
+                            os.path.join(args.work, "data", model_name, "tldr", "sft"))
 
     lines = report_lines(args, name, versions, timings, memory, stats, stats_fast, checks, compile_failure)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -507,21 +509,21 @@ def length_groups_line(stats_fast: dict, checks: dict) -> str:
     passes = checks["length_groups"]
     if "error" in passes:
         return f"PPO's training pass at real TL;DR query lengths: not measured ({passes['error']})."
-    runs, one = passes["runs"], passes[1]
-    groups = [forwards for forwards in passes if forwards not in ("runs", 1)]
-    best = min((1, *groups), key=lambda forwards: passes[forwards])
+    runs, grouped = passes["runs"], passes["groups"]
+    one, groups = grouped[1], [forwards for forwards in grouped if forwards != 1]
+    best = min(grouped, key=lambda forwards: grouped[forwards])
     split = [stats_fast[f"time/{phase}"][-1] for phase in ("generation", "scoring", "training")]
-    projected = split[0] + split[1] + split[2] * passes[best] / runs
+    projected = split[0] + split[1] + split[2] * grouped[best] / runs
     mean = sum(TLDR_LIKE_QUERY_LENGTHS) / len(TLDR_LIKE_QUERY_LENGTHS)
     return (f"PPO's training pass of a micro-batch of 16 (ppo.py's forward of policy and critic, and a backward; eager; "
             f"the mean over 4 micro-batches), at the query lengths of the runs above (mean "
-            f"{checks['run_query_length']:.0f} of 512 tokens): {runs * 1e3:.0f} ms. At real TL;DR query lengths (mean "
+            f"{passes['run_query_length']:.0f} of 512 tokens): {runs * 1e3:.0f} ms. At real TL;DR query lengths (mean "
             f"{mean:.0f}; TLDR_LIKE_QUERY_LENGTHS): one forward {one * 1e3:.0f} ms ({one / runs:.2f}x), "
-            + ", ".join(f"--length_groups {forwards} {passes[forwards] * 1e3:.0f} ms ({passes[forwards] / runs:.2f}x)"
+            + ", ".join(f"--length_groups {forwards} {grouped[forwards] * 1e3:.0f} ms ({grouped[forwards] / runs:.2f}x)"
                         for forwards in groups)
             + f". If the fast run's PPO epochs scaled as the {'one forward' if best == 1 else f'{best} groups'}, its "
             f"update on real-length queries would take {split[0]:.2f} + {split[1]:.2f} + {split[2]:.2f} x "
-            f"{passes[best] / runs:.2f} = {projected:.2f} s (a projection: generation and scoring as measured).")
+            f"{grouped[best] / runs:.2f} = {projected:.2f} s (a projection: generation and scoring as measured).")
 
 
 def operators_line(checks: dict) -> str:

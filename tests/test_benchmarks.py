@@ -72,8 +72,8 @@ def made_up_measurements(fast_training: float) -> tuple:
     checks = {"step_seconds": 0.05, "step_flops": 6e12, "peak_flops": 2e14, "weights": 1e9, "window_max_abs_diff": 0.0,
               "window_mean_abs_diff": 0.0, "logit_scale": 1.0, "fast_tokens_per_second": 2.0, "fast_seconds": 1.0,
               "plain_tokens_per_second": 1.0, "plain_seconds": 2.0, "same_tokens": 1.0,
-              "per_16_rows": {32: 0.045, 64: None}, "length_groups": {"runs": 0.2, 1: 0.18, 2: 0.16, 4: 0.15},
-              "run_query_length": 470.0,
+              "per_16_rows": {32: 0.045, 64: None},
+              "length_groups": {"runs": 0.2, "run_query_length": 470.0, "groups": {1: 0.18, 2: 0.16, 4: 0.15}},
               "operators": {"matmul": 0.03, "attention": 0.015, "other": 0.005,
                             "attention_ops": ["aten::_efficient_attention_backward"]}}
     return args, "a GPU", "versions", timings, memory, stats, stats_fast, checks
@@ -141,7 +141,7 @@ def test_gpu_check_length_groups_line_by_hand():
             "0.30 + 2.00 x 0.75 = 2.05 s") in report
     # where one forward is the fastest, the projection says so and scales by it
     measurements = made_up_measurements(fast_training=2.0)
-    measurements[7]["length_groups"] = {"runs": 0.2, 1: 0.1, 2: 0.16, 4: 0.15}
+    measurements[7]["length_groups"]["groups"] = {1: 0.1, 2: 0.16, 4: 0.15}
     assert "scaled as the one forward, its update on real-length queries would take 0.25 + 0.30 + 2.00 x 0.50 = 1.55 s" in (
         "\n".join(gpu_check.report_lines(*measurements)))
 
@@ -239,7 +239,7 @@ def test_gpu_check_length_group_passes_time_each_setting_on_its_rows(monkeypatch
     run_lengths = [512 - row % 7 for row in range(64)]
     lengths = tuple(100 + 5 * row for row in range(64))
     passes = gpu_check.length_group_passes(Wrapper(), 0, "cpu", run_lengths, lengths)
-    assert passes == {"runs": 0.5, 1: 0.5, 2: 0.5, 4: 0.5}
+    assert passes == {"runs": 0.5, "run_query_length": sum(run_lengths) / 64, "groups": {1: 0.5, 2: 0.5, 4: 0.5}}
     per_setting = 4 * (1 + 2)  # 4 micro-batches x (1 warm-up + 2 timed passes)
     assert len(calls) == per_setting * (1 + 1 + 2 + 4)
     runs, one, two, four = (calls[:12], calls[12:24], calls[24:48], calls[48:])
@@ -565,7 +565,8 @@ def test_gpu_check_decode_check_times_the_faster_call_and_compares_response_toke
     monkeypatch.setattr(ppo, "StaticSampler", lambda rows: sampler("fast", True))
     monkeypatch.setattr(gpu_check, "training_floor", lambda *args: {"peak_flops": 1.0})
     monkeypatch.setattr(gpu_check, "length_group_passes", lambda *args: {})
-    checks = gpu_check.forward_checks(str(WORLD / "pythia-tiny"), 0, "cpu", [512] * 64)
+    checks = gpu_check.forward_checks(str(WORLD / "pythia-tiny"), 0, "cpu", "no/such/dataset")
+    assert "error" in checks["length_groups"]  # no such dataset: that check not measured, the others intact
     assert checks["plain_seconds"] == pytest.approx(2.0) and checks["fast_seconds"] == pytest.approx(1.0)
     assert checks["fast_tokens_per_second"] == pytest.approx(64 * 53 / 1.0)
     assert checks["plain_tokens_per_second"] == pytest.approx(64 * 53 / 2.0)
@@ -600,8 +601,7 @@ def test_gpu_check_runs_every_stage_and_retries_a_failed_compile_without_it(tmp_
     monkeypatch.setattr(gpu_check, "run", run)
     monkeypatch.setattr(gpu_check, "build_model", lambda folder, size: None)
     monkeypatch.setattr(gpu_check, "build_world", lambda folder: None)
-    monkeypatch.setattr(gpu_check, "query_lengths", lambda folder, pad_id, rows: [512] * rows)
-    monkeypatch.setattr(gpu_check, "forward_checks", lambda folder, pad_id, device, lengths: checks)
+    monkeypatch.setattr(gpu_check, "forward_checks", lambda folder, pad_id, device, sft_dataset: checks)
     monkeypatch.setattr(gpu_check, "scalars_of", lambda folder: {"ppo": stats, "ppo_fast": stats_fast}[os.path.basename(folder)])
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--size", "tiny", "--launcher", "plain", "--allow_cpu",
                                       "--work", str(work), "--out", str(tmp_path / "out.md")])
