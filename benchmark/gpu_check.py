@@ -16,11 +16,11 @@ time and peak GPU memory; the second PPO update's time split in each run (genera
 training), and what the first update took more (compiling the fast paths); each run's training phase against
 its floor (plain forward + backward passes, and the bf16 matmul peak measured in the same run), and that pass at
 micro-batches of 32 and 64 rows (does a larger --local_micro_batch_size train faster per row?); PPO's training
-pass at the runs' query lengths (nearly 512 tokens) and at real TL;DR ones (mean ~350), in 1, 2 and 4 forwards of rows
-sorted by length (does --length_groups pay on a GPU?), and the fast run's update projected at real lengths; the
-floor's pass by operator kind (matmuls, attention and its kernels, the rest: torch.profiler); the first-epoch
-ratio of each run (mean, and max |ratio - 1| over tokens); the windowed training forward against the plain full
-forward (max |difference| of the logits, bf16); decode tokens/s at the paper's rollout
+pass at the runs' query lengths (nearly 512 tokens) and at TL;DR-like ones (mean 364; the real data's 347), in 1, 2
+and 4 forwards of rows sorted by length (does --length_groups pay on a GPU?), and the fast run's update projected at
+those lengths; the floor's pass by operator kind (matmuls, attention and its kernels, the rest: torch.profiler); the
+first-epoch ratio of each run (mean, and max |ratio - 1| over tokens); the windowed training forward against the
+plain full forward (max |difference| of the logits, bf16); decode tokens/s at the paper's rollout
 batch of the fast path (StaticSampler) and of the plain loop (sample_rollout), and how many of their
 tokens agree.
 
@@ -186,7 +186,7 @@ def peak_memory(log: str) -> str:
 @torch.no_grad()
 def forward_checks(sft_folder: str, pad_id: int, device: str, sft_dataset: str) -> dict:
     """The windowed training forward vs the plain full forward (bf16), the rollout sampler's decode speed, the training
-    floor, and PPO's training pass at the runs' query lengths (the first 64 of `sft_dataset`) and at real TL;DR ones."""
+    floor, and PPO's training pass at the runs' query lengths (the first 64 of `sft_dataset`) and at TL;DR-like ones."""
     from transformers import AutoModelForCausalLM
 
     from ppo import PolicyAndValueWrapper, StaticSampler, cast_parameters, response_window, sample_rollout
@@ -212,6 +212,8 @@ def forward_checks(sft_folder: str, pad_id: int, device: str, sft_dataset: str) 
     full = policy(input_ids=query_responses.masked_fill(~mask, 0), attention_mask=mask).logits
     full = full[:, context - 1:context - 1 + response_length]
     difference = (logits.float() - full.float()).abs()
+    window = {"window_max_abs_diff": difference.max().item(), "window_mean_abs_diff": difference.mean().item(),
+              "logit_scale": full.float().abs().mean().item()}  # read now: nothing later may cost them
     # Decode: the paper's rollout batch (64 prompts of 512 tokens), 53 new tokens, no early stop.
     batch = torch.randint(2, 1000, (64, context), generator=generator).to(device)
     unsampled = torch.tensor([pad_id], device=device)
@@ -232,9 +234,7 @@ def forward_checks(sft_folder: str, pad_id: int, device: str, sft_dataset: str) 
     floor = training_floor(policy, pad_id, device)
     run_lengths = lambda: query_lengths(sft_dataset, pad_id, 64)  # noqa: E731
     groups = diagnostic(lambda: length_group_passes(PolicyAndValueWrapper(policy, critic), pad_id, device, run_lengths()))
-    return {**floor, "length_groups": groups,
-            "window_max_abs_diff": difference.max().item(), "window_mean_abs_diff": difference.mean().item(),
-            "logit_scale": full.float().abs().mean().item(), "same_tokens": same,
+    return {**floor, **window, "length_groups": groups, "same_tokens": same,
             **{f"{name}_tokens_per_second": 64 * response_length / value for name, value in seconds.items()},
             **{f"{name}_seconds": value for name, value in seconds.items()}}
 
@@ -272,7 +272,6 @@ def training_floor(policy, pad_id: int, device: str) -> dict:
         policy.zero_grad(set_to_none=True)
 
     step_seconds = seconds(step, 5)
-    operators = diagnostic(lambda: operator_seconds(step, device))
     # The same pass at larger micro-batches (the 16 rows repeated): does the GPU run a PPO micro-batch of 32 or 64
     # (--local_micro_batch_size, memory permitting) faster per row? None where it ran out of memory.
     per_16_rows = {}
@@ -286,6 +285,8 @@ def training_floor(policy, pad_id: int, device: str) -> dict:
         policy.zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.empty_cache()
+    ids, mask = base_ids, base_mask
+    operators = diagnostic(lambda: operator_seconds(step, device))  # the pass at 16 rows, profiled last
     weights = sum(p.numel() for name, p in policy.named_parameters() if "embed_in" not in name)  # LM head counted
     return {"peak_flops": peak, "step_seconds": step_seconds, "step_flops": 6 * weights * base_ids.numel(),
             "weights": weights, "per_16_rows": per_16_rows, "operators": operators}
@@ -297,8 +298,9 @@ MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "a
 def operator_seconds(step, device: str) -> dict:
     """Where one call of `step` spends its time, from torch.profiler (the GPU's kernels on CUDA, the CPU's ops on a
     CPU), by the operator that ran it: {"matmul": s, "attention": s, "other": s, "attention_ops": [its ops' names]}.
-    Attention = the SDPA ops and their backward (the kernel's name says which: flash, efficient, cudnn, math)."""
-    from torch.autograd import DeviceType
+    Attention = the SDPA ops and their backward, whose names say the kernel (flash, efficient, cudnn); SDPA's math
+    fallback shows by name too (aten::_scaled_dot_product_attention_math), but its matmuls and softmax count as
+    matmul and other. Raises when a GPU profile recorded no GPU time (CUPTI not running: torch only warns)."""
     from torch.profiler import ProfilerActivity, profile
 
     step()  # warm
@@ -310,15 +312,19 @@ def operator_seconds(step, device: str) -> dict:
     seconds = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     attention_ops = set()
     for event in profiler.key_averages():
-        if event.device_type != DeviceType.CPU:  # a kernel's own row: counted in the op that launched it
+        # On a GPU, the ops' rows only: each holds the kernels it launched, which a kernel's own row would count
+        # again, and the profiler's own rows may carry an op's kernels too (pytorch#193924).
+        if device == "cuda" and not event.key.startswith("aten::"):
             continue
         took = (event.self_device_time_total if device == "cuda" else event.self_cpu_time_total) / 1e6
         if "attention" in event.key.lower():
             seconds["attention"] += took
-            if took > 0 and event.key.startswith("aten::"):  # the ops, not their autograd wrappers
+            if event.key.startswith("aten::"):  # the ops, not their autograd wrappers
                 attention_ops.add(event.key)
         else:
             seconds["matmul" if event.key in MATMULS else "other"] += took
+    if device == "cuda" and sum(seconds.values()) <= 0:
+        raise RuntimeError("the profiler recorded no GPU time (CUPTI not running?)")
     return {**seconds, "attention_ops": sorted(attention_ops)}
 
 
@@ -326,10 +332,14 @@ def diagnostic(measure):
     """measure(), or {"error": what went wrong}: a failed extra measurement must not cost the check its report."""
     try:
         return measure()
-    except Exception as error:  # noqa: BLE001 (out of memory, a profiler without CUPTI, ...)
-        if torch.cuda.is_available():
+    except Exception as error:  # noqa: BLE001 (out of memory, a profile without GPU time, a missing dataset, ...)
+        failure = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+    if torch.cuda.is_available():
+        try:  # what the failed measurement held (outside the except: its traceback no longer holds the tensors)
             torch.cuda.empty_cache()
-        return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+        except Exception:  # noqa: BLE001 (a broken device: the report is written all the same)
+            pass
+    return failure
 
 
 def length_group_passes(model, pad_id: int, device: str, run_lengths: list, lengths: tuple = TLDR_LIKE_QUERY_LENGTHS,
@@ -337,8 +347,8 @@ def length_group_passes(model, pad_id: int, device: str, run_lengths: list, leng
     """PPO's training pass of a micro-batch of 16 rows: ppo.py's forward of policy and critic (the PolicyAndValueWrapper
     `model`, response_logits_and_values_by_length) and a backward, eager; the mean seconds per micro-batch over 4
     micro-batches of query lengths. Of `run_lengths` (the PPO runs' queries, 64) in one forward: "runs" (their mean
-    length: "run_query_length"); of `lengths` (real TL;DR query lengths) in each number of `groups` forwards
-    (--length_groups): "groups", {that number: seconds}."""
+    length: "run_query_length"); of `lengths` (TL;DR-like query lengths, 64; their mean: "query_length") in each
+    number of `groups` forwards (--length_groups): "groups", {that number: seconds}."""
     from ppo import response_logits_and_values_by_length
 
     context, response_length, rows = 512, 53, 16
@@ -365,7 +375,7 @@ def length_group_passes(model, pad_id: int, device: str, run_lengths: list, leng
 
     real = micro_batches(lengths)
     return {"runs": mean_pass(micro_batches(run_lengths), 1), "run_query_length": sum(run_lengths) / len(run_lengths),
-            "groups": {forwards: mean_pass(real, forwards) for forwards in groups}}
+            "query_length": sum(lengths) / len(lengths), "groups": {forwards: mean_pass(real, forwards) for forwards in groups}}
 
 
 def main() -> None:
@@ -504,26 +514,26 @@ def larger_micro_batches(checks: dict) -> str:
 
 
 def length_groups_line(stats_fast: dict, checks: dict) -> str:
-    """PPO's training pass at the runs' query lengths and at real TL;DR ones in 1, 2 and 4 length groups; and what the
-    fast run's update would take if its PPO epochs scaled as the fastest pass at real lengths."""
+    """PPO's training pass at the runs' query lengths and at TL;DR-like ones in 1, 2 and 4 length groups; and what the
+    fast run's update would take if its PPO epochs scaled as the fastest pass at those lengths."""
     passes = checks["length_groups"]
     if "error" in passes:
-        return f"PPO's training pass at real TL;DR query lengths: not measured ({passes['error']})."
+        return f"PPO's training pass at TL;DR-like query lengths: not measured ({passes['error']})."
     runs, grouped = passes["runs"], passes["groups"]
     one, groups = grouped[1], [forwards for forwards in grouped if forwards != 1]
     best = min(grouped, key=lambda forwards: grouped[forwards])
     split = [stats_fast[f"time/{phase}"][-1] for phase in ("generation", "scoring", "training")]
     projected = split[0] + split[1] + split[2] * grouped[best] / runs
-    mean = sum(TLDR_LIKE_QUERY_LENGTHS) / len(TLDR_LIKE_QUERY_LENGTHS)
     return (f"PPO's training pass of a micro-batch of 16 (ppo.py's forward of policy and critic, and a backward; eager; "
             f"the mean over 4 micro-batches), at the query lengths of the runs above (mean "
-            f"{passes['run_query_length']:.0f} of 512 tokens): {runs * 1e3:.0f} ms. At real TL;DR query lengths (mean "
-            f"{mean:.0f}; TLDR_LIKE_QUERY_LENGTHS): one forward {one * 1e3:.0f} ms ({one / runs:.2f}x), "
+            f"{passes['run_query_length']:.0f} of 512 tokens): {runs * 1e3:.0f} ms. At TL;DR-like query lengths (mean "
+            f"{passes['query_length']:.0f}; TLDR_LIKE_QUERY_LENGTHS, the real data's mean is 347): one forward {one * 1e3:.0f} ms ({one / runs:.2f}x), "
             + ", ".join(f"--length_groups {forwards} {grouped[forwards] * 1e3:.0f} ms ({grouped[forwards] / runs:.2f}x)"
                         for forwards in groups)
             + f". If the fast run's PPO epochs scaled as the {'one forward' if best == 1 else f'{best} groups'}, its "
-            f"update on real-length queries would take {split[0]:.2f} + {split[1]:.2f} + {split[2]:.2f} x "
-            f"{grouped[best] / runs:.2f} = {projected:.2f} s (a projection: generation and scoring as measured).")
+            f"update on TL;DR-like queries would take {split[0]:.2f} + {split[1]:.2f} + {split[2]:.2f} x "
+            f"{grouped[best] / runs:.2f} = {projected:.2f} s (a projection: its whole training phase, compiled, scaled as the eager pass; generation "
+            f"and scoring as measured).")
 
 
 def operators_line(checks: dict) -> str:
@@ -532,6 +542,8 @@ def operators_line(checks: dict) -> str:
     if "error" in operators:
         return f"The pass by operator: not measured ({operators['error']})."
     total = operators["matmul"] + operators["attention"] + operators["other"]
+    if total <= 0:
+        return "The pass by operator: not measured (no time recorded)."
     share = {kind: f"{operators[kind] * 1e3:.1f} ms ({operators[kind] / total:.0%})"
              for kind in ("matmul", "attention", "other")}
     return (f"The pass by operator (torch.profiler, one pass): matmuls {share['matmul']}, attention {share['attention']}"

@@ -73,7 +73,8 @@ def made_up_measurements(fast_training: float) -> tuple:
               "window_mean_abs_diff": 0.0, "logit_scale": 1.0, "fast_tokens_per_second": 2.0, "fast_seconds": 1.0,
               "plain_tokens_per_second": 1.0, "plain_seconds": 2.0, "same_tokens": 1.0,
               "per_16_rows": {32: 0.045, 64: None},
-              "length_groups": {"runs": 0.2, "run_query_length": 470.0, "groups": {1: 0.18, 2: 0.16, 4: 0.15}},
+              "length_groups": {"runs": 0.2, "run_query_length": 470.0, "query_length": 364.0,
+                                "groups": {1: 0.18, 2: 0.16, 4: 0.15}},
               "operators": {"matmul": 0.03, "attention": 0.015, "other": 0.005,
                             "attention_ops": ["aten::_efficient_attention_backward"]}}
     return args, "a GPU", "versions", timings, memory, stats, stats_fast, checks
@@ -133,16 +134,16 @@ def test_gpu_check_length_groups_line_by_hand():
     import gpu_check
 
     report = "\n".join(gpu_check.report_lines(*made_up_measurements(fast_training=2.0)))
-    assert ("at the query lengths of the runs above (mean 470 of 512 tokens): 200 ms. At real TL;DR query lengths (mean "
-            "364; TLDR_LIKE_QUERY_LENGTHS): one forward 180 ms (0.90x), --length_groups 2 160 ms (0.80x), "
-            "--length_groups 4 150 ms (0.75x).") in report
+    assert ("at the query lengths of the runs above (mean 470 of 512 tokens): 200 ms. At TL;DR-like query lengths (mean "
+            "364; TLDR_LIKE_QUERY_LENGTHS, the real data's mean is 347): one forward 180 ms (0.90x), --length_groups 2 "
+            "160 ms (0.80x), --length_groups 4 150 ms (0.75x).") in report
     # the fast run's second update: generation 0.25, scoring 0.3, training 2.0 x 0.75 = 1.5: 2.05 s
-    assert ("If the fast run's PPO epochs scaled as the 4 groups, its update on real-length queries would take 0.25 + "
+    assert ("If the fast run's PPO epochs scaled as the 4 groups, its update on TL;DR-like queries would take 0.25 + "
             "0.30 + 2.00 x 0.75 = 2.05 s") in report
     # where one forward is the fastest, the projection says so and scales by it
     measurements = made_up_measurements(fast_training=2.0)
     measurements[7]["length_groups"]["groups"] = {1: 0.1, 2: 0.16, 4: 0.15}
-    assert "scaled as the one forward, its update on real-length queries would take 0.25 + 0.30 + 2.00 x 0.50 = 1.55 s" in (
+    assert "scaled as the one forward, its update on TL;DR-like queries would take 0.25 + 0.30 + 2.00 x 0.50 = 1.55 s" in (
         "\n".join(gpu_check.report_lines(*measurements)))
 
 
@@ -164,7 +165,9 @@ def test_gpu_check_operators_line_and_failed_diagnostics_by_hand():
     measurements[7].update(operators=failed, length_groups=failed)
     report = "\n".join(gpu_check.report_lines(*measurements))
     assert "The pass by operator: not measured (MemoryError: no room)." in report
-    assert "PPO's training pass at real TL;DR query lengths: not measured (MemoryError: no room)." in report
+    assert "PPO's training pass at TL;DR-like query lengths: not measured (MemoryError: no room)." in report
+    measurements[7]["operators"] = {"matmul": 0.0, "attention": 0.0, "other": 0.0, "attention_ops": []}
+    assert "The pass by operator: not measured (no time recorded)." in "\n".join(gpu_check.report_lines(*measurements))
 
 
 def test_gpu_check_operator_seconds_splits_a_pass_by_operator_kind():
@@ -189,6 +192,56 @@ def test_gpu_check_operator_seconds_splits_a_pass_by_operator_kind():
     assert seconds["attention_ops"] and all(name.startswith("aten::") and "attention" in name.lower()
                                            for name in seconds["attention_ops"])
     assert "aten::scaled_dot_product_attention" in seconds["attention_ops"]
+
+
+def test_gpu_check_operator_seconds_on_a_gpu_profile_counts_each_kernel_once(monkeypatch):
+    """operator_seconds on CUDA, with torch.profiler faked (its rows as kineto gives them): each aten op row's self GPU
+    time, not the kernels' own rows (counted in the op that launched them) nor the profiler's own CPU rows; and a
+    profile without GPU time (CUPTI not running: torch only warns) raises, for gpu_check.diagnostic to report."""
+    import torch
+    import torch.profiler
+
+    import gpu_check
+
+    from torch.autograd import DeviceType
+
+    def row(key, device_type, microseconds):
+        return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=microseconds,
+                               self_cpu_time_total=1.0)
+
+    def fake_profile(rows):
+        class Profile:
+            def __init__(self, activities):
+                assert torch.profiler.ProfilerActivity.CUDA in activities
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def key_averages(self):
+                return rows
+        return Profile
+
+    kernels = [row("aten::mm", DeviceType.CPU, 10_000), row("aten::_efficient_attention_backward", DeviceType.CPU, 4_000),
+               row("aten::_efficient_attention_forward", DeviceType.CPU, 2_000), row("aten::add_", DeviceType.CPU, 1_000),
+               row("aten::scaled_dot_product_attention", DeviceType.CPU, 0),
+               row("Activity Buffer Request", DeviceType.CPU, 10_000),  # the profiler's own row (pytorch#193924)
+               row("nvjet_tst_128x256_64x4", DeviceType.CUDA, 10_000), row("fmha_cutlassB_bf16", DeviceType.CUDA, 4_000)]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.profiler, "profile", fake_profile(kernels))
+    calls = []
+    seconds = gpu_check.operator_seconds(lambda: calls.append(1), "cuda")
+    assert len(calls) == 2  # a warm-up, then the profiled call
+    assert seconds == {"matmul": pytest.approx(0.010), "attention": pytest.approx(0.006), "other": pytest.approx(0.001),
+                       "attention_ops": ["aten::_efficient_attention_backward", "aten::_efficient_attention_forward",
+                                         "aten::scaled_dot_product_attention"]}
+    monkeypatch.setattr(torch.profiler, "profile", fake_profile([row("aten::mm", DeviceType.CPU, 0)]))
+    with pytest.raises(RuntimeError, match="recorded no GPU time"):
+        gpu_check.operator_seconds(lambda: None, "cuda")
+    assert gpu_check.diagnostic(lambda: gpu_check.operator_seconds(lambda: None, "cuda")) == {
+        "error": "RuntimeError: the profiler recorded no GPU time (CUPTI not running?)"}
 
 
 def test_tldr_like_query_lengths_are_the_tiny_worlds_scaled_and_near_the_real_ones(tiny_tldr):
@@ -239,7 +292,8 @@ def test_gpu_check_length_group_passes_time_each_setting_on_its_rows(monkeypatch
     run_lengths = [512 - row % 7 for row in range(64)]
     lengths = tuple(100 + 5 * row for row in range(64))
     passes = gpu_check.length_group_passes(Wrapper(), 0, "cpu", run_lengths, lengths)
-    assert passes == {"runs": 0.5, "run_query_length": sum(run_lengths) / 64, "groups": {1: 0.5, 2: 0.5, 4: 0.5}}
+    assert passes == {"runs": 0.5, "run_query_length": sum(run_lengths) / 64, "query_length": sum(lengths) / 64,
+                      "groups": {1: 0.5, 2: 0.5, 4: 0.5}}
     per_setting = 4 * (1 + 2)  # 4 micro-batches x (1 warm-up + 2 timed passes)
     assert len(calls) == per_setting * (1 + 1 + 2 + 4)
     runs, one, two, four = (calls[:12], calls[12:24], calls[24:48], calls[48:])
@@ -536,6 +590,8 @@ def test_gpu_check_floor_counts_the_pass_it_times(monkeypatch):
     assert floor["step_flops"] == 6 * weights * 16 * (512 + 53)
     assert floor["per_16_rows"] == pytest.approx({32: 1 / 3 / 2, 64: 1 / 3 / 4})
     assert all(p.grad is None for p in policy.parameters()) and torch.is_grad_enabled()
+    # the pass at 16 rows, profiled last: the stand-in's linear layers are matmuls, and it has no attention
+    assert floor["operators"]["matmul"] > 0 and floor["operators"]["attention_ops"] == [], floor["operators"]
 
 
 def test_gpu_check_decode_check_times_the_faster_call_and_compares_response_tokens(monkeypatch):
