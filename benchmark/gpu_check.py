@@ -86,8 +86,8 @@ def tldr_like_query_lengths(tiny_query_lengths: list, tiny_budget: int = 192, bu
 
 
 def query_lengths(sft_dataset: str, pad_id: int, rows: Optional[int] = None) -> list:
-    """The query tokens (ids other than `pad_id`) of each of the first `rows` train rows (None: all) of preprocess_tldr.py's
-    SFT dataset folder `sft_dataset`."""
+    """The query tokens (ids other than `pad_id`) of each of the first `rows` train rows (None: all) of
+    preprocess_tldr.py's SFT dataset folder `sft_dataset`."""
     import datasets
 
     train = datasets.load_from_disk(sft_dataset)["train"]
@@ -233,7 +233,8 @@ def forward_checks(sft_folder: str, pad_id: int, device: str, sft_dataset: str) 
     same = (samples["plain"] == samples["fast"])[:, context:].float().mean().item()
     floor = training_floor(policy, pad_id, device)
     run_lengths = lambda: query_lengths(sft_dataset, pad_id, 64)  # noqa: E731
-    groups = diagnostic(lambda: length_group_passes(PolicyAndValueWrapper(policy, critic), pad_id, device, run_lengths()))
+    groups = diagnostic(lambda: length_group_passes(PolicyAndValueWrapper(policy, critic), pad_id, device,
+                                                    run_lengths()))
     return {**floor, **window, "length_groups": groups, "same_tokens": same,
             **{f"{name}_tokens_per_second": 64 * response_length / value for name, value in seconds.items()},
             **{f"{name}_seconds": value for name, value in seconds.items()}}
@@ -375,7 +376,8 @@ def length_group_passes(model, pad_id: int, device: str, run_lengths: list, leng
 
     real = micro_batches(lengths)
     return {"runs": mean_pass(micro_batches(run_lengths), 1), "run_query_length": sum(run_lengths) / len(run_lengths),
-            "query_length": sum(lengths) / len(lengths), "groups": {forwards: mean_pass(real, forwards) for forwards in groups}}
+            "query_length": sum(lengths) / len(lengths),
+            "groups": {forwards: mean_pass(real, forwards) for forwards in groups}}
 
 
 def main() -> None:
@@ -524,16 +526,17 @@ def length_groups_line(stats_fast: dict, checks: dict) -> str:
     best = min(grouped, key=lambda forwards: grouped[forwards])
     split = [stats_fast[f"time/{phase}"][-1] for phase in ("generation", "scoring", "training")]
     projected = split[0] + split[1] + split[2] * grouped[best] / runs
-    return (f"PPO's training pass of a micro-batch of 16 (ppo.py's forward of policy and critic, and a backward; eager; "
-            f"the mean over 4 micro-batches), at the query lengths of the runs above (mean "
+    return (f"PPO's training pass of a micro-batch of 16 (ppo.py's forward of policy and critic, and a backward; "
+            f"eager; the mean over 4 micro-batches), at the query lengths of the runs above (mean "
             f"{passes['run_query_length']:.0f} of 512 tokens): {runs * 1e3:.0f} ms. At TL;DR-like query lengths (mean "
-            f"{passes['query_length']:.0f}; TLDR_LIKE_QUERY_LENGTHS, the real data's mean is 347): one forward {one * 1e3:.0f} ms ({one / runs:.2f}x), "
+            f"{passes['query_length']:.0f}; TLDR_LIKE_QUERY_LENGTHS, the real data's mean is 347): one forward "
+            f"{one * 1e3:.0f} ms ({one / runs:.2f}x), "
             + ", ".join(f"--length_groups {forwards} {grouped[forwards] * 1e3:.0f} ms ({grouped[forwards] / runs:.2f}x)"
                         for forwards in groups)
             + f". If the fast run's PPO epochs scaled as the {'one forward' if best == 1 else f'{best} groups'}, its "
             f"update on TL;DR-like queries would take {split[0]:.2f} + {split[1]:.2f} + {split[2]:.2f} x "
-            f"{grouped[best] / runs:.2f} = {projected:.2f} s (a projection: its whole training phase, compiled, scaled as the eager pass; generation "
-            f"and scoring as measured).")
+            f"{grouped[best] / runs:.2f} = {projected:.2f} s (a projection: its whole training phase, compiled, scaled "
+            f"as the eager pass; generation and scoring as measured).")
 
 
 def operators_line(checks: dict) -> str:
