@@ -129,7 +129,7 @@ def test_gpu_check_report_has_every_stage_and_the_update_split_by_hand():
 
 
 def test_gpu_check_length_groups_line_by_hand():
-    """The report's line on --length_groups at real TL;DR query lengths: each pass against the runs' (0.2 s), and the
+    """The report's line on --length_groups at TL;DR-like query lengths: each pass against the runs' (0.2 s), and the
     fast run's update projected with its training phase scaled as the fastest pass (4 groups: 0.15 / 0.2 = 0.75)."""
     import gpu_check
 
@@ -172,7 +172,7 @@ def test_gpu_check_operators_line_and_failed_diagnostics_by_hand():
 
 def test_gpu_check_operator_seconds_splits_a_pass_by_operator_kind():
     """operator_seconds on a CPU pass of one matmul and one SDPA call with a mask, forward and backward: the time goes
-    to matmul (aten::mm), attention (SDPA's ops, named) and the rest, which add up to the profiled pass."""
+    to matmul (aten::mm), attention (SDPA's ops, named) and the rest."""
     import torch
 
     import gpu_check
@@ -200,10 +200,9 @@ def test_gpu_check_operator_seconds_on_a_gpu_profile_counts_each_kernel_once(mon
     profile without GPU time (CUPTI not running: torch only warns) raises, for gpu_check.diagnostic to report."""
     import torch
     import torch.profiler
+    from torch.autograd import DeviceType
 
     import gpu_check
-
-    from torch.autograd import DeviceType
 
     def row(key, device_type, microseconds):
         return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=microseconds,
