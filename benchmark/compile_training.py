@@ -60,9 +60,8 @@ def build_models(size: str, device: str, dtype: torch.dtype) -> tuple:
         policy = GPTNeoXForCausalLM(config)
         base_config = {k: v for k, v in policy.base_model.config.to_dict().items() if k != "_name_or_path"}
         critic = ppo.ScalarModel(ppo.ScalarModelConfig(base_config=base_config))
-    for parameter in (*policy.parameters(), *critic.parameters()):  # as DeepSpeed casts: the rotary buffers stay fp32
-        parameter.data = parameter.data.to(dtype)
-    return policy, critic
+    # Parameters only, as DeepSpeed casts: the rotary buffers stay fp32.
+    return ppo.cast_parameters(policy, dtype), ppo.cast_parameters(critic, dtype)
 
 
 def agreement_lines(eager_model, compiled_model, ids: torch.Tensor, context: int) -> str:
