@@ -155,7 +155,7 @@ class Args:
     local_micro_batch_size: int = 1
     """Episodes per training forward pass per rank; the losses are token means per micro-batch (as in the reference), so this also weighs the tokens (the paper's runs: 16 / 4 / 1 at 1B / 2.8B / 6.9B, benchmark/knobs.sh)"""
     length_groups: int = 1
-    """Speed only: a training micro-batch's rows sorted by query length into this many forwards, each as wide as its longest query (1: one forward)"""
+    """Speed only: the rows of a training micro-batch, and of the rollout's reference, critic and RM forwards, sorted by query length into this many forwards, each as wide as its longest query (1: one forward; only the float rounding changes)"""
     local_rollout_forward_batch_size: int = 64
     """Prompts per generate call and per no-grad forward per rank (memory only)"""
     local_eval_batch_size: int = 4
@@ -223,10 +223,10 @@ def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_
     return reward_logits, reward_logits[torch.arange(reward_logits.size(0), device=eos.device), eos]
 
 
-def get_values(critic, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+def get_values(critic, query_responses: torch.Tensor, pad_token_id: int, context_length: int, groups: int = 1):
     """(B, T) ids -> (B, T_resp) values V(s_t) before each response token: get_reward(critic, ...)[0][:, T_q - 1:-1]."""
     # The critic is a trained copy of the RM (Detail 22): its output at t, having read the tokens up to t, is V(s_t).
-    return response_outputs(critic, query_responses, pad_token_id, context_length)[:, :-1]
+    return response_outputs(critic, query_responses, pad_token_id, context_length, groups)[:, :-1]
 
 
 def eos_trick(scores: torch.Tensor, contains_eos: torch.Tensor, penalty_reward_value: float) -> torch.Tensor:
@@ -320,7 +320,7 @@ def rollout(args, policy, ref_policy, critic, reward_model, queries: torch.Tenso
             eos_token_id: int, temperature: float, unsampled: torch.Tensor) -> tuple:
     """No grad: (B, T_q) queries -> ({query_responses (B, T) untruncated; logprobs, entropy, ref_logprobs, values
     (B, T_resp); scores (B,) before the EOS trick}, seconds spent sampling)."""
-    context_length = queries.shape[1]
+    context_length, groups = queries.shape[1], args.length_groups  # groups: the scoring forwards' (speed only)
     out = {key: [] for key in ("query_responses", "logprobs", "entropy", "ref_logprobs", "values", "scores")}
     generation_time = 0.0
     for start in range(0, len(queries), args.local_rollout_forward_batch_size):  # chunks: memory only
@@ -337,15 +337,15 @@ def rollout(args, policy, ref_policy, critic, reward_model, queries: torch.Tenso
         del sample_scores  # (b, T_resp, V): the largest tensor of the rollout
         generation_time += time.time() - tick
         # The reference's log-probs of the untruncated response, at the same temperature, on the policy's support.
-        ref_logits = response_logits(ref_policy, query_response, pad_token_id, context_length)  # (b, T_resp, V)
+        ref_logits = response_logits(ref_policy, query_response, pad_token_id, context_length, groups)
         out["ref_logprobs"].append(gather_logprobs(scaled_logits(ref_logits, temperature, unsampled), response))
-        del ref_logits
-        out["values"].append(get_values(critic, query_response, pad_token_id, context_length).float())
+        del ref_logits  # (b, T_resp, V): freed before the critic's forward
+        out["values"].append(get_values(critic, query_response, pad_token_id, context_length, groups).float())
         # Detail 14: Left- vs right-padded reward extraction
         # PPO scores the left-padded query followed by its right-padded (truncated) response.
         # The RM was trained on right-padded rows: the two layouts give the same reward (reward.py measures it).
         postprocessed = truncate_response(response, eos_token_id, pad_token_id)
-        score = get_score(reward_model, torch.cat((query, postprocessed), 1), pad_token_id, context_length)
+        score = get_score(reward_model, torch.cat((query, postprocessed), 1), pad_token_id, context_length, groups)
         out["query_responses"].append(query_response)
         out["scores"].append(score.float())
     return {key: torch.cat(value) for key, value in out.items()}, generation_time
@@ -580,12 +580,17 @@ class ScalarModel(PreTrainedModel):
         return self.head(hidden).squeeze(-1)
 
 
-def response_logits(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+def response_logits(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int,
+                    groups: int = 1) -> torch.Tensor:
     """== model(input_ids=ids, pads as 0, attention_mask=ids != pad).logits[:, context_length - 1 : -1]
 
     (B, T) query ++ response ids -> (B, T_resp, V): the logits that predict the response tokens, from a forward of
     the response window only (response_window) whose last layer runs at the response positions only
-    (last_hidden_states); tests/test_ppo.py checks the equality."""
+    (last_hidden_states), the rows in `groups` forwards by query length (by_query_length); tests/test_ppo.py
+    checks the equality."""
+    if groups > 1:
+        forward = lambda rows: response_logits(model, rows, pad_token_id, context_length)  # noqa: E731
+        return by_query_length(forward, query_responses, pad_token_id, context_length, groups)
     response_length = query_responses.shape[1] - context_length
     input_ids, attention_mask, position_ids = response_window(query_responses, pad_token_id, context_length,
                                                               response_length)
@@ -596,27 +601,39 @@ def response_logits(model, query_responses: torch.Tensor, pad_token_id: int, con
     return model.get_output_embeddings()(hidden)  # (B, T_resp, V): what logits_to_keep computes, bit for bit
 
 
-def response_outputs(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+def response_outputs(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int,
+                     groups: int = 1, window: bool = False) -> torch.Tensor:
     """== get_reward(model, query_responses, pad_token_id, context_length)[0][:, context_length - 1:]
 
     (B, T) query ++ response ids -> (B, T_resp + 1): a ScalarModel's outputs from the last query position on, from a
-    forward whose last layer runs there only (last_hidden_states: bit for bit on CPU, tests/test_ppo.py)."""
+    forward whose last layer runs there only (last_hidden_states: bit for bit on CPU, tests/test_ppo.py). With
+    `groups` > 1, the rows in that many forwards by query length (by_query_length), each a `window`: the columns
+    from the first query token of any of its rows on (response_window's), so only the float rounding changes."""
+    if groups > 1:
+        forward = lambda rows: response_outputs(model, rows, pad_token_id, context_length, window=True)  # noqa: E731
+        return by_query_length(forward, query_responses, pad_token_id, context_length, groups)
     if not isinstance(model, PreTrainedModel):  # a DeepSpeed engine (--offload) runs its own forward
         return get_reward(model, query_responses, pad_token_id, context_length)[0][:, context_length - 1:]
-    attention_mask = query_responses != pad_token_id  # (B, T)
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    # get_reward passes no position ids: the model numbers the columns 0 ... T - 1, as these do.
-    position_ids = torch.arange(query_responses.size(1), device=query_responses.device).expand_as(input_ids)
     num_positions = query_responses.size(1) - context_length + 1
+    if window:  # the columns at their positions in the full row
+        input_ids, attention_mask, position_ids = response_window(query_responses, pad_token_id, context_length,
+                                                                  num_positions)
+    else:
+        attention_mask = query_responses != pad_token_id  # (B, T)
+        input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+        # get_reward passes no position ids: the model numbers the columns 0 ... T - 1, as these do.
+        position_ids = torch.arange(query_responses.size(1), device=query_responses.device).expand_as(input_ids)
     hidden = last_hidden_states(model.backbone, input_ids, attention_mask, position_ids, num_positions)
     # The head runs on get_reward's (B, T, d) shape: on (B, n, d) the matmul may round its sums otherwise (~1e-7).
     full = torch.cat((hidden.new_zeros(hidden.size(0), context_length - 1, hidden.size(-1)), hidden), 1)  # (B, T, d)
     return model.head(full).squeeze(-1)[:, context_length - 1:]
 
 
-def get_score(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
-    """== get_reward(model, query_responses, pad_token_id, context_length)[1]: (B,) the RM's output at each row's EOS."""
-    outputs = response_outputs(model, query_responses, pad_token_id, context_length)  # (B, T_resp + 1)
+def get_score(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int,
+              groups: int = 1) -> torch.Tensor:
+    """== get_reward(model, query_responses, pad_token_id, context_length)[1]: (B,) the RM's output at each row's EOS
+    (response_outputs' `groups`: speed only)."""
+    outputs = response_outputs(model, query_responses, pad_token_id, context_length, groups)  # (B, T_resp + 1)
     eos = reward_indices(query_responses, pad_token_id, context_length) - (context_length - 1)  # (B,) in outputs
     return outputs[torch.arange(outputs.size(0), device=eos.device), eos]
 
@@ -636,21 +653,30 @@ def response_logits_and_values(model, query_responses: torch.Tensor, pad_token_i
 def response_logits_and_values_by_length(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int,
                                          num_outputs: int, groups: int) -> tuple:
     """== response_logits_and_values(model, query_responses, pad_token_id, context_length, num_outputs), the rows
-    in `groups` forwards sorted by query length.
+    in `groups` forwards sorted by query length (by_query_length; tests/test_ppo.py checks the equality).
 
-    Speed only (tests/test_ppo.py checks the equality): a forward is as wide as its longest query, so
-    the rows are sorted by query length and split into `groups` forwards, each dropping the left pads
-    its rows share. Each row's logits and value are its own whatever its neighbours; only the float
-    rounding of sums over a shorter row changes. The tiny world's micro-batches of 16: 2 groups hold
-    11% fewer token columns, 20% fewer attention scores."""
+    The tiny world's micro-batches of 16: 2 groups hold 11% fewer token columns, 20% fewer attention scores."""
+    forward = lambda rows: response_logits_and_values(model, rows, pad_token_id, context_length, num_outputs)  # noqa: E731
+    return by_query_length(forward, query_responses, pad_token_id, context_length, groups)
+
+
+def by_query_length(forward, query_responses: torch.Tensor, pad_token_id: int, context_length: int, groups: int):
+    """== forward(query_responses): its (B, ...) output (or a tuple of them), from `groups` calls on the rows sorted
+    by query length.
+
+    Speed only (--length_groups): every query is left-padded to one width, and a windowed forward
+    (response_window) is as wide as the longest query of its rows: rows of similar length together
+    drop more of the pads. Each row's outputs are its own whatever its neighbours; only the float
+    rounding of sums over shorter rows changes."""
     if groups == 1:  # one forward: nothing to sort
-        return response_logits_and_values(model, query_responses, pad_token_id, context_length, num_outputs)
+        return forward(query_responses)
     lengths = (query_responses[:, :context_length] != pad_token_id).sum(1)  # (B,) query tokens of each row
     order = lengths.argsort(stable=True)  # (B,) shortest first
-    parts = [response_logits_and_values(model, query_responses[rows], pad_token_id, context_length, num_outputs)
-             for rows in order.chunk(groups)]
+    parts = [forward(query_responses[rows]) for rows in order.chunk(groups)]
     unsort = order.argsort()  # (B,): where each row went
-    return tuple(torch.cat(side)[unsort] for side in zip(*parts))
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(side)[unsort] for side in zip(*parts))
+    return torch.cat(parts)[unsort]
 
 
 class PolicyAndValueWrapper(torch.nn.Module):

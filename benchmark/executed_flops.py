@@ -125,11 +125,11 @@ def executed_flops(base_model: str, sft_model_path: str, reward_model_path: str,
         def ours_scoring():
             for start in range(0, batch_size, rollout_batch_size):
                 rows = slice(start, start + rollout_batch_size)
-                logits = ppo.response_logits(policy, query_responses[rows], pad, context_length)
+                logits = ppo.response_logits(policy, query_responses[rows], pad, context_length, length_groups)
                 ppo.gather_logprobs(ppo.scaled_logits(logits, temperature, unsampled),
                                     query_responses[rows, context_length:])
-                ppo.get_values(critic, query_responses[rows], pad, context_length)
-                ppo.get_score(critic, scored_rows[rows], pad, context_length)
+                ppo.get_values(critic, query_responses[rows], pad, context_length, length_groups)
+                ppo.get_score(critic, scored_rows[rows], pad, context_length, length_groups)
 
         def trl_scoring():
             for start in range(0, batch_size, rollout_batch_size):

@@ -582,6 +582,69 @@ def test_training_forward_by_length_equals_one_forward(tiny_tldr, monkeypatch, g
     torch.testing.assert_close(grouped[2], one[2], rtol=1e-4, atol=1e-5)
 
 
+def test_by_query_length_by_hand():
+    """by_query_length (--length_groups): the rows sorted by query length (stable) go to `groups` calls and come back
+    in their order; a tuple of outputs comes back as a tuple; more groups than rows give a call a row; one group is
+    one call on the rows as they are."""
+    import ppo
+
+    P = 0  # the pad id here
+    query_responses = torch.tensor([[P, P, 5, 6, 7, 8],   # 2 query tokens; response 7 8
+                                    [9, 9, 9, 9, 1, 2],   # 4
+                                    [P, P, P, 3, 4, 4],   # 1
+                                    [P, 8, 8, 8, 5, 5],   # 3
+                                    [P, P, P, 6, 1, 1]])  # 1
+    calls = []
+
+    def forward(rows):  # each row's query tokens counted; its response plus 10 x its query's last token
+        calls.append(rows.tolist())
+        return (rows[:, :4] != P).sum(1), rows[:, 4:] + 10 * rows[:, 3:4]
+
+    counts, responses = ppo.by_query_length(forward, query_responses, P, 4, groups=2)
+    assert counts.tolist() == [2, 4, 1, 3, 1]
+    assert responses.tolist() == [[67, 68], [91, 92], [34, 34], [85, 85], [61, 61]]
+    assert calls == [query_responses[[2, 4, 0]].tolist(), query_responses[[3, 1]].tolist()]  # lengths 1 1 2 | 3 4
+    calls.clear()
+    alone = ppo.by_query_length(lambda rows: forward(rows)[1], query_responses, P, 4, groups=9)
+    assert torch.equal(alone, responses) and calls == [query_responses[[i]].tolist() for i in (2, 4, 0, 3, 1)]
+    calls.clear()
+    assert torch.equal(ppo.by_query_length(forward, query_responses, P, 4, groups=1)[1], responses)
+    assert calls == [query_responses.tolist()]
+
+
+@pytest.mark.parametrize("groups", [2, 5])
+def test_scoring_forwards_by_length_equal_one_forward(tiny_tldr, monkeypatch, groups):
+    """The rollout's scoring forwards with --length_groups (the reference's logits, the critic's values, the RM's
+    score: rows sorted by query length, each group's forward from its longest query's first token on, at the
+    full row's positions) give every row what one forward gives, up to float rounding."""
+    import ppo
+
+    policy, critic = tiny_models()
+    query_responses, context = scored_batch(tiny_tldr, seed=5)
+    with torch.no_grad():
+        one = (response_logits(policy, query_responses, PAD, context), get_values(critic, query_responses, PAD, context),
+               get_score(critic, query_responses, PAD, context))
+        widths, plain_window = [], ppo.response_window
+
+        def recorded(*args):
+            window = plain_window(*args)
+            widths.append(window[0].shape[1])
+            return window
+
+        monkeypatch.setattr(ppo, "response_window", recorded)
+        grouped = (response_logits(policy, query_responses, PAD, context, groups),
+                   get_values(critic, query_responses, PAD, context, groups),
+                   get_score(critic, query_responses, PAD, context, groups))
+    assert one[1].std(0).min() > 1e-3 and one[2].std() > 1e-3  # rows differ: a row out of place would show
+    full = [plain_window(query_responses, PAD, context, n)[0].shape[1] for n in (10, 11)]  # logits', outputs' widths
+    assert len(widths) == 3 * min(groups, 5)  # a windowed forward a group, in each of the three
+    assert max(widths) <= max(full) and min(widths) < min(full)  # narrower than one forward's window
+    # The logits (|logit| up to 23 here) round as the window's own against the full forward's, ~2e-5 apart.
+    torch.testing.assert_close(grouped[0], one[0], rtol=1e-5, atol=5e-5)
+    torch.testing.assert_close(grouped[1], one[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grouped[2], one[2], rtol=1e-5, atol=1e-5)
+
+
 def outputs_and_gradients(model, query_responses: torch.Tensor, context_length: int) -> tuple:
     """The PPO epochs' forward of `model` on 9 response tokens: its logits, values, and the gradients of a stand-in loss
     over every trainable parameter, flattened into one vector."""
@@ -1219,10 +1282,11 @@ def test_offloaded_frozen_models_run_in_the_policys_precision(precision, monkeyp
     assert all(config["zero_optimization"]["stage"] == 3 and config["zero_optimization"]["offload_param"] ==
                {"device": "cpu"} for config in configs)
 
-def test_rollout_scores_the_truncated_response(tiny_tldr):
+@pytest.mark.parametrize("length_groups", [1, 2])
+def test_rollout_scores_the_truncated_response(tiny_tldr, monkeypatch, length_groups):
     """Details 12 and 23: rollout() scores query ++ the response truncated after its first EOS (pads after it), so
     the reward is read at the EOS, not at the last of the untruncated tokens; the behaviour log-probs and entropy come
-    from the sampler's scores, the values from the critic."""
+    from the sampler's scores, the values from the critic (with --length_groups 2 too: speed only)."""
     from types import SimpleNamespace
 
     import ppo
@@ -1240,15 +1304,23 @@ def test_rollout_scores_the_truncated_response(tiny_tldr):
         drawn.extend(range(len(query)))
         return torch.cat((query, responses[rows]), 1), sample_scores[rows]
 
-    args = SimpleNamespace(local_rollout_forward_batch_size=2, response_length=6)
+    args = SimpleNamespace(local_rollout_forward_batch_size=2, response_length=6, length_groups=length_groups)
+    grouped, by_query_length = [], ppo.by_query_length
+    monkeypatch.setattr(ppo, "by_query_length", lambda *args: grouped.append(args[-1]) or by_query_length(*args))
     with torch.no_grad():
         out, _ = ppo.rollout(args, policy, policy, critic, critic, queries, sample, PAD, EOS, 0.7, torch.tensor([PAD]))
+    assert grouped == ([2] * 6 if length_groups == 2 else [])  # the reference, critic and RM forwards of 2 chunks
+    monkeypatch.undo()
+    with torch.no_grad():
         context = queries.shape[1]
         truncated = torch.cat((queries, truncate_response(responses, EOS, PAD)), 1)
         torch.testing.assert_close(out["scores"], get_score(critic, truncated, PAD, context))
         untruncated = get_score(critic, torch.cat((queries, responses), 1), PAD, context)
         assert (out["scores"][[0, 2]] - untruncated[[0, 2]]).abs().min() > 1e-3  # the junk after the EOS would move it
         torch.testing.assert_close(out["values"], get_values(critic, torch.cat((queries, responses), 1), PAD, context))
+        ref_logits = response_logits(policy, torch.cat((queries, responses), 1), PAD, context)  # the untruncated rows'
+        ref_logprobs = gather_logprobs(ppo.scaled_logits(ref_logits, 0.7, torch.tensor([PAD])), responses)
+        torch.testing.assert_close(out["ref_logprobs"], ref_logprobs, rtol=1e-5, atol=5e-5)
     torch.testing.assert_close(out["logprobs"], gather_logprobs(sample_scores, responses))
     assert torch.equal(out["query_responses"], torch.cat((queries, responses), 1))
 
