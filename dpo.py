@@ -32,16 +32,16 @@ references.
     # models/EleutherAI/pythia-1b-deduped/sft_1 and data/EleutherAI/pythia-1b-deduped/tldr, writes .../dpo_1
     accelerate launch --num_processes 1 --mixed_precision bf16 dpo.py \
         --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 8
-    # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (global batch 64 = 8 x 1 x 8 processes)
+    # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (global batch 64 = 1 x 8 x 8 processes, the reference's; knobs.sh)
     accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml dpo.py \
-        --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_micro_batch_size 8 --track
+        --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_micro_batch_size 1 --track
 
 Details: 3 distinct [PAD], ids checked against both datasets; 6 accuracy per split (validation is
 out of distribution); 7 dropout off in policy and reference; 8 accelerate / DeepSpeed ZeRO-2 /
 bf16, the reference in the policy's dtype; 16 accuracy by batch / confidence; 19 DPO with the RM's
 recipe and its implicit reward evaluated as an RM. Unlike the reference code, the loss is a mean
-over the micro-batch (the reference is right only with micro-batch 1) and all ranks share one
-shuffle (the reference shuffles per rank, so its ranks read overlapping pairs).
+over the micro-batch (the reference code is right only with micro-batch 1) and all ranks share one
+shuffle (the reference code shuffles per rank, so its ranks read overlapping pairs).
 Logged (TensorBoard, and W&B with --track; x-axis = training pairs seen):
   train/dpo/loss                     mean DPO loss of the update's pairs, all ranks
   train/dpo/accuracy                 fraction of the update's pairs whose chosen implicit reward is higher (a tie 1/2)
@@ -151,13 +151,13 @@ class Args:
     eps: float = 1e-5
     """AdamW epsilon (paper: 1e-5)"""
     weight_decay: float = 0.01
-    """AdamW weight decay (torch's default, which the reference uses without saying so)"""
+    """AdamW weight decay (torch's default, which the reference code uses without saying so)"""
     scheduler: str = "cosine"
     """Learning-rate schedule, a transformers.get_scheduler name (paper: cosine to 0)"""
     batch_size: int = 64
     """Global pairs per update = local_micro_batch_size x gradient_accumulation_steps x world_size (paper: 64)"""
     local_micro_batch_size: int = 1
-    """Pairs per forward pass per rank (each pair is 2 sequences: chosen and rejected)"""
+    """Pairs per forward pass per rank (a pair: its chosen and its rejected summary)"""
     local_eval_batch_size: int = 4
     """Pairs (or queries) per eval forward pass (or generate call) per rank"""
 
@@ -217,7 +217,7 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
     # DPO's policy defines a reward r = beta * log(pi / pi_ref) (up to a per-query constant that
     # cancels in a pair) and fits it with the RM's Bradley-Terry loss: -log sigmoid(r_c - r_r) =
     # -log sigmoid(beta * h). Per pair: the caller averages over the micro-batch, which is what
-    # makes the gradient the same for any micro-batch size (the reference is right only for 1).
+    # makes the gradient the same for any micro-batch size (the reference code is right only for 1).
     chosen_rewards = beta * (chosen_logps - ref_chosen_logps)
     rejected_rewards = beta * (rejected_logps - ref_rejected_logps)
     h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)  # (B,): 0 while pi = pi_ref
@@ -245,8 +245,8 @@ def dpo_update(accelerator, model, ref_policy, optimizer, micro_batches: list, p
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-        # A tie counts 1/2, as in the evaluation: at the first update the policy is the reference, every implicit
-        # reward is 0, and the reference's strict > logged an accuracy of 0.
+        # A tie counts 1/2, as in the evaluation: at the first update the policy is the reference policy, every
+        # implicit reward is 0, and the reference code's strict > logged an accuracy of 0.
         accuracy = ((chosen_rewards - rejected_rewards).sign().float() + 1).mean() / 2
         stats.append({"loss": loss.detach().float(), "accuracy": accuracy,
                       "chosen_rewards": chosen_rewards.float().mean(), "rejected_rewards": rejected_rewards.float().mean()})
@@ -261,7 +261,7 @@ def main() -> None:
     # Detail 8: Tech stack
     # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
     # The script names the accumulation (over any number in the accelerate config) and the micro-batch
-    # (DeepSpeed reads no DataLoader here), and turns off clipping (accelerate fills in 1.0; the paper does not clip).
+    # (DeepSpeed reads no DataLoader here), and turns off clipping (accelerate fills in 1.0; the reference code does not clip).
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
     if accelerator.state.deepspeed_plugin is not None:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
@@ -276,7 +276,7 @@ def main() -> None:
 
     # ---- seeding & data order ----
     seed_everything(args.seed + accelerator.process_index * 100003)  # eval sampling differs per rank
-    # reward.py's data order (one shuffle for all ranks, not the reference's one per rank): the RM
+    # reward.py's data order (one shuffle for all ranks, not the reference code's one per rank): the RM
     # and DPO see the same pairs in the same updates, and each pair once per pass.
     local_order = local_episode_order(len(train), args.num_updates, args.gradient_accumulation_steps, args.world_size,
                                       args.local_micro_batch_size, args.seed, accelerator.process_index)
@@ -1130,13 +1130,10 @@ def load_fp32(model_class, path: str, flag: str):
     # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
     config = os.path.join(path, "config.json")
     model_type = load_json(config).get("model_type") if os.path.isfile(config) else None  # None: a Hub id
-    wants_rm = model_class.__name__ == "ScalarModel"
-    if model_type is not None and (model_type == "scalar_model") != wants_rm:
+    if model_type == "scalar_model":
         # The stages' folders look alike (models/.../sft_1, reward_1): say which one this is, not a loader's traceback.
-        found = "a reward model (reward.py's output)" if model_type == "scalar_model" else \
-            f"a causal LM ({model_type}: sft.py's output or a base model)"
-        wanted = "reward.py's output" if wants_rm else "sft.py's output or a base model"
-        raise SetupError(f"{flag} {path} holds {found}; {flag} takes {wanted}")
+        raise SetupError(f"{flag} {path} holds a reward model (reward.py's output); {flag} takes sft.py's output or "
+                         "a base model")
     try:
         return model_class.from_pretrained(path, dtype=torch.float32)
     except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id

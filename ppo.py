@@ -147,13 +147,13 @@ class Args:
     eps: float = 1e-5
     """AdamW epsilon (Detail 20; paper: 1e-5)"""
     weight_decay: float = 0.01
-    """AdamW weight decay (torch's default, which the reference uses without saying so)"""
+    """AdamW weight decay (torch's default, which the reference code uses without saying so)"""
     batch_size: int = 512
     """Global episodes per update = local_micro_batch_size x gradient_accumulation_steps x num_minibatches x world_size (Detail 20; paper: 512)"""
     num_minibatches: int = 1
     """Minibatches per PPO epoch, one optimizer step each (Detail 20; paper: 1)"""
     local_micro_batch_size: int = 1
-    """Episodes per training forward pass per rank; the losses are token means per micro-batch (as in the reference), so this also weighs the tokens (the paper's runs: 16 / 4 / 1 at 1B / 2.8B / 6.9B, benchmark/knobs.sh)"""
+    """Episodes per training forward pass per rank; the losses are token means per micro-batch (as in the reference code), so this also weighs the tokens (the paper's runs: 16 / 4 / 1 at 1B / 2.8B / 6.9B, benchmark/knobs.sh)"""
     length_groups: int = 1
     """Speed only: the rows of a training micro-batch, and of the rollout's reference, critic and RM forwards, sorted by query length into this many forwards, each as wide as its longest query (1: one forward; only the float rounding changes)"""
     local_rollout_forward_batch_size: int = 64
@@ -216,7 +216,7 @@ def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_
     """(B, T) ids with pads -> ((B, T) per-token reward logits, (B,) reward at each row's EOS)."""
     attention_mask = query_responses != pad_token_id  # (B, T)
     # Pads are masked out of attention and replaced by a valid id.
-    # No position_ids, as in the reference: left pads shift the positions, which rotary embeddings do not see.
+    # No position_ids, as in the reference code: left pads shift the positions, which rotary embeddings do not see.
     input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
     reward_logits = model(input_ids=input_ids, attention_mask=attention_mask)  # (B, T)
     eos = reward_indices(query_responses, pad_token_id, context_length)  # (B,)
@@ -232,7 +232,7 @@ def get_values(critic, query_responses: torch.Tensor, pad_token_id: int, context
 def eos_trick(scores: torch.Tensor, contains_eos: torch.Tensor, penalty_reward_value: float) -> torch.Tensor:
     """(B,) RM scores, (B,) bool -> (B,) scores, replaced by `penalty_reward_value` where there is no EOS."""
     # Detail 23: EOS trick
-    # At most response_length tokens, truncated after the first EOS (the reference always samples all of them).
+    # At most response_length tokens, truncated after the first EOS (the reference code always samples all of them).
     # Without an EOS the RM's score is undefined (it is trained on the EOS logit only): REPLACE it, do not decrease it.
     # The constant (-1) also teaches the policy to stop in time.
     return torch.where(contains_eos, scores, torch.full_like(scores, penalty_reward_value))
@@ -241,11 +241,11 @@ def eos_trick(scores: torch.Tensor, contains_eos: torch.Tensor, penalty_reward_v
 def response_masks(postprocessed_responses: torch.Tensor, pad_token_id: int, score_after_eos: bool) -> tuple:
     """(B, T) truncated responses -> ((B,) EOS index, (B, T) token padding mask, (B, T) value padding mask).
 
-    EOS index = first pad - 1 (T - 1 without a pad, i.e. without an EOS). The masks are True where NOT trained.
+    EOS index = first pad - 1 (T - 1 without a pad: no EOS, or one on the last token). Masks: True where NOT trained.
     Tokens: after the EOS. Values: after the token that carries the score (the EOS, or EOS + 1 with score_after_eos)."""
     # Detail 3: Leading space, EOS at the end, a distinct [PAD]
     # [PAD] is never the EOS (check_tokenizer refuses that): the first pad of a truncated response comes after its EOS.
-    sequence_lengths = first_true_indices(postprocessed_responses == pad_token_id) - 1  # (B,)
+    sequence_lengths = first_true_indices(postprocessed_responses == pad_token_id) - 1  # (B,) EOS index, not a length
     positions = torch.arange(postprocessed_responses.size(1), device=postprocessed_responses.device)  # (T,)
     padding_mask = positions.unsqueeze(0) > sequence_lengths.unsqueeze(1)  # (B, T)
     value_padding_mask = positions.unsqueeze(0) > (sequence_lengths + int(score_after_eos)).unsqueeze(1)
@@ -326,8 +326,8 @@ def rollout(args, policy, ref_policy, critic, reward_model, queries: torch.Tenso
     for start in range(0, len(queries), args.local_rollout_forward_batch_size):  # chunks: memory only
         query = queries[start:start + args.local_rollout_forward_batch_size]  # (b, T_q)
         tick = time.time()
-        # Always response_length tokens, past a row's EOS: the EOS trick truncates them afterwards.
-        # (b, T) ids, and (b, T_resp, V) scores: the logits sampled from, divided by T.
+        # Always response_length columns: sampled past a row's EOS until every row has one; truncate_response cuts them.
+        # (b, T_q + T_resp) ids, and (b, T_resp, V) "scores" (HF generate's name): the logits sampled from / temperature.
         query_response, sample_scores = sample(policy, query, pad_token_id, eos_token_id, args.response_length,
                                                temperature, unsampled)
         response = query_response[:, context_length:]  # (b, T_resp)
@@ -336,7 +336,7 @@ def rollout(args, policy, ref_policy, critic, reward_model, queries: torch.Tenso
         out["entropy"].append(entropy_from_logits(sample_scores))
         del sample_scores  # (b, T_resp, V): the largest tensor of the rollout
         generation_time += time.time() - tick
-        # The reference's log-probs of the untruncated response, at the same temperature, on the policy's support.
+        # The reference policy's log-probs of the untruncated response, at the same temperature, on the policy's support.
         ref_logits = response_logits(ref_policy, query_response, pad_token_id, context_length, groups)
         out["ref_logprobs"].append(gather_logprobs(scaled_logits(ref_logits, temperature, unsampled), response))
         del ref_logits  # (b, T_resp, V): freed before the critic's forward
@@ -407,7 +407,7 @@ def main() -> None:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
-    # T + 1e-7, as in the reference (its epsilon guards T = 0): the one divisor of every log-prob (scaled_logits).
+    # T + 1e-7, as in the reference code (its epsilon guards T = 0): the one divisor of every log-prob (scaled_logits).
     temperature, eval_temperature = args.temperature + 1e-7, args.eval_temperature + 1e-7
 
     # ---- data and tokenizer: every bad input fails here, before a model is loaded or anything is written ----
@@ -496,7 +496,7 @@ def main() -> None:
                                                                             args.score_after_eos)
         values = batch["values"].masked_fill(value_padding_mask, 0.0)
 
-        # 4. Per-token rewards: -kl_coef * (logp - ref_logp) everywhere, plus the score on the EOS.
+        # 4. Per-token rewards: -kl_coef * (logp - ref_logp) up to the EOS, plus the score on the EOS (or one later).
         rewards, kl, non_score_reward = compute_rewards(batch["logprobs"], batch["ref_logprobs"], scores, sequence_lengths,
                                                         padding_mask, args.kl_coef, args.score_after_eos)
         sum_over_processes = lambda tensor: accelerator.reduce(tensor, reduction="sum")  # noqa: E731
@@ -509,7 +509,7 @@ def main() -> None:
         advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
         # Detail 25: Advantage whitening
         # Zero mean, unit variance over every valid token of the whole batch.
-        # Global statistics: the reference whitens per GPU, so its normalisation changed with the GPU count.
+        # Global statistics: the reference code whitens per GPU, so its normalisation changed with the GPU count.
         advantages = whiten(advantages, ~padding_mask, shift_mean=True, all_reduce=sum_over_processes)
 
         # 6. PPO epochs: shuffle, split into minibatches (one optimizer step each) of micro-batches.
@@ -1423,7 +1423,6 @@ def ppo_tokenizer(args, accelerator, dataset, local_dataset: bool) -> tuple:
     """(the SFT model's tokenizer, checked against the dataset's ids and the RM's tokenizer, its tokenizer_identity)."""
     tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")  # sft.py saved it with its [PAD]
     built_with = os.path.join(os.path.dirname(os.path.abspath(args.query_dataset)), "args.json")
-    data_ids = None
     if local_dataset and os.path.isfile(built_with):
         built = load_json(built_with)
         data_ids = {key: built.get(key) for key in ("eos_token_id", "pad_token_id")}

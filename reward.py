@@ -1,4 +1,4 @@
-"""Reward model (RM) training on TL;DR human preferences, normalisation and evaluation (Details 6, 10-18).
+"""Reward model (RM) training on TL;DR human preferences, normalisation and evaluation (Details 3, 6-8, 10-18).
 
 Stage 2 of the pipeline. Starts from the SFT model of sft.py, puts a scalar head on its last hidden state, and
 trains it with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) on the preference dataset written by
@@ -29,9 +29,9 @@ mean reward of 0; then the RM is evaluated on `validation` (TL;DR) and `validati
     # models/EleutherAI/pythia-1b-deduped/sft_1 and data/EleutherAI/pythia-1b-deduped/tldr, writes .../reward_1
     accelerate launch --num_processes 1 --mixed_precision bf16 reward.py \
         --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 8
-    # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (global batch 64 = 8 x 1 x 8 processes)
+    # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (global batch 64 = 1 x 8 x 8 processes, the reference's; knobs.sh)
     accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml reward.py \
-        --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_micro_batch_size 8 --track
+        --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_micro_batch_size 1 --track
 
 Details: 3 a distinct [PAD]; 6 accuracy per split (validation is out of distribution); 7 dropout off; 8 the
 tech stack; 10 the paper's RM recipe; 11 the head's initialisation; 12 the reward at the EOS token; 13 per-token
@@ -138,13 +138,13 @@ class Args:
     eps: float = 1e-5
     """AdamW epsilon (Detail 10; paper: 1e-5)"""
     weight_decay: float = 0.01
-    """AdamW weight decay (torch's default, which the reference uses without saying so)"""
+    """AdamW weight decay (torch's default, which the reference code uses without saying so)"""
     scheduler: str = "cosine"
     """Learning-rate schedule, a transformers.get_scheduler name (Detail 10; paper: cosine to 0)"""
     batch_size: int = 64
     """Global pairs per update = local_micro_batch_size x gradient_accumulation_steps x world_size (Detail 10; paper: 64)"""
     local_micro_batch_size: int = 1
-    """Pairs per forward pass per rank (each pair is 2 sequences: chosen and rejected)"""
+    """Pairs per forward pass per rank (a pair: its chosen and its rejected summary)"""
     length_groups: int = 1
     """Speed only: a micro-batch's pairs sorted by length into this many forwards, each as wide as its longest pair (1: one forward)"""
     local_eval_batch_size: int = 4
@@ -339,7 +339,7 @@ def main() -> None:
     # Detail 8: Tech stack
     # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
     # The script names the accumulation (over any number in the accelerate config) and the micro-batch
-    # (DeepSpeed reads no DataLoader here), and turns off clipping (accelerate fills in 1.0; the paper does not clip).
+    # (DeepSpeed reads no DataLoader here), and turns off clipping (accelerate fills in 1.0; the reference code does not clip).
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
     if accelerator.state.deepspeed_plugin is not None:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
@@ -535,11 +535,9 @@ def hidden_states_at(backbone, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 def last_layer_at(backbone, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                  select, layers: Optional[list] = None) -> torch.Tensor:
+                  select) -> torch.Tensor:
     """== select(backbone(input_ids, attention_mask, position_ids).last_hidden_state) for a GPT-NeoX run by SDPA,
-    `select` picking k positions along dim 1 of a (B, T, ...) tensor: (B, k, d).
-
-    `layers`: what runs in place of backbone.layers[:-1], i.e. their compiled forms (ppo.py's compiled_layers)."""
+    `select` picking k positions along dim 1 of a (B, T, ...) tensor: (B, k, d)."""
     # transformers internals, used by this fast path only
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import create_causal_mask
@@ -552,7 +550,7 @@ def last_layer_at(backbone, input_ids: torch.Tensor, attention_mask: torch.Tenso
     mask = create_causal_mask(config=backbone.config, inputs_embeds=hidden, attention_mask=attention_mask,
                               past_key_values=None, position_ids=position_ids)  # (B, 1, T, T) or None: causal only
     cos, sin = backbone.rotary_emb(hidden, position_ids=position_ids)
-    for layer in layers or backbone.layers[:-1]:
+    for layer in backbone.layers[:-1]:
         hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin))
     layer, attention = backbone.layers[-1], backbone.layers[-1].attention
     qkv = attention.query_key_value(layer.input_layernorm(hidden))  # (B, T, 3 * d)
@@ -1270,13 +1268,10 @@ def load_fp32(model_class, path: str, flag: str):
     # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
     config = os.path.join(path, "config.json")
     model_type = load_json(config).get("model_type") if os.path.isfile(config) else None  # None: a Hub id
-    wants_rm = model_class.__name__ == "ScalarModel"
-    if model_type is not None and (model_type == "scalar_model") != wants_rm:
+    if model_type == "scalar_model":
         # The stages' folders look alike (models/.../sft_1, reward_1): say which one this is, not a loader's traceback.
-        found = "a reward model (reward.py's output)" if model_type == "scalar_model" else \
-            f"a causal LM ({model_type}: sft.py's output or a base model)"
-        wanted = "reward.py's output" if wants_rm else "sft.py's output or a base model"
-        raise SetupError(f"{flag} {path} holds {found}; {flag} takes {wanted}")
+        raise SetupError(f"{flag} {path} holds a reward model (reward.py's output); {flag} takes sft.py's output or "
+                         "a base model")
     try:
         return model_class.from_pretrained(path, dtype=torch.float32)
     except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id

@@ -123,7 +123,7 @@ class Args:
     eps: float = 1e-5
     """AdamW epsilon (Detail 9; paper: 1e-5)"""
     weight_decay: float = 0.01
-    """AdamW weight decay (torch's default, which the reference uses without saying so)"""
+    """AdamW weight decay (torch's default, which the reference code uses without saying so)"""
     scheduler: str = "cosine"
     """Learning-rate schedule, a transformers.get_scheduler name (Detail 9; paper: cosine to 0)"""
     batch_size: int = 128
@@ -238,7 +238,7 @@ def sft_evaluate(accelerator, model, dataset, tokenizer, generation_config, loca
     batches = eval_batches(len(dataset), accelerator.process_index, accelerator.num_processes, local_eval_batch_size)
     for indices, real in tqdm(batches, desc="eval", disable=not accelerator.is_main_process):
         batch = dataset[indices]
-        # Same loss as training, on the right-padded query+reference ids (of the real rows only).
+        # Training's per-token loss on the right-padded query+reference ids (real rows), over the split's tokens.
         query_references = batch["query_reference_response_token"].to(accelerator.device)  # (B, T), right-padded
         logits = forward(unwrapped, query_references, pad_id).logits
         nll, count = next_token_nll(logits[:real], query_references[:real], pad_id)
@@ -267,7 +267,7 @@ def main() -> None:
     # Detail 8: Tech stack
     # `accelerate launch` decides the backend: one CPU process, DDP, or DeepSpeed ZeRO-2 with bf16.
     # The script names the accumulation (over any number in the accelerate config) and the micro-batch
-    # (DeepSpeed reads no DataLoader here), and turns off clipping (accelerate fills in 1.0; the paper does not clip).
+    # (DeepSpeed reads no DataLoader here), and turns off clipping (accelerate fills in 1.0; the reference code does not clip).
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
     if accelerator.state.deepspeed_plugin is not None:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
@@ -688,7 +688,6 @@ def sft_tokenizer(args, accelerator, dataset, local_dataset: bool) -> tuple:
     tokenizer = load_tokenizer(args.base_model, "--base_model")
     # The token columns hold the ids of the tokenizer preprocess_tldr.py used (its args.json).
     built_with = os.path.join(os.path.dirname(os.path.abspath(args.query_dataset)), "args.json")
-    data_ids = None
     if local_dataset and os.path.isfile(built_with):
         built = load_json(built_with)
         data_ids = {key: built.get(key) for key in ("eos_token_id", "pad_token_id")}
@@ -836,13 +835,10 @@ def load_fp32(model_class, path: str, flag: str):
     # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
     config = os.path.join(path, "config.json")
     model_type = load_json(config).get("model_type") if os.path.isfile(config) else None  # None: a Hub id
-    wants_rm = model_class.__name__ == "ScalarModel"
-    if model_type is not None and (model_type == "scalar_model") != wants_rm:
+    if model_type == "scalar_model":
         # The stages' folders look alike (models/.../sft_1, reward_1): say which one this is, not a loader's traceback.
-        found = "a reward model (reward.py's output)" if model_type == "scalar_model" else \
-            f"a causal LM ({model_type}: sft.py's output or a base model)"
-        wanted = "reward.py's output" if wants_rm else "sft.py's output or a base model"
-        raise SetupError(f"{flag} {path} holds {found}; {flag} takes {wanted}")
+        raise SetupError(f"{flag} {path} holds a reward model (reward.py's output); {flag} takes sft.py's output or "
+                         "a base model")
     try:
         return model_class.from_pretrained(path, dtype=torch.float32)
     except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id

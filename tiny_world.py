@@ -10,8 +10,8 @@ so every stage runs the exact code path it runs on the real thing:
   (config `comparisons`; train / validation, with CNN/DM-like news rows in validation).
   `load_dataset(path, "comparisons")`.
 - `pythia-tiny/`: a byte-level BPE tokenizer (`<|endoftext|>` = EOS, a distinct `[PAD]`) and a
-  tiny GPT-NeoX (the Pythia architecture, rotary) saved with `save_pretrained`, briefly pretrained
-  on the post text, so `--base_model assets/tiny_world/pythia-tiny` loads like `EleutherAI/pythia-1b-deduped`.
+  tiny GPT-NeoX (the Pythia architecture, rotary) saved with `save_pretrained`, pretrained (6,000
+  steps by default) on Reddit-like posts and news-like articles, so `--base_model assets/tiny_world/pythia-tiny` loads like `EleutherAI/pythia-1b-deduped`.
 - `WORLD.md` / `world.json`: the world card (sizes, policies, label noise, the best achievable accuracy).
 
 The world has a ground truth. Each post is built from key facts ("my landlord cancelled my lease"),
@@ -705,8 +705,8 @@ class Args:
     sft_sizes: tuple[int, int, int] = (4096, 256, 256)
     """Rows of the SFT dataset: train, validation, test"""
     preference_sizes: tuple[int, int, int] = (16384, 512, 256)
-    """Rows of the preference dataset: train, validation (TL;DR), validation (CNN/DM-like news); enough
-    train pairs for the RM to see most of them once or twice, as the paper trains one epoch over 92,858"""
+    """Rows of the preference dataset: train, validation (TL;DR), validation (CNN/DM-like news); the main job's
+    RM trains 3 passes over the train pairs (benchmark/tiny.sh), the paper's one epoch over 92,858"""
     long_tail_fraction: float = 0.08
     """Share of posts with a long tail of irrelevant paragraphs that overflows the query budget"""
     label_temperature: float = 0.7

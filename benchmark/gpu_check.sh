@@ -5,7 +5,7 @@
 # first-epoch ratio, windowed vs full forward, decode tokens/s of the fast sampling path and of the
 # plain loop). To publish it, add it at the top of benchmark/results/gpu_check.md, which keeps every check.
 #
-#   bash benchmark/gpu_check.sh            # random-init Pythia-1B shape, ~5-8 min on one H100 or H200 (275-460 s so far)
+#   bash benchmark/gpu_check.sh            # random-init Pythia-1B shape, ~5-8 min on one H100 or H200 (275-486 s so far)
 #   bash benchmark/gpu_check.sh --hub      # the real EleutherAI/pythia-1b-deduped (needs the Hub)
 #
 # Needs the requirements with a CUDA build of torch (pip install -r requirements.txt on the GPU

@@ -74,7 +74,7 @@ export PREPROCESS_FLAGS=${PREPROCESS_FLAGS:-}
 
 # PPO's sampler: ppo.py --fast_sampling (a static KV cache and a compiled one-token step; the same
 # tokens as HF generate in fp32, 98-99% of them in bf16). On one H100 at 1B it took a PPO update
-# from 5.46 to 4.99 s (generation 0.87 -> 0.49 s; 5.23 -> 4.79 s on one H200) for ~30 s of compiling per process
+# from 5.82 to 5.08 s (generation 1.22 -> 0.51 s; 5.26 -> 4.80 s on one H200) for ~30 s of compiling per process
 # (benchmark/results/gpu_check.md): 1953 updates repay that many times over. Measured at 1B only.
 # FAST_SAMPLING=0 samples with HF generate.
 export FAST_SAMPLING=${FAST_SAMPLING:-1}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Side-by-side PPO throughput: ppo.py against TRL 1.12.0's PPOTrainer (the last port of the paper's
 # code) on the tiny world, both in one run, alternating; prints a markdown table of episodes per
-# second, the time split and the ratio, and writes it to benchmark/results/ppo_vs_trl.md.
+# second, the time split and the ratio, and writes it to benchmark/results/ppo_vs_trl.md (_5m.md with --config 5m).
 #
 #   bash benchmark/ppo_vs_trl.sh                   # from the repository root; ~4 min on 2 cores
 #   bash benchmark/ppo_vs_trl.sh --rounds 3 --updates 5

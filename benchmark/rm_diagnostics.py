@@ -27,7 +27,7 @@ the rollout temperature, which differ in what that policy gets wrong. This scrip
   RM trained on nothing but (true, swapped) probe pairs of the SFT train posts, its accuracy on those of the
   validation posts every 50 updates (the world's own pairs teach it the swap, or not, among everything else).
 
-    python benchmark/rm_diagnostics.py                      # models/tiny, data/tiny_tldr, seed 1; ~2 min on 2 cores
+    python benchmark/rm_diagnostics.py                      # models/tiny, data/tiny_tldr, seed 1; ~20 s on 2 cores
     python benchmark/rm_diagnostics.py --models /tmp/m --data /tmp/d --seed 2 --world /tmp/w
     python benchmark/rm_diagnostics.py --learnability_updates 300      # + the swap-only RM (~2.5 min more)
 

@@ -11,7 +11,7 @@ once, the order rotated from round to round (alternating); each call is timed al
 fast path's first call, which compiles its step, is timed apart and not counted). The sides must sample the very
 same tokens: the script stops if they do not. Configurations:
 
-- tiny: the tiny world's SFT policy (models/tiny/sft_1, 264k parameters) on its first 64 training queries (192 tokens);
+- tiny: the tiny world's SFT policy (models/tiny/sft_1, 581k parameters) on its first 64 training queries (192 tokens);
 - 5m: a random-init GPT-NeoX, hidden 256, 4 layers, 4096 embedding rows (5.3M parameters; benchmark/random_world.py)
   on the tiny world's queries cut to 128 tokens.
 

@@ -453,6 +453,10 @@ def test_args_checker_catches_undocumented_and_unread():
 AGREEING_COPIES: dict[str, str] = {  # name -> "tests/<file>.py::<test>"
     # ppo.py only loads the trained RM and scores with (B, T) padding masks: no head initialisation, no 4-D masks.
     "ScalarModel": "tests/test_ppo.py::test_scalar_model_copies_agree",
+    # sft.py, reward.py and dpo.py load causal LMs only: no reward-model branch.
+    "load_fp32": "tests/test_sft.py::test_a_model_folder_of_the_wrong_stage_is_named_before_it_loads",
+    # reward.py runs no compiled layers: its last_layer_at takes no `layers`.
+    "last_layer_at": "tests/test_reward.py::test_hidden_states_at_equal_the_full_forward_at_those_columns",
     # PPO anneals its lr by hand: its checkpoint helpers carry no scheduler.
     **{name: "tests/test_ppo.py::test_checkpoint_copies_agree"
        for name in ("check_and_checkpoint", "resume", "save_checkpoint", "load_checkpoint")},
