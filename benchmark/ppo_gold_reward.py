@@ -107,7 +107,8 @@ def ppo_variant(ppo_argv: list, reward: str = "gold") -> None:
             accelerator.print(f"gold reward less the train references' mean gold score, {shift[0]:.4f}")
         return loaded
 
-    def gold_score(model, query_responses, pad_token_id: int, context_length: int):
+    def gold_score(model, query_responses, pad_token_id: int, context_length: int, groups: int = 1):
+        # groups: ppo.get_score's length groups (speed only), which the gold judge has no use for
         scores = gold_scores(tokenizers[0], query_responses, pad_token_id, context_length)
         return torch.tensor(scores, dtype=torch.float32, device=query_responses.device) - shift[0]
 
