@@ -656,7 +656,8 @@ def response_logits_and_values_by_length(model, query_responses: torch.Tensor, p
     in `groups` forwards sorted by query length (by_query_length; tests/test_ppo.py checks the equality).
 
     The tiny world's micro-batches of 16: 2 groups hold 11% fewer token columns, 20% fewer attention scores."""
-    forward = lambda rows: response_logits_and_values(model, rows, pad_token_id, context_length, num_outputs)  # noqa: E731
+    def forward(rows):
+        return response_logits_and_values(model, rows, pad_token_id, context_length, num_outputs)
     return by_query_length(forward, query_responses, pad_token_id, context_length, groups)
 
 
