@@ -123,7 +123,7 @@ class Args:
     base_model: Optional[str] = None
     """Base model the SFT model was fine-tuned from, as given to sft.py: names the default paths and the Hub repo (None: the one the SFT model's args.json records, else EleutherAI/pythia-1b-deduped)"""
     sft_model_path: Optional[str] = None
-    """SFT model (sft.py's output folder or a Hub id): the policy's and the reference's start (None: models/{base_model}/sft_{seed})"""
+    """SFT model (sft.py's output folder or a Hub id): the policy's and the reference policy's start (None: models/{base_model}/sft_{seed})"""
     reward_model_path: Optional[str] = None
     """Reward model (reward.py's output folder): the scorer and the critic's start (Detail 22) (None: models/{base_model}/reward_{seed})"""
     response_length: int = 53
@@ -1045,7 +1045,7 @@ def scaled_logits(logits: torch.Tensor, temperature: float, unsampled: torch.Ten
     """(..., V) logits -> mask_logits(logits.float() / temperature, unsampled): what sampling draws from, and what the
     behaviour, reference and trained log-probs are read from."""
     # fp32 before the division, whatever the model's dtype: bf16 logits (DeepSpeed) divided in bf16 would round
-    # the reference's and the trained policy's log-probs once more than the sampler's.
+    # the reference policy's and the trained policy's log-probs once more than the sampler's.
     return mask_logits(logits.float() / temperature, unsampled)
 
 
@@ -1059,7 +1059,7 @@ def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:
     """Ids that sampling never emits: [PAD] and the embedding rows past the tokenizer (no token owns them)."""
     # Pythia's embedding has 50304 rows for 50277 tokens, and the [PAD] we add is 50277: a sampled
     # [PAD] in mid-summary would move the EOS the reward is read at, and an unowned row decodes to
-    # nothing. Their logits are masked wherever the policy samples (a departure from the reference).
+    # nothing. Their logits are masked wherever the policy samples (a departure from the reference code).
     # A [PAD] past the table (a model without spare rows) has no logit: it cannot be sampled, nor masked.
     return sorted(i for i in {tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)} if i < vocab_rows)
 

@@ -411,8 +411,9 @@ def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config)
 
 
 def sampling_config(response_length: int, temperature: float, unsampled: list) -> GenerationConfig:
-    """The evaluation's sampler for HF generate: pure temperature sampling (T + 1e-7, as the reference; no top-k, no
-    top-p), always response_length new tokens (EOS is cut afterwards), never an id of `unsampled` ([PAD], unowned rows)."""
+    """The evaluation's sampler for HF generate: pure temperature sampling (T + 1e-7, as the reference code; no
+    top-k, no top-p), always response_length new tokens (EOS is cut afterwards), never an id of `unsampled` ([PAD],
+    unowned rows)."""
     return GenerationConfig(max_new_tokens=response_length, min_new_tokens=response_length,
                             temperature=temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,
                             return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled)
@@ -422,7 +423,7 @@ def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:
     """Ids that sampling never emits: [PAD] and the embedding rows past the tokenizer (no token owns them)."""
     # Pythia's embedding has 50304 rows for 50277 tokens, and the [PAD] we add is 50277: a sampled
     # [PAD] in mid-summary would move the EOS the reward is read at, and an unowned row decodes to
-    # nothing. Their logits are masked wherever the policy samples (a departure from the reference).
+    # nothing. Their logits are masked wherever the policy samples (a departure from the reference code).
     # A [PAD] past the table (a model without spare rows) has no logit: it cannot be sampled, nor masked.
     return sorted(i for i in {tokenizer.pad_token_id, *range(len(tokenizer), vocab_rows)} if i < vocab_rows)
 
