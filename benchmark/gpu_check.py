@@ -16,9 +16,9 @@ time and peak GPU memory; the second PPO update's time split in each run (genera
 training), and what the first update took more (compiling the fast paths); each run's training phase against
 its floor (plain forward + backward passes, and the bf16 matmul peak measured in the same run), and that pass at
 micro-batches of 32 and 64 rows (does a larger --local_micro_batch_size train faster per row?); PPO's training
-pass at the runs' query lengths (nearly 512 tokens) and at TL;DR-like ones (mean 364; the real data's 347), in 1, 2
-and 4 forwards of rows sorted by length (does --length_groups pay on a GPU?), and the fast run's update projected at
-those lengths; the floor's pass by operator kind (matmuls, attention and its kernels, the rest: torch.profiler); the
+pass, and the rollout's scoring of 64 rows, at the runs' query lengths (nearly 512 tokens) and at TL;DR-like ones
+(mean 364; the real data's 347), in 1, 2 and 4 forwards of rows sorted by length (does --length_groups pay on a
+GPU?), and the fast run's update projected at those lengths; the floor's pass by operator kind (matmuls, attention and its kernels, the rest: torch.profiler); the
 first-epoch ratio of each run (mean, and max |ratio - 1| over tokens); the windowed training forward against the
 plain full forward (max |difference| of the logits, bf16); decode tokens/s at the paper's rollout
 batch of the fast path (StaticSampler) and of the plain loop (sample_rollout), and how many of their
@@ -186,7 +186,8 @@ def peak_memory(log: str) -> str:
 @torch.no_grad()
 def forward_checks(sft_folder: str, pad_id: int, device: str, sft_dataset: str) -> dict:
     """The windowed training forward vs the plain full forward (bf16), the rollout sampler's decode speed, the training
-    floor, and PPO's training pass at the runs' query lengths (the first 64 of `sft_dataset`) and at TL;DR-like ones."""
+    floor, and PPO's training pass and the rollout's scoring at the runs' query lengths (the first 64 of `sft_dataset`)
+    and at TL;DR-like ones."""
     from transformers import AutoModelForCausalLM
 
     from ppo import PolicyAndValueWrapper, StaticSampler, cast_parameters, response_window, sample_rollout
@@ -235,7 +236,8 @@ def forward_checks(sft_folder: str, pad_id: int, device: str, sft_dataset: str) 
     run_lengths = lambda: query_lengths(sft_dataset, pad_id, 64)  # noqa: E731
     groups = diagnostic(lambda: length_group_passes(PolicyAndValueWrapper(policy, critic), pad_id, device,
                                                     run_lengths()))
-    return {**floor, **window, "length_groups": groups, "same_tokens": same,
+    scoring = diagnostic(lambda: scoring_group_passes(policy, critic, pad_id, device, run_lengths()))
+    return {**floor, **window, "length_groups": groups, "scoring_groups": scoring, "same_tokens": same,
             **{f"{name}_tokens_per_second": 64 * response_length / value for name, value in seconds.items()},
             **{f"{name}_seconds": value for name, value in seconds.items()}}
 
@@ -380,6 +382,34 @@ def length_group_passes(model, pad_id: int, device: str, run_lengths: list, leng
             "groups": {forwards: mean_pass(real, forwards) for forwards in groups}}
 
 
+def scoring_group_passes(policy, critic, pad_id: int, device: str, run_lengths: list,
+                         lengths: tuple = TLDR_LIKE_QUERY_LENGTHS, groups: tuple = (1, 2, 4)) -> dict:
+    """The rollout's scoring of one chunk of 64 rows (ppo.py's rollout: the reference policy's logits, response_logits;
+    the critic's values, get_values; the RM's scores, get_score, the critic standing in for the RM, of the same shape),
+    no grad; the mean seconds of 2 passes after a warm-up. Of `run_lengths` (the PPO runs' queries, 64) in one forward:
+    "runs"; of `lengths` (TL;DR-like, 64) in each number of `groups` forwards (--length_groups): "groups"."""
+    from ppo import get_score, get_values, response_logits
+
+    context, response_length = 512, 53
+    generator = torch.Generator().manual_seed(1)
+
+    def rows_of(query_lengths) -> torch.Tensor:  # (64, 512 + 53) ids, every query left-padded to 512
+        ids = torch.randint(2, 1000, (len(query_lengths), context + response_length), generator=generator)
+        for row, length in enumerate(query_lengths):
+            ids[row, :context - length] = pad_id
+        return ids.to(device)
+
+    def score(ids: torch.Tensor, forwards: int) -> None:
+        with torch.no_grad():
+            response_logits(policy, ids, pad_id, context, forwards)
+            get_values(critic, ids, pad_id, context, forwards)
+            get_score(critic, ids, pad_id, context, forwards)
+
+    runs, real = rows_of(run_lengths), rows_of(lengths)
+    return {"runs": mean_seconds(lambda: score(runs, 1), 2, device, 1),
+            "groups": {forwards: mean_seconds(lambda: score(real, forwards), 2, device, 1) for forwards in groups}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="1b", help="model shape (default: Pythia-1B)")
@@ -516,27 +546,44 @@ def larger_micro_batches(checks: dict) -> str:
 
 
 def length_groups_line(stats_fast: dict, checks: dict) -> str:
-    """PPO's training pass at the runs' query lengths and at TL;DR-like ones in 1, 2 and 4 length groups; and what the
-    fast run's update would take if its PPO epochs scaled as the fastest pass at those lengths."""
-    passes = checks["length_groups"]
+    """PPO's training pass and the rollout's scoring at the runs' query lengths and at TL;DR-like ones in 1, 2 and 4
+    length groups; and what the fast run's update would take if its PPO epochs (and its scoring, where measured)
+    scaled as the fastest setting at those lengths."""
+    passes, scoring = checks["length_groups"], checks.get("scoring_groups", {"error": "no such check"})
     if "error" in passes:
         return f"PPO's training pass at TL;DR-like query lengths: not measured ({passes['error']})."
+
+    def settings(runs: float, grouped: dict) -> str:  # one forward, then each number of groups, against the runs'
+        return ", ".join(f"{'one forward' if forwards == 1 else f'--length_groups {forwards}'} "
+                         f"{grouped[forwards] * 1e3:.0f} ms ({grouped[forwards] / runs:.2f}x)" for forwards in grouped)
+
+    def fastest(grouped: dict) -> int:
+        return min(grouped, key=lambda forwards: grouped[forwards])
+
     runs, grouped = passes["runs"], passes["groups"]
-    one, groups = grouped[1], [forwards for forwards in grouped if forwards != 1]
-    best = min(grouped, key=lambda forwards: grouped[forwards])
+    best = fastest(grouped)
     split = [stats_fast[f"time/{phase}"][-1] for phase in ("generation", "scoring", "training")]
-    projected = split[0] + split[1] + split[2] * grouped[best] / runs
-    return (f"PPO's training pass of a micro-batch of 16 (ppo.py's forward of policy and critic, and a backward; "
+    scored = "error" not in scoring
+    scoring_ratio = scoring["groups"][fastest(scoring["groups"])] / scoring["runs"] if scored else 1.0
+    projected = split[0] + split[1] * scoring_ratio + split[2] * grouped[best] / runs
+    line = (f"PPO's training pass of a micro-batch of 16 (ppo.py's forward of policy and critic, and a backward; "
             f"eager; the mean over 4 micro-batches), at the query lengths of the runs above (mean "
             f"{passes['run_query_length']:.0f} of 512 tokens): {runs * 1e3:.0f} ms. At TL;DR-like query lengths (mean "
-            f"{passes['query_length']:.0f}; TLDR_LIKE_QUERY_LENGTHS, the real data's mean is 347): one forward "
-            f"{one * 1e3:.0f} ms ({one / runs:.2f}x), "
-            + ", ".join(f"--length_groups {forwards} {grouped[forwards] * 1e3:.0f} ms ({grouped[forwards] / runs:.2f}x)"
-                        for forwards in groups)
-            + f". If the fast run's PPO epochs scaled as the {'one forward' if best == 1 else f'{best} groups'}, its "
-            f"update on TL;DR-like queries would take {split[0]:.2f} + {split[1]:.2f} + {split[2]:.2f} x "
-            f"{grouped[best] / runs:.2f} = {projected:.2f} s (a projection: its whole training phase, compiled, scaled "
-            f"as the eager pass; generation and scoring as measured).")
+            f"{passes['query_length']:.0f}; TLDR_LIKE_QUERY_LENGTHS, the real data's mean is 347): "
+            f"{settings(runs, grouped)}. ")
+    if scored:
+        line += (f"The rollout's scoring of 64 rows (the reference's logits, the critic's values, the RM's scores; no "
+                 f"grad): {scoring['runs'] * 1e3:.0f} ms at the runs' lengths; at TL;DR-like ones "
+                 f"{settings(scoring['runs'], scoring['groups'])}. ")
+    else:
+        line += f"The rollout's scoring at TL;DR-like query lengths: not measured ({scoring['error']}). "
+    return line + (
+        f"If the fast run's PPO epochs scaled as the {'one forward' if best == 1 else f'{best} groups'}"
+        + (" and its scoring as the fastest scoring setting" if scored else "")
+        + f", its update on TL;DR-like queries would take {split[0]:.2f} + {split[1]:.2f} x {scoring_ratio:.2f} + "
+        f"{split[2]:.2f} x {grouped[best] / runs:.2f} = {projected:.2f} s (a projection: its whole training phase, "
+        f"compiled, scaled as the eager pass; generation as measured"
+        + ("" if scored else "; scoring as measured") + ").")
 
 
 def operators_line(checks: dict) -> str:

@@ -75,6 +75,7 @@ def made_up_measurements(fast_training: float) -> tuple:
               "per_16_rows": {32: 0.045, 64: None},
               "length_groups": {"runs": 0.2, "run_query_length": 470.0, "query_length": 364.0,
                                 "groups": {1: 0.18, 2: 0.16, 4: 0.15}},
+              "scoring_groups": {"runs": 0.3, "groups": {1: 0.27, 2: 0.24, 4: 0.25}},
               "operators": {"matmul": 0.03, "attention": 0.015, "other": 0.005,
                             "attention_ops": ["aten::_efficient_attention_backward"]}}
     return args, "a GPU", "versions", timings, memory, stats, stats_fast, checks
@@ -129,22 +130,34 @@ def test_gpu_check_report_has_every_stage_and_the_update_split_by_hand():
 
 
 def test_gpu_check_length_groups_line_by_hand():
-    """The report's line on --length_groups at TL;DR-like query lengths: each pass against the runs' (0.2 s), and the
-    fast run's update projected with its training phase scaled as the fastest pass (4 groups: 0.15 / 0.2 = 0.75)."""
+    """The report's line on --length_groups at TL;DR-like query lengths: each training pass against the runs' (0.2 s),
+    each scoring pass against the runs' (0.3 s), and the fast run's update projected with its training phase scaled
+    as the fastest pass (4 groups: 0.15 / 0.2 = 0.75) and its scoring as the fastest scoring (2 groups: 0.24 / 0.3)."""
     import gpu_check
 
     report = "\n".join(gpu_check.report_lines(*made_up_measurements(fast_training=2.0)))
     assert ("at the query lengths of the runs above (mean 470 of 512 tokens): 200 ms. At TL;DR-like query lengths (mean "
             "364; TLDR_LIKE_QUERY_LENGTHS, the real data's mean is 347): one forward 180 ms (0.90x), --length_groups 2 "
             "160 ms (0.80x), --length_groups 4 150 ms (0.75x).") in report
-    # the fast run's second update: generation 0.25, scoring 0.3, training 2.0 x 0.75 = 1.5: 2.05 s
-    assert ("If the fast run's PPO epochs scaled as the 4 groups, its update on TL;DR-like queries would take 0.25 + "
-            "0.30 + 2.00 x 0.75 = 2.05 s") in report
+    assert ("The rollout's scoring of 64 rows (the reference's logits, the critic's values, the RM's scores; no grad): "
+            "300 ms at the runs' lengths; at TL;DR-like ones one forward 270 ms (0.90x), --length_groups 2 240 ms "
+            "(0.80x), --length_groups 4 250 ms (0.83x).") in report
+    # the fast run's second update: generation 0.25, scoring 0.3 x 0.8 = 0.24, training 2.0 x 0.75 = 1.5: 1.99 s
+    assert ("If the fast run's PPO epochs scaled as the 4 groups and its scoring as the fastest scoring setting, its "
+            "update on TL;DR-like queries would take 0.25 + 0.30 x 0.80 + 2.00 x 0.75 = 1.99 s (a projection: its whole "
+            "training phase, compiled, scaled as the eager pass; generation as measured).") in report
     # where one forward is the fastest, the projection says so and scales by it
     measurements = made_up_measurements(fast_training=2.0)
     measurements[7]["length_groups"]["groups"] = {1: 0.1, 2: 0.16, 4: 0.15}
-    assert "scaled as the one forward, its update on TL;DR-like queries would take 0.25 + 0.30 + 2.00 x 0.50 = 1.55 s" in (
-        "\n".join(gpu_check.report_lines(*measurements)))
+    assert ("scaled as the one forward and its scoring as the fastest scoring setting, its update on TL;DR-like queries "
+            "would take 0.25 + 0.30 x 0.80 + 2.00 x 0.50 = 1.49 s") in "\n".join(gpu_check.report_lines(*measurements))
+    # a scoring check that failed: its error named, the scoring taken as measured
+    measurements[7]["scoring_groups"] = {"error": "OutOfMemoryError: no room"}
+    report = "\n".join(gpu_check.report_lines(*measurements))
+    assert "The rollout's scoring at TL;DR-like query lengths: not measured (OutOfMemoryError: no room)." in report
+    assert ("scaled as the one forward, its update on TL;DR-like queries would take 0.25 + 0.30 x 1.00 + 2.00 x 0.50 = "
+            "1.55 s (a projection: its whole training phase, compiled, scaled as the eager pass; generation as measured; "
+            "scoring as measured).") in report
 
 
 def test_gpu_check_operators_line_and_failed_diagnostics_by_hand():
@@ -300,6 +313,45 @@ def test_gpu_check_length_group_passes_time_each_setting_on_its_rows(monkeypatch
     assert one[0] == (175 + 52, list(lengths[:16])) and one[-1] == (415 + 52, list(lengths[48:]))
     assert two[0] == (135 + 52, list(lengths[:8])) and two[1] == (175 + 52, list(lengths[8:16]))
     assert [width for width, _ in four[:4]] == [115 + 52, 135 + 52, 155 + 52, 175 + 52]
+
+
+def test_gpu_check_scoring_group_passes_time_each_setting_on_its_rows(monkeypatch):
+    """scoring_group_passes with a fake clock (each timed loop of 2 passes, after a warm-up, takes 1 s) and fake
+    models that record each forward: the rollout's reference forward (a window as wide as the longest query of its
+    rows, and 52 of the 53 response tokens) and the critic's two (values and scores), on 64 rows of the lengths given,
+    in 1, 2 or 4 forwards of rows sorted by query length; 0.5 s a pass."""
+    import torch
+
+    import gpu_check
+
+    calls = []
+
+    class Policy(torch.nn.Module):  # not a PreTrainedModel: ppo.py calls it as it calls a DeepSpeed engine
+        def forward(self, input_ids, attention_mask, position_ids, logits_to_keep, return_dict):
+            calls.append(("policy", input_ids.shape[1], sorted(attention_mask[:, :-52].sum(1).tolist())))
+            return SimpleNamespace(logits=torch.zeros(input_ids.shape[0], logits_to_keep, 3))
+
+    class Critic(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            calls.append(("critic", input_ids.shape[0]))
+            return torch.zeros(input_ids.shape)
+
+    clock = iter(range(1000))
+    monkeypatch.setattr(gpu_check, "time", SimpleNamespace(time=lambda: float(next(clock))))
+    run_lengths = [512 - row % 7 for row in range(64)]
+    lengths = tuple(100 + 5 * row for row in range(64))
+    passes = gpu_check.scoring_group_passes(Policy(), Critic(), 0, "cpu", run_lengths, lengths)
+    assert passes == {"runs": 0.5, "groups": {1: 0.5, 2: 0.5, 4: 0.5}}
+    policy_calls = [call for call in calls if call[0] == "policy"]
+    critic_rows = [call[1] for call in calls if call[0] == "critic"]
+    # 1 warm-up + 2 timed passes a setting; a pass: the setting's policy forwards, then twice as many critic ones
+    assert len(policy_calls) == 3 * (1 + 1 + 2 + 4) and len(critic_rows) == 2 * len(policy_calls)
+    assert policy_calls[0] == ("policy", 512 + 52, sorted(run_lengths))
+    one, two, four = policy_calls[3:4], policy_calls[6:8], policy_calls[12:16]
+    assert one == [("policy", 415 + 52, list(lengths))]
+    assert two == [("policy", 255 + 52, list(lengths[:32])), ("policy", 415 + 52, list(lengths[32:]))]
+    assert [width for _, width, _ in four] == [175 + 52, 255 + 52, 335 + 52, 415 + 52]
+    assert critic_rows[:2] == [64, 64] and critic_rows[-8:] == [16] * 8  # values and scores, row for row as grouped
 
 
 def test_gpu_check_reports_a_failed_compile_and_the_fast_sampler_alone(tmp_path):
@@ -622,6 +674,7 @@ def test_gpu_check_decode_check_times_the_faster_call_and_compares_response_toke
     monkeypatch.setattr(gpu_check, "length_group_passes", lambda *args: {})
     checks = gpu_check.forward_checks(str(WORLD / "pythia-tiny"), 0, "cpu", "no/such/dataset")
     assert "error" in checks["length_groups"]  # no such dataset: that check not measured, the others intact
+    assert "error" in checks["scoring_groups"]
     assert checks["plain_seconds"] == pytest.approx(2.0) and checks["fast_seconds"] == pytest.approx(1.0)
     assert checks["fast_tokens_per_second"] == pytest.approx(64 * 53 / 1.0)
     assert checks["plain_tokens_per_second"] == pytest.approx(64 * 53 / 2.0)
