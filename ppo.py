@@ -155,7 +155,7 @@ class Args:
     local_micro_batch_size: int = 1
     """Episodes per training forward pass per rank; the losses are token means per micro-batch (as in the reference code), so this also weighs the tokens (the paper's runs: 16 / 4 / 1 at 1B / 2.8B / 6.9B, benchmark/knobs.sh)"""
     length_groups: int = 1
-    """Speed only: the rows of a training micro-batch, and of the rollout's reference, critic and RM forwards, sorted by query length into this many forwards, each as wide as its longest query (1: one forward; only the float rounding changes)"""
+    """Speed only: the rows of a training micro-batch, and of the rollout's reference, critic and RM forwards (not those of --offload's engines), sorted by query length into at most this many forwards, each as wide as its longest query (1: one forward; only the float rounding changes)"""
     local_rollout_forward_batch_size: int = 64
     """Prompts per generate call and per no-grad forward per rank (memory only)"""
     local_eval_batch_size: int = 4
@@ -586,9 +586,9 @@ def response_logits(model, query_responses: torch.Tensor, pad_token_id: int, con
 
     (B, T) query ++ response ids -> (B, T_resp, V): the logits that predict the response tokens, from a forward of
     the response window only (response_window) whose last layer runs at the response positions only
-    (last_hidden_states), the rows in `groups` forwards by query length (by_query_length); tests/test_ppo.py
-    checks the equality."""
-    if groups > 1:
+    (last_hidden_states), the rows in `groups` forwards by query length (by_query_length; not for a DeepSpeed
+    engine, whose every forward gathers its weights anew); tests/test_ppo.py checks the equality."""
+    if groups > 1 and isinstance(model, PreTrainedModel):
         forward = lambda rows: response_logits(model, rows, pad_token_id, context_length)  # noqa: E731
         return by_query_length(forward, query_responses, pad_token_id, context_length, groups)
     response_length = query_responses.shape[1] - context_length
@@ -607,9 +607,10 @@ def response_outputs(model, query_responses: torch.Tensor, pad_token_id: int, co
 
     (B, T) query ++ response ids -> (B, T_resp + 1): a ScalarModel's outputs from the last query position on, from a
     forward whose last layer runs there only (last_hidden_states: bit for bit on CPU, tests/test_ppo.py). With
-    `groups` > 1, the rows in that many forwards by query length (by_query_length), each a `window`: the columns
-    from the first query token of any of its rows on (response_window's), so only the float rounding changes."""
-    if groups > 1:
+    `groups` > 1, the rows in that many forwards by query length (by_query_length; not for a DeepSpeed engine), each
+    a `window`: the columns from the first query token of any of its rows on (response_window's), at their positions
+    in the full row, so only the float rounding changes."""
+    if groups > 1 and isinstance(model, PreTrainedModel):
         forward = lambda rows: response_outputs(model, rows, pad_token_id, context_length, window=True)  # noqa: E731
         return by_query_length(forward, query_responses, pad_token_id, context_length, groups)
     if not isinstance(model, PreTrainedModel):  # a DeepSpeed engine (--offload) runs its own forward
@@ -663,7 +664,7 @@ def response_logits_and_values_by_length(model, query_responses: torch.Tensor, p
 
 def by_query_length(forward, query_responses: torch.Tensor, pad_token_id: int, context_length: int, groups: int):
     """== forward(query_responses): its (B, ...) output (or a tuple of them), from `groups` calls on the rows sorted
-    by query length.
+    by query length (or fewer, as torch.chunk splits them: 16 rows in 5 groups make 4 calls of 4 rows).
 
     Speed only (--length_groups): every query is left-padded to one width, and a windowed forward
     (response_window) is as wide as the longest query of its rows: rows of similar length together

@@ -316,42 +316,34 @@ def test_gpu_check_length_group_passes_time_each_setting_on_its_rows(monkeypatch
 
 
 def test_gpu_check_scoring_group_passes_time_each_setting_on_its_rows(monkeypatch):
-    """scoring_group_passes with a fake clock (each timed loop of 2 passes, after a warm-up, takes 1 s) and fake
-    models that record each forward: the rollout's reference forward (a window as wide as the longest query of its
-    rows, and 52 of the 53 response tokens) and the critic's two (values and scores), on 64 rows of the lengths given,
-    in 1, 2 or 4 forwards of rows sorted by query length; 0.5 s a pass."""
-    import torch
-
+    """scoring_group_passes with a fake clock (each timed loop of 2 passes, after a warm-up, takes 1 s) and ppo.py's
+    three scoring calls recorded (the reference's logits, the critic's values, the RM's scores: the critic standing
+    in for the RM): each pass scores the 64 rows of the lengths given, left-padded to 512 + 53, with the setting's
+    --length_groups (ppo.py's tests check what the groups compute); 0.5 s a pass."""
     import gpu_check
+    import ppo
 
     calls = []
 
-    class Policy(torch.nn.Module):  # not a PreTrainedModel: ppo.py calls it as it calls a DeepSpeed engine
-        def forward(self, input_ids, attention_mask, position_ids, logits_to_keep, return_dict):
-            calls.append(("policy", input_ids.shape[1], sorted(attention_mask[:, :-52].sum(1).tolist())))
-            return SimpleNamespace(logits=torch.zeros(input_ids.shape[0], logits_to_keep, 3))
+    def recorded(name):
+        def call(model, ids, pad_id, context, groups):
+            calls.append((name, model, tuple(ids.shape), (ids[:, :context] != pad_id).sum(1).tolist(), groups))
+        return call
 
-    class Critic(torch.nn.Module):
-        def forward(self, input_ids, attention_mask):
-            calls.append(("critic", input_ids.shape[0]))
-            return torch.zeros(input_ids.shape)
-
+    for name in ("response_logits", "get_values", "get_score"):
+        monkeypatch.setattr(ppo, name, recorded(name))
     clock = iter(range(1000))
     monkeypatch.setattr(gpu_check, "time", SimpleNamespace(time=lambda: float(next(clock))))
     run_lengths = [512 - row % 7 for row in range(64)]
     lengths = tuple(100 + 5 * row for row in range(64))
-    passes = gpu_check.scoring_group_passes(Policy(), Critic(), 0, "cpu", run_lengths, lengths)
+    passes = gpu_check.scoring_group_passes("policy", "critic", 0, "cpu", run_lengths, lengths)
     assert passes == {"runs": 0.5, "groups": {1: 0.5, 2: 0.5, 4: 0.5}}
-    policy_calls = [call for call in calls if call[0] == "policy"]
-    critic_rows = [call[1] for call in calls if call[0] == "critic"]
-    # 1 warm-up + 2 timed passes a setting; a pass: the setting's policy forwards, then twice as many critic ones
-    assert len(policy_calls) == 3 * (1 + 1 + 2 + 4) and len(critic_rows) == 2 * len(policy_calls)
-    assert policy_calls[0] == ("policy", 512 + 52, sorted(run_lengths))
-    one, two, four = policy_calls[3:4], policy_calls[6:8], policy_calls[12:16]
-    assert one == [("policy", 415 + 52, list(lengths))]
-    assert two == [("policy", 255 + 52, list(lengths[:32])), ("policy", 415 + 52, list(lengths[32:]))]
-    assert [width for _, width, _ in four] == [175 + 52, 255 + 52, 335 + 52, 415 + 52]
-    assert critic_rows[:2] == [64, 64] and critic_rows[-8:] == [16] * 8  # values and scores, row for row as grouped
+    assert len(calls) == 4 * 3 * 3  # 4 settings x (1 warm-up + 2 timed passes) x 3 scoring calls
+    expected = [(name, model, (64, 512 + 53), list(query_lengths), groups)
+                for query_lengths, groups in ((run_lengths, 1), (lengths, 1), (lengths, 2), (lengths, 4))
+                for _ in range(3)
+                for name, model in (("response_logits", "policy"), ("get_values", "critic"), ("get_score", "critic"))]
+    assert calls == expected
 
 
 def test_gpu_check_reports_a_failed_compile_and_the_fast_sampler_alone(tmp_path):

@@ -456,7 +456,7 @@ AGREEING_COPIES: dict[str, str] = {  # name -> "tests/<file>.py::<test>"
     # sft.py, reward.py and dpo.py load causal LMs only: no reward-model branch.
     "load_fp32": "tests/test_sft.py::test_a_model_folder_of_the_wrong_stage_is_named_before_it_loads",
     # reward.py runs no compiled layers: its last_layer_at takes no `layers`.
-    "last_layer_at": "tests/test_reward.py::test_hidden_states_at_equal_the_full_forward_at_those_columns",
+    "last_layer_at": "tests/test_ppo.py::test_last_layer_at_copies_agree",
     # PPO anneals its lr by hand: its checkpoint helpers carry no scheduler.
     **{name: "tests/test_ppo.py::test_checkpoint_copies_agree"
        for name in ("check_and_checkpoint", "resume", "save_checkpoint", "load_checkpoint")},

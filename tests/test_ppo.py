@@ -589,10 +589,10 @@ def test_by_query_length_by_hand():
     import ppo
 
     P = 0  # the pad id here
-    query_responses = torch.tensor([[P, P, 5, 6, 7, 8],   # 2 query tokens; response 7 8
-                                    [9, 9, 9, 9, 1, 2],   # 4
+    query_responses = torch.tensor([[P, 8, 8, 8, 5, 5],   # 3 query tokens; response 5 5
                                     [P, P, P, 3, 4, 4],   # 1
-                                    [P, 8, 8, 8, 5, 5],   # 3
+                                    [9, 9, 9, 9, 1, 2],   # 4
+                                    [P, P, 5, 6, 7, 8],   # 2
                                     [P, P, P, 6, 1, 1]])  # 1
     calls = []
 
@@ -600,13 +600,14 @@ def test_by_query_length_by_hand():
         calls.append(rows.tolist())
         return (rows[:, :4] != P).sum(1), rows[:, 4:] + 10 * rows[:, 3:4]
 
+    # sorted: rows 1 4 3 0 2, a permutation that is not its own inverse (putting rows back by it would show)
     counts, responses = ppo.by_query_length(forward, query_responses, P, 4, groups=2)
-    assert counts.tolist() == [2, 4, 1, 3, 1]
-    assert responses.tolist() == [[67, 68], [91, 92], [34, 34], [85, 85], [61, 61]]
-    assert calls == [query_responses[[2, 4, 0]].tolist(), query_responses[[3, 1]].tolist()]  # lengths 1 1 2 | 3 4
+    assert counts.tolist() == [3, 1, 4, 2, 1]
+    assert responses.tolist() == [[85, 85], [34, 34], [91, 92], [67, 68], [61, 61]]
+    assert calls == [query_responses[[1, 4, 3]].tolist(), query_responses[[0, 2]].tolist()]  # lengths 1 1 2 | 3 4
     calls.clear()
     alone = ppo.by_query_length(lambda rows: forward(rows)[1], query_responses, P, 4, groups=9)
-    assert torch.equal(alone, responses) and calls == [query_responses[[i]].tolist() for i in (2, 4, 0, 3, 1)]
+    assert torch.equal(alone, responses) and calls == [query_responses[[i]].tolist() for i in (1, 4, 3, 0, 2)]
     calls.clear()
     assert torch.equal(ppo.by_query_length(forward, query_responses, P, 4, groups=1)[1], responses)
     assert calls == [query_responses.tolist()]
@@ -621,6 +622,9 @@ def test_scoring_forwards_by_length_equal_one_forward(tiny_tldr, monkeypatch, gr
 
     policy, critic = tiny_models()
     query_responses, context = scored_batch(tiny_tldr, seed=5)
+    query_responses = query_responses[torch.tensor([2, 0, 4, 1, 3])]  # not sorted by query length: sorting moves them
+    lengths = (query_responses[:, :context] != PAD).sum(1)
+    assert not torch.equal(lengths.argsort(stable=True), lengths.argsort(stable=True).argsort())
     with torch.no_grad():
         one = (response_logits(policy, query_responses, PAD, context), get_values(critic, query_responses, PAD, context),
                get_score(critic, query_responses, PAD, context))
@@ -637,12 +641,51 @@ def test_scoring_forwards_by_length_equal_one_forward(tiny_tldr, monkeypatch, gr
                    get_score(critic, query_responses, PAD, context, groups))
     assert one[1].std(0).min() > 1e-3 and one[2].std() > 1e-3  # rows differ: a row out of place would show
     full = [plain_window(query_responses, PAD, context, n)[0].shape[1] for n in (10, 11)]  # logits', outputs' widths
-    assert len(widths) == 3 * min(groups, 5)  # a windowed forward a group, in each of the three
+    assert len(widths) == 3 * len(torch.arange(5).chunk(groups))  # a windowed forward a group, in each of the three
     assert max(widths) <= max(full) and min(widths) < min(full)  # narrower than one forward's window
     # The logits (|logit| up to 23 here) round as the window's own against the full forward's, ~2e-5 apart.
     torch.testing.assert_close(grouped[0], one[0], rtol=1e-5, atol=5e-5)
     torch.testing.assert_close(grouped[1], one[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grouped[2], one[2], rtol=1e-5, atol=1e-5)
+
+
+def test_last_layer_at_copies_agree(tiny_tldr):
+    """ppo.py's last_layer_at (which may run compiled layers in place of the eager ones) and reward.py's (cut to the
+    eager layers, all it runs) give the same hidden states, bit for bit, on the inputs they share."""
+    import ppo
+
+    policy, _ = tiny_models()
+    query_responses, context = scored_batch(tiny_tldr, seed=6)
+    ids, mask, positions = response_window(query_responses, PAD, context, 10)
+    with torch.no_grad():
+        ours, theirs = (module.last_layer_at(policy.base_model, ids, mask, positions, lambda x: x[:, -10:])
+                        for module in (ppo, reward))
+    assert ours.shape == (5, 10, policy.config.hidden_size) and ours.abs().max() > 0.1
+    assert torch.equal(ours, theirs)
+
+
+def test_scoring_forwards_of_deepspeed_engines_are_not_grouped(tiny_tldr):
+    """--offload's reference policy and RM are DeepSpeed engines, whose every forward gathers the weights anew (from
+    the CPU): with --length_groups their scoring runs as one forward a chunk, as without."""
+    from types import SimpleNamespace
+
+    import ppo
+
+    calls = []
+
+    class Engine(torch.nn.Module):  # not a PreTrainedModel: ppo.py calls it as it calls a DeepSpeed engine
+        def forward(self, input_ids, attention_mask, position_ids=None, logits_to_keep=None, return_dict=None):
+            calls.append(input_ids.shape[0])
+            if logits_to_keep is None:  # the RM's per-token outputs
+                return torch.zeros(input_ids.shape)
+            return SimpleNamespace(logits=torch.zeros(input_ids.shape[0], logits_to_keep, 3))
+
+    query_responses, context = scored_batch(tiny_tldr, seed=5)
+    with torch.no_grad():
+        ppo.response_logits(Engine(), query_responses, PAD, context, 3)
+        ppo.get_values(Engine(), query_responses, PAD, context, 3)
+        ppo.get_score(Engine(), query_responses, PAD, context, 3)
+    assert calls == [5, 5, 5]
 
 
 def outputs_and_gradients(model, query_responses: torch.Tensor, context_length: int) -> tuple:
