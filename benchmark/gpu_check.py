@@ -233,7 +233,7 @@ def forward_checks(sft_folder: str, pad_id: int, device: str, sft_dataset: str) 
         seconds[name] = min(seconds.get(name, float("inf")), time.time() - start)  # the faster of two, alternating
     same = (samples["plain"] == samples["fast"])[:, context:].float().mean().item()
     floor = training_floor(policy, pad_id, device)
-    run_lengths = lambda: query_lengths(sft_dataset, pad_id, 64)  # noqa: E731
+    run_lengths = functools.cache(lambda: query_lengths(sft_dataset, pad_id, 64))  # read once, by the first to ask
     groups = diagnostic(lambda: length_group_passes(PolicyAndValueWrapper(policy, critic), pad_id, device,
                                                     run_lengths()))
     scoring = diagnostic(lambda: scoring_group_passes(policy, critic, pad_id, device, run_lengths()))
@@ -345,6 +345,15 @@ def diagnostic(measure):
     return failure
 
 
+def padded_rows(query_lengths, pad_id: int, device: str, generator: torch.Generator, context: int = 512,
+                response_length: int = 53) -> torch.Tensor:
+    """(len(query_lengths), context + response_length) random ids, each query left-padded to `context` tokens."""
+    ids = torch.randint(2, 1000, (len(query_lengths), context + response_length), generator=generator)
+    for row, length in enumerate(query_lengths):
+        ids[row, :context - length] = pad_id
+    return ids.to(device)
+
+
 def length_group_passes(model, pad_id: int, device: str, run_lengths: list, lengths: tuple = TLDR_LIKE_QUERY_LENGTHS,
                         groups: tuple = (1, 2, 4)) -> dict:
     """PPO's training pass of a micro-batch of 16 rows: ppo.py's forward of policy and critic (the PolicyAndValueWrapper
@@ -357,14 +366,9 @@ def length_group_passes(model, pad_id: int, device: str, run_lengths: list, leng
     context, response_length, rows = 512, 53, 16
     generator = torch.Generator().manual_seed(0)
 
-    def micro_batches(query_lengths) -> list:  # (rows, 512 + 53) ids each, every query left-padded to 512
-        batches = []
-        for start in range(0, 4 * rows, rows):
-            ids = torch.randint(2, 1000, (rows, context + response_length), generator=generator)
-            for row, length in enumerate(query_lengths[start:start + rows]):
-                ids[row, :context - length] = pad_id
-            batches.append(ids.to(device))
-        return batches
+    def micro_batches(query_lengths) -> list:  # 4 of (rows, 512 + 53) ids
+        return [padded_rows(query_lengths[start:start + rows], pad_id, device, generator)
+                for start in range(0, 4 * rows, rows)]
 
     def step(ids: torch.Tensor, forwards: int) -> None:
         with torch.enable_grad():
@@ -390,14 +394,8 @@ def scoring_group_passes(policy, critic, pad_id: int, device: str, run_lengths: 
     "runs"; of `lengths` (TL;DR-like, 64) in each number of `groups` forwards (--length_groups): "groups"."""
     from ppo import get_score, get_values, response_logits
 
-    context, response_length = 512, 53
+    context = 512
     generator = torch.Generator().manual_seed(1)
-
-    def rows_of(query_lengths) -> torch.Tensor:  # (64, 512 + 53) ids, every query left-padded to 512
-        ids = torch.randint(2, 1000, (len(query_lengths), context + response_length), generator=generator)
-        for row, length in enumerate(query_lengths):
-            ids[row, :context - length] = pad_id
-        return ids.to(device)
 
     def score(ids: torch.Tensor, forwards: int) -> None:
         with torch.no_grad():
@@ -405,7 +403,7 @@ def scoring_group_passes(policy, critic, pad_id: int, device: str, run_lengths: 
             get_values(critic, ids, pad_id, context, forwards)
             get_score(critic, ids, pad_id, context, forwards)
 
-    runs, real = rows_of(run_lengths), rows_of(lengths)
+    runs, real = (padded_rows(query_lengths, pad_id, device, generator) for query_lengths in (run_lengths, lengths))
     return {"runs": mean_seconds(lambda: score(runs, 1), 2, device, 1),
             "groups": {forwards: mean_seconds(lambda: score(real, forwards), 2, device, 1) for forwards in groups}}
 
@@ -549,7 +547,7 @@ def length_groups_line(stats_fast: dict, checks: dict) -> str:
     """PPO's training pass and the rollout's scoring at the runs' query lengths and at TL;DR-like ones in 1, 2 and 4
     length groups; and what the fast run's update would take if its PPO epochs (and its scoring, where measured)
     scaled as the fastest setting at those lengths."""
-    passes, scoring = checks["length_groups"], checks.get("scoring_groups", {"error": "no such check"})
+    passes, scoring = checks["length_groups"], checks["scoring_groups"]
     if "error" in passes:
         return f"PPO's training pass at TL;DR-like query lengths: not measured ({passes['error']})."
 
