@@ -85,7 +85,7 @@ class Args:
     output_dir: Optional[str] = None
     """Folder for the trained model, tokenizer, args.json, eval tables and checkpoints (None: models/{base_model}/sft_{seed})"""
     push_to_hub: bool = False
-    """Push the output folder to {hf_entity}/{base_model}__{exp_name}__tldr at revision run_name (with --resume, a finished run is pushed again)"""
+    """Push the output folder to {hf_entity}/{base model name}__{exp_name}__tldr at revision run_name (with --resume, a finished run is pushed again)"""
     hf_entity: Optional[str] = None
     """Hub user or organisation to push to (None: the logged-in user, from `whoami()`)"""
     save_every: int = 0
@@ -489,7 +489,6 @@ def write_summaries(staging: str, rows: list, csv_name: str, wandb_key: Optional
 # None of these changes what the run computes.
 RESUME_FLAGS = ("resume", "stop_after_updates", "stop_after_minutes", "run_name", "save_every",
                 "track", "wandb_project_name", "wandb_entity", "push_to_hub", "hf_entity")  # where it logs and publishes
-HUB_REPO_FROM = "base_model"  # the Hub repository of a run is named after this model
 # Rules of the flag checks: (test, what to pass instead). A NaN fails every comparison.
 POSITIVE = (lambda value: 0 < value < math.inf, "a finite number > 0")
 NON_NEGATIVE = (lambda value: 0 <= value < math.inf, "a finite number >= 0")
@@ -1139,7 +1138,7 @@ def save_sft(accelerator, args, run_name: str, writer, model, tokenizer, staging
     if torch.cuda.is_available():  # what benchmark/gpu_check.sh reports per stage
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
     if args.push_to_hub:
-        push_to_hub(args.output_dir, hub_repo_name(vars(args)), args.exp_name, args.hf_entity, run_name)
+        push_to_hub(args.output_dir, args.exp_name, args.hf_entity)
     if args.track:
         import wandb
 
@@ -1176,10 +1175,16 @@ def save_fp32(model, output_dir: str, state_dict: dict) -> None:
     model.config.save_pretrained(output_dir)
 
 
-def push_to_hub(output_dir: str, repo_name: str, exp_name: str, hf_entity: Optional[str], run_name: str) -> None:
-    """Upload `output_dir` to {hf_entity}/{repo_name}__{exp_name}__tldr, on a branch named `run_name`."""
+def push_to_hub(output_dir: str, exp_name: str, hf_entity: Optional[str]) -> None:
+    """Upload `output_dir` to {hf_entity}/{base model}__{exp_name}__tldr, on the branch of its run name; the base
+    model's name and the run name from its args.json."""
     from huggingface_hub import HfApi  # imported here: without --push_to_hub nothing touches the network
 
+    # The base model's name as the default paths hold it (a Hub id, or a local folder's own name), "/" as "_":
+    # one repository for every seed of a stage and base model, as the reference code names them, and never a
+    # local path (an absolute --sft_model_path made a name past the Hub's 96 characters, and public).
+    recorded = load_json(os.path.join(output_dir, "args.json"))
+    repo_name, run_name = recorded["base_model_name"].replace("/", "_"), recorded["run_name"]
     api = HfApi()
     try:
         repo_id = f"{hf_entity or api.whoami()['name']}/{repo_name}__{exp_name}__tldr"
@@ -1192,18 +1197,12 @@ def push_to_hub(output_dir: str, repo_name: str, exp_name: str, hf_entity: Optio
     print(f"pushed https://huggingface.co/{repo_id}/tree/{run_name}")
 
 
-def hub_repo_name(flags: dict) -> str:
-    """The name of the Hub repository a run is pushed to: the model its HUB_REPO_FROM flag names, "/" as "_"."""
-    return flags[HUB_REPO_FROM].rstrip("/").replace("/", "_")
-
-
-def push_again(output_dir: str, repo_name: str, flags: dict) -> None:
-    """Rank 0 pushes a finished run's folder to the Hub again, on the branch of its run name (from its args.json);
-    the Hub keeps the files it already has."""
+def push_again(output_dir: str, flags: dict) -> None:
+    """Rank 0 pushes a finished run's folder to the Hub again, to the repository and branch of its args.json; the
+    Hub keeps the files it already has."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"nothing to train: {output_dir} holds the finished run of these flags; pushing it again (--push_to_hub)")
-        run_name = load_json(os.path.join(output_dir, "args.json"))["run_name"]
-        push_to_hub(output_dir, repo_name, flags["exp_name"], flags["hf_entity"], run_name)
+        push_to_hub(output_dir, flags["exp_name"], flags["hf_entity"])
 
 
 def load_json(path: str) -> dict:
@@ -1324,7 +1323,7 @@ if __name__ == "__main__":
         sys.exit(f"SetupError: {error}")
     except RunFinished as done:  # a repeated or requeued start of a finished run: nothing is trained
         if done.flags["push_to_hub"]:  # its push at the end of training may have failed: push it again
-            push_again(done.output_dir, hub_repo_name(done.flags), done.flags)
+            push_again(done.output_dir, done.flags)
         else:
             print(f"nothing to do: {done}")
         finished = True

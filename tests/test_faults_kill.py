@@ -109,7 +109,9 @@ def test_kills_during_saves_lose_nothing_and_the_run_resumes_bit_identical(tiny_
     calls = push_with_a_stand_in_hub(tmp_path, [str(flag) for flag in flags] + ["--push_to_hub"], again=False)
     reference = weights(out)
     run_name = json.loads((out / "args.json").read_text())["run_name"]
-    repo = "me/" + str(flags[flags.index("--base_model") + 1]).replace("/", "_") + "__sft__tldr"
+    # named after the base model's own name, not its path (an absolute one here): one repository for every seed
+    assert os.path.isabs(flags[flags.index("--base_model") + 1])
+    repo = "me/pythia-tiny__sft__tldr"
     assert ["upload_folder", {"folder_path": str(out), "repo_id": repo, "revision": run_name}] in calls, calls
     scratch = [tmp_path / ".out.partial", tmp_path / ".out.new", tmp_path / ".out.old"]
     assert not (out / "checkpoints").exists() and not any(path.exists() for path in scratch)

@@ -232,16 +232,17 @@ def test_a_finished_run_is_pushed_again_by_rank_0_on_its_own_branch(tmp_path, st
     import huggingface_hub
 
     module = __import__(stage)
-    (tmp_path / "args.json").write_text(json.dumps({"run_name": "tldr__m__1__99", "exp_name": "x"}))
+    (tmp_path / "args.json").write_text(json.dumps({"run_name": "tldr__m__1__99", "exp_name": "x",
+                                                    "base_model_name": "org/model"}))
     pushes = []
     monkeypatch.setattr(module, "push_to_hub", lambda *args: pushes.append(args))
     flags = {"exp_name": "x", "hf_entity": "someone", "push_to_hub": True}
     monkeypatch.setenv("RANK", "1")
-    module.push_again(str(tmp_path), "org_model", flags)
+    module.push_again(str(tmp_path), flags)
     assert pushes == []
     monkeypatch.setenv("RANK", "0")
-    module.push_again(str(tmp_path), "org_model", flags)
-    assert pushes == [(str(tmp_path), "org_model", "x", "someone", "tldr__m__1__99")]
+    module.push_again(str(tmp_path), flags)
+    assert pushes == [(str(tmp_path), "x", "someone")]
 
     class FailingApi:  # the Hub reached, the upload cut off
         def __init__(self, *args, **kwargs):
@@ -256,17 +257,36 @@ def test_a_finished_run_is_pushed_again_by_rank_0_on_its_own_branch(tmp_path, st
     monkeypatch.setattr(huggingface_hub, "HfApi", FailingApi)
     with pytest.raises(RuntimeError, match=f"pushing {tmp_path} to the Hub failed \\(ConnectionError\\); the run is "
                                            "saved there, and the same command with --resume pushes it again"):
-        module.push_to_hub(str(tmp_path), "org_model", "x", None, "tldr__m__1__99")
+        module.push_to_hub(str(tmp_path), "x", None)
 
 
-@pytest.mark.parametrize("stage, named_after", [("sft", "base_model"), ("reward", "sft_model_path"),
-                                                ("dpo", "sft_model_path"), ("ppo", "base_model")])
-def test_a_run_and_its_push_again_go_to_one_hub_repository(stage, named_after):
-    """The end of training and a re-push name the repository by one rule: the model of the stage's flag, "/" as "_"."""
+@pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
+def test_a_run_is_pushed_to_the_repository_of_its_base_model_on_its_own_branch(tmp_path, stage, monkeypatch):
+    """The repository is named after the base model as the run's args.json records it (a Hub id, or a local
+    folder's own name), "/" as "_": every seed of a stage in one repository, as the reference code names them.
+    Never after a path: an absolute --sft_model_path on a cluster's scratch made a name past the Hub's 96
+    characters (and public), so the push failed after training, and again at every --resume."""
+    import huggingface_hub
+
     module = __import__(stage)
-    flags = {"base_model": "EleutherAI/pythia-1b-deduped", "sft_model_path": "models/m/sft_1/"}
-    assert module.hub_repo_name(flags) == {"base_model": "EleutherAI_pythia-1b-deduped",
-                                           "sft_model_path": "models_m_sft_1"}[named_after]
+    calls = []
+
+    class RecordingApi:
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: calls.append((name, args, kwargs)) or {"name": "me"}
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
+    for base_model_name, repo_id in (("EleutherAI/pythia-6.9b-deduped", "me/EleutherAI_pythia-6.9b-deduped__x__tldr"),
+                                     ("pythia-tiny", "someone/pythia-tiny__x__tldr")):
+        calls.clear()
+        (tmp_path / "args.json").write_text(json.dumps({
+            "run_name": "x__m__44413__99", "base_model_name": base_model_name,
+            "sft_model_path": "/lustre/fsw/portfolios/nlp/users/jdoe/tldr/models/EleutherAI/pythia-6.9b-deduped/sft_1"}))
+        module.push_to_hub(str(tmp_path), "x", None if repo_id.startswith("me/") else "someone")
+        assert ("upload_folder", (), {"folder_path": str(tmp_path), "repo_id": repo_id,
+                                      "revision": "x__m__44413__99"}) in calls, calls
+        assert ("create_branch", (repo_id,), {"branch": "x__m__44413__99", "exist_ok": True}) in calls, calls
+        huggingface_hub.utils.validate_repo_id(repo_id)  # the Hub's own rules (96 characters at most)
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
