@@ -1446,8 +1446,9 @@ def save_dpo(accelerator, args, run_name: str, writer, model, tokenizer, staging
 
 
 def fp32_state_dict(accelerator, model) -> dict:
-    """All ranks call it; rank 0 gets the model's state dict in fp32 on the CPU (under DeepSpeed its fp32 master
-    weights, not the bf16 copies), the other ranks, which save nothing, an empty dict."""
+    """All ranks call it; rank 0 gets the model's state dict in fp32 (under DeepSpeed its fp32 master weights, not
+    the bf16 copies, on the CPU; else the model's own tensors, where they are: change none in place), the other
+    ranks, which save nothing, an empty dict."""
     plugin = accelerator.state.deepspeed_plugin
     # A collective only under ZeRO-3 (refused at start); else each rank's own bf16 copy, cloned to the CPU: rank 0's
     # alone (all 8: ~220 GB of host memory at 6.9B PPO's save).

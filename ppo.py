@@ -32,13 +32,13 @@ Logged (TensorBoard, and W&B with --track; x-axis = episodes seen; t runs over a
   objective/eos_fraction      fraction of responses that contain an EOS
   objective/response_length   mean tokens per response, EOS included
   objective/validation_score  mean RM score of the validation samples (at each evaluation)
-  policy/approxkl             mean over PPO steps of the masked 0.5 * (logp_new - logp_old)^2
-  policy/clipfrac             fraction of valid tokens whose clipped loss term is the larger (the one taken)
-  policy/ratio                mean ratio exp(logp_new - logp_old) over valid tokens, all epochs
+  policy/approxkl             mean over micro-batches (all epochs) of the masked 0.5 * (logp_new - logp_old)^2
+  policy/clipfrac             the same mean of the fraction of valid tokens whose clipped loss term is the larger
+  policy/ratio                the same mean of the ratio exp(logp_new - logp_old) over valid tokens
   policy/ratio_first_epoch[_max_deviation]  its mean (max |ratio - 1|) before the first step: 1 up to (bf16) noise
   policy/loss | lr            clipped policy loss | learning rate of the update
   value/loss                  0.5 * the larger of the clipped and unclipped squared errors of the values
-  value/clipfrac              fraction of value tokens where the clipped error was the larger
+  value/clipfrac              the same mean of the fraction of value tokens where the clipped error was the larger
   time/episodes_per_second    episodes / wall time since the start
   time/generation|scoring|training  seconds of the update in sampling / no-grad forwards / PPO epochs
   eval/ppo/{split}/score|reference_score|eos_fraction|response_length  final (and periodic) evaluation
@@ -440,8 +440,7 @@ def main() -> None:
     # With dropout on, two forwards of the same ids differ: the first PPO ratio would not be 1, the scores noisy.
     for model in (policy, ref_policy, critic, reward_model):
         disable_dropout(model)
-    for model in (ref_policy, reward_model):
-        model.eval().requires_grad_(False)
+    ref_policy.eval().requires_grad_(False), reward_model.eval().requires_grad_(False)
     if args.offload:  # the frozen models as ZeRO-3 inference engines, their parameters on the CPU (6.9B)
         ref_policy, reward_model = offload_frozen_models(accelerator, args, ref_policy, reward_model)
     run_name, writer = start_ppo_logging(args, accelerator, resume_from, recorded)
@@ -457,9 +456,10 @@ def main() -> None:
     ref_policy, reward_model = frozen_like_trained(accelerator, args.offload, model, ref_policy, reward_model)
     start_update = resume(accelerator, args, resume_from, model, optimizer)
     unwrapped = accelerator.unwrap_model(model)  # sampling and the rollout's forwards use the plain modules
-    # HF generate's sampling (softmax(logits / T), [PAD] and unowned rows masked), as a loop that stops once every
-    # row has its EOS, or as the fast path (a static cache and a compiled step): the same samples in fp32.
-    sample_responses = StaticSampler(args.local_rollout_forward_batch_size) if args.fast_sampling else sample_rollout
+    # HF generate's sampling (softmax(logits / T), [PAD] and unowned rows masked): a loop that stops once every row
+    # has its EOS, or the fast path (a static cache and a compiled step, a chunk's rows), the same samples in fp32.
+    chunk = min(args.local_rollout_forward_batch_size, args.local_batch_size)  # rollout()'s chunks (memory only)
+    sample_responses = StaticSampler(chunk) if args.fast_sampling else sample_rollout
     sample_summaries = summary_sampler(args, pad_id, eos_id, eval_temperature, unsampled)  # the same, at T_eval
     evaluate = functools.partial(evaluate_and_log, accelerator, args, dataset, unwrapped.policy, reward_model,
                                  tokenizer, sample_summaries, writer, run_name)
@@ -1967,8 +1967,9 @@ def save_ppo(accelerator, args, run_name: str, writer, model, tokenizer, all_met
 
 
 def fp32_state_dict(accelerator, model) -> dict:
-    """All ranks call it; rank 0 gets the model's state dict in fp32 on the CPU (under DeepSpeed its fp32 master
-    weights, not the bf16 copies), the other ranks, which save nothing, an empty dict."""
+    """All ranks call it; rank 0 gets the model's state dict in fp32 (under DeepSpeed its fp32 master weights, not
+    the bf16 copies, on the CPU; else the model's own tensors, where they are: change none in place), the other
+    ranks, which save nothing, an empty dict."""
     plugin = accelerator.state.deepspeed_plugin
     # A collective only under ZeRO-3 (refused at start); else each rank's own bf16 copy, cloned to the CPU: rank 0's
     # alone (all 8: ~220 GB of host memory at 6.9B PPO's save).

@@ -172,6 +172,96 @@ def test_ppo_losses_by_hand():
     assert out["pg_clipfrac"].item() == pytest.approx(2 / 3)
 
 
+@pytest.mark.parametrize("score_after_eos, length_groups", [(False, 1), (True, 2)])
+def test_ppo_epochs_equal_a_naive_ppo_update_from_the_definitions(tiny_tldr, score_after_eos, length_groups):
+    """ppo_epochs (the shuffle into minibatches and micro-batches, the forward cut to the trained width and grouped
+    by query length, the rollout's log-probs and values past it, the masks, vf_coef, accumulation through accelerate)
+    against a naive update written from the definitions: full-width forwards (logits[:, T_q - 1 : -1]), the clipped
+    losses as masked means per micro-batch, their mean over a minibatch's micro-batches, one step per minibatch.
+    2 epochs x 2 minibatches x 2 micro-batches of left-padded queries whose samples end early, late or not at all;
+    SGD, so that the weights after the update compare what the two took the gradients of."""
+    import copy
+    import types
+
+    from accelerate import Accelerator
+    from ppo import ppo_epochs, scaled_logits
+
+    policy, critic = tiny_models()
+    torch.nn.init.normal_(critic.head.weight, std=0.5)  # values that differ per token
+    unsampled, temperature = unsampled_ids(policy), 0.7 + 1e-7
+    queries = padded_queries(tiny_tldr, 8)
+    context_length = queries.shape[1]
+    def early_eos(module, inputs, output):  # the EOS logit 1.5 below the largest while sampling: samples end early
+        output[..., EOS] = output.max(-1).values - 1.5
+        return output
+
+    hook = policy.get_output_embeddings().register_forward_hook(early_eos)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        query_responses, sample_scores = sample_rollout(policy, queries, PAD, EOS, 10, temperature, unsampled)
+    hook.remove()
+    responses = query_responses[:, context_length:]
+    sequence_lengths, padding_mask, value_padding_mask = response_masks(truncate_response(responses, EOS, PAD), PAD,
+                                                                        score_after_eos)
+    assert 0 < (sequence_lengths < responses.shape[1] - 1).sum() < 8 and 0 in sequence_lengths  # early, late, at once
+    with torch.no_grad():
+        logprobs = gather_logprobs(sample_scores, responses)
+        values = get_values(critic, query_responses, PAD, context_length).masked_fill(value_padding_mask, 0)
+    rewards = torch.randn(responses.shape, generator=torch.Generator().manual_seed(1)).masked_fill(value_padding_mask, 0)
+    advantages, returns = compute_gae(rewards, values, 1.0, 0.95)
+    advantages = whiten(advantages, ~padding_mask)
+    batch = dict(query_responses=query_responses, responses=responses, logprobs=logprobs, values=values,
+                 advantages=advantages, returns=returns, padding_mask=padding_mask,
+                 value_padding_mask=value_padding_mask, sequence_lengths=sequence_lengths)
+    args = types.SimpleNamespace(num_ppo_epochs=2, local_batch_size=8, local_mini_batch_size=4, local_micro_batch_size=2,
+                                 score_after_eos=score_after_eos, length_groups=length_groups, cliprange=0.2,
+                                 cliprange_value=0.2, vf_coef=0.1)
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.gradient_accumulation_steps = 2
+    model = PolicyAndValueWrapper(copy.deepcopy(policy), copy.deepcopy(critic)).train()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    torch.manual_seed(7)  # the minibatches' shuffle
+    stats, _ = ppo_epochs(accelerator, model, optimizer, args, batch, context_length, PAD, temperature, unsampled)
+    trained = accelerator.unwrap_model(model)
+
+    naive_policy, naive_critic = copy.deepcopy(policy).train(), copy.deepcopy(critic).train()
+    naive_parameters = list(naive_policy.parameters()) + list(naive_critic.parameters())
+    naive_optimizer = torch.optim.SGD(naive_parameters, lr=0.05)
+    torch.manual_seed(7)
+    pg_losses = []
+    for epoch in range(2):
+        permutation = torch.randperm(8)
+        for minibatch in permutation.view(2, 4):
+            naive_optimizer.zero_grad()
+            loss = 0.0
+            for mb in minibatch.view(2, 2):
+                ids = query_responses[mb]
+                mask = ids != PAD
+                logits = naive_policy(input_ids=ids.masked_fill(~mask, 0), attention_mask=mask).logits
+                new_logprobs = gather_logprobs(scaled_logits(logits[:, context_length - 1:-1], temperature, unsampled),
+                                               responses[mb])
+                vpred = get_reward(naive_critic, ids, PAD, context_length)[0][:, context_length - 1:-1]
+                token_mask, value_mask = ~padding_mask[mb], ~value_padding_mask[mb]
+                ratio = torch.exp(new_logprobs - logprobs[mb])
+                pg = torch.max(-advantages[mb] * ratio, -advantages[mb] * ratio.clamp(0.8, 1.2))
+                pg_loss = (pg * token_mask).sum() / token_mask.sum()
+                vclipped = values[mb] + (vpred - values[mb]).clamp(-0.2, 0.2)
+                vf = 0.5 * torch.max((vpred - returns[mb]) ** 2, (vclipped - returns[mb]) ** 2)
+                vf_loss = (vf * value_mask).sum() / value_mask.sum()
+                pg_losses.append(pg_loss.item())
+                loss = loss + (pg_loss + 0.1 * vf_loss) / 2  # the mean over the minibatch's 2 micro-batches
+            loss.backward()
+            naive_optimizer.step()
+
+    trained_parameters = list(trained.policy.parameters()) + list(trained.critic.parameters())
+    start = list(policy.parameters()) + list(critic.parameters())
+    moved = max((a - b).abs().max().item() for a, b in zip(naive_parameters, start))
+    difference = max((a - b).abs().max().item() for a, b in zip(naive_parameters, trained_parameters))
+    assert moved > 0.1 and difference < 1e-5 * moved, (moved, difference)
+    assert stats["policy/loss"].item() == pytest.approx(sum(pg_losses) / len(pg_losses), abs=1e-5)
+
+
 def test_batch_sizes_and_exact_division():
     assert ppo_batch_sizes(512, 8, 1, 1) == {"local_batch_size": 64, "mini_batch_size": 512, "local_mini_batch_size": 64,
                                              "gradient_accumulation_steps": 64, "micro_batch_size": 8}
@@ -1145,9 +1235,35 @@ def test_prompt_order_reshuffles_at_each_pass():
     assert sorted(local[0].flatten().tolist()) == list(range(10))
 
 
+WHITEN_RECORDER = """
+import os, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import ppo
+
+calls = []
+real_whiten = ppo.whiten
+def whiten(values, mask, shift_mean=True, all_reduce=None):  # main's two calls: what each rank gave and got
+    values = values + int(os.environ["RANK"])  # rank 1's tokens shifted by 1: the ranks' statistics differ for sure
+    out = real_whiten(values, mask, shift_mean, all_reduce)
+    calls.append({"values": values.clone(), "mask": mask.clone(), "shift_mean": shift_mean, "out": out.clone()})
+    return out
+
+ppo.whiten = whiten
+out = sys.argv[2]
+sys.argv = ["ppo.py"] + sys.argv[3:]
+ppo.main()
+torch.save(calls, f"{out}.{os.environ['RANK']}.pt")
+ppo.leave_process_group(True)
+"""
+
+
 def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
     """2 CPU processes (DDP, gloo): global whitening, one shared prompt order, eval rows back in split order, and
-    --length_groups (2 forwards of a micro-batch before its backward)."""
+    --length_groups (2 forwards of a micro-batch before its backward). Whitening: the rewards' (--whiten_rewards) and
+    the advantages' statistics are those of both ranks' tokens together (the reference code whitens per GPU), seen
+    through main's own calls (a recorder wraps ppo.whiten and shifts rank 1's inputs: in this short run every
+    response lacks an EOS, so both ranks' rewards would have one mean and variance)."""
     import socket
 
     import datasets
@@ -1160,17 +1276,30 @@ def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-           str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"), "--query_dataset", str(tiny_tldr / "sft"),
+           str(tmp_path / "recorder.py"), str(REPO), str(tmp_path / "whiten"),  # runs ppo.main() with these flags:
+           "--base_model", str(WORLD / "pythia-tiny"), "--query_dataset", str(tiny_tldr / "sft"),
            "--sft_model_path", str(WORLD / "pythia-tiny"), "--reward_model_path", str(tmp_path / "rm"),
            "--output_dir", str(tmp_path / "ppo"), "--run_name", "ppo_two", "--total_episodes", "32",
            "--batch_size", "16", "--local_micro_batch_size", "4", "--local_rollout_forward_batch_size", "8",
            "--response_length", "16", "--num_eval_samples", "10", "--local_eval_batch_size", "4", "--whiten_rewards",
            "--length_groups", "2"]  # 2 forwards of a micro-batch before its one backward, under DDP
+    (tmp_path / "recorder.py").write_text(WHITEN_RECORDER)
     with multi_process_slot(2):
         result = run_python(cmd, cwd=tmp_path, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     saved = json.loads((tmp_path / "ppo" / "args.json").read_text())
     assert (saved["world_size"], saved["local_batch_size"], saved["gradient_accumulation_steps"]) == (2, 8, 2)
+    ranks = [torch.load(tmp_path / f"whiten.{rank}.pt") for rank in (0, 1)]
+    assert [[call["shift_mean"] for call in calls] for calls in ranks] == [[False, True] * 2] * 2  # 2 updates
+    for first, second in zip(*ranks):
+        both_in, both_out = (torch.cat((first[key][first["mask"]], second[key][second["mask"]])).double()
+                             for key in ("values", "out"))
+        mean, var = both_in.mean(), both_in.var(unbiased=False)
+        expected = (both_in - mean) / (var + 1e-8).sqrt() + (0 if first["shift_mean"] else mean)
+        torch.testing.assert_close(both_out, expected, atol=1e-5, rtol=1e-5)
+        # Each rank alone has other statistics: whitening per rank would have given other numbers
+        assert min((whiten(call["values"], call["mask"], call["shift_mean"]) - call["out"]).abs().max()
+                   for call in (first, second)) > 0.1
     assert saved["num_updates"] == 2  # 32 episodes in batches of 16 over both ranks, not of 8 per rank
     with open(tmp_path / "ppo" / "eval_validation.csv") as file:
         queries = [row["query"] for row in csv.DictReader(file)]

@@ -344,9 +344,9 @@ TRAIN_PAIRS, BATCH, EPOCHS = 32, 8, 2  # 8 updates of 8 pairs: each pair twice, 
 
 @pytest.fixture(scope="module")
 def small_world(tiny_tldr, tmp_path_factory):
-    """Slices of the preprocessed tiny world (32 train pairs, 16 + 8 eval pairs, 24 references) + a judged CSV."""
+    """Slices of the preprocessed tiny world (32 train pairs, 15 + 7 eval pairs, 23 references) + a judged CSV."""
     root = tmp_path_factory.mktemp("small_world")
-    slice_tiny_tldr(tiny_tldr, root, TRAIN_PAIRS, "train", 24)
+    slice_tiny_tldr(tiny_tldr, root, TRAIN_PAIRS, "train", 23)
     validation = datasets.load_from_disk(str(tiny_tldr / "sft"))["validation"].select(range(10))
     # judge.py's judged/<run>.csv columns (a malformed verdict counts for neither side)
     pd.DataFrame({"post": validation["query"], "ours": validation["summary"],
@@ -441,12 +441,12 @@ def test_run_interrupted_and_resumed_writes_a_normalised_portable_rm(resumed_run
                 "eval/rm/judge_agreement", "eval/rm/validation/accuracy/confidence/9"):
         assert 0 <= metrics[key] <= 1, key
     table = pd.read_csv(out / "eval_validation.csv")
-    assert len(table) == 16 and {"chosen_reward", "rejected_reward", "accuracy", "gold_prefers_chosen",
+    assert len(table) == 15 and {"chosen_reward", "rejected_reward", "accuracy", "gold_prefers_chosen",
                                  "batch", "confidence", "chosen_policy"} <= set(table.columns)
     assert table["accuracy"].mean() == pytest.approx(metrics["eval/rm/validation/accuracy"])
     assert metrics["eval/rm/judge_agreement"] * 9 == pytest.approx(round(metrics["eval/rm/judge_agreement"] * 9))
     normalization = json.loads((out / "normalization.json").read_text())
-    assert normalization["references"] == 24 and abs(normalization["right_left_diff_mean"]) < 1e-3
+    assert normalization["references"] == 23 and abs(normalization["right_left_diff_mean"]) < 1e-3
 
     # The saved RM: safetensors, no path in its config, loads from a moved folder, references average 0.
     config_text = (out / "config.json").read_text()
@@ -463,7 +463,9 @@ def test_run_interrupted_and_resumed_writes_a_normalised_portable_rm(resumed_run
 
 
 def test_two_processes_read_each_pair_once_and_match_one_process(resumed_run, small_world, tmp_path):
-    """2 CPU processes x micro-batch 2 x 2 accumulation steps = the 1-process run's updates, split in two."""
+    """2 CPU processes x micro-batch 2 x 2 accumulation steps = the 1-process run's updates, split in two; and its
+    evaluation: the odd splits (15 and 7 pairs, 23 references) shared out over the ranks and back, each row once, in
+    the split's order, with the 1-process run's rewards and normalising mean."""
     out = tmp_path / "rm2"
     run_reward(small_world, out, "--local_micro_batch_size", "2", processes=2)
     assert_each_pair_once_per_epoch(out, processes=2)
@@ -472,6 +474,13 @@ def test_two_processes_read_each_pair_once_and_match_one_process(resumed_run, sm
     one = reward.ScalarModel.from_pretrained(str(resumed_run)).state_dict()
     for key in one:  # same pairs per micro-step, gradients averaged over ranks: the same updates
         assert torch.allclose(one[key], two[key], atol=1e-4), key
+    for name in ("eval_validation.csv", "eval_validation_cnndm.csv"):
+        a, b = pd.read_csv(resumed_run / name), pd.read_csv(out / name)
+        assert len(a) == len(b) == {"eval_validation.csv": 15, "eval_validation_cnndm.csv": 7}[name]
+        assert a["query"].equals(b["query"]) and (a["chosen_reward"] - b["chosen_reward"]).abs().max() < 1e-4, name
+    one, two = (json.loads((folder / "normalization.json").read_text()) for folder in (resumed_run, out))
+    assert one["references"] == two["references"] == 23
+    assert abs(one["mean"] - two["mean"]) < 1e-4, (one, two)
 
 
 def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):

@@ -3,7 +3,7 @@ before any compute, and subprocess runs on the tiny world: a smoke run, 2 proces
 DeepSpeed ZeRO-2, on CPU) vs 1, an interrupted and resumed run vs an uninterrupted one.
 
 The subprocess runs share one configuration, small enough for seconds: global batch 8 as micro-batch
-4 x 2 accumulation steps (1 process) or 4 x 1 x 2 processes, 4 updates at lr 1e-3, eval on 16
+4 x 2 accumulation steps (1 process) or 4 x 1 x 2 processes, 4 updates at lr 1e-3, eval on 15
 validation queries with 8 sampled tokens. Each runs in its own working directory (runs/ lands there).
 """
 
@@ -28,7 +28,7 @@ from conftest import REPO, WORLD, early_exits, multi_process_slot, one_process, 
 BASE = WORLD / "pythia-tiny"
 TINY_RUN = ["--base_model", str(BASE), "--lr", "1e-3", "--batch_size", "8", "--local_micro_batch_size", "4",
             "--total_episodes", "32", "--response_length", "8", "--local_eval_batch_size", "16",
-            "--num_eval_samples", "16"]
+            "--num_eval_samples", "15"]  # odd: over 2 processes a rank repeats a row
 # The loss is a token mean per micro-batch, and both runs form the same micro-batches of 4 from the
 # shared episode order; 1 process and 2 processes then only sum the same micro-batch gradients in
 # a different order (accelerate's loss / 2 then a sum, vs DDP's all-reduce mean), so float rounding
@@ -463,7 +463,7 @@ def test_smoke_run_saves_a_loadable_model(single_run):
     assert model.config.hidden_dropout == model.config.attention_dropout == 0.0
     assert max_difference(weights(out), load_file(str(BASE / "model.safetensors"))) > 1e-3  # it trained
     table = pd.read_csv(out / "eval_validation.csv")
-    assert list(table.columns) == ["query", "response", "reference"] and len(table) == 16
+    assert list(table.columns) == ["query", "response", "reference"] and len(table) == 15
     assert table["query"].str.endswith("TL;DR:").all() and "[PAD]" not in table["query"][0]
     metrics = json.loads((out / "eval_metrics.json").read_text())["validation"]
     assert set(metrics) == {"loss", "rouge1", "rouge2", "rougeL"} and 0 < metrics["rougeL"] < 1
