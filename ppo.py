@@ -733,8 +733,9 @@ def explain_compile_errors(compiled, flag: str, knob: str):
             return compiled(*args, **kwargs)
         except torch._dynamo.exc.ShortenTraceback as error:  # BackendCompilerFailed, TritonMissing, GPUTooOldForTriton
             raise RuntimeError(f"{flag}: torch.compile could not build its code here ({type(error).__name__}, above). "
-                               f"{flag} changes speed only: run without it (the SLURM launchers: {knob}), or give "
-                               f"the machine a working C compiler (and Triton on a GPU)") from error
+                               f"{flag} changes speed only: run without it (the SLURM launchers: {knob}; a run "
+                               "with checkpoints continues from them with --resume), or give the machine a working C "
+                               "compiler (and Triton on a GPU)") from error
     return call
 
 
@@ -1234,6 +1235,9 @@ AT_LEAST_1 = (lambda value: value >= 1, "an integer >= 1")
 AT_LEAST_0 = (lambda value: value >= 0, "an integer >= 0")
 NONE_OR_AT_LEAST_1 = (lambda value: value is None or value >= 1, "an integer >= 1, or no flag")
 NONE_OR_AT_LEAST_0 = (lambda value: value is None or value >= 0, "an integer >= 0, or no flag")
+# Speed only: a checkpointed run may continue without them (requeued onto a node that cannot compile), its
+# remaining updates then equal to the run that kept them up to float rounding, not bit for bit.
+SPEED_ONLY_FLAGS = ("fast_sampling", "compile_training")
 
 
 class SetupError(ValueError):
@@ -1405,7 +1409,7 @@ def ppo_inputs(args, accelerator) -> tuple:
     refuse(input_problem(args.sft_model_path, "--sft_model_path", make["sft_model_path"])
            or input_problem(args.reward_model_path, "--reward_model_path", make["reward_model_path"])
            or input_problem(args.query_dataset, "--query_dataset", f"python preprocess_tldr.py --base_model {args.base_model}")
-           or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
+           or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + SPEED_ONLY_FLAGS + (
                "world_size", "local_batch_size", "mini_batch_size", "local_mini_batch_size",
                "gradient_accumulation_steps", "micro_batch_size", "num_updates")))
     local_dataset = os.path.isdir(args.query_dataset)

@@ -868,13 +868,14 @@ def test_a_compiler_failure_names_the_flag_that_asked_for_it(tiny_tldr, missing)
     model = PolicyAndValueWrapper(policy, critic, compile_layers=True, backend=failing_backend).train()
     with pytest.raises(RuntimeError, match=rf"^--compile_training: torch.compile could not build its code here "
                                            rf"\({expected.__name__}, above\). --compile_training changes speed only: "
-                                           r"run without it \(the SLURM launchers: COMPILE_TRAINING=0\)") as raised:
+                                           r"run without it \(the SLURM launchers: COMPILE_TRAINING=0; a run with "
+                                           r"checkpoints continues from them with --resume\)") as raised:
         response_logits_and_values(model, query_responses, PAD, queries.shape[1], 9)
     assert type(raised.value.__cause__) is expected and issubclass(expected, ShortenTraceback)
     torch._dynamo.reset()
     policy.eval()
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"^--fast_sampling: .*the SLURM launchers: "
-                                                            r"FAST_SAMPLING=0\)") as raised:
+                                                            r"FAST_SAMPLING=0; ") as raised:
         StaticSampler(4, backend=failing_backend)(policy, queries[:3], PAD, EOS, 12, 0.7 + 1e-7, unsampled_ids(policy))
     assert type(raised.value.__cause__) is expected
     # anything else passes through as it is: a result, and an error that is not the compiler's
@@ -1104,7 +1105,9 @@ def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_
     launchers run it, its evaluation's sampler wider than its rollouts') and ppo.py --gradient_checkpointing (activations recomputed in the backward) against the same
     run with HF generate and stored activations: the same evaluation samples, the same logged statistics and final
     weights up to float rounding (the forwards sum in other orders). And the plain run stopped after its first update
-    (its evaluation and checkpoint written) and resumed: the uninterrupted run bit for bit, samples included."""
+    (its evaluation and checkpoint written) and resumed: the uninterrupted run bit for bit, samples included. And a
+    --fast_sampling --compile_training run stopped there and resumed without them (as after a requeue onto a node that
+    cannot compile: speed-only flags may change on --resume): the plain run up to float rounding."""
     from safetensors.torch import load_file
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -1112,8 +1115,9 @@ def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     runs = {}
     resumed = [["--save_every", "1", "--stop_after_updates", "1", "--resume"], ["--save_every", "1", "--resume"]]
+    switched = [resumed[0] + ["--fast_sampling", "--compile_training"], resumed[1]]
     for name, starts in (("plain", [[]]), ("fast", [["--fast_sampling"]]),
-                         ("checkpointed", [["--gradient_checkpointing"]]), ("resumed", resumed)):
+                         ("checkpointed", [["--gradient_checkpointing"]]), ("resumed", resumed), ("switched", switched)):
         cmd = [sys.executable, str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"),
                "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
                "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / name), "--run_name", name,
@@ -1132,7 +1136,7 @@ def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_
     start = load_file(WORLD / "pythia-tiny" / "model.safetensors")
     weights = load_file(tmp_path / "plain" / "model.safetensors")
     assert max((weights[key] - start[key]).abs().max().item() for key in weights) > 1e-5  # the runs trained: their
-    for name in ("fast", "checkpointed"):  # agreement is not that of untouched weights
+    for name in ("fast", "checkpointed", "switched"):  # agreement is not that of untouched weights
         assert (tmp_path / name / "eval_validation.csv").read_text() == plain, name  # the same 12 samples, word for word
         assert sorted(runs[name]) == sorted(runs["plain"])
         for tag, values in runs["plain"].items():
