@@ -1101,10 +1101,10 @@ def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_
     """ppo.py --fast_sampling (StaticSampler for the rollouts and the evaluation, its step compiled, as the SLURM
     launchers run it, its evaluation's sampler wider than its rollouts') and ppo.py --gradient_checkpointing (activations recomputed in the backward) against the same
     run with HF generate and stored activations: the same evaluation samples, the same logged statistics and final
-    weights up to float rounding (the forwards sum in other orders). And the plain run stopped after its first update
-    (its evaluation and checkpoint written) and resumed: the uninterrupted run bit for bit, samples included. And a
-    --fast_sampling run stopped there and resumed without it (as after a requeue onto a node that cannot compile:
-    the speed-only flags, --compile_training too, may change on --resume): the plain run up to float rounding."""
+    weights up to float rounding (the forwards sum in other orders). The fast run stops after its first update and
+    its evaluation, and is resumed without --fast_sampling, as after a requeue onto a node that cannot compile (the
+    speed-only flags, --compile_training too, may change on --resume). And the plain run stopped there and resumed:
+    the uninterrupted run bit for bit, samples included."""
     from safetensors.torch import load_file
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -1112,9 +1112,9 @@ def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     runs = {}
     resumed = [["--save_every", "1", "--stop_after_updates", "1", "--resume"], ["--save_every", "1", "--resume"]]
-    switched = [resumed[0] + ["--fast_sampling"], resumed[1]]  # (--compile_training is ignored alike: below)
-    for name, starts in (("plain", [[]]), ("fast", [["--fast_sampling"]]),
-                         ("checkpointed", [["--gradient_checkpointing"]]), ("resumed", resumed), ("switched", switched)):
+    fast = [resumed[0] + ["--fast_sampling"], resumed[1]]  # update 1 and its evaluation sampled by the fast path
+    for name, starts in (("plain", [[]]), ("fast", fast), ("checkpointed", [["--gradient_checkpointing"]]),
+                         ("resumed", resumed)):
         cmd = [sys.executable, str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"),
                "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
                "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / name), "--run_name", name,
@@ -1134,7 +1134,9 @@ def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_
     weights = load_file(tmp_path / "plain" / "model.safetensors")
     assert max((weights[key] - start[key]).abs().max().item() for key in weights) > 1e-5  # the runs trained: their
     assert ppo.SPEED_ONLY_FLAGS == ("fast_sampling", "compile_training")  # what the compile errors tell to drop
-    for name in ("fast", "checkpointed", "switched"):  # agreement is not that of untouched weights
+    fast_samples = (tmp_path / "runs" / "fast" / "samples_validation_16.csv").read_text()  # the fast path's
+    assert fast_samples == (tmp_path / "runs" / "plain" / "samples_validation_16.csv").read_text()  # evaluation
+    for name in ("fast", "checkpointed"):  # agreement is not that of untouched weights
         assert (tmp_path / name / "eval_validation.csv").read_text() == plain, name  # the same 12 samples, word for word
         assert sorted(runs[name]) == sorted(runs["plain"])
         for tag, values in runs["plain"].items():
