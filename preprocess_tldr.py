@@ -705,7 +705,9 @@ def tokenize_query(tokenizer, format_str: str, fields: dict, truncate_field: str
     # A tokenizer that normalizes (Pythia's: NFC) may spell a character in more bytes than the text does
     # (U+0958: 3 -> 6); the character's full compatibility decomposition (NFKD) bounds every such form.
     widths = (max(len(char.encode()), len(unicodedata.normalize("NFKD", char).encode())) for char in text)
-    bytes_before = list(accumulate(widths, initial=0))  # [i]: at least the bytes of text[:i] as tokenized
+    # [i]: at least the bytes of text[:i] as tokenized. ASCII text (most posts) has one byte a character in every
+    # form, so there the list is range(len(text) + 1), without a pass over the characters (a third of the time).
+    bytes_before = range(len(text) + 1) if text.isascii() else list(accumulate(widths, initial=0))
     i = 0
     while True:
         ids = encode_text(tokenizer, format_str.format(**{**fields, truncate_field: text[:cuts[i]]}))

@@ -25,8 +25,11 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 # And for every script the tests start: no bytecode written into the repository, no `datasets` cache written
 # into ~/.cache. One environment for all (the tests add to it only what a test is about), so that their starts
-# share one fork server (`run_python`).
-os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+# share one fork server (`run_python`). Bytecode: where PYTHONPYCACHEPREFIX names a folder (`.ci/run`, whose
+# install compiles none), every process of the run writes there what it compiled, so each module is compiled
+# once per run, not at every start; without it, none is written.
+if not os.environ.get("PYTHONPYCACHEPREFIX"):
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="rlhf-tests-datasets-cache-")  # deleted at exit
 
 # Under pytest-xdist each worker gets its share of the cores (1 each for `.ci/run`'s 2 workers on 2
@@ -165,7 +168,7 @@ def run_folder(tmp_path_factory):
     return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
 
 
-HELP_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "300", "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
+HELP_ENV = {"COLUMNS": "300", "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
 
 
 # The scripts whose --help the tests read (test_conventions.py, test_launchers.py): script_help runs them all

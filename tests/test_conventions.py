@@ -34,7 +34,7 @@ from typing import Optional
 
 import pytest
 
-# HELP_ENV: the environment of every --help run (wide, colourless, no bytecode)
+# HELP_ENV: the environment of every --help run (wide, colourless)
 from conftest import HELP_ENV, early_exits
 
 REPO = Path(__file__).resolve().parent.parent
@@ -611,7 +611,7 @@ def has_main_guard(source: str) -> bool:
 def _run(cmd: list[str], workdir: Path) -> subprocess.CompletedProcess | None:
     """Run `cmd` in `workdir` with the test environment (offline, see conftest.py); None on timeout.
 
-    Wide and colourless so that --help prints each flag whole; no bytecode written beside the scripts.
+    Wide and colourless so that --help prints each flag whole; no bytecode written beside the scripts (conftest.py).
     """
     env = {**os.environ, **HELP_ENV}
     try:

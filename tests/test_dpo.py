@@ -32,7 +32,7 @@ import dpo
 from conftest import (REPO, WORLD, early_exits, multi_process_slot, run_python, sampler_with_junk_after_eos,
                       slice_tiny_tldr)
 
-ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+ENV = dict(os.environ)
 EOS, PAD = 0, 1  # the tiny world's ids (data/tiny_tldr/args.json)
 BASE = WORLD / "pythia-tiny"
 

@@ -86,7 +86,7 @@ def bad_flag_starts(tiny_tldr, tmp_path_factory):
                   "ppo.py": ["--query_dataset", tiny_tldr / "sft", "--sft_model_path", BASE, "--reward_model_path", BASE]}
         starts[script] = (cwd, [*inputs.get(script, ["--sft_model_path", BASE]), "--output_dir", cwd / "out", *typed])
     results = early_exits([(cwd, REPO / script, flags) for script, (cwd, flags) in starts.items()],
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     return {script: (cwd, result) for (script, (cwd, _)), result in zip(starts.items(), results)}
 
 

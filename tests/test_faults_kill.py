@@ -30,7 +30,7 @@ from test_sft import TINY_RUN, run_sft, weights
 
 def run_until(cwd, flags, condition, timeout=300):
     """Start sft.py with `flags` in `cwd`; SIGKILL it as soon as `condition()` holds. True if it was killed."""
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    env = dict(os.environ)
     with open(cwd / "killed.log", "w") as log:
         process = subprocess.Popen([sys.executable, str(REPO / "sft.py"), *map(str, flags)], cwd=cwd, env=env,
                                    stdout=log, stderr=subprocess.STDOUT)

@@ -47,7 +47,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(script, tiny_tldr,
     out = tmp_path / "out"
     cmd = [sys.executable, str(REPO / script), *stage_command(script, tiny_tldr, tmp_path), "--output_dir", out,
            *HUGE_LR]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = run_python(cmd, cwd=tmp_path, env=env, timeout=600)
     assert result.returncode != 0
     message = result.stderr.strip().splitlines()[-1]

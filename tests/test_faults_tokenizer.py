@@ -117,7 +117,7 @@ def refusals(tiny_tldr, tmp_path_factory):
     before = {case: sorted(os.listdir(cwd)) for case, (cwd, _, _) in starts.items()}
     results = early_exits([(cwd, REPO / script, [*flags, "--output_dir", cwd / "out"])
                              for cwd, script, flags in starts.values()],
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     return {case: (cwd, before[case], result) for (case, (cwd, _, _)), result in zip(starts.items(), results)}
 
 

@@ -346,7 +346,7 @@ def judge_cmd(*flags):
 
 
 def judge_env():
-    return {**os.environ, "OPENAI_API_KEY": SECRET, "NO_PROXY": "127.0.0.1,localhost", "PYTHONDONTWRITEBYTECODE": "1"}
+    return {**os.environ, "OPENAI_API_KEY": SECRET, "NO_PROXY": "127.0.0.1,localhost"}
 
 
 def run_judge(*flags, timeout=120):

@@ -1050,7 +1050,7 @@ def test_smoke_run_saves_policy_and_samples(tiny_tldr, tmp_path):
     make_reward_model(tmp_path / "rm")
     out = tmp_path / "ppo"
     # One thread: on a 2-core machine shared with other jobs, 2 threads per process run ~10x slower.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"),
            "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
            "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(out), "--run_name", "ppo_smoke",
@@ -1109,7 +1109,7 @@ def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     make_reward_model(tmp_path / "rm")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = {}
     resumed = [["--save_every", "1", "--stop_after_updates", "1", "--resume"], ["--save_every", "1", "--resume"]]
     fast = [resumed[0] + ["--fast_sampling"], resumed[1]]  # update 1 and its evaluation sampled by the fast path
@@ -1169,7 +1169,7 @@ def test_data_without_a_column_or_a_foreign_output_folder_is_refused_before_load
              f"--output_dir {tmp_path / 'occupied'} is not empty and has no args.json: choose an empty or new folder":
                  ["--query_dataset", tiny_tldr / "sft", "--output_dir", tmp_path / "occupied"]}
     results = early_exits([(tmp_path, REPO / "ppo.py", base + flags) for flags in cases.values()],
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     for message, result in zip(cases, results):
         assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
         assert "Loading weights" not in result.stdout + result.stderr
@@ -1210,7 +1210,7 @@ def test_zero_critic_head_starts_every_value_at_zero(tiny_tldr, tmp_path, zero_h
     RM's; without it (Detail 22) the critic's first values are the RM's."""
     make_reward_model(tmp_path / "rm")
     (tmp_path / "probe.py").write_text(ZERO_HEAD_PROBE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(tmp_path / "probe.py"), str(REPO), "--base_model", str(WORLD / "pythia-tiny"),
            "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
            "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / "ppo"), "--run_name", "zero",
@@ -1277,7 +1277,7 @@ def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
     with socket.socket() as sock:  # a free port: other test sessions may launch at the same time
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
            str(tmp_path / "recorder.py"), str(REPO), str(tmp_path / "whiten"),  # runs ppo.main() with these flags:
@@ -1314,13 +1314,14 @@ def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
     assert all(abs(e.value - 1) < 1e-4 for e in events.Scalars("policy/ratio_first_epoch"))
 
 
-def run_deepspeed_ppo(tiny_tldr, tmp_path, name, *extra, env=None,
-                      config=REPO / "benchmark/accelerate/deepspeed_zero2.yaml"):
+def run_deepspeed_ppo(tiny_tldr, tmp_path, name, *extra, config=REPO / "benchmark/accelerate/deepspeed_zero2.yaml"):
     """ppo.py as the paper launches it (accelerate `config`), on 2 CPU processes of DeepSpeed ZeRO-2 (fp32), one
-    update of 16 episodes from the tiny base and tmp_path/rm, into tmp_path/name (its run: tmp_path/runs/name)."""
+    update of 16 episodes from the tiny base and tmp_path/rm, into tmp_path/name (its run: tmp_path/runs/name), 5
+    evaluation rows; returns its output (stdout + stderr). Inductor's own log on (TORCH_LOGS): a graph it compiles
+    or loads from its cache prints "fx graph cache miss" or "hit"."""
     import socket
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_LOGS": "inductor"}
     env.pop("ACCELERATE_USE_CPU", None)  # ENV_NOTES: CPU DeepSpeed must not set it (it would drop DeepSpeed)
     with socket.socket() as sock:  # a free port: other test sessions may launch at the same time
         sock.bind(("127.0.0.1", 0))
@@ -1332,58 +1333,74 @@ def run_deepspeed_ppo(tiny_tldr, tmp_path, name, *extra, env=None,
            "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / name), "--run_name", name,
            "--total_episodes", "16", "--batch_size", "16", "--local_micro_batch_size", "4",
            "--local_rollout_forward_batch_size", "8", "--response_length", "16", "--local_eval_batch_size", "2",
-           "--lr", "1e-3", "--length_groups", "2", *extra]  # 2 forwards, 1 backward
+           # 5 eval rows on 2 ranks in batches of 2: rank 0 has 3 rows (2 batches), rank 1 two (1 batch). --offload's
+           # ZeRO-3 engines gather parameters in every forward, so unequal batch counts would hang there.
+           "--num_eval_samples", "5", "--lr", "1e-3", "--length_groups", "2", *extra]  # 2 forwards, 1 backward
     with multi_process_slot(2):
         result = run_python(cmd, cwd=tmp_path, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result.stdout + result.stderr
 
 
-def test_compiled_training_under_deepspeed_matches_eager(tiny_tldr, tmp_path):
-    """--compile_training inside the DeepSpeed ZeRO-2 engine (2 CPU processes; its gradient hooks after the compiled
-    backward): the layers really compiled (inductor wrote its kernels), and the update ends where the eager one does,
-    up to float rounding (inductor fuses the elementwise work)."""
+@pytest.fixture(scope="module")
+def deepspeed_plain(tiny_tldr, tmp_path_factory):
+    """(folder, output): the plain DeepSpeed launch (run_deepspeed_ppo) that the launches below are compared with,
+    run once for them all. The folder holds its RM (rm/), its outputs (plain/) and run (runs/plain); the tests add
+    their own launches there under other names."""
+    root = tmp_path_factory.mktemp("deepspeed")
+    make_reward_model(root / "rm")
+    return root, run_deepspeed_ppo(tiny_tldr, root, "plain")
+
+
+def moved_and_apart(root, name, other):
+    """(how far run `name`'s weights moved from the tiny base, how far they are from run `other`'s): the largest
+    change of any weight."""
     from safetensors.torch import load_file
+
+    ours, theirs = (load_file(str(root / run / "model.safetensors")) for run in (name, other))
+    start = load_file(str(WORLD / "pythia-tiny" / "model.safetensors"))
+    return (max((ours[k] - start[k]).abs().max().item() for k in ours),
+            max((ours[k] - theirs[k]).abs().max().item() for k in ours))
+
+
+def test_compiled_training_under_deepspeed_matches_eager(tiny_tldr, deepspeed_plain):
+    """--compile_training inside the DeepSpeed ZeRO-2 engine (2 CPU processes; its gradient hooks after the compiled
+    backward): the layers really went through inductor (its log names each graph it compiled or took from its
+    cache: one written by test_compiled_layers_give_the_eager_outputs_and_gradients[inductor] if it ran before, the
+    same layers), and the update ends where the eager one does, up to float rounding (inductor fuses the
+    elementwise work)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    make_reward_model(tmp_path / "rm")
+    root, eager_output = deepspeed_plain
+    compiled_output = run_deepspeed_ppo(tiny_tldr, root, "compiled", "--compile_training")
+    assert "fx graph cache" not in eager_output  # the eager run compiles nothing
+    assert compiled_output.count("fx graph cache hit") + compiled_output.count("fx graph cache miss") >= 2, (
+        compiled_output[-3000:])  # at least a forward and a backward graph
     stats = {}
-    for name, extra in (("eager", []), ("compiled", ["--compile_training"])):
-        kernels = tmp_path / f"inductor_{name}"
-        run_deepspeed_ppo(tiny_tldr, tmp_path, name, "--num_eval_samples", "0", *extra,
-                          env={"TORCHINDUCTOR_CACHE_DIR": str(kernels)})
-        assert any(kernels.rglob("*.py")) == (name == "compiled")  # the eager run compiles nothing
-        events = EventAccumulator(str(tmp_path / "runs" / name))
+    for name in ("plain", "compiled"):
+        events = EventAccumulator(str(root / "runs" / name))
         events.Reload()
         stats[name] = {tag: events.Scalars(tag)[0].value for tag in events.Tags()["scalars"] if not tag.startswith("time/")}
-    assert json.loads((tmp_path / "compiled" / "args.json").read_text())["compile_training"] is True
-    assert sorted(stats["compiled"]) == sorted(stats["eager"]) and "policy/approxkl" in stats["eager"]
-    for tag, value in stats["eager"].items():
+    assert json.loads((root / "compiled" / "args.json").read_text())["compile_training"] is True
+    assert sorted(stats["compiled"]) == sorted(stats["plain"]) and "policy/approxkl" in stats["plain"]
+    for tag, value in stats["plain"].items():
         assert stats["compiled"][tag] == pytest.approx(value, rel=1e-3, abs=1e-5), tag
-    eager, compiled = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("eager", "compiled"))
-    start = load_file(str(WORLD / "pythia-tiny" / "model.safetensors"))
-    moved = max((eager[k] - start[k]).abs().max().item() for k in eager)
-    apart = max((eager[k] - compiled[k]).abs().max().item() for k in eager)
+    moved, apart = moved_and_apart(root, "plain", "compiled")
     assert moved > 1e-4 and apart < 0.01 * moved, (moved, apart)
 
 
-def test_deepspeed_keeps_the_scripts_accumulation_over_the_configs(tiny_tldr, tmp_path):
+def test_deepspeed_keeps_the_scripts_accumulation_over_the_configs(tiny_tldr, deepspeed_plain, tmp_path):
     """An accelerate config that names an accumulation (`accelerate config` writes 1) leaves the update as it is:
     ppo.py accumulates its 2 micro-batches a rank into one optimizer step, and ends where the shipped config does
     (accelerate would take the config's 1 over the script's and step after every micro-batch: 2 steps, not 1)."""
     import yaml
-    from safetensors.torch import load_file
 
+    root, _ = deepspeed_plain
     config = yaml.safe_load((REPO / "benchmark/accelerate/deepspeed_zero2.yaml").read_text())
     config["deepspeed_config"]["gradient_accumulation_steps"] = 1
     (tmp_path / "accumulation_1.yaml").write_text(yaml.safe_dump(config))
-    make_reward_model(tmp_path / "rm")
-    run_deepspeed_ppo(tiny_tldr, tmp_path, "shipped", "--num_eval_samples", "0")
-    run_deepspeed_ppo(tiny_tldr, tmp_path, "accumulation_1", "--num_eval_samples", "0",
-                      config=tmp_path / "accumulation_1.yaml")
-    shipped, other = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("shipped", "accumulation_1"))
-    start = load_file(str(WORLD / "pythia-tiny" / "model.safetensors"))
-    moved = max((shipped[k] - start[k]).abs().max().item() for k in shipped)
-    apart = max((shipped[k] - other[k]).abs().max().item() for k in shipped)
+    run_deepspeed_ppo(tiny_tldr, root, "accumulation_1", config=tmp_path / "accumulation_1.yaml")
+    moved, apart = moved_and_apart(root, "plain", "accumulation_1")
     assert moved > 1e-4 and apart < 0.01 * moved, (moved, apart)
 
 
@@ -1402,7 +1419,7 @@ def test_zero_stage_3_is_refused_for_the_trained_models():
 def test_compiled_training_is_refused_in_bf16_on_a_cpu(tmp_path):
     """Inductor cannot build the layers' bf16 backward for a CPU (torch 2.13): a bf16 launch with --compile_training
     on a CPU stops before loading anything, naming the flag."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "ACCELERATE_MIXED_PRECISION": "bf16",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_MIXED_PRECISION": "bf16",
            "ACCELERATE_USE_CPU": "true"}  # a CPU rehearsal on purpose (accelerate launch --cpu --mixed_precision bf16)
     result, = early_exits([(tmp_path, REPO / "ppo.py", ["--compile_training", "--output_dir", tmp_path / "out"])], env=env)
     assert result.returncode != 0
@@ -1410,27 +1427,19 @@ def test_compiled_training_is_refused_in_bf16_on_a_cpu(tmp_path):
     assert "Loading weights" not in result.stdout + result.stderr and not (tmp_path / "out").exists()
 
 
-def test_deepspeed_offload_matches_deepspeed(tiny_tldr, tmp_path):
+def test_deepspeed_offload_matches_deepspeed(tiny_tldr, deepspeed_plain):
     """--offload (reference policy and RM as ZeRO-3 engines, parameters on the CPU; the paper's 6.9B setting)
     trains like the plain DeepSpeed ZeRO-2 launch: 2 CPU processes each, same weights, same samples."""
-    from safetensors.torch import load_file
-
-    make_reward_model(tmp_path / "rm")
-    for name, extra in (("plain", []), ("offload", ["--offload"])):
-        # 5 eval rows on 2 ranks in batches of 2: rank 0 has 3 rows (2 batches), rank 1 two (1 batch). The
-        # ZeRO-3 engines gather parameters in every forward, so unequal batch counts would hang here.
-        run_deepspeed_ppo(tiny_tldr, tmp_path, name, "--num_eval_samples", "5", *extra)
-    assert json.loads((tmp_path / "offload" / "args.json").read_text())["offload"] is True
-    plain, offload = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("plain", "offload"))
-    start = load_file(str(WORLD / "pythia-tiny" / "model.safetensors"))
-    moved = max((plain[k] - start[k]).abs().max().item() for k in plain)
-    apart = max((plain[k] - offload[k]).abs().max().item() for k in plain)
+    root, _ = deepspeed_plain
+    run_deepspeed_ppo(tiny_tldr, root, "offload", "--offload")
+    assert json.loads((root / "offload" / "args.json").read_text())["offload"] is True
+    moved, apart = moved_and_apart(root, "plain", "offload")
     # An update happened, and the two launches end within float rounding of each other: the ZeRO-3 engines sum
     # in another order, and Adam's normalised steps carry that to the weights (1.0e-5 apart after a 4.0e-3 move).
     assert moved > 1e-4 and apart < 0.01 * moved, (moved, apart)
     rows = []
     for name in ("plain", "offload"):
-        with open(tmp_path / name / "eval_validation.csv") as file:
+        with open(root / name / "eval_validation.csv") as file:
             rows.append(list(csv.DictReader(file)))
     assert len(rows[0]) == len(rows[1]) == 5  # every row once: the repeated one filling rank 1's batch is dropped
     assert [(r["query"], r["response"]) for r in rows[0]] == [(r["query"], r["response"]) for r in rows[1]]

@@ -332,7 +332,7 @@ def preprocess(cwd, source, base_model, *flags):
 
 def stage(cwd, script, *flags, processes=1, bf16=False, check=True):
     """Run a stage script in `cwd`: plain python, or 2 CPU processes of DeepSpeed ZeRO-2 (bf16 or not)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if processes == 1 and not bf16:
         cmd = [sys.executable, str(REPO / script)]
     else:
@@ -417,7 +417,7 @@ def test_missing_inputs_stop_before_anything_is_written(chained, pythia_like, tm
               for script in expected] + [(with_sft, REPO / "ppo.py", ["--base_model", pythia_like])] + [
         (tmp_path, REPO / "dpo.py", ["--base_model", pythia_like, "--query_dataset", f"data/{NAME}/tldr/sft"])]
     # one interpreter for the five starts (conftest.early_exits), each in its folder
-    results = early_exits(starts, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+    results = early_exits(starts, env={**os.environ, "OMP_NUM_THREADS": "1"})
     for (flag, path, command), result in zip(expected.values(), results):
         assert result.returncode != 0 and "SetupError" in result.stderr, result.stderr[-2000:]
         message = result.stderr.strip().splitlines()[-1]
@@ -440,7 +440,7 @@ def test_a_model_of_another_base_is_never_picked_up(chained, tmp_path):
     ppo, rm, dpo, ppo_given = early_exits(  # one interpreter for all four (conftest.early_exits)
         [(chained, REPO / "ppo.py", other), (chained, REPO / "reward.py", other + sft_model),
          (chained, REPO / "dpo.py", other + sft_model), (chained, REPO / "ppo.py", other + sft_model)],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert "--sft_model_path models/EleutherAI/pythia-2.8b-deduped/sft_1: no such folder" in ppo.stderr
     for result in (rm, dpo):
         assert f"was fine-tuned from {NAME}, not from --base_model EleutherAI/pythia-2.8b-deduped" in result.stderr

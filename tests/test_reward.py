@@ -26,7 +26,7 @@ from conftest import REPO, WORLD, early_exits, multi_process_slot, one_process, 
 
 import reward
 
-ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+ENV = dict(os.environ)
 
 
 def test_head_init_statistics():

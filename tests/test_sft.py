@@ -40,7 +40,7 @@ RESUME_TOLERANCE = 1e-6  # same ops in the same order on one process: equal in p
 def run_sft(cwd, *flags, processes=1, deepspeed=False, check=True):
     """Run sft.py in `cwd`, for 2 processes through `accelerate launch` on CPU (DDP, or DeepSpeed
     ZeRO-2 with the repository's config); the CompletedProcess."""
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    env = dict(os.environ)
     if processes == 1:
         cmd = [sys.executable, str(REPO / "sft.py")]
     else:
@@ -433,8 +433,7 @@ def bad_input_starts(tiny_tldr, single_run, tmp_path_factory):
         cwd = tmp_path_factory.mktemp("bad_input")
         flags, message = bad_input(case, tiny_tldr, single_run, cwd)
         cases[case] = (cwd, flags, message)
-    results = early_exits([(cwd, REPO / "sft.py", flags) for cwd, flags, _ in cases.values()],
-                            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    results = early_exits([(cwd, REPO / "sft.py", flags) for cwd, flags, _ in cases.values()])
     return {case: (cwd, message, result) for (case, (cwd, _, message)), result in zip(cases.items(), results)}
 
 
