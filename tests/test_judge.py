@@ -25,6 +25,7 @@ import pytest
 
 import judge
 import tiny_world
+from conftest import run_python
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET = "sk-test-DO-NOT-WRITE-ME-0123456789"
@@ -350,7 +351,8 @@ def judge_env():
 
 
 def run_judge(*flags, timeout=120):
-    return subprocess.run(judge_cmd(*flags), capture_output=True, text=True, timeout=timeout, env=judge_env())
+    """judge.py with `flags` (judge_cmd), run to its end as a fresh start (conftest.run_python) -> CompletedProcess."""
+    return run_python(judge_cmd(*flags), timeout=timeout, env=judge_env())
 
 
 def read_csv(path):
@@ -500,8 +502,7 @@ def test_run_level_faults_stop_the_run_row_faults_do_not(tmp_path, server_factor
     assert json.loads((tmp_path / "d" / "results.json").read_text())["runs"]["t"]["unjudged"] == 3
     # No key, no call, and nothing written.
     env = {k: v for k, v in judge_env().items() if k != "OPENAI_API_KEY"}
-    proc = subprocess.run(judge_cmd("--tables", f"t={table}", "--output_dir", str(tmp_path / "c")),
-                          capture_output=True, text=True, timeout=60, env=env)
+    proc = run_python(judge_cmd("--tables", f"t={table}", "--output_dir", str(tmp_path / "c")), timeout=60, env=env)
     assert proc.returncode == 1 and "OPENAI_API_KEY" in proc.stderr and not (tmp_path / "c").exists()
 
 
@@ -524,8 +525,8 @@ def test_the_openai_judge_needs_a_model_named(tmp_path):
     """The paper's judge (gpt-3.5-turbo-0125) is shut down, so no model is a default: without --model the run stops
     before writing anything and says why; the tiny world's gold judge needs none."""
     table = write_table(tmp_path / "t.csv", llm_rows(2))
-    proc = subprocess.run([sys.executable, str(REPO / "judge.py"), "--tables", f"t={table}", "--output_dir",
-                           str(tmp_path / "o")], capture_output=True, text=True, timeout=60, env=judge_env())
+    proc = run_python([sys.executable, str(REPO / "judge.py"), "--tables", f"t={table}", "--output_dir",
+                       str(tmp_path / "o")], timeout=60, env=judge_env())
     assert proc.returncode == 1 and "--model: required with --judge openai" in proc.stderr
     assert "gpt-3.5-turbo-0125, was shut down" in proc.stderr and not (tmp_path / "o").exists()
     assert judge.flag_problems(judge.Args(judge="gold", tables=(f"t={table}",), output_dir=str(tmp_path / "g"))) == []

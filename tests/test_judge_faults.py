@@ -19,6 +19,7 @@ import time
 import pytest
 
 import judge
+from conftest import run_python
 from test_judge import (FAST, SECRET, judge_cmd, judge_env, llm_rows, read_csv, run_judge,  # noqa: F401
                         server_factory, write_table)
 
@@ -490,12 +491,12 @@ def test_cache_records_of_an_older_judge_are_read_as_judged(tmp_path):
     table = write_table(tmp_path / "a.csv", gold_rows("sft", 6))
     out = tmp_path / "out"
     command = judge_cmd("--judge", "gold", "--tables", f"sft={table}", "--output_dir", str(out))
-    assert subprocess.run(command, capture_output=True, text=True, timeout=120, env=judge_env()).returncode == 0
+    assert run_python(command, timeout=120, env=judge_env()).returncode == 0
     cache = out / "judgments.jsonl"
     records = [json.loads(line) for line in cache.read_text().splitlines()]
     newer = ("status", "totals", "abandoned", "billed_twice")
     cache.write_text("".join(json.dumps({k: v for k, v in r.items() if k not in newer}) + "\n" for r in records))
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=judge_env())
+    proc = run_python(command, timeout=120, env=judge_env())
     assert proc.returncode == 0 and "0 to ask" in proc.stdout, proc.stdout[-2000:]
     totals = results(out)["totals"]
     assert (totals["judged"], totals["unjudged"], totals["calls"]) == (6, 0, 6)
