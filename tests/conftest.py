@@ -55,15 +55,15 @@ import pytest  # noqa: E402
 # are short: pytest 504 s against 557-562 s side by side with warm caches; from a fresh clone with cold
 # caches (`.ci/run`) 571-574 s against 581 s, where compiling makes test_ppo.py longer and xdist's order
 # nearly balanced already. Seconds per file: `pytest tests -n 2 --dist loadfile --durations=0`, setup and
-# calls summed (2026-11-29, the AVX2 EPYC). A stale table only costs balance, never a test; a file not in
+# calls summed (2026-12-01, the AVX2 EPYC). A stale table only costs balance, never a test; a file not in
 # it counts 10 s.
-FILE_SECONDS = {"test_ppo.py": 329, "test_judge_faults.py": 76, "test_real_path.py": 75, "test_reward.py": 65,
-                "test_ppo_gold_reward.py": 58, "test_forkserver.py": 50, "test_preprocess_kill.py": 48,
-                "test_dpo.py": 47, "test_tiny_world.py": 33, "test_judge.py": 30, "test_faults_kill.py": 23,
-                "test_sft.py": 22, "test_conventions.py": 22, "test_faults_pickle.py": 21, "test_preprocess.py": 18,
-                "test_benchmarks.py": 17, "test_launchers.py": 17, "test_rm_diagnostics.py": 16,
-                "test_tiny_report.py": 13, "test_faults_flags.py": 12, "test_faults_tokenizer.py": 9,
-                "test_preprocess_bad_rows.py": 6, "test_faults_nan.py": 5}
+FILE_SECONDS = {"test_ppo.py": 420, "test_real_path.py": 98, "test_ppo_gold_reward.py": 83, "test_preprocess_kill.py": 74,
+                "test_reward.py": 66, "test_forkserver.py": 58, "test_dpo.py": 53, "test_faults_kill.py": 49,
+                "test_tiny_world.py": 49, "test_benchmarks.py": 47, "test_judge_faults.py": 46, "test_sft.py": 44,
+                "test_launchers.py": 39, "test_conventions.py": 34, "test_judge.py": 28, "test_rm_diagnostics.py": 21,
+                "test_faults_pickle.py": 20, "test_preprocess.py": 14, "test_tiny_report.py": 14,
+                "test_preprocess_bad_rows.py": 12, "test_faults_tokenizer.py": 11, "test_faults_flags.py": 10,
+                "test_tiny_resume.py": 10, "test_sweep_report.py": 7, "test_faults_nan.py": 6}
 
 
 def pytest_collection_modifyitems(config, items):
