@@ -227,9 +227,9 @@ def preprocess_tiny_world(out):
 
 def early_exits(cases, env=None, timeout=600):
     """[(cwd, script, [args...]), ...] -> one subprocess.CompletedProcess per case, as if each were
-    `python script args...` run in its cwd, but all run in ONE fresh interpreter (tests/early_exits.py): for
-    starts that stop before a model is loaded (bad flags or inputs, --help, imports), whose cost is the
-    ~6-8 s of imports of each interpreter."""
+    `python script args...` run in its cwd, but all run in ONE start of tests/early_exits.py, itself a fork of an
+    interpreter that has imported the libraries (run_python): for starts that stop before a model is loaded (bad
+    flags or inputs, --help, imports), whose cost is the ~6-8 s of imports of each interpreter."""
     import json
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -238,9 +238,8 @@ def early_exits(cases, env=None, timeout=600):
                    "stdout": str(scratch / f"{i}.out"), "stderr": str(scratch / f"{i}.err")}
                   for i, (cwd, script, argv) in enumerate(cases)]
         (scratch / "cases.json").write_text(json.dumps(listed))
-        driver = subprocess.run([sys.executable, str(REPO / "tests" / "early_exits.py"),
-                                 str(scratch / "cases.json"), str(scratch / "results.json")],
-                                env=env, capture_output=True, text=True, timeout=timeout)
+        driver = run_python([sys.executable, str(REPO / "tests" / "early_exits.py"), str(scratch / "cases.json"),
+                             str(scratch / "results.json")], env=env, timeout=timeout)
         assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]
         statuses = json.loads((scratch / "results.json").read_text())
         return [subprocess.CompletedProcess([sys.executable, case["script"], *case["argv"]], status,

@@ -1,9 +1,10 @@
-"""Run several early-exiting starts of stage scripts in ONE fresh interpreter (not pytest's): tests/conftest.py's
-`early_exits` calls it as `python tests/early_exits.py CASES_JSON RESULTS_JSON`.
+"""Run several early-exiting starts of stage scripts in ONE start (not pytest's process): tests/conftest.py's
+`early_exits` runs it as `python tests/early_exits.py CASES_JSON RESULTS_JSON` through its fork server
+(`run_python`: a fork of an interpreter that has imported the libraries, which looks as a fresh one would).
 
 Each case is a start that stops before it loads a model (a bad flag, a bad input folder, --help, an
 import). Every interpreter start of a stage pays ~6-8 s of imports (torch, transformers, datasets)
-before its first check; here a test pays them once for all its cases. Each case runs as `python SCRIPT ARGS...` would,
+before its first check; here they are paid once for all the cases. Each case runs as `python SCRIPT ARGS...` would,
 in its own working folder: the script is executed as __main__ (runpy), its stdout and stderr go to
 files at the file-descriptor level (so library loggers and progress bars are caught too), and an
 uncaught exception prints its traceback and counts as exit status 1, as the interpreter would do.

@@ -601,6 +601,27 @@ def test_map_processes_forks_only_for_splits_worth_it(monkeypatch):
     assert pre.map_processes(None, 16384) is None
 
 
+def test_map_splits_writes_the_table_of_a_row_by_row_map(tok):
+    """map_splits hands the row function batches of rows (row_by_row): the table is the one a plain row-by-row `map`
+    writes (columns, their order and types, values), in this process and in 2 worker processes, an empty split too."""
+    rows = [sft_row(f"t{i}", post="the cat sat on the mat. " * (i % 4 + 1), summary="cat sat " * (i % 3 + 1))
+            for i in range(9)]
+    splits = datasets.DatasetDict(train=datasets.Dataset.from_list(rows), test=datasets.Dataset.from_list(rows[:4]),
+                                  validation=datasets.Dataset.from_list(rows).select([]))
+
+    def kwargs(split):
+        return dict(tokenizer=tok, eos_text=tok.eos_token, pad_id=tok.pad_token_id, query_length=96,
+                    response_length=16, query_response_length=112, split=split)
+
+    for num_proc in (None, 2):
+        ours = pre.map_splits(splits, pre.process_sft_row, num_proc, "sft", kwargs)
+        for split, dataset in splits.items():
+            plain = dataset.map(pre.process_sft_row, fn_kwargs=kwargs(split))
+            assert ours[split].column_names == plain.column_names and ours[split].features == plain.features
+            assert ours[split].data.table.equals(plain.data.table) and len(ours[split]) == len(dataset), split
+        assert "query_token" in ours["train"].column_names and len(ours["validation"]) == 0
+
+
 def test_usable_cpus_are_the_affinity_of_this_process_not_the_node(monkeypatch):
     """A SLURM task of 16 CPUs on a node of 224 threads: os.cpu_count() says 224, the affinity 16."""
     monkeypatch.setattr(pre.os, "cpu_count", lambda: 224)
