@@ -726,12 +726,8 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
     # Non-empty once a row stopped the run: the rows that get the semaphore it releases before the
     # TaskGroup cancels them must not start a call (it would be abandoned at once, maybe billed).
     stopping = []
-    # A 400 that every row gets (a flag the server rejects, e.g. a temperature a reasoning model refuses) would
-    # fail the rows one by one: the same 400 on the first rows asked with these settings, none judged, stops it.
-    rejected = collections.Counter()
-    judged = any(record.get("status", "judged") == "judged"  # a verdict under these settings, cached or this run's
-                 and all(record.get(k) == meta[k] for k in ("model", "prompt_version", "temperature"))
-                 for record in cache.values())
+    rejected = collections.Counter()  # the 400s of rows asked before any verdict (why_run_stops)
+    judged = any(judged_under(record, meta) for record in cache.values())  # a verdict under these settings yet
 
     async def one(item: dict) -> None:
         nonlocal judged
@@ -757,21 +753,13 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
             try:
                 reply = await call_with_retries(lambda: ask(item["post"], a, b), totals, rng=rng, **retry)
             except (openai.OpenAIError, TimeoutError, BadReply) as error:
-                if stops_run(error):
+                if not stops_run(error):  # a row's own failure: recorded, the others go on
+                    totals["failed_runs"] += 1
+                    save("failed", error=error)
+                why = why_run_stops(error, rejected, judged, stopping)
+                if why is not None:
                     stopping.append(item["key"])
-                    why = ("no quota left (429 insufficient_quota or x-should-retry: false), which waiting does not "
-                           "clear: add credit or raise the spend limit; " if out_of_quota(error) else "")
-                    raise RunStopped(scrub(why + describe(error), secrets)) from error
-                totals["failed_runs"] += 1
-                save("failed", error=error)
-                kind = bad_request_kind(error) if isinstance(error, openai.BadRequestError) else None
-                if kind is not None and not judged:
-                    rejected[kind] += 1
-                    if rejected[kind] >= SAME_400_STOPS and not stopping:
-                        stopping.append(item["key"])
-                        raise RunStopped(scrub(f"the first {SAME_400_STOPS} rows asked all got the same 400, which "
-                                               "every row would get: check the flags the server rejects (a reasoning "
-                                               "model takes --temperature 1 only); " + describe(error), secrets))
+                    raise RunStopped(scrub(why, secrets)) from error
                 return
             except asyncio.CancelledError:
                 if totals["calls"] > before["calls"]:  # calls were made: keep their count for the re-ask
@@ -891,6 +879,30 @@ def out_of_quota(error: BaseException) -> bool:
 
 
 SAME_400_STOPS = 3  # rows failing with one 400 before any is judged: judge_all stops the run
+
+
+def judged_under(record: dict, meta: dict) -> bool:
+    """Whether a cache record is a verdict asked with the settings of `meta` (model, prompt version, temperature)."""
+    return (record.get("status", "judged") == "judged"
+            and all(record.get(k) == meta[k] for k in ("model", "prompt_version", "temperature")))
+
+
+def why_run_stops(error: BaseException, rejected: collections.Counter, judged: bool, stopping: list) -> Optional[str]:
+    """Why a row's `error` stops the run (stops_run, or SAME_400_STOPS rows with the same 400 and no verdict yet under
+    these settings), None if the other rows go on. Counts that 400 in `rejected`; `stopping`: non-empty once stopped."""
+    if stops_run(error):
+        return ("no quota left (429 insufficient_quota or x-should-retry: false), which waiting does not clear: add "
+                "credit or raise the spend limit; " if out_of_quota(error) else "") + describe(error)
+    kind = bad_request_kind(error) if isinstance(error, openai.BadRequestError) else None
+    if kind is None or judged:
+        return None
+    # A 400 that every row gets (a flag the server rejects, e.g. a temperature a reasoning model refuses) would
+    # fail the rows one by one: the same 400 on the first rows asked with these settings, none judged, stops it.
+    rejected[kind] += 1
+    if rejected[kind] < SAME_400_STOPS or stopping:
+        return None
+    return (f"the first {SAME_400_STOPS} rows asked all got the same 400, which every row would get: check the flags "
+            "the server rejects (a reasoning model takes --temperature 1 only); " + describe(error))
 
 
 # 400s that depend on the row itself (a long post, a flagged one), however alike their messages: never a run's fault.
