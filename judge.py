@@ -717,9 +717,8 @@ async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, 
                     retry: dict, run_id: float, secrets: list[str]) -> None:
     """Judge every item of `todo` (distinct keys) with `ask(post, a, b) -> reply`; append each record at once.
 
-    `retry`: call_with_retries' timeout, max_retries, base, cap. A row that fails for good is recorded
-    as failed and the others go on. A fault that stops the run (stops_run) cancels the rest and
-    raises RunStopped. Every finished row, judged or failed, is on disk; `secrets` never are."""
+    `retry`: call_with_retries' timeout, max_retries, base, cap. A row that fails for good is recorded as failed and the
+    others go on; one that stops the run (why_run_stops) cancels the rest. Every finished row is on disk, no secret."""
     semaphore = asyncio.Semaphore(max_concurrency)
     rng = random.Random()  # jitter only: deliberately unseeded, it changes no result
     bar = tqdm(total=len(todo), desc=f"judging ({meta['model']})", unit="call")

@@ -901,8 +901,7 @@ class StaticSampler:
                 decode_step, backend=self.backend, mode="reduce-overhead" if queries.is_cuda else None, dynamic=False),
                 "--fast_sampling", "FAST_SAMPLING=0")
         if self.cache is None or self.cache.get_max_length() != context_length + response_length:
-            # On a GPU one cache for the process, its tensors at fixed addresses (what CUDA graphs replay);
-            # on a CPU one per call, dropped at its end, so that the PPO epochs do not hold it.
+            # GPU: one cache for the process, at the fixed addresses CUDA graphs replay. CPU: one per call.
             self.cache = OneDtypeStaticCache(config=model.config, max_cache_len=context_length + response_length)
         # (B, T_q): the rows past `rows` repeat the last query; they are decoded but never drawn for.
         queries = torch.cat((queries, queries[-1:].expand(self.batch_size - rows, -1)))
@@ -940,12 +939,11 @@ class StaticSampler:
         finally:
             model.set_attn_implementation(attention)
             if not queries.is_cuda:
-                self.cache = None
+                self.cache = None  # dropped at the call's end, so that the PPO epochs do not hold it
         if (context_length, response_length) not in self.shapes:
             self.shapes.add((context_length, response_length))
-            # A call that compiled leaves dynamo's tracing objects in reference cycles, and they hold this call's
-            # cache (90 MiB at issue 17's 5M configuration) until Python's cyclic collector happens to run: often
-            # not before the PPO epochs, whose peak memory it then raises. Collected once per shape.
+            # Compiling leaves dynamo's tracing objects in reference cycles holding this call's cache (90 MiB at the 5M
+            # benchmark) until Python's cyclic collector runs, often only after the PPO epochs, whose peak it raises.
             gc.collect()
         for _ in range(response_length - len(tokens)):  # the skipped steps' draws, as in sample_rollout
             draw_tokens(torch.ones_like(scores[0]))

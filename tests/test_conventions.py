@@ -966,6 +966,59 @@ def test_fence_checker_catches_misplaced_code():
     assert check_fence(teardown, "d.py") == []  # main() inside a try / finally still runs last
 
 
+# Sizes a reading takes in (issue 18): the algorithm above the fence in so many lines (the fence line itself not
+# counted); no function longer than FUNCTION_LINES but `main()`, the paper's steps, at most MAIN_LINES; a loop of a
+# `main()` (ppo.py's training loop) at most LOOP_LINES below its `for` / `while` line.
+ABOVE_FENCE_LINES = {"sft.py": 350, "reward.py": 450, "dpo.py": 450, "ppo.py": 550}
+FUNCTION_LINES, MAIN_LINES, LOOP_LINES = 60, 250, 80
+SIZED_SCRIPTS = FENCED_STAGES + ("tiny_world.py",)
+
+
+def check_sizes(source: str, filename: str, above_fence: Optional[int] = None) -> list[str]:
+    """The lines above the fence (if `above_fence`), every function's lines (def to last line, nested ones too) and
+    the loops of `main()` against the limits above."""
+    lines, problems = source.splitlines(), []
+    if above_fence is not None and FENCE in lines and lines.index(FENCE) > above_fence:
+        problems.append(f"{filename}: {lines.index(FENCE)} lines above the fence, at most {above_fence}: move "
+                        "plumbing below it or say the algorithm in fewer lines")
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        length, limit = node.end_lineno - node.lineno + 1, MAIN_LINES if node.name == "main" else FUNCTION_LINES
+        if length > limit:
+            problems.append(f"{filename}:{node.lineno}: `{node.name}` has {length} lines, at most {limit}: name its "
+                            "steps as functions")
+        loops = [loop for loop in ast.walk(node) if isinstance(loop, (ast.For, ast.While))] if node.name == "main" else []
+        problems += [f"{filename}:{loop.lineno}: a loop of `main` has a body of {loop.end_lineno - loop.lineno} lines, "
+                     f"at most {LOOP_LINES}" for loop in loops if loop.end_lineno - loop.lineno > LOOP_LINES]
+    return problems
+
+
+@pytest.mark.parametrize("script", [name for name in SIZED_SCRIPTS if (REPO / name).is_file()])
+def test_scripts_read_in_sizes_a_reader_takes_in(script):
+    problems = check_sizes((REPO / script).read_text(), script, ABOVE_FENCE_LINES.get(script))
+    assert not problems, "\n".join(problems)
+
+
+def test_size_checker_catches_long_code():
+    def function(name, lines, loop=0):
+        body = "".join(f"    x{i} = {i}\n" for i in range(lines - 2 - (loop and loop + 1)))
+        body += "    for _ in range(2):\n" + "".join(f"        y{i} = {i}\n" for i in range(loop)) if loop else ""
+        return f"def {name}():\n{body}    return 0\n\n\n"
+
+    fits = function("step", 60) + function("main", 250, loop=80) + FENCE + "\n" + function("fast", 60)
+    assert check_sizes(fits, "a.py", above_fence=314) == []  # 60 + 250 lines and two blank lines after each
+    assert [problem.split(": ", 1)[1] for problem in check_sizes(fits, "a.py", above_fence=313)] == [
+        "314 lines above the fence, at most 313: move plumbing below it or say the algorithm in fewer lines"]
+    long = function("step", 61) + function("main", 251, loop=81) + "class Sampler:\n" + "".join(
+        "    " + line + "\n" for line in function("__call__", 61).splitlines())
+    assert [problem.split(": ", 1)[1] for problem in check_sizes(long, "b.py")] == [
+        "`step` has 61 lines, at most 60: name its steps as functions",
+        "`main` has 251 lines, at most 250: name its steps as functions",
+        "a loop of `main` has a body of 81 lines, at most 80",
+        "`__call__` has 61 lines, at most 60: name its steps as functions"]
+
+
 
 
 # ---------------------------------------------------------------------------------------------
