@@ -26,7 +26,8 @@ for a fork running `python SCRIPT ARGS` with the rank's environment (torchrun's 
 folder and standard streams, waits for it and exits with its status. Each rank then pays no imports either: a 2-rank
 launch costs ~1 s instead of ~12 s of interpreter starts. A rank's environment differs from the server's only in
 what the launcher adds; libraries read those variables when a run starts, not on import, and the thread count is set
-from the rank's OMP_NUM_THREADS as a fresh interpreter would take it.
+from the rank's OMP_NUM_THREADS as a fresh interpreter would take it. A start's own starts of `python SCRIPT.py
+ARGS...` (benchmark/ppo_gold_reward.py runs ppo.py) go through tests/rank.py the same way (fork_nested_starts).
 
 Protocol: one connection per start; the client sends one JSON line {script or module, argv, cwd, stdout, stderr}, or
 {script, argv, cwd, env} with its stdin, stdout and stderr passed as file descriptors (SCM_RIGHTS; tests/rank.py),
@@ -47,6 +48,7 @@ import traceback
 from early_exits import run_as_main  # tests/ is sys.path[0] of `python tests/forkserver.py`
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RANK = os.path.join(REPO, "tests", "rank.py")
 # Importing these (they import nothing of each other's and run nothing on import: test_conventions checks) brings
 # in every library the stage scripts and benchmark scripts use at the top of the file.
 PRELOAD_SCRIPTS = ["preprocess_tldr", "sft", "reward", "dpo", "ppo", "judge", "tiny_world"]
@@ -85,6 +87,7 @@ def child(request, fds: list, socket_path: str) -> int:
     for target, fd in enumerate(fds):  # stdin, stdout, stderr
         os.dup2(fd, target)
         os.close(fd)
+    fork_nested_starts(socket_path)
     torch = sys.modules["torch"]
     if "env" in request:  # a rank: the launcher's environment and torchrun's variables
         threads = request["env"].get("OMP_NUM_THREADS")
@@ -115,6 +118,26 @@ def child(request, fds: list, socket_path: str) -> int:
         except BaseException:
             pass
     return status
+
+
+def fork_nested_starts(socket_path: str):
+    """In a child: make its own starts of `python SCRIPT.py ARGS...` (a benchmark running the stage scripts) forks of
+    this server too. subprocess.Popen runs `python tests/rank.py SCRIPT.py ARGS...` in their place, which asks this
+    server for the start with the working folder, environment and standard streams the caller gave, as for a
+    launch's ranks; other commands (`python -c`, `python -m`, other programs) start as asked."""
+    import subprocess
+
+    popen_init = subprocess.Popen.__init__
+
+    def init(self, args, *rest, **kwargs):
+        if (isinstance(args, (list, tuple)) and len(args) > 1 and args[0] == sys.executable
+                and str(args[1]).endswith(".py") and not rest):
+            args = [sys.executable, RANK, *args[1:]]
+            environment = os.environ if kwargs.get("env") is None else kwargs["env"]
+            kwargs["env"] = {**environment, "RLHF_TESTS_FORK_SERVER": socket_path}  # rank.py takes it out again
+        popen_init(self, args, *rest, **kwargs)
+
+    subprocess.Popen.__init__ = init
 
 
 def read_request(connection) -> tuple:

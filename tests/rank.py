@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """One rank of a launch that tests/conftest.py's `run_python` forks: `accelerate launch --no_python tests/rank.py
-SCRIPT ARGS...` makes torchrun start this file for each rank, in place of `python SCRIPT ARGS...`.
+SCRIPT ARGS...` makes torchrun start this file for each rank, in place of `python SCRIPT ARGS...`; a forked start's
+own `python SCRIPT.py ARGS...` subprocesses start it too (tests/forkserver.py's fork_nested_starts).
 
 It asks the fork server that runs the launcher (tests/forkserver.py; its socket in RLHF_TESTS_FORK_SERVER) to start
 `python SCRIPT ARGS...` as a fork of its interpreter, which has imported the libraries already, with this process's

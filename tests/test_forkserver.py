@@ -110,6 +110,43 @@ def test_a_start_past_its_timeout_is_killed_with_what_it_started(tmp_path):
     assert run_python([sys.executable, str(tmp_path / "quick.py")], cwd=tmp_path, timeout=60).stdout == "quick\n"
 
 
+OUTER = '''import os, subprocess, sys
+with open("inner.log", "w") as log:
+    status = subprocess.run([sys.executable, "inner.py", "a b", "c"], cwd="sub", stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "FORK_TEST_VALUE": "inner"}).returncode
+print("inner exited", status)
+print("-c:", subprocess.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], capture_output=True,
+                            text=True).stdout.strip())
+'''
+
+INNER = '''import os, sys
+print("torch imported before the first line:", "torch" in sys.modules)
+print("inner", sys.argv[1:], os.path.basename(os.getcwd()), os.environ.get("FORK_TEST_VALUE"),
+      "RLHF_TESTS_FORK_SERVER" in os.environ, "repo modules:", sorted({"ppo", "sft", "reward"} & set(sys.modules)))
+print("to stderr", file=sys.stderr)
+sys.exit(5)
+'''
+
+
+def test_a_starts_own_script_starts_are_forks_that_look_fresh(tmp_path):
+    """A forked start that runs `python SCRIPT.py ARGS...` itself (benchmark/ppo_gold_reward.py runs ppo.py) gets a
+    fork of the server for it (no ~10 s of imports), which looks as the fresh start would: arguments, working folder,
+    environment, output and exit status; a `python -c` start stays a fresh interpreter."""
+    (tmp_path / "outer.py").write_text(OUTER)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "inner.py").write_text(INNER)
+    fresh = subprocess.run([sys.executable, "outer.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    fresh_log = (tmp_path / "inner.log").read_text()
+    forked = run_python([sys.executable, "outer.py"], cwd=tmp_path, timeout=120)
+    forked_log = (tmp_path / "inner.log").read_text()
+    assert forked.returncode == fresh.returncode == 0, forked.stderr
+    assert forked.stdout == fresh.stdout == "inner exited 5\n-c: False\n"
+    assert fresh_log.splitlines()[0] == "torch imported before the first line: False"
+    assert forked_log.splitlines()[0] == "torch imported before the first line: True"  # a fork of the server
+    assert forked_log.splitlines()[1:] == fresh_log.splitlines()[1:] == [
+        "inner ['a b', 'c'] sub inner False repo modules: []", "to stderr"]
+
+
 RANKS = '''import os, sys
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")  # from torchrun's environment

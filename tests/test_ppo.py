@@ -1041,36 +1041,61 @@ def make_reward_model(path):
     AutoTokenizer.from_pretrained(WORLD / "pythia-tiny").save_pretrained(path)
 
 
-def test_smoke_run_saves_policy_and_samples(tiny_tldr, tmp_path):
-    """Two full PPO updates (2 minibatches of 2 micro-batches of 4) on the tiny world, interrupted after the
-    first and resumed, then eval and save."""
+def test_runs_interrupted_resumed_fast_and_checkpointed_equal_the_plain_run(tiny_tldr, tmp_path):
+    """Two full PPO updates (2 minibatches of 2 micro-batches of 4) on the tiny world, four ways, each evaluated after
+    update 1 and at the end. The plain run: HF generate, stored activations, uninterrupted. The resumed run: stopped
+    after update 1 (as a time-limited job) and resumed from its checkpoint by a start that names no run (as the SLURM
+    launchers requeue): the plain run bit for bit, samples included, and it saves a standard policy folder. The fast
+    run: ppo.py --fast_sampling (StaticSampler for the rollouts and the evaluation, its step compiled, as the SLURM
+    launchers run it, its evaluation's sampler wider than its rollouts') with --gradient_checkpointing (activations
+    recomputed in the backward), stopped after its first update and its evaluation and resumed without
+    --fast_sampling, as after a requeue onto a node that cannot compile (the speed-only flags, --compile_training
+    too, may change on --resume): the same evaluation samples, the same logged statistics and final weights as the
+    plain run up to float rounding (the forwards sum in other orders)."""
+    from safetensors.torch import load_file
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoModelForCausalLM
 
     make_reward_model(tmp_path / "rm")
-    out = tmp_path / "ppo"
     # One thread: on a 2-core machine shared with other jobs, 2 threads per process run ~10x slower.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"),
-           "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
-           "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(out), "--run_name", "ppo_smoke",
-           "--total_episodes", "32", "--batch_size", "16", "--num_minibatches", "2", "--local_micro_batch_size", "4",
-           "--local_rollout_forward_batch_size", "8", "--response_length", "20", "--lr", "1e-4",
-           "--eval_every", "1", "--num_eval_samples", "8", "--local_eval_batch_size", "8"]
-    # Interrupted after update 1 (as a time-limited job), then resumed from its checkpoint. Both starts carry
-    # --resume, as every start of a SLURM task does (benchmark/slurm/): the first finds no checkpoint and starts at 0.
-    result = run_python(cmd + ["--stop_after_updates", "1", "--resume"], cwd=tmp_path, env=env, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"--resume: no checkpoint in {out / 'checkpoints'}, starting at update 0" in result.stdout
-    assert "2 updates of 16 episodes" in result.stdout and "stopped after update 1 of 2" in result.stdout
-    assert "model of type `scalar_model`" not in result.stdout + result.stderr  # the RM folder's tokenizer loads quietly
-    assert [p.name for p in (out / "checkpoints").iterdir()] == ["update_1"]
-    # The requeued start names no run (as the launchers): it takes the checkpoint's, and logs on under runs/ppo_smoke.
-    unnamed = cmd[: cmd.index("--run_name")] + cmd[cmd.index("--run_name") + 2 :]
-    result = run_python(unnamed + ["--resume"], cwd=tmp_path, env=env, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "at update 1" in result.stdout
-    assert [path.name for path in (tmp_path / "runs").iterdir()] == ["ppo_smoke"]
+    runs, steps, outputs = {}, {}, {}
+    # Both starts of a resumed run carry --resume, as every start of a SLURM task does (benchmark/slurm/): the first
+    # finds no checkpoint and starts at 0.
+    resumed = [["--save_every", "1", "--stop_after_updates", "1", "--resume"], ["--save_every", "1", "--resume"]]
+    fast = [resumed[0] + ["--fast_sampling", "--gradient_checkpointing"], resumed[1] + ["--gradient_checkpointing"]]
+    for name, starts in (("plain", [[]]), ("resumed", resumed), ("fast", fast)):
+        out = tmp_path / name
+        cmd = [sys.executable, str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"),
+               "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
+               "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(out), "--run_name", name,
+               "--total_episodes", "32", "--batch_size", "16", "--num_minibatches", "2", "--local_micro_batch_size", "4",
+               "--local_rollout_forward_batch_size", "8", "--response_length", "20", "--lr", "1e-4",
+               "--eval_every", "1", "--num_eval_samples", "12", "--local_eval_batch_size", "12"]  # > the rollout's 8
+        outputs[name] = []
+        for start, extra in enumerate(starts):
+            # The requeued start names no run (as the launchers): it takes the checkpoint's, and logs on under
+            # runs/<name>.
+            named = cmd if start == 0 else cmd[: cmd.index("--run_name")] + cmd[cmd.index("--run_name") + 2 :]
+            result = run_python(named + extra, cwd=tmp_path, env=env, timeout=900)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            outputs[name].append(result.stdout + result.stderr)
+            if start == 0 and len(starts) == 2:
+                assert [p.name for p in (out / "checkpoints").iterdir()] == ["update_1"], name
+        events = EventAccumulator(str(tmp_path / "runs" / name))
+        events.Reload()
+        runs[name] = {tag: [event.value for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+                      if not tag.startswith("time/")}
+        steps[name] = {tag: [event.step for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert sorted(path.name for path in (tmp_path / "runs").iterdir()) == ["fast", "plain", "resumed"]
+
+    # The resumed run's two starts, and what it saved.
+    first, second = outputs["resumed"]
+    out = tmp_path / "resumed"
+    assert f"--resume: no checkpoint in {out / 'checkpoints'}, starting at update 0" in first
+    assert "2 updates of 16 episodes" in first and "stopped after update 1 of 2" in first
+    assert "model of type `scalar_model`" not in first + second  # the RM folder's tokenizer loads quietly
+    assert "at update 1" in second
     policy = AutoModelForCausalLM.from_pretrained(out)  # a standard causal-LM folder
     assert policy.config.attention_dropout == 0.0
     assert (out / "tokenizer.json").is_file() and not (out / "checkpoints").exists()
@@ -1078,56 +1103,23 @@ def test_smoke_run_saves_policy_and_samples(tiny_tldr, tmp_path):
     assert saved["num_updates"] == 2 and saved["gradient_accumulation_steps"] == 2 and "git_commit" in saved
     with open(out / "eval_validation.csv") as file:
         rows = list(csv.DictReader(file))
-    assert len(rows) == 8 and list(rows[0]) == ["query", "response", "reference", "score", "reference_score"]
+    assert len(rows) == 12 and list(rows[0]) == ["query", "response", "reference", "score", "reference_score"]
     assert "[PAD]" not in rows[0]["query"] and "<|endoftext|>" not in rows[0]["reference"]
-    events = EventAccumulator(str(tmp_path / "runs" / "ppo_smoke"))
-    events.Reload()
-    scalars = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    scalars = runs["resumed"]
     for tag in ("objective/kl", "objective/scores", "policy/clipfrac", "value/loss", "time/generation"):
-        assert len(scalars[tag]) == 2, tag
+        assert len(steps["resumed"][tag]) == 2, tag
     assert scalars["policy/lr"] == pytest.approx([1e-4, 5e-5])  # lr (1 - update / num_updates): linear decay
     assert all(abs(r - 1) < 1e-4 for r in scalars["policy/ratio_first_epoch"]), scalars["policy/ratio_first_epoch"]
     assert scalars["objective/kl"][0] == pytest.approx(0.0, abs=1e-4)  # policy = reference before any step
     assert len(scalars["objective/validation_score"]) == 2  # after update 1 (eval_every) and at the end
     # x = episodes seen (16 a update); the last validation score is the final evaluation's, in eval_metrics.json
     for tag in ("objective/kl", "objective/validation_score", "eval/ppo/validation/score"):
-        assert [e.step for e in events.Scalars(tag)] == [16, 32], tag
+        assert steps["resumed"][tag] == [16, 32], tag
     final = json.loads((out / "eval_metrics.json").read_text())["validation"]
     assert scalars["objective/validation_score"][-1] == pytest.approx(final["score"])
     assert scalars["eval/ppo/validation/reference_score"][-1] == pytest.approx(final["reference_score"])
 
-
-def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_path):
-    """ppo.py --fast_sampling (StaticSampler for the rollouts and the evaluation, its step compiled, as the SLURM
-    launchers run it, its evaluation's sampler wider than its rollouts') and ppo.py --gradient_checkpointing (activations recomputed in the backward) against the same
-    run with HF generate and stored activations: the same evaluation samples, the same logged statistics and final
-    weights up to float rounding (the forwards sum in other orders). The fast run stops after its first update and
-    its evaluation, and is resumed without --fast_sampling, as after a requeue onto a node that cannot compile (the
-    speed-only flags, --compile_training too, may change on --resume). And the plain run stopped there and resumed:
-    the uninterrupted run bit for bit, samples included."""
-    from safetensors.torch import load_file
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    make_reward_model(tmp_path / "rm")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    runs = {}
-    resumed = [["--save_every", "1", "--stop_after_updates", "1", "--resume"], ["--save_every", "1", "--resume"]]
-    fast = [resumed[0] + ["--fast_sampling"], resumed[1]]  # update 1 and its evaluation sampled by the fast path
-    for name, starts in (("plain", [[]]), ("fast", fast), ("checkpointed", [["--gradient_checkpointing"]]),
-                         ("resumed", resumed)):
-        cmd = [sys.executable, str(REPO / "ppo.py"), "--base_model", str(WORLD / "pythia-tiny"),
-               "--query_dataset", str(tiny_tldr / "sft"), "--sft_model_path", str(WORLD / "pythia-tiny"),
-               "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / name), "--run_name", name,
-               "--total_episodes", "32", "--batch_size", "16", "--num_minibatches", "2", "--local_micro_batch_size", "4",
-               "--local_rollout_forward_batch_size", "8", "--response_length", "20", "--lr", "1e-4",
-               "--eval_every", "1", "--num_eval_samples", "12", "--local_eval_batch_size", "12"]  # > the rollout's 8
-        for extra in starts:
-            result = run_python(cmd + extra, cwd=tmp_path, env=env, timeout=900)
-            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        events = EventAccumulator(str(tmp_path / "runs" / name))
-        events.Reload()
-        runs[name] = {tag: [event.value for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]
-                      if not tag.startswith("time/")}
+    # Against the plain run.
     plain = (tmp_path / "plain" / "eval_validation.csv").read_text()
     assert len(plain.splitlines()) > 12 and len(runs["plain"]["objective/kl"]) == 2
     start = load_file(WORLD / "pythia-tiny" / "model.safetensors")
@@ -1136,13 +1128,13 @@ def test_fast_sampling_and_checkpointed_runs_equal_the_plain_run(tiny_tldr, tmp_
     assert ppo.SPEED_ONLY_FLAGS == ("fast_sampling", "compile_training")  # what the compile errors tell to drop
     fast_samples = (tmp_path / "runs" / "fast" / "samples_validation_16.csv").read_text()  # the fast path's
     assert fast_samples == (tmp_path / "runs" / "plain" / "samples_validation_16.csv").read_text()  # evaluation
-    for name in ("fast", "checkpointed"):  # agreement is not that of untouched weights
-        assert (tmp_path / name / "eval_validation.csv").read_text() == plain, name  # the same 12 samples, word for word
-        assert sorted(runs[name]) == sorted(runs["plain"])
-        for tag, values in runs["plain"].items():
-            assert runs[name][tag] == pytest.approx(values, rel=1e-4, abs=1e-4), (name, tag)
-        other = load_file(tmp_path / name / "model.safetensors")
-        assert max((weights[key] - other[key]).abs().max().item() for key in weights) < 1e-5, name
+    # agreement is not that of untouched weights
+    assert (tmp_path / "fast" / "eval_validation.csv").read_text() == plain  # the same 12 samples, word for word
+    assert sorted(runs["fast"]) == sorted(runs["plain"])
+    for tag, values in runs["plain"].items():
+        assert runs["fast"][tag] == pytest.approx(values, rel=1e-4, abs=1e-4), tag
+    other = load_file(tmp_path / "fast" / "model.safetensors")
+    assert max((weights[key] - other[key]).abs().max().item() for key in weights) < 1e-5
     # The resumed run: its evaluation after update 1 came before its checkpoint, so update 2 drew from the random
     # state the uninterrupted run had there (with the checkpoint before the evaluation, the final samples differed).
     assert (tmp_path / "resumed" / "eval_validation.csv").read_text() == plain
