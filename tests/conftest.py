@@ -253,15 +253,23 @@ _FORK_SERVERS = {}  # environment -> (server process, its folder): this pytest p
 # test: left in a server's environment, every test would start a server of its own (~10 s of imports each, and each
 # kept until the run ends). Only pytest reads it; a start sees the server's environment without it.
 PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
+# Variables that the libraries read when a script runs, never on import (checked in their sources: accelerate's
+# AcceleratorState, rich's Console, openai's client, torch.cuda's device count, inductor's cache_dir). A start gets
+# its whole environment from its request (tests/forkserver.py sets it before the script runs), so starts whose
+# environments differ only in these share one server: each new server costs ~10 s of imports, and the tests' own
+# environments (an Accelerator run in pytest sets ACCELERATE_USE_CPU in os.environ) started 15 of them. Any other
+# variable (TORCH_LOGS, PYTHONPATH, OMP_NUM_THREADS, which OpenBLAS reads on import, ...) gets servers of its own.
+RUN_TIME_VARIABLES = ("COLUMNS", "NO_COLOR", "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION", "OPENAI_API_KEY",
+                      "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def run_python(cmd, cwd=None, env=None, timeout=None):
-    """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout) for a start of `python
-    SCRIPT ARGS...` (cmd[0] is sys.executable), run as a forked copy of an interpreter that has imported the
-    libraries already (tests/forkserver.py, which says how the copy equals a fresh start; one server per
-    environment, PER_TEST_VARIABLES aside, started on first use and kept for the test run): each start's ~10 s
-    of imports are paid once. So is a launch, `python -m accelerate.commands.launch ... SCRIPT.py ARGS...`: the
-    launcher is forked, and each of its ranks too (tests/rank.py). Other commands (`python -c`, other modules,
+    """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout) for a start of
+    `python SCRIPT ARGS...` (cmd[0] is sys.executable), run as a forked copy of an interpreter that has imported the
+    libraries already (tests/forkserver.py, which says how the copy equals a fresh start; one server per environment,
+    PER_TEST_VARIABLES and RUN_TIME_VARIABLES aside, started on first use and kept for the test run): each start's
+    ~10 s of imports are paid once. So is a launch, `python -m accelerate.commands.launch ... SCRIPT.py ARGS...`:
+    the launcher is forked, and each of its ranks too (tests/rank.py). Other commands (`python -c`, other modules,
     shell scripts) run as subprocess.run runs them."""
     import json
     import socket
@@ -277,11 +285,12 @@ def run_python(cmd, cwd=None, env=None, timeout=None):
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     else:
         request = {"script": cmd[1], "argv": cmd[2:]}
-    folder = fork_server({key: value for key, value in (os.environ if env is None else env).items()
-                          if key not in PER_TEST_VARIABLES})
+    environment = {key: value for key, value in (os.environ if env is None else env).items()
+                   if key not in PER_TEST_VARIABLES}
+    folder = fork_server({key: value for key, value in environment.items() if key not in RUN_TIME_VARIABLES})
     with tempfile.TemporaryDirectory() as scratch:
         outputs = Path(scratch) / "stdout", Path(scratch) / "stderr"
-        request.update(cwd=str(cwd or os.getcwd()), stdout=str(outputs[0]), stderr=str(outputs[1]))
+        request.update(cwd=str(cwd or os.getcwd()), stdout=str(outputs[0]), stderr=str(outputs[1]), env=environment)
         with socket.socket(socket.AF_UNIX) as connection:
             connection.connect(str(folder / "socket"))
             stream = connection.makefile("rw")

@@ -3,11 +3,12 @@
 
 Every interpreter start of a stage script pays ~10 s of imports on CI's machine (torch, transformers, datasets,
 accelerate, DeepSpeed) before its first line runs, and the tests start ~100 of them: most of CI's time. This server
-pays the imports once, then forks a child per start. The child is the start it stands for, as `python SCRIPT ARGS...`
-would be, in its own process: the script runs as __main__ (runpy) in its working folder, with the environment the
-server was started with (the client starts one server per environment, pytest's per-test PYTEST_CURRENT_TEST left
-out), stdin from /dev/null, stdout and stderr into files at the file-descriptor level; an uncaught exception prints
-its traceback and is exit status 1; at the end it waits for its threads and runs the atexit handlers, as the
+pays the imports once, then forks a child per start. The child is the start it stands for, as `python SCRIPT
+ARGS...` would be, in its own process: the script runs as __main__ (runpy) in its working folder, with the
+environment the client gave it (the client starts one server per environment, leaving out pytest's per-test
+PYTEST_CURRENT_TEST and the variables that libraries read only when a script runs, which it sends with each start),
+stdin from /dev/null, stdout and stderr into files at the file-descriptor level; an uncaught exception prints its
+traceback and is exit status 1; at the end it waits for its threads and runs the atexit handlers, as the
 interpreter's own shutdown does. It differs from a fresh interpreter only in what it has imported already:
 third-party libraries, never a module of this repository (they are imported to find the libraries they need, then
 forgotten); and in one DeepSpeed op that it never builds, an inference-only all-reduce (see preload). The random
@@ -29,11 +30,12 @@ what the launcher adds; libraries read those variables when a run starts, not on
 from the rank's OMP_NUM_THREADS as a fresh interpreter would take it. A start's own starts of `python SCRIPT.py
 ARGS...` (benchmark/ppo_gold_reward.py runs ppo.py) go through tests/rank.py the same way (fork_nested_starts).
 
-Protocol: one connection per start; the client sends one JSON line {script or module, argv, cwd, stdout, stderr}, or
-{script, argv, cwd, env} with its stdin, stdout and stderr passed as file descriptors (SCM_RIGHTS; tests/rank.py),
-and reads back {"pid": N}, then {"status": S} (S < 0: killed by signal -S, as subprocess reports it). The server
-serves starts side by side (a launch's ranks run at the same time). A client that hangs up before its start ends
-(it timed out, or torchrun stopped the rank) gets the start killed with its process group (the child leads one).
+Protocol: one connection per start; the client sends one JSON line {script or module, argv, cwd, env, stdout,
+stderr}, or {script, argv, cwd, env} with its stdin, stdout and stderr passed as file descriptors (SCM_RIGHTS;
+tests/rank.py), and reads back {"pid": N}, then {"status": S} (S < 0: killed by signal -S, as subprocess reports
+it). The server serves starts side by side (a launch's ranks run at the same time). A client that hangs up before
+its start ends (it timed out, or torchrun stopped the rank) gets the start killed with its process group (the child
+leads one).
 """
 
 import importlib
@@ -89,7 +91,7 @@ def child(request, fds: list, socket_path: str) -> int:
         os.close(fd)
     fork_nested_starts(socket_path)
     torch = sys.modules["torch"]
-    if "env" in request:  # a rank: the launcher's environment and torchrun's variables
+    if "env" in request:  # the start's own environment (a rank's: the launcher's and torchrun's variables)
         threads = request["env"].get("OMP_NUM_THREADS")
         if threads and threads != os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(int(threads))  # what a fresh interpreter reads from it at start

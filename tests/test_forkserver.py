@@ -61,17 +61,27 @@ def test_each_start_looks_as_its_own_interpreter_would(tmp_path):
 
 def test_the_tests_of_a_run_share_a_server(tmp_path, monkeypatch):
     """pytest's per-test variable PYTEST_CURRENT_TEST does not start a server per test (~10 s of imports each): the
-    starts of two tests are forks of one server, and a start does not see the variable."""
-    (tmp_path / "script.py").write_text("import os; print(os.getppid(), os.environ.get('PYTEST_CURRENT_TEST'), sep='|')")
+    starts of two tests are forks of one server, and a start does not see the variable. Nor do the variables that
+    libraries read only when a script runs (RUN_TIME_VARIABLES): a start with other values of those is a fork of the
+    same server, and sees its own values."""
+    from conftest import RUN_TIME_VARIABLES
+
+    (tmp_path / "script.py").write_text("import os; print(os.getppid(), os.environ.get('PYTEST_CURRENT_TEST'), "
+                                        "os.environ.get('COLUMNS'), 'NO_COLOR' in os.environ, sep='|')")
+    monkeypatch.delenv("NO_COLOR", raising=False)
     parents = []
-    for test in ("tests/test_a.py::test_one (call)", "tests/test_b.py::test_two (setup)"):
+    for test, columns in (("tests/test_a.py::test_one (call)", None), ("tests/test_b.py::test_two (setup)", None),
+                          ("tests/test_b.py::test_two (call)", "123")):
         monkeypatch.setenv("PYTEST_CURRENT_TEST", test)
-        result = run_python([sys.executable, str(tmp_path / "script.py")], cwd=tmp_path, timeout=300)
+        env = None if columns is None else {**os.environ, "COLUMNS": columns, "NO_COLOR": "1"}
+        result = run_python([sys.executable, str(tmp_path / "script.py")], cwd=tmp_path, env=env, timeout=300)
         assert result.returncode == 0, result.stderr
-        parent, seen = result.stdout.strip().split("|")
+        parent, seen, seen_columns, no_color = result.stdout.strip().split("|")
         parents.append(int(parent))
         assert seen == "None"
-    assert parents[0] == parents[1] != os.getpid()
+        assert (seen_columns, no_color) == (str(columns or os.environ.get("COLUMNS")), str(columns is not None))
+    assert parents[0] == parents[1] == parents[2] != os.getpid()
+    assert {"COLUMNS", "NO_COLOR"} <= set(RUN_TIME_VARIABLES)
 
 
 def test_random_state_and_threads_are_a_fresh_interpreters(tmp_path):
