@@ -263,14 +263,15 @@ RUN_TIME_VARIABLES = ("COLUMNS", "NO_COLOR", "ACCELERATE_USE_CPU", "ACCELERATE_M
                       "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
 
 
-def run_python(cmd, cwd=None, env=None, timeout=None):
+def run_python(cmd, cwd=None, env=None, timeout=None, started=None):
     """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout) for a start of
     `python SCRIPT ARGS...` (cmd[0] is sys.executable), run as a forked copy of an interpreter that has imported the
     libraries already (tests/forkserver.py, which says how the copy equals a fresh start; one server per environment,
     PER_TEST_VARIABLES and RUN_TIME_VARIABLES aside, started on first use and kept for the test run): each start's
     ~10 s of imports are paid once. So is a launch, `python -m accelerate.commands.launch ... SCRIPT.py ARGS...`:
     the launcher is forked, and each of its ranks too (tests/rank.py). Other commands (`python -c`, other modules,
-    shell scripts) run as subprocess.run runs them."""
+    shell scripts) run as subprocess.run runs them. `started(pid)`, if given, is called with the start's process id
+    once it runs (a test that kills it at a chosen moment calls run_python in a thread)."""
     import json
     import socket
 
@@ -297,6 +298,8 @@ def run_python(cmd, cwd=None, env=None, timeout=None):
             stream.write(json.dumps(request) + "\n")
             stream.flush()
             pid = json.loads(stream.readline())["pid"]
+            if started is not None:
+                started(pid)
             connection.settimeout(timeout)
             try:
                 status = json.loads(stream.readline())["status"]

@@ -12,10 +12,11 @@ final model; --resume to the end. The swap's in-between states are built by hand
 
 import json
 import os
+import queue
 import shutil
 import signal
-import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -24,26 +25,28 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import sft
-from conftest import REPO, WORLD, one_process
+from conftest import REPO, WORLD, one_process, run_python
 from test_sft import TINY_RUN, run_sft, weights
 
 
 def run_until(cwd, flags, condition, timeout=300):
-    """Start sft.py with `flags` in `cwd`; SIGKILL it as soon as `condition()` holds. True if it was killed."""
-    env = dict(os.environ)
-    with open(cwd / "killed.log", "w") as log:
-        process = subprocess.Popen([sys.executable, str(REPO / "sft.py"), *map(str, flags)], cwd=cwd, env=env,
-                                   stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.time() + timeout
-        while process.poll() is None and time.time() < deadline:
-            if condition():
-                process.send_signal(signal.SIGKILL)
-                process.wait()
-                return True
-            time.sleep(0.0005)
-        process.kill()
-        process.wait()
-    return False
+    """Start sft.py with `flags` in `cwd` (run_python, in a thread); SIGKILL it as soon as `condition()` holds. True if
+    it was killed. Its output goes to cwd/killed.log."""
+    pids, results = queue.Queue(), []
+    start = threading.Thread(target=lambda: results.append(run_python(
+        [sys.executable, str(REPO / "sft.py"), *map(str, flags)], cwd=cwd, env=dict(os.environ), timeout=timeout,
+        started=pids.put)))
+    start.start()
+    pid, killed = pids.get(timeout=timeout), False
+    while start.is_alive():
+        if condition():
+            os.kill(pid, signal.SIGKILL)  # the sft.py process itself (a fork of the test's fork server)
+            killed = True
+            break
+        time.sleep(0.0005)
+    start.join()
+    (cwd / "killed.log").write_text(results[0].stdout + results[0].stderr if results else "")
+    return killed
 
 
 def checkpoint_loads(out):
@@ -85,16 +88,17 @@ huggingface_hub.HfApi = HfApi
 
 
 def push_with_a_stand_in_hub(tmp_path, flags: list, again: bool = True) -> list:
-    """Run sft.py FLAGS (one process, a fresh interpreter) with huggingface_hub.HfApi replaced by a recorder; the
-    calls it made, as [[method, keyword arguments]]. `again`: a finished run, pushed again with nothing trained."""
+    """Run sft.py FLAGS (one process) with huggingface_hub.HfApi replaced by a recorder (a sitecustomize.py on
+    PYTHONPATH, which run_python's fork server for this environment imports at its start, as a fresh interpreter
+    would); the calls it made, as [[method, keyword arguments]]. `again`: a finished run, pushed again with nothing
+    trained."""
     (tmp_path / "hub").mkdir(exist_ok=True)
     (tmp_path / "hub" / "sitecustomize.py").write_text(STAND_IN_HUB)
     calls = tmp_path / "hub" / "calls.jsonl"
     calls.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'hub'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "HUB_CALLS": str(calls)}
-    result = subprocess.run([sys.executable, str(REPO / "sft.py"), *flags], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = run_python([sys.executable, str(REPO / "sft.py"), *flags], cwd=tmp_path, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     pushed_again = "nothing to train" in result.stdout and "pushing it again (--push_to_hub)" in result.stdout
     assert pushed_again == again, result.stdout[-2000:]
