@@ -253,14 +253,9 @@ _FORK_SERVERS = {}  # environment -> (server process, its folder): this pytest p
 # test: left in a server's environment, every test would start a server of its own (~10 s of imports each, and each
 # kept until the run ends). Only pytest reads it; a start sees the server's environment without it.
 PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
-# Variables that the libraries read when a script runs, never on import (checked in their sources: accelerate's
-# AcceleratorState, rich's Console, openai's client, torch.cuda's device count, inductor's cache_dir). A start gets
-# its whole environment from its request (tests/forkserver.py sets it before the script runs), so starts whose
-# environments differ only in these share one server: each new server costs ~10 s of imports, and the tests' own
-# environments (an Accelerator run in pytest sets ACCELERATE_USE_CPU in os.environ) started 15 of them. Any other
-# variable (TORCH_LOGS, PYTHONPATH, OMP_NUM_THREADS, which OpenBLAS reads on import, ...) gets servers of its own.
-RUN_TIME_VARIABLES = ("COLUMNS", "NO_COLOR", "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION", "OPENAI_API_KEY",
-                      "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
+# Variables read at run time only (forkserver.RUN_TIME_VARIABLES): starts whose environments differ only in these share
+# one server; any other variable gets servers of its own.
+from forkserver import RUN_TIME_VARIABLES  # noqa: E402
 
 
 def run_python(cmd, cwd=None, env=None, timeout=None, started=None):

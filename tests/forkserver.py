@@ -51,6 +51,14 @@ from early_exits import run_as_main  # tests/ is sys.path[0] of `python tests/fo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK = os.path.join(REPO, "tests", "rank.py")
+# Variables that the libraries read when a script runs, never on import (checked in their sources: accelerate's
+# AcceleratorState, rich's Console, openai's client, torch.cuda's device count, inductor's cache_dir). A start gets
+# its whole environment from its request (`child` sets it before the script runs), so starts whose environments
+# differ only in these share one server: each new server costs ~10 s of imports, and the tests' own environments
+# (an Accelerator run in pytest sets ACCELERATE_USE_CPU in os.environ) started 15 of them. Any other
+# variable (TORCH_LOGS, PYTHONPATH, OMP_NUM_THREADS, which OpenBLAS reads on import, ...) gets servers of its own.
+RUN_TIME_VARIABLES = ("COLUMNS", "NO_COLOR", "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION", "OPENAI_API_KEY",
+                      "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
 # Importing these (they import nothing of each other's and run nothing on import: test_conventions checks) brings
 # in every library the stage scripts and benchmark scripts use at the top of the file.
 PRELOAD_SCRIPTS = ["preprocess_tldr", "sft", "reward", "dpo", "ppo", "judge", "tiny_world"]
@@ -123,23 +131,31 @@ def child(request, fds: list, socket_path: str) -> int:
 
 
 def fork_nested_starts(socket_path: str):
-    """In a child: make its own starts of `python SCRIPT.py ARGS...` (a benchmark running the stage scripts) forks of
-    this server too. subprocess.Popen runs `python tests/rank.py SCRIPT.py ARGS...` in their place, which asks this
-    server for the start with the working folder, environment and standard streams the caller gave, as for a
-    launch's ranks; other commands (`python -c`, `python -m`, other programs) start as asked."""
+    """In a child (before it takes its start's environment): make its own starts of `python SCRIPT.py ARGS...` (a
+    benchmark running the stage scripts) forks of this server too, where their environment differs from this
+    server's only in RUN_TIME_VARIABLES. subprocess.Popen runs `python tests/rank.py SCRIPT.py ARGS...` in their
+    place, which asks this server for the start with the working folder, environment and standard streams the caller
+    gave, as for a launch's ranks; other commands (`python -c`, `python -m`, other programs) start as asked."""
     import subprocess
 
     popen_init = subprocess.Popen.__init__
+    server = import_time_variables(os.environ)
 
     def init(self, args, *rest, **kwargs):
+        environment = os.environ if kwargs.get("env") is None else kwargs["env"]
         if (isinstance(args, (list, tuple)) and len(args) > 1 and args[0] == sys.executable
-                and str(args[1]).endswith(".py") and not rest):
+                and str(args[1]).endswith(".py") and not rest and import_time_variables(environment) == server):
             args = [sys.executable, RANK, *args[1:]]
-            environment = os.environ if kwargs.get("env") is None else kwargs["env"]
             kwargs["env"] = {**environment, "RLHF_TESTS_FORK_SERVER": socket_path}  # rank.py takes it out again
         popen_init(self, args, *rest, **kwargs)
 
     subprocess.Popen.__init__ = init
+
+
+def import_time_variables(environment) -> dict:
+    """`environment` without RUN_TIME_VARIABLES and this server's RLHF_TESTS_FORK_SERVER."""
+    return {key: value for key, value in environment.items()
+            if key not in RUN_TIME_VARIABLES and key != "RLHF_TESTS_FORK_SERVER"}
 
 
 def read_request(connection) -> tuple:

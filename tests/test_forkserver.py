@@ -121,18 +121,20 @@ def test_a_start_past_its_timeout_is_killed_with_what_it_started(tmp_path):
 
 
 OUTER = '''import os, subprocess, sys
-with open("inner.log", "w") as log:
-    status = subprocess.run([sys.executable, "inner.py", "a b", "c"], cwd="sub", stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "FORK_TEST_VALUE": "inner"}).returncode
-print("inner exited", status)
+for name, extra in (("inner", {"COLUMNS": "77"}), ("other", {"FORK_TEST_VALUE": "other"})):
+    with open(f"{name}.log", "w") as log:
+        status = subprocess.run([sys.executable, "inner.py", "a b", "c"], cwd="sub", stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **extra}).returncode
+    print(name, "exited", status)
 print("-c:", subprocess.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], capture_output=True,
                             text=True).stdout.strip())
 '''
 
 INNER = '''import os, sys
 print("torch imported before the first line:", "torch" in sys.modules)
-print("inner", sys.argv[1:], os.path.basename(os.getcwd()), os.environ.get("FORK_TEST_VALUE"),
-      "RLHF_TESTS_FORK_SERVER" in os.environ, "repo modules:", sorted({"ppo", "sft", "reward"} & set(sys.modules)))
+print("inner", sys.argv[1:], os.path.basename(os.getcwd()), os.environ.get("COLUMNS"), os.environ.get("FORK_TEST_VALUE"),
+      "RLHF_TESTS_FORK_SERVER" in os.environ, "repo modules:", sorted({"ppo", "sft", "reward"} & set(sys.modules)),
+      flush=True)  # before the stderr line (a file: stdout is block-buffered)
 print("to stderr", file=sys.stderr)
 sys.exit(5)
 '''
@@ -141,20 +143,25 @@ sys.exit(5)
 def test_a_starts_own_script_starts_are_forks_that_look_fresh(tmp_path):
     """A forked start that runs `python SCRIPT.py ARGS...` itself (benchmark/ppo_gold_reward.py runs ppo.py) gets a
     fork of the server for it (no ~10 s of imports), which looks as the fresh start would: arguments, working folder,
-    environment, output and exit status; a `python -c` start stays a fresh interpreter."""
+    environment, output and exit status. One whose environment differs from the server's in a variable that a
+    library may read on import (not in RUN_TIME_VARIABLES), and a `python -c` start, stay fresh interpreters."""
     (tmp_path / "outer.py").write_text(OUTER)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "inner.py").write_text(INNER)
-    fresh = subprocess.run([sys.executable, "outer.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    fresh_log = (tmp_path / "inner.log").read_text()
-    forked = run_python([sys.executable, "outer.py"], cwd=tmp_path, timeout=120)
-    forked_log = (tmp_path / "inner.log").read_text()
-    assert forked.returncode == fresh.returncode == 0, forked.stderr
-    assert forked.stdout == fresh.stdout == "inner exited 5\n-c: False\n"
-    assert fresh_log.splitlines()[0] == "torch imported before the first line: False"
-    assert forked_log.splitlines()[0] == "torch imported before the first line: True"  # a fork of the server
-    assert forked_log.splitlines()[1:] == fresh_log.splitlines()[1:] == [
-        "inner ['a b', 'c'] sub inner False repo modules: []", "to stderr"]
+    logs, env = {}, {key: value for key, value in os.environ.items() if key != "COLUMNS"}
+    for how, run in (("fresh", subprocess.run), ("forked", run_python)):
+        extra = {"capture_output": True, "text": True} if how == "fresh" else {}
+        result = run([sys.executable, "outer.py"], cwd=tmp_path, env=env, timeout=120, **extra)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == "inner exited 5\nother exited 5\n-c: False\n", how
+        logs[how] = {name: (tmp_path / f"{name}.log").read_text().splitlines() for name in ("inner", "other")}
+    assert logs["fresh"]["inner"][0] == logs["fresh"]["other"][0] == logs["forked"]["other"][0] == (
+        "torch imported before the first line: False")
+    assert logs["forked"]["inner"][0] == "torch imported before the first line: True"  # a fork of the server
+    assert logs["forked"]["inner"][1:] == logs["fresh"]["inner"][1:] == [
+        "inner ['a b', 'c'] sub 77 None False repo modules: []", "to stderr"]
+    assert logs["forked"]["other"][1:] == logs["fresh"]["other"][1:] == [
+        "inner ['a b', 'c'] sub None other False repo modules: []", "to stderr"]
 
 
 RANKS = '''import os, sys
