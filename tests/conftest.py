@@ -55,15 +55,16 @@ import pytest  # noqa: E402
 # are short: pytest 504 s against 557-562 s side by side with warm caches; from a fresh clone with cold
 # caches (`.ci/run`) 571-574 s against 581 s, where compiling makes test_ppo.py longer and xdist's order
 # nearly balanced already. Seconds per file: `pytest tests -n 2 --dist loadfile --durations=0`, setup and
-# calls summed (2026-12-01, the AVX2 EPYC). A stale table only costs balance, never a test; a file not in
+# calls summed (2026-12-02, ac560a0, the AVX2 EPYC). A stale table only costs balance, never a test; a file not in
 # it counts 10 s.
-FILE_SECONDS = {"test_ppo.py": 420, "test_real_path.py": 98, "test_ppo_gold_reward.py": 83, "test_preprocess_kill.py": 74,
-                "test_reward.py": 66, "test_forkserver.py": 58, "test_dpo.py": 53, "test_faults_kill.py": 49,
-                "test_tiny_world.py": 49, "test_benchmarks.py": 47, "test_judge_faults.py": 46, "test_sft.py": 44,
-                "test_launchers.py": 39, "test_conventions.py": 34, "test_judge.py": 28, "test_rm_diagnostics.py": 21,
-                "test_faults_pickle.py": 20, "test_preprocess.py": 14, "test_tiny_report.py": 14,
-                "test_preprocess_bad_rows.py": 12, "test_faults_tokenizer.py": 11, "test_faults_flags.py": 10,
-                "test_tiny_resume.py": 10, "test_sweep_report.py": 7, "test_faults_nan.py": 6}
+FILE_SECONDS = {"test_ppo.py": 206, "test_real_path.py": 56, "test_forkserver.py": 52, "test_preprocess_kill.py": 42,
+                "test_launchers.py": 36, "test_judge_faults.py": 34, "test_tiny_world.py": 28,
+                "test_benchmarks.py": 25, "test_faults_pickle.py": 24, "test_faults_kill.py": 22, "test_dpo.py": 20,
+                "test_sft.py": 18, "test_reward.py": 17, "test_tiny_resume.py": 16, "test_judge.py": 13,
+                "test_tiny_report.py": 13, "test_rm_diagnostics.py": 12, "test_preprocess_bad_rows.py": 11,
+                "test_preprocess.py": 11, "test_ppo_gold_reward.py": 10, "test_sweep_report.py": 8,
+                "test_conventions.py": 6, "test_faults_nan.py": 3, "test_faults_tokenizer.py": 1,
+                "test_preprocess_bad_flags.py": 1, "test_early_exits.py": 0, "test_faults_flags.py": 0}
 
 
 def pytest_collection_modifyitems(config, items):
