@@ -26,8 +26,8 @@ for _key, _value in {
 # And for every script the tests start: no bytecode written into the repository, no `datasets` cache written
 # into ~/.cache. One environment for all (the tests add to it only what a test is about), so that their starts
 # share one fork server (`run_python`). Bytecode: where PYTHONPYCACHEPREFIX names a folder (`.ci/run`, whose
-# install compiles none), every process of the run writes there what it compiled, so each module is compiled
-# once per run, not at every start; without it, none is written.
+# install compiles none and which unsets PYTHONDONTWRITEBYTECODE), every process of the run writes there what it
+# compiled, so each module is compiled once per run, not at every start; without it, none is written.
 if not os.environ.get("PYTHONPYCACHEPREFIX"):
     os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="rlhf-tests-datasets-cache-")  # deleted at exit
