@@ -55,8 +55,8 @@ import pytest  # noqa: E402
 # are short: pytest 504 s against 557-562 s side by side with warm caches; from a fresh clone with cold
 # caches (`.ci/run`) 571-574 s against 581 s, where compiling makes test_ppo.py longer and xdist's order
 # nearly balanced already. Seconds per file: `pytest tests -n 2 --dist loadfile --durations=0`, setup and
-# calls summed (2026-12-02, ac560a0, the AVX2 EPYC). A stale table only costs balance, never a test; a file not in
-# it counts 10 s.
+# calls summed (2026-12-02, ac560a0, an Intel Xeon). A stale table only costs balance, never a test; a file not
+# in it counts 10 s.
 FILE_SECONDS = {"test_ppo.py": 206, "test_real_path.py": 56, "test_forkserver.py": 52, "test_preprocess_kill.py": 42,
                 "test_launchers.py": 36, "test_judge_faults.py": 34, "test_tiny_world.py": 28,
                 "test_benchmarks.py": 25, "test_faults_pickle.py": 24, "test_faults_kill.py": 22, "test_dpo.py": 20,
@@ -254,9 +254,9 @@ _FORK_SERVERS = {}  # environment -> (server process, its folder): this pytest p
 # test: left in a server's environment, every test would start a server of its own (~10 s of imports each, and each
 # kept until the run ends). Only pytest reads it; a start sees the server's environment without it.
 PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
-# Variables read at run time only (forkserver.RUN_TIME_VARIABLES): starts whose environments differ only in these share
-# one server; any other variable gets servers of its own.
-from forkserver import RUN_TIME_VARIABLES  # noqa: E402
+# A server is keyed on the environment without the variables read at run time only (forkserver.RUN_TIME_VARIABLES):
+# starts whose environments differ only in these share one; any other variable gets servers of its own.
+from forkserver import import_time_variables  # noqa: E402
 
 
 def run_python(cmd, cwd=None, env=None, timeout=None, started=None):
@@ -284,7 +284,7 @@ def run_python(cmd, cwd=None, env=None, timeout=None, started=None):
         request = {"script": cmd[1], "argv": cmd[2:]}
     environment = {key: value for key, value in (os.environ if env is None else env).items()
                    if key not in PER_TEST_VARIABLES}
-    folder = fork_server({key: value for key, value in environment.items() if key not in RUN_TIME_VARIABLES})
+    folder = fork_server(import_time_variables(environment))
     with tempfile.TemporaryDirectory() as scratch:
         outputs = Path(scratch) / "stdout", Path(scratch) / "stderr"
         request.update(cwd=str(cwd or os.getcwd()), stdout=str(outputs[0]), stderr=str(outputs[1]), env=environment)

@@ -153,7 +153,8 @@ def fork_nested_starts(socket_path: str):
 
 
 def import_time_variables(environment) -> dict:
-    """`environment` without RUN_TIME_VARIABLES and this server's RLHF_TESTS_FORK_SERVER."""
+    """`environment` without RUN_TIME_VARIABLES and this server's RLHF_TESTS_FORK_SERVER: what a server is keyed on
+    (conftest.run_python) and what a nested start must share with its server (fork_nested_starts)."""
     return {key: value for key, value in environment.items()
             if key not in RUN_TIME_VARIABLES and key != "RLHF_TESTS_FORK_SERVER"}
 

@@ -34,8 +34,7 @@ def run_until(cwd, flags, condition, timeout=300):
     it was killed. Its output goes to cwd/killed.log."""
     pids, results = queue.Queue(), []
     start = threading.Thread(target=lambda: results.append(run_python(
-        [sys.executable, str(REPO / "sft.py"), *map(str, flags)], cwd=cwd, env=dict(os.environ), timeout=timeout,
-        started=pids.put)))
+        [sys.executable, str(REPO / "sft.py"), *map(str, flags)], cwd=cwd, timeout=timeout, started=pids.put)))
     start.start()
     pid, killed = pids.get(timeout=timeout), False
     while start.is_alive():

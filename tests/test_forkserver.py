@@ -64,7 +64,7 @@ def test_the_tests_of_a_run_share_a_server(tmp_path, monkeypatch):
     starts of two tests are forks of one server, and a start does not see the variable. Nor do the variables that
     libraries read only when a script runs (RUN_TIME_VARIABLES): a start with other values of those is a fork of the
     same server, and sees its own values."""
-    from conftest import RUN_TIME_VARIABLES
+    from forkserver import RUN_TIME_VARIABLES
 
     (tmp_path / "script.py").write_text("import os; print(os.getppid(), os.environ.get('PYTEST_CURRENT_TEST'), "
                                         "os.environ.get('COLUMNS'), 'NO_COLOR' in os.environ, sep='|')")
