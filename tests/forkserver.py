@@ -52,13 +52,15 @@ from early_exits import run_as_main  # tests/ is sys.path[0] of `python tests/fo
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK = os.path.join(REPO, "tests", "rank.py")
 # Variables that the libraries read when a script runs, never on import (checked in their sources: accelerate's
-# AcceleratorState, rich's Console, openai's client, torch.cuda's device count, inductor's cache_dir). A start gets
+# AcceleratorState, rich's Console, openai's client, torch.cuda's device count, inductor's cache_dir; inductor sets its
+# data-pointer variable itself before it loads a compiled module, which reads it). A start gets
 # its whole environment from its request (`child` sets it before the script runs), so starts whose environments
 # differ only in these share one server: each new server costs ~10 s of imports, and the tests' own environments
 # (an Accelerator run in pytest sets ACCELERATE_USE_CPU in os.environ) started 15 of them. Any other
 # variable (TORCH_LOGS, PYTHONPATH, OMP_NUM_THREADS, which OpenBLAS reads on import, ...) gets servers of its own.
 RUN_TIME_VARIABLES = ("COLUMNS", "NO_COLOR", "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION", "OPENAI_API_KEY",
-                      "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
+                      "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR",
+                      "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 # Importing these (they import nothing of each other's and run nothing on import: test_conventions checks) brings
 # in every library the stage scripts and benchmark scripts use at the top of the file.
 PRELOAD_SCRIPTS = ["preprocess_tldr", "sft", "reward", "dpo", "ppo", "judge", "tiny_world"]
