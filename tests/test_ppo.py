@@ -1545,6 +1545,26 @@ def naive_ppo_targets(responses, logprobs, ref_logprobs, values, scores, kl_coef
     return whitened(advantages, token_valid, shift_mean=True), returns, masked_values
 
 
+def naive_logged_objectives(responses, logprobs, ref_logprobs, entropy, scores, kl_coef):
+    """The objective/* statistics of one update as ppo.py's docstring defines them, a row and a token at a time: sums
+    over each response's tokens up to its EOS (all of them without one), means over the responses."""
+    rows, width = responses.shape
+    kl, entropies, lengths, final_scores, has_eos = [], [], [], [], []
+    for i in range(rows):
+        eos = [t for t in range(width) if responses[i, t] == EOS]
+        last = eos[0] if eos else width - 1
+        kl.append(sum((logprobs[i, t] - ref_logprobs[i, t]).item() for t in range(last + 1)))
+        entropies.append(sum(entropy[i, t].item() for t in range(last + 1)))
+        lengths.append(last + 1)
+        final_scores.append(scores[i].item() if eos else -1.0)  # the EOS trick
+        has_eos.append(1.0 if eos else 0.0)
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    return {"objective/kl": mean(kl), "objective/non_score_reward": -kl_coef * mean(kl),
+            "objective/entropy": mean(entropies), "objective/scores": mean(final_scores),
+            "objective/rlhf_reward": mean(final_scores) - kl_coef * mean(kl), "objective/response_length": mean(lengths),
+            "objective/eos_fraction": mean(has_eos)}
+
+
 PPO_MAIN_DRIVER = """
 import sys
 import torch
@@ -1558,9 +1578,20 @@ given = {"logprobs": -torch.rand(4, 6, generator=generator) * 3, "ref_logprobs":
          "scores": torch.randn(4, generator=generator)}
 captured = {}
 
-def rollout(args, policy, ref_policy, critic, reward_model, queries, *rest):  # the hand-built rollout
-    captured["rollout_training"] = (policy.training, critic.training)
+def rollout(args, policy, ref_policy, critic, reward_model, queries, sample, pad, eos, temperature, unsampled):
+    captured["rollout_training"] = (policy.training, critic.training)  # the hand-built rollout
+    captured["rollout_temperature"] = temperature
     return {"query_responses": torch.cat((queries, responses), 1), **{k: v.clone() for k, v in given.items()}}, 0.0
+
+real_summary_sampler = ppo.summary_sampler
+def summary_sampler(args, pad, eos, temperature, unsampled):  # the evaluation's sampler
+    captured["eval_temperature"] = temperature
+    return real_summary_sampler(args, pad, eos, temperature, unsampled)
+
+real_log_update = ppo.log_update
+def log_update(writer, progress, episode, logged):  # what the update logs
+    captured.setdefault("logged", []).append(dict(logged))
+    return real_log_update(writer, progress, episode, logged)
 
 real_ppo_epochs = ppo.ppo_epochs
 def ppo_epochs(accelerator, model, optimizer, args, batch, *rest):  # what steps 2-5 hand to the PPO epochs
@@ -1569,7 +1600,7 @@ def ppo_epochs(accelerator, model, optimizer, args, batch, *rest):  # what steps
     captured["epochs_training"] = (trained.policy.training, trained.critic.training)
     return real_ppo_epochs(accelerator, model, optimizer, args, batch, *rest)
 
-ppo.rollout, ppo.ppo_epochs = rollout, ppo_epochs
+ppo.rollout, ppo.ppo_epochs, ppo.summary_sampler, ppo.log_update = rollout, ppo_epochs, summary_sampler, log_update
 out = sys.argv[2]
 sys.argv = ["ppo.py"] + sys.argv[3:]
 ppo.main()
@@ -1591,7 +1622,7 @@ def test_an_update_hands_the_ppo_epochs_the_advantages_of_the_papers_definitions
              "--sft_model_path", str(WORLD / "pythia-tiny"), "--reward_model_path", str(tmp_path / "rm"),
              "--output_dir", str(tmp_path / "out"), "--total_episodes", "4", "--batch_size", "4",
              "--local_micro_batch_size", "2", "--local_rollout_forward_batch_size", "4", "--response_length", "6",
-             "--num_eval_samples", "0", "--kl_coef", "0.3"]
+             "--num_eval_samples", "0", "--kl_coef", "0.3", "--temperature", "0.9", "--eval_temperature", "0.05"]
     flags += (["--whiten_rewards"] if whiten_rewards else []) + (["--score_after_eos"] if score_after_eos else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = run_python([sys.executable, str(driver), str(REPO), str(tmp_path / "captured.pt"), *flags], cwd=tmp_path,
@@ -1608,3 +1639,11 @@ def test_an_update_hands_the_ppo_epochs_the_advantages_of_the_papers_definitions
     # Policy and critic sample and score in eval mode and train in train mode: a layer recomputes its activations
     # under --gradient_checkpointing only in train mode (from_pretrained leaves a model in eval mode)
     assert out["rollout_training"] == (False, False) and out["epochs_training"] == (True, True)
+    # Each sampler at its own temperature (+ 1e-7, the reference code's guard of T = 0): rollouts at --temperature,
+    # the evaluation at --eval_temperature.
+    assert out["rollout_temperature"] == 0.9 + 1e-7 and out["eval_temperature"] == 0.05 + 1e-7
+    # The update's logged objectives, by their definitions (the module docstring's "Logged" table).
+    (logged,) = out["logged"]
+    expected = naive_logged_objectives(out["responses"], given["logprobs"], given["ref_logprobs"], given["entropy"],
+                                       given["scores"], 0.3)
+    assert {key: logged[key] for key in expected} == pytest.approx(expected, rel=1e-5, abs=1e-6)
