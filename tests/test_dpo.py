@@ -431,6 +431,18 @@ def test_run_interrupted_and_resumed_writes_policy_tables_and_samples(resumed_ru
     assert max((load_file(str(out / "model.safetensors"))[k] - start[k]).abs().max() for k in start) > 1e-3
 
 
+def test_an_untrained_policy_ranks_every_pair_as_a_coin_flip(small_world, tmp_path):
+    """0 updates: the policy is its reference, every implicit reward is exactly 0, and each pair counts 1/2 (a tie
+    is a coin flip here, where the RM's evaluation counts one as wrong)."""
+    out = tmp_path / "dpo0"
+    run_dpo(small_world, out, "--local_micro_batch_size", "4", "--total_episodes", "0")
+    metrics = json.loads((out / "eval_metrics.json").read_text())
+    for split, pairs in (("validation", 15), ("validation_cnndm", 7)):
+        table = pd.read_csv(out / f"eval_pairs_{split}.csv")
+        assert len(table) == pairs and (table["chosen_reward"] == 0).all() and (table["rejected_reward"] == 0).all()
+        assert metrics[f"eval/dpo/{split}/accuracy"] == 0.5, split
+
+
 def test_two_processes_match_one_process(resumed_run, small_world, tmp_path):
     """2 CPU processes x micro-batch 2 x 2 accumulation steps: one shared shuffle, the 1-process updates."""
     out = tmp_path / "dpo2"

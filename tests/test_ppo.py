@@ -1027,8 +1027,9 @@ def test_first_epoch_ratio_is_one_on_tiny_model(tiny_tldr):
     assert valid.sum() > 20 and (ratio - 1).abs().max().item() < 1e-4, ratio
 
 
-def make_reward_model(path):
-    """A reward-model folder as reward.py writes it: ScalarModel on the tiny base, random head."""
+def make_reward_model(path, head_bias: float = 0.0):
+    """A reward-model folder as reward.py writes it: ScalarModel on the tiny base, random head (its bias
+    `head_bias`: reward.py's normalisation shifts it, Detail 15)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     backbone = AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny").base_model
@@ -1037,6 +1038,7 @@ def make_reward_model(path):
     torch.manual_seed(0)
     model = reward.ScalarModel(reward.ScalarModelConfig(base_config=base_config))
     model.backbone.load_state_dict(backbone.state_dict())
+    torch.nn.init.constant_(model.head.bias, head_bias)
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(WORLD / "pythia-tiny").save_pretrained(path)
 
@@ -1199,8 +1201,9 @@ print("probe", first["values"].abs().max().item(), first["rm"].abs().max().item(
 @pytest.mark.parametrize("zero_head", [False, True])
 def test_zero_critic_head_starts_every_value_at_zero(tiny_tldr, tmp_path, zero_head):
     """--zero_critic_head: the first rollout's values are all 0 where the RM's own are not, the backbone still the
-    RM's; without it (Detail 22) the critic's first values are the RM's."""
-    make_reward_model(tmp_path / "rm")
+    RM's; without it (Detail 22) the critic's first values are the RM's. The RM's head has a bias, as a normalised
+    RM's has: the flag zeroes it too."""
+    make_reward_model(tmp_path / "rm", head_bias=0.5)
     (tmp_path / "probe.py").write_text(ZERO_HEAD_PROBE)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(tmp_path / "probe.py"), str(REPO), "--base_model", str(WORLD / "pythia-tiny"),
@@ -1581,6 +1584,7 @@ captured = {}
 def rollout(args, policy, ref_policy, critic, reward_model, queries, sample, pad, eos, temperature, unsampled):
     captured["rollout_training"] = (policy.training, critic.training)  # the hand-built rollout
     captured["rollout_temperature"] = temperature
+    captured.setdefault("queries", []).append(queries.clone())
     return {"query_responses": torch.cat((queries, responses), 1), **{k: v.clone() for k, v in given.items()}}, 0.0
 
 real_summary_sampler = ppo.summary_sampler
@@ -1614,13 +1618,14 @@ def test_an_update_hands_the_ppo_epochs_the_advantages_of_the_papers_definitions
     """ppo.py's main loop, steps 2-5 (the EOS trick, masks, values zeroed after the scored token, KL rewards,
     optional reward whitening, GAE, advantage whitening), on a hand-built rollout whose responses end at an EOS
     mid-way (junk after it), at the last token, nowhere (score -1) and at once: the advantages, returns and values
-    the PPO epochs receive equal naive_ppo_targets'. A subprocess runs ppo.main() with rollout() replaced."""
+    the PPO epochs receive equal naive_ppo_targets'. Also each update's prompts, logged objectives and sampling
+    temperatures. A subprocess runs ppo.main() (2 updates) with rollout() replaced."""
     make_reward_model(tmp_path / "rm")
     driver = tmp_path / "driver.py"
     driver.write_text(PPO_MAIN_DRIVER)
     flags = ["--base_model", str(WORLD / "pythia-tiny"), "--query_dataset", str(tiny_tldr / "sft"),
              "--sft_model_path", str(WORLD / "pythia-tiny"), "--reward_model_path", str(tmp_path / "rm"),
-             "--output_dir", str(tmp_path / "out"), "--total_episodes", "4", "--batch_size", "4",
+             "--output_dir", str(tmp_path / "out"), "--total_episodes", "8", "--batch_size", "4",
              "--local_micro_batch_size", "2", "--local_rollout_forward_batch_size", "4", "--response_length", "6",
              "--num_eval_samples", "0", "--kl_coef", "0.3", "--temperature", "0.9", "--eval_temperature", "0.05"]
     flags += (["--whiten_rewards"] if whiten_rewards else []) + (["--score_after_eos"] if score_after_eos else [])
@@ -1642,8 +1647,17 @@ def test_an_update_hands_the_ppo_epochs_the_advantages_of_the_papers_definitions
     # Each sampler at its own temperature (+ 1e-7, the reference code's guard of T = 0): rollouts at --temperature,
     # the evaluation at --eval_temperature.
     assert out["rollout_temperature"] == 0.9 + 1e-7 and out["eval_temperature"] == 0.05 + 1e-7
-    # The update's logged objectives, by their definitions (the module docstring's "Logged" table).
-    (logged,) = out["logged"]
+    # Each update's logged objectives, by their definitions (the module docstring's "Logged" table).
     expected = naive_logged_objectives(out["responses"], given["logprobs"], given["ref_logprobs"], given["entropy"],
                                        given["scores"], 0.3)
-    assert {key: logged[key] for key in expected} == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert len(out["logged"]) == 2
+    for logged in out["logged"]:
+        assert {key: logged[key] for key in expected} == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    # Update u samples from the prompts u * batch ... (u + 1) * batch - 1 of the shuffled order (Detail 21).
+    import datasets
+
+    train = datasets.load_from_disk(str(tiny_tldr / "sft"))["train"]
+    order = ppo.episode_order(len(train), 8, 1)
+    for update, queries in enumerate(out["queries"]):
+        expected_queries = torch.tensor(train[order[4 * update:4 * update + 4].tolist()]["query_token"])
+        assert torch.equal(queries, expected_queries), update

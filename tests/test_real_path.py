@@ -399,6 +399,13 @@ def test_stages_chain_by_default_paths_in_fp32(chained, pythia_like):
     assert inputs["query_dataset"] == os.path.join("data", NAME, "tldr", "sft")
     ppo = scalars(chained, "ppo")
     assert abs(ppo["policy/ratio_first_epoch"][0] - 1) < 1e-4 and abs(ppo["objective/kl"][0]) < 1e-4
+    # Each update logs the rate it used: the cosine from --lr (1e-3) down to 0 over the runs' 2 updates.
+    for run_name, prefix in (("sft", "train/sft"), ("reward", "train/rm"), ("dpo", "train/dpo")):
+        assert scalars(chained, run_name)[f"{prefix}/lr"] == pytest.approx([1e-3, 5e-4]), run_name
+    dpo = scalars(chained, "dpo")
+    margins = [chosen - rejected
+               for chosen, rejected in zip(dpo["train/dpo/chosen_rewards"], dpo["train/dpo/rejected_rewards"])]
+    assert dpo["train/dpo/margin"] == pytest.approx(margins, abs=1e-6)
 
 
 def test_missing_inputs_stop_before_anything_is_written(chained, pythia_like, tmp_path):
