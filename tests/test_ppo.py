@@ -1657,7 +1657,7 @@ def test_an_update_hands_the_ppo_epochs_the_advantages_of_the_papers_definitions
     import datasets
 
     train = datasets.load_from_disk(str(tiny_tldr / "sft"))["train"]
-    order = ppo.episode_order(len(train), 8, 1)
+    order = ppo.episode_order(len(train), 8, 1)  # 8 episodes, --seed's default 1
     for update, queries in enumerate(out["queries"]):
         expected_queries = torch.tensor(train[order[4 * update:4 * update + 4].tolist()]["query_token"])
         assert torch.equal(queries, expected_queries), update
