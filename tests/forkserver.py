@@ -101,12 +101,12 @@ def child(request, fds: list, socket_path: str) -> int:
         os.close(fd)
     fork_nested_starts(socket_path)
     torch = sys.modules["torch"]
-    if "env" in request:  # the start's own environment (a rank's: the launcher's and torchrun's variables)
-        threads = request["env"].get("OMP_NUM_THREADS")
-        if threads and threads != os.environ.get("OMP_NUM_THREADS"):
-            torch.set_num_threads(int(threads))  # what a fresh interpreter reads from it at start
-        os.environ.clear()
-        os.environ.update(request["env"])
+    # The start's own environment (a rank's: the launcher's and torchrun's variables); every client sends one.
+    threads = request["env"].get("OMP_NUM_THREADS")
+    if threads and threads != os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(threads))  # what a fresh interpreter reads from it at start
+    os.environ.clear()
+    os.environ.update(request["env"])
     # Seeded from the OS at import, as in a fresh interpreter: reseed, or every child would draw the same numbers.
     sys.modules["numpy"].random.seed()
     torch.seed()

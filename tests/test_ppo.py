@@ -1561,11 +1561,11 @@ def naive_logged_objectives(responses, logprobs, ref_logprobs, entropy, scores, 
         lengths.append(last + 1)
         final_scores.append(scores[i].item() if eos else -1.0)  # the EOS trick
         has_eos.append(1.0 if eos else 0.0)
-    mean = lambda values: sum(values) / len(values)  # noqa: E731
-    return {"objective/kl": mean(kl), "objective/non_score_reward": -kl_coef * mean(kl),
-            "objective/entropy": mean(entropies), "objective/scores": mean(final_scores),
-            "objective/rlhf_reward": mean(final_scores) - kl_coef * mean(kl), "objective/response_length": mean(lengths),
-            "objective/eos_fraction": mean(has_eos)}
+    kl_mean, score_mean = sum(kl) / rows, sum(final_scores) / rows
+    return {"objective/kl": kl_mean, "objective/non_score_reward": -kl_coef * kl_mean,
+            "objective/entropy": sum(entropies) / rows, "objective/scores": score_mean,
+            "objective/rlhf_reward": score_mean - kl_coef * kl_mean, "objective/response_length": sum(lengths) / rows,
+            "objective/eos_fraction": sum(has_eos) / rows}
 
 
 PPO_MAIN_DRIVER = """
