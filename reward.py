@@ -774,7 +774,7 @@ def token_reward_samples(model, validation, pad_token_id: int, device) -> list:
 def gold_agreement(table: pd.DataFrame, eval_set, split: str, gold_judge: str, who: str) -> tuple:
     """Rank 0: (agreement of `who`'s ordering with the tiny world's gold judge, a report line); adds
     table["gold_prefers_chosen"]. Pairs the gold judge ties (e.g. two identical summaries) do not count;
-    a pair `who` ties (accuracy 1/2) counts 1/2."""
+    a pair whose two rewards `who` ties counts 1/2."""
     import tiny_world  # the tiny world's gold judge, beside this script; imported only when asked
 
     noise_ceiling = load_json(os.path.join(gold_judge, "world.json"))["noise_ceiling"]
@@ -787,7 +787,9 @@ def gold_agreement(table: pd.DataFrame, eval_set, split: str, gold_judge: str, w
                             for p, (c, r) in zip(posts, texts)])
     table["gold_prefers_chosen"] = np.where(gold_margin == 0, np.nan, gold_margin > 0)
     decided = gold_margin != 0
-    agree = np.where(table["accuracy"] == 0.5, 0.5, (table["accuracy"] > 0.5) == (gold_margin > 0))
+    # From the rewards, not the accuracy column: the RM's accuracy counts a tie as wrong (pair_accuracy's `tie`).
+    margin = table["chosen_reward"] - table["rejected_reward"]
+    agree = np.where(margin == 0, 0.5, (margin > 0) == (gold_margin > 0))
     gold_accuracy = float(agree[decided].mean())
     return gold_accuracy, (f"\nGold judge: {who} agrees with the gold ordering on {gold_accuracy:.3f} of {decided.sum()} "
                            f"pairs without a gold tie; accuracy on the labels {table['accuracy'].mean():.3f} vs "

@@ -200,8 +200,10 @@ def next_token_nll(logits: torch.Tensor, query_responses: torch.Tensor, pad_toke
     """(B, T, V) logits of (B, T) ids -> (sum of -log p(id_t+1) over non-pad targets, number of them)."""
     labels = query_responses[:, 1:]  # (B, T-1): logits at t predict the id at t+1
     mask = labels != pad_token_id  # pads are no target; EOS is one (the model must learn to stop)
-    nll = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), reduction="none")
-    return (nll * mask.flatten()).sum(), mask.sum()
+    # Ignored, not multiplied by 0: [PAD] may lie past the logits' V columns (forward), where no loss can be taken.
+    nll = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.masked_fill(~mask, -100).flatten(),
+                          ignore_index=-100, reduction="sum")
+    return nll, mask.sum()
 
 
 def sft_update(accelerator, model, optimizer, micro_batches: list, pad_token_id: int,

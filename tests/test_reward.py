@@ -592,7 +592,10 @@ def gold_pairs():
     eval_set = {"info": [info] * len(rows), "choice": [c for _, c in rows],
                 "summaries": [[{"text": t} for t in texts] for texts, _ in rows]}
     # the labels' side: right, right (against the gold), a tie, a tie (identical summaries), wrong
-    table = pd.DataFrame({"accuracy": [1.0, 1.0, 0.5, 0.5, 0.0]})
+    texts = [(s[c]["text"], s[1 - c]["text"]) for s, c in zip(eval_set["summaries"], eval_set["choice"])]
+    table = pd.DataFrame({"chosen": [c for c, _ in texts], "rejected": [r for _, r in texts],
+                          "chosen_reward": [1.0, 0.5, 0.25, 0.5, -1.0], "rejected_reward": [0.0, -0.5, 0.25, 0.0, 2.0]})
+    table["accuracy"] = reward.pair_accuracy(table, tie=0.0)  # as reward.py's main: an RM tie is no right answer
     return eval_set, table
 
 

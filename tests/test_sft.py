@@ -113,6 +113,10 @@ def test_next_token_nll_counts_only_non_pad_targets():
     assert nll_sum.item() == pytest.approx(naive, rel=1e-6)
     logits[0, 2:] += 100 * torch.randn(3, 6)  # logits whose targets are pads (or past the end) do not count
     assert sft.next_token_nll(logits, ids, pad)[0].item() == pytest.approx(naive, rel=1e-6)
+    # A [PAD] past the embedding table (forward allows it: a tokenizer given a pad it had no row for) is no target
+    # either, and indexes no logit.
+    past = torch.where(ids == pad, 6, ids)
+    assert [x.item() for x in sft.next_token_nll(logits, past, 6)] == pytest.approx([naive, n], rel=1e-6)
 
 
 
