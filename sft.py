@@ -202,8 +202,8 @@ def next_token_nll(logits: torch.Tensor, query_responses: torch.Tensor, pad_toke
     mask = labels != pad_token_id  # pads are no target; EOS is one (the model must learn to stop)
     # Ignored, not multiplied by 0: [PAD] may lie past the logits' V columns (forward), where no loss can be taken.
     nll = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.masked_fill(~mask, -100).flatten(),
-                          ignore_index=-100, reduction="sum")
-    return nll, mask.sum()
+                          ignore_index=-100, reduction="none")  # 0 at ignored targets
+    return nll.sum(), mask.sum()
 
 
 def sft_update(accelerator, model, optimizer, micro_batches: list, pad_token_id: int,
