@@ -198,10 +198,11 @@ def parse_verdict(reply: Optional[str], allow_tie: bool = False) -> Optional[str
     """"A" or "B" from exactly one line `Preferred: A|B` (or "tie" if allowed); None when malformed.
 
     The answer may carry what the prompt's own format line and markdown put around it (`Preferred: "A"`,
-    `**Preferred:** A`, `Preferred: Summary B.`); anything else is malformed: `a`, `A or B`, two Preferred
-    lines or none (the reference counted a verdict other than a bare A or B for the reference summary, and
-    gave a reply without a Preferred line a random one)."""
+    `**Preferred:** A`, `**Preferred**: A`, `Preferred: Summary B.`); anything else is malformed: `a`, `A or B`,
+    two Preferred lines or none (the reference counted a verdict other than a bare A or B for the reference
+    summary, and gave a reply without a Preferred line a random one)."""
     lines = [line.strip().lstrip("*_# ") for line in (reply or "").splitlines()]
+    lines = [re.sub(r"^Preferred[*_]+:", "Preferred:", line) for line in lines]  # `**Preferred**: A`
     lines = [line for line in lines if line.startswith("Preferred:")]
     if len(lines) != 1:
         return None
