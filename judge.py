@@ -544,12 +544,14 @@ def url_secrets(url: Optional[str]) -> list[str]:
 
 
 def scrub(text: Optional[str], secrets: list[str]) -> Optional[str]:
-    """`text` with every secret of 6 or more characters replaced by ***."""
+    """`text` with every secret of 6 or more characters replaced by ***, and so its masked forms (a run of *
+    then the secret's last 4 characters, as OpenAI's 401 quotes a wrong key: `sk-proj-****...abcd`)."""
     # Shorter strings are not keys, and replacing them would mangle the text (a user `A` would eat
     # the verdict of `Preferred: A`). Longest first: a secret containing another goes whole.
     for secret in sorted(set(secrets), key=len, reverse=True):
         if text is not None and len(secret) >= 6:
             text = text.replace(secret, "***")
+            text = re.sub(r"[^\s*]*\*{3,}" + re.escape(secret[-4:]), "***", text)
     return text
 
 

@@ -61,6 +61,11 @@ def test_redact_url_and_scrub():
     # Short strings are no keys: scrubbing them would eat the verdict.
     assert judge.scrub("Comparison: x\nPreferred: A", ["A", "x"]) == "Comparison: x\nPreferred: A"
     assert judge.scrub(None, secrets) is None
+    # A server's masked quote of the key keeps its last characters: gone too, the rest of the message kept.
+    key = "sk-proj-abcdefghijklmnop1234"
+    assert judge.scrub(f"Incorrect API key provided: sk-proj-{'*' * 16}1234. You can find", [key]) == \
+        "Incorrect API key provided: ***. You can find"
+    assert judge.scrub("x ****1235 y", [key]) == "x ****1235 y"  # another key's tail
     assert judge.split_endpoint("http://u:p@h:1/v1?api_key=K&x=") == ("http://u:p@h:1/v1", {"api_key": "K", "x": ""})
     assert judge.split_endpoint(None) == (None, {})
     for good in ("http://127.0.0.1:8000/v1", "https://api.example.com", "http://u:p@h/v1?k=v"):
