@@ -415,10 +415,10 @@ def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
                                                           "PREPROCESS_FLAGS": "--push_to_hub"})
     assert result.returncode == 0 and "nothing to do" in result.stdout and "srun:" not in result.stdout, result.stdout
 
-    def warned(progress: bool) -> tuple:  # task 4 under USR1 while srun runs: (stdout, stderr)
-        process = subprocess.Popen(["bash", str(SLURM / "reward.sbatch")], cwd=REPO, text=True, stdout=subprocess.PIPE,
+    def warned(progress: bool, stage: str = "reward", **extra) -> tuple:  # task 4 under USR1 while srun runs: (stdout, stderr)
+        process = subprocess.Popen(["bash", str(SLURM / f"{stage}.sbatch")], cwd=REPO, text=True, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, env={**ENV, **env, "SLURM_ARRAY_TASK_ID": "4", "FAKE_SLEEP": "5",
-                                                                **({"FAKE_PROGRESS": "1"} if progress else {})})
+                                                                **({"FAKE_PROGRESS": "1"} if progress else {}), **extra})
         started = []
         for line in process.stdout:  # srun has started, so the USR1 trap is set (a fixed wait can come too early)
             started.append(line)
@@ -439,6 +439,35 @@ def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
     assert "longer time limit" in stderr
     # and the job goes on: the run may still finish before the limit (srun, 5 s here, ends as it would have)
     assert outcome["returncode"] == 0 and outcome["seconds"] > 3, outcome
+    # preprocessing starts over at every attempt: at its time limit it is not requeued to meet the limit again
+    stdout, stderr = warned(progress=False, stage="preprocess", DATA=str(tmp_path / "unfinished_data"),
+                            SLURM_ARRAY_JOB_ID="", SLURM_ARRAY_TASK_ID="")  # one job, no array
+    assert "srun: python preprocess_tldr.py" in stdout and "scontrol:" not in stdout, stdout
+    assert "preprocess: not requeueing 77: its script cannot resume" in stderr and "longer one" in stderr, stderr
+    assert outcome["returncode"] == 0, outcome
+
+
+def test_a_sweep_larger_than_the_header_s_array_is_refused_when_submitted_directly(tmp_path):
+    """`sbatch <stage>.sbatch` takes the header's --array=0-11 (3 models x 4 seeds): with SEEDS of 5 the tasks 12-14
+    would never be submitted, silently. Every task refuses then, naming the --array to pass; an array that
+    benchmark/launch.sh submitted (SWEEP_ARRAY) or the default sweep runs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "python").write_text("#!/usr/bin/env bash\nexit 0\n")  # the CUDA check finds nothing wrong
+    for tool in ("srun", "python"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT_ROOT": str(tmp_path / "models"), "SLURM_JOB_ID": "77",
+           "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "0",
+           "SLURM_ARRAY_TASK_MAX": "11", "SLURM_SUBMIT_DIR": str(REPO)}
+    five_seeds = {"SEEDS": "44413 55513 66613 77713 88813"}
+    result = bash(str(SLURM / "sft.sbatch"), env={**env, **five_seeds})
+    assert result.returncode == 2 and "srun:" not in result.stdout, result.stdout + result.stderr
+    assert ("sft: the sweep has 15 tasks (MODELS x SEEDS) and this array the header's 0-11: submit it with "
+            "benchmark/launch.sh, or sbatch --array=0-14 benchmark/slurm/sft.sbatch") in result.stderr, result.stderr
+    for fine in ({**five_seeds, "SWEEP_ARRAY": "0-14"}, {}, {**five_seeds, "SLURM_ARRAY_TASK_MAX": "14"}):
+        result = bash(str(SLURM / "sft.sbatch"), env={**env, **fine})
+        assert result.returncode == 0 and "srun: accelerate launch" in result.stdout, (fine, result.stderr)
 
 
 def test_a_training_run_stops_before_the_time_limit_and_its_task_requeues(tmp_path):

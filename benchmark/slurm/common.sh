@@ -8,7 +8,8 @@
 #
 #   bash benchmark/slurm/<stage>.sbatch --dry-run   print every task's command; needs no SLURM
 #   bash benchmark/slurm/<stage>.sbatch --pending   each task's index, state (work, push, done) and folder
-#   sbatch benchmark/slurm/<stage>.sbatch           SLURM runs task $SLURM_ARRAY_TASK_ID with srun
+#   sbatch benchmark/slurm/<stage>.sbatch           SLURM runs task $SLURM_ARRAY_TASK_ID with srun (the header's
+#                                                   array 0-11; another MODELS x SEEDS: --array=0-<tasks - 1>)
 #   SLURM_ARRAY_TASK_ID=3 bash benchmark/slurm/<stage>.sbatch   run task 3 here, without SLURM
 #
 # Task i runs MODEL = MODELS[i / #SEEDS], SEED = SEEDS[i % #SEEDS] (the reference's indexing), so
@@ -16,7 +17,8 @@
 # Requeue: a task whose DONE file exists exits at once (with PUSH=1 its script starts, trains nothing and pushes the
 # finished run again, in case the push that ended it failed); otherwise its command carries --resume
 # and --save_every, so a job requeued after a preemption, a node failure or its time limit continues
-# from its latest checkpoint. Before the limit a training run checkpoints and stops by itself
+# from its latest checkpoint (SLURM itself requeues any stage after a preemption or a node failure; a stage whose
+# script cannot resume sets RESUMES=no and is not requeued at its time limit). Before the limit a training run checkpoints and stops by itself
 # (--stop_after_minutes: the job's time left less STOP_MARGIN_MINUTES) and the task requeues; the USR1
 # trap below requeues it 10 minutes before the limit if the run has not stopped by then. A training
 # attempt that saved no checkpoint past the one it started from is not requeued (it would redo the same
@@ -44,6 +46,12 @@ print_command() {  # the command, shell-quoted, on one line
 
 requeue_self() {  # USR1 (sent by --signal=B:USR1@600 before the time limit), or a run stopped for it: requeue
   local job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
+  # A stage that starts over (RESUMES=no: preprocessing) would meet the same limit at every attempt: not again.
+  if [[ ${RESUMES:-yes} == no ]]; then
+    echo "$STAGE: not requeueing ${job:-$SLURM_JOB_ID}: its script cannot resume (each attempt starts over), so the" \
+      "next would stop at the same time limit: submit it again with a longer one (SBATCH_TIMELIMIT, or sbatch --time)" >&2
+    return 1
+  fi
   # A training attempt that checkpointed nothing new (an update and its checkpoint, or the final evaluation, longer
   # than the time limit allows) would be requeued to redo the same work, forever: not again.
   if [[ $GPU == yes && -n ${STARTED_AT_UPDATE:-} ]] && (($(latest_update) <= STARTED_AT_UPDATE)); then
@@ -122,6 +130,16 @@ run_stage() {  # run_stage [--dry-run | --pending]
   if [[ -z $i && $TASKS == single ]]; then i=0; fi
   if [[ -z $i ]] || ((i >= n)); then
     echo "$STAGE: array task '${i}' is not in 0-$((n - 1)); set SLURM_ARRAY_TASK_ID or use --dry-run" >&2
+    return 2
+  fi
+  # `sbatch <stage>.sbatch` takes the header's --array (0-11: 3 models x 4 seeds): a larger sweep would leave its
+  # last tasks unsubmitted, silently. benchmark/launch.sh submits arrays of its own (SWEEP_ARRAY), subsets too.
+  local header
+  header=$(sed -n 's/^#SBATCH --array=//p' "$0" | head -n 1)
+  if [[ -z ${SWEEP_ARRAY:-} && -n ${SLURM_ARRAY_TASK_MAX:-} && $header == "${SLURM_ARRAY_TASK_MIN:-}-$SLURM_ARRAY_TASK_MAX" ]] \
+      && ((n > SLURM_ARRAY_TASK_MAX + 1)); then
+    echo "$STAGE: the sweep has $n tasks (MODELS x SEEDS) and this array the header's $header: submit it with" \
+      "benchmark/launch.sh, or sbatch --array=0-$((n - 1)) benchmark/slurm/$STAGE.sbatch. Nothing was started." >&2
     return 2
   fi
   task_command "$i"
