@@ -17,9 +17,11 @@ two summaries of a post is better, and reports for every table the win rate agai
     python judge.py --judge gold --tables sft=models/tiny/sft_1/eval_validation.csv ppo__seed1=models/tiny/ppo_1/eval_validation.csv \
         --output_dir runs/judge_gold
     # an OpenAI judge (key from OPENAI_API_KEY only), PPO also against SFT; the paper's, gpt-3.5-turbo-0125, is gone
-    python judge.py --model gpt-5.6-terra --tables sft__seed1=sft1.csv ppo__seed1=ppo1.csv --pairs ppo__seed1:sft__seed1
+    python judge.py --model gpt-5.6-terra --tables sft__seed1=models/tiny/sft_1/eval_validation.csv \
+        ppo__seed1=models/tiny/ppo_1/eval_validation.csv --pairs ppo__seed1:sft__seed1
     # any OpenAI-compatible server (vLLM, llama.cpp ...): OPENAI_API_KEY=unused for a keyless one
-    python judge.py --base_url http://127.0.0.1:8000/v1 --model Qwen/Qwen2.5-7B-Instruct --tables dpo=dpo.csv
+    python judge.py --base_url http://127.0.0.1:8000/v1 --model Qwen/Qwen2.5-7B-Instruct \
+        --tables dpo=models/tiny/dpo_1/eval_validation.csv
 
 Run labels are `<method>` or `<method>__seed<seed>` (`sft`, `ppo__seed1`); results.md averages
 each method over its seeds. Unlike the reference judge (eval/oai.py: a blocking sleep in async code,
