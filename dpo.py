@@ -699,8 +699,7 @@ def gold_agreement(table: pd.DataFrame, eval_set, split: str, gold_judge: str, w
     posts = [f"{info['title']}\n{info['article'] if split == 'validation_cnndm' else info['post']}"
              for info in eval_set["info"]]
     texts = [(s[c]["text"], s[1 - c]["text"]) for s, c in zip(eval_set["summaries"], eval_set["choice"])]
-    gold_margin = np.array([tiny_world.gold_score(p, c) - tiny_world.gold_score(p, r)
-                            for p, (c, r) in zip(posts, texts)])
+    gold_margin = np.array([tiny_world.gold_margin(p, c, r) for p, (c, r) in zip(posts, texts)])  # 0: a gold tie
     table["gold_prefers_chosen"] = np.where(gold_margin == 0, np.nan, gold_margin > 0)
     decided = gold_margin != 0
     # From the rewards, not the accuracy column: the RM's accuracy counts a tie as wrong (pair_accuracy's `tie`).

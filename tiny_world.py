@@ -152,6 +152,18 @@ def gold_score(post, summary):
     return gold_breakdown(post, summary)["score"]
 
 
+# Two summaries whose terms add up to the same score can differ in the last bits of their float sums
+# (1.8000000000000003 against 1.7999999999999998): closer than this, the gold judge calls them equal.
+# Distinct scores differ by far more (the terms are multiples of 0.1 and 3 x coverage, a fraction of few key words).
+GOLD_TIE = 1e-9
+
+
+def gold_margin(post, summary_a, summary_b):
+    """gold_score(post, summary_a) - gold_score(post, summary_b), exactly 0.0 for scores equal up to float rounding."""
+    margin = gold_score(post, summary_a) - gold_score(post, summary_b)
+    return 0.0 if abs(margin) < GOLD_TIE else margin
+
+
 def preference_probability(post, summary_a, summary_b, temperature):
     """Bradley-Terry probability that a labeller prefers summary_a: sigmoid(gold difference / T)."""
     diff = gold_score(post, summary_a) - gold_score(post, summary_b)

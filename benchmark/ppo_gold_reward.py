@@ -166,9 +166,10 @@ def judge(rows: list, other_rows: list = None) -> dict:
         gold.append(ours)
         if others is not None and post not in others:
             continue
-        theirs = tiny_world.gold_score(post, (others[post] if others is not None else row["reference"]).strip())
-        wins += ours > theirs
-        judged += ours != theirs
+        margin = tiny_world.gold_margin(post, row["response"].strip(),
+                                        (others[post] if others is not None else row["reference"]).strip())
+        wins += margin > 0  # 0: equal up to float rounding, a tie (as judge.py's gold judge)
+        judged += margin != 0
     mistakes = mistake_profile([(row["query"].strip(), row["response"].strip()) for row in rows], tiny_world)
     return {"wins": wins, "judged": judged, "win_rate": wins / judged if judged else float("nan"),
             "ci": wilson_interval(wins, judged), "gold": sum(gold) / len(gold), "words": mistakes["words"],

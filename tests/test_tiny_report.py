@@ -265,6 +265,13 @@ def test_overoptimisation_curve_by_hand():
     assert first["gold_win_rate"] == 1.0  # one win, one tie (not counted)
     assert (second["rm"], second["rm_reference"], second["gold"], second["gold_reference"]) == (0.5, 0.25, 1.0, 1.5)
     assert second["gold_win_rate"] == 0.5 and second["n"] == 2
+    # scores equal but for the float rounding of their sums (3 x 4/5 - 0.6 against 3 x 3/5) are a tie, as judge.py's
+    rounded = {"4 of 5 twice": 3 * 0.8 - 0.3 * 2, "3 of 5": 3 * 0.6, "worse": 1.0}
+    assert rounded["4 of 5 twice"] != rounded["3 of 5"]
+    tables = {64: [row("p", "4 of 5 twice", "3 of 5", "0", "0"), row("p", "4 of 5 twice", "worse", "0", "0"),
+                   row("p", "worse", "3 of 5", "0", "0")]}
+    (point,) = tiny_report.overoptimisation_curve(tables, batch_size=64, gold=lambda post, summary: rounded[summary])
+    assert point["gold_win_rate"] == 0.5  # one win, one loss, one tie
 
 
 def test_mistake_profile_by_hand():

@@ -244,6 +244,20 @@ def test_gold_breakdown_by_hand():
                                        - w["repetition"] * 1)
 
 
+def test_equal_gold_scores_are_a_tie_whatever_the_float_rounding_of_their_sums():
+    """3 x 4/5 - 0.3 x 2 and 3 x 3/5 are both 1.8, but their float sums differ in the last bit: gold_margin calls them
+    equal, and judge.py's gold judge a tie, where the rounding decided before (for the summary of the first)."""
+    post = "My landlord cancelled my lease and sold my bike."  # 5 key words
+    four_twice, three = "my landlord cancelled my lease and sold it, my landlord, my lease", "my landlord cancelled my lease"
+    assert (tw.gold_breakdown(post, four_twice)["coverage"], tw.gold_breakdown(post, four_twice)["repetition"]) == (0.8, 2)
+    assert tw.gold_score(post, four_twice) != tw.gold_score(post, three)  # 1.8000000000000003 against 1.7999999999999998
+    assert tw.gold_margin(post, four_twice, three) == 0.0 == tw.gold_margin(post, three, four_twice)
+    assert tw.gold_margin(post, four_twice, "my landlord") == pytest.approx(3 * 0.8 - 0.6 - 3 * 0.2)  # no tie
+    import judge
+    assert judge.parse_verdict(judge.gold_reply(post, four_twice, three), allow_tie=True) == "tie"
+    assert judge.parse_verdict(judge.gold_reply(post, four_twice, "my landlord"), allow_tie=True) == "A"
+
+
 def test_gold_judge_reads_words_as_words_whatever_their_case_and_an_empty_summary_costs_its_penalty():
     """The judge of model outputs (judge.py --judge gold, PPO's gold reward): an empty summary scores -empty (a
     policy that stops at once must not tie a summary that says something wrong); capitals do not hide a fact;
