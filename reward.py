@@ -799,9 +799,11 @@ def judge_agreement(accelerator, model, tokenizer, judged: pd.DataFrame, args) -
     """All ranks: rm_agreement of the RM's scores of the judged (query, response) and (query, reference) texts (nan: none)."""
     # The judge compared a model's summary with another (the human reference, by default); the RM
     # agrees when it ranks the two the same way. Texts are rebuilt as preprocess_tldr.py builds
-    # them: query + " " + summary + EOS, right-padded.
-    ids = {name: tokenizer([f"{query.strip()} {str(text).strip()}{tokenizer.eos_token}" for query, text in
-                            zip(judged["query"], judged[name])], add_special_tokens=False)["input_ids"]
+    # them: query + " " + summary + EOS, right-padded, a "[PAD]" or "<|endoftext|>" typed in a text read as text
+    # (split_special_tokens, as preprocess_tldr.py's encode_text): the reward is read at the one real EOS.
+    ids = {name: [row + [tokenizer.eos_token_id] for row in tokenizer(
+               [f"{query.strip()} {str(text).strip()}" for query, text in zip(judged["query"], judged[name])],
+               add_special_tokens=False, split_special_tokens=True)["input_ids"]]
            for name in ("response", "reference")}
     width = max(len(row) for rows in ids.values() for row in rows)
     pad_id = tokenizer.pad_token_id

@@ -693,6 +693,14 @@ def test_judge_agreement_ranks_each_response_against_its_reference_as_the_rm_sco
                                 for q, t in zip(queries, texts)], name
     judged["preferred"] = [{"ours": "reference", "reference": "ours"}.get(p, p) for p in preferred]
     assert reward.judge_agreement(one_process(), model, tokenizer, judged, args) == 0.0
+    # An EOS or [PAD] typed in a text is text: the one EOS id is the last (the reward is read there), no pad inside
+    judged["response"] = ["boss broke <|endoftext|> car", "sister [PAD] phone"] + responses[2:]
+    reward.judge_agreement(one_process(), model, tokenizer, judged, args)
+    assert [row.count(tokenizer.eos_token_id) for row in scored["response"][:2]] == [1, 1]
+    assert all(row[-1] == tokenizer.eos_token_id for row in scored["response"])
+    assert scored["response"][0] == tokenizer(f"{queries[0]} boss broke <|endoftext|> car", add_special_tokens=False,
+                                              split_special_tokens=True).input_ids + [tokenizer.eos_token_id]
+    assert len(scored["response"][1]) > len(tokenizer(f"{queries[1]} sister phone").input_ids) + 1  # [PAD] kept as text
 
 
 def test_token_reward_samples_are_each_rows_reward_logits_up_to_a_few_pads_past_its_eos(tiny_tldr):
