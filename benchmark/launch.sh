@@ -252,8 +252,9 @@ for stage in "${ALL_STAGES[@]}"; do
       if ((${#order[@]} > 1)); then job="<$stage job id of task${indices[1]+s} ${tasks//,/+}>"; fi  # no comma: a list
       echo "sbatch ${args[*]} benchmark/slurm/$stage.sbatch"
     else
-      # SWEEP_ARRAY (exported to the job): its --array is this script's, not the header's (common.sh)
-      if ! job=$(SWEEP_ARRAY=$tasks sbatch "${args[@]}" "benchmark/slurm/$stage.sbatch"); then  # (--parsable: "<id>[;<cluster>]")
+      # SWEEP_ARRAY (exported to the job): its --array is this script's, not the header's (common.sh).
+      # --parsable: sbatch prints "<id>[;<cluster>]".
+      if ! job=$(SWEEP_ARRAY=$tasks sbatch "${args[@]}" "benchmark/slurm/$stage.sbatch"); then
         before=
         if [[ -n $SUBMITTED ]]; then
           before=" Already submitted, and queued as they are:$SUBMITTED (scancel them, or let them run and submit"

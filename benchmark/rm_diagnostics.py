@@ -273,7 +273,7 @@ def diagnose(rows, policy, reward_model, tokenizer, args: argparse.Namespace, wo
                      for response in responses]
             post = row["query"]  # the gold judge reads the query, as judge.py gives it
             breakdowns = [world.gold_breakdown(post, text) for text in texts]
-            # Rounded: scores equal up to the float rounding of their sums compare equal (judge.py: tiny_world.gold_margin)
+            # Rounded: scores equal up to the float rounding of their sums compare equal (as tiny_world.gold_margin)
             gold = [round(breakdown["score"], 9) for breakdown in breakdowns]
             reference = round(world.gold_score(post, row["summary"]), 9)
             a, t = pairwise_agreement(scores, gold)

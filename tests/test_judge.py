@@ -42,7 +42,8 @@ def test_parse_verdict_is_strict():
     assert judge.parse_verdict("Comparison: A is shorter.\nPreferred: A") == "A"
     assert judge.parse_verdict("Comparison: B covers more.\n  Preferred: B  \n") == "B"
     # What the prompt's format line (`Preferred: <"A" or "B">`) and markdown put around a clear answer
-    for reply, verdict in (('Comparison: x\nPreferred: "A"', "A"), ("Preferred: A.", "A"), ("**Preferred:** B", "B"), ("**Preferred**: B", "B"), ("__Preferred__: A", "A"),
+    for reply, verdict in (('Comparison: x\nPreferred: "A"', "A"), ("Preferred: A.", "A"), ("**Preferred:** B", "B"),
+                           ("**Preferred**: B", "B"), ("__Preferred__: A", "A"),
                            ("Preferred: **B**", "B"), ("Preferred: Summary A", "A"), ("### Preferred: `B`", "B"),
                            ("Preferred: 'A'", "A")):
         assert judge.parse_verdict(reply) == verdict, reply

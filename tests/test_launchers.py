@@ -415,10 +415,11 @@ def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
                                                           "PREPROCESS_FLAGS": "--push_to_hub"})
     assert result.returncode == 0 and "nothing to do" in result.stdout and "srun:" not in result.stdout, result.stdout
 
-    def warned(progress: bool, stage: str = "reward", **extra) -> tuple:  # task 4 under USR1 while srun runs: (stdout, stderr)
-        process = subprocess.Popen(["bash", str(SLURM / f"{stage}.sbatch")], cwd=REPO, text=True, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, env={**ENV, **env, "SLURM_ARRAY_TASK_ID": "4", "FAKE_SLEEP": "5",
-                                                                **({"FAKE_PROGRESS": "1"} if progress else {}), **extra})
+    def warned(progress: bool, stage: str = "reward", **extra) -> tuple:  # task 4 under USR1 while srun runs
+        process = subprocess.Popen(["bash", str(SLURM / f"{stage}.sbatch")], cwd=REPO, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   env={**ENV, **env, "SLURM_ARRAY_TASK_ID": "4", "FAKE_SLEEP": "5",
+                                        **({"FAKE_PROGRESS": "1"} if progress else {}), **extra})
         started = []
         for line in process.stdout:  # srun has started, so the USR1 trap is set (a fixed wait can come too early)
             started.append(line)

@@ -248,8 +248,10 @@ def test_equal_gold_scores_are_a_tie_whatever_the_float_rounding_of_their_sums()
     """3 x 4/5 - 0.3 x 2 and 3 x 3/5 are both 1.8, but their float sums differ in the last bit: gold_margin calls them
     equal, and judge.py's gold judge a tie, where the rounding decided before (for the summary of the first)."""
     post = "My landlord cancelled my lease and sold my bike."  # 5 key words
-    four_twice, three = "my landlord cancelled my lease and sold it, my landlord, my lease", "my landlord cancelled my lease"
-    assert (tw.gold_breakdown(post, four_twice)["coverage"], tw.gold_breakdown(post, four_twice)["repetition"]) == (0.8, 2)
+    four_twice = "my landlord cancelled my lease and sold it, my landlord, my lease"  # coverage 4/5, repetition 2
+    three = "my landlord cancelled my lease"  # coverage 3/5
+    breakdown = tw.gold_breakdown(post, four_twice)
+    assert (breakdown["coverage"], breakdown["repetition"]) == (0.8, 2)
     assert tw.gold_score(post, four_twice) != tw.gold_score(post, three)  # 1.8000000000000003 against 1.7999999999999998
     assert tw.gold_margin(post, four_twice, three) == 0.0 == tw.gold_margin(post, three, four_twice)
     assert tw.gold_margin(post, four_twice, "my landlord") == pytest.approx(3 * 0.8 - 0.6 - 3 * 0.2)  # no tie
