@@ -167,6 +167,28 @@ def run(command: list, log: str, env: dict) -> float:
     return time.time() - start
 
 
+def keep_log(log: str, out: str, name: Optional[str] = None) -> None:
+    """The last 20,000 characters of a stage's `log`, beside the report `out` (gpu_check_logs/), so that they come back
+    from a device machine with the report even when the check is stopped (the scratch folder does not)."""
+    folder = os.path.join(os.path.dirname(os.path.abspath(out)), "gpu_check_logs")
+    os.makedirs(folder, exist_ok=True)
+    with open(log, errors="replace") as source, \
+            open(os.path.join(folder, f"{name or os.path.basename(log)[:-len('.log')]}.log"), "w") as target:
+        target.write(source.read()[-20000:])
+
+
+def write_partial(args, name: str, versions: str, timings: dict, memory: dict, status: str) -> None:
+    """The report so far, at `args.out`: device, versions and each stage that ended (the full report replaces it);
+    a check stopped at the device's time limit still leaves what it measured."""
+    lines = ["# benchmark/gpu_check.sh (partial)", "", f"- device: **{name}**", f"- {versions}",
+             f"- date: {time.strftime('%Y-%m-%d %H:%M')}, command: `{' '.join(sys.argv)}`", f"- status: {status}", "",
+             "| stage | wall time (s, loading and eval included) | peak GPU memory |", "|---|---|---|",
+             *[f"| {stage} | {seconds:.0f} | {memory.get(stage, 'n/a')} |" for stage, seconds in timings.items()], ""]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as file:
+        file.write("\n".join(lines))
+
+
 def last_error(log: str) -> str:
     """The last line of `log` that states an exception and its message (not the launcher's ChildFailedError), with
     the next line if it ends in a colon; else the log's last line: for the report."""
@@ -203,18 +225,19 @@ def forward_checks(sft_folder: str, pad_id: int, device: str, sft_dataset: str) 
     generator = torch.Generator().manual_seed(0)
     rows, context, response_length = 16, 512, 53
     queries = torch.randint(2, 1000, (rows, context), generator=generator)
-    for i in range(rows):  # left padding of 0 ... 150 tokens, as truncated posts leave
-        queries[i, :10 * i] = pad_id
+    for i in range(rows):  # left padding of 10 ... 160 tokens, as truncated posts leave: every row is padded, so the
+        queries[i, :10 + 10 * i] = pad_id  # window starts past column 0 and the check compares a real cut
     responses = torch.randint(2, 1000, (rows, response_length), generator=generator)
     query_responses = torch.cat((queries, responses), 1).to(device)
-    logits, _ = PolicyAndValueWrapper(policy, critic)(*response_window(query_responses, pad_id, context, response_length),
-                                                      response_length)
+    cut = response_window(query_responses, pad_id, context, response_length)
+    logits, _ = PolicyAndValueWrapper(policy, critic)(*cut, response_length)
     mask = query_responses != pad_id
     full = policy(input_ids=query_responses.masked_fill(~mask, 0), attention_mask=mask).logits
     full = full[:, context - 1:context - 1 + response_length]
     difference = (logits.float() - full.float()).abs()
     window = {"window_max_abs_diff": difference.max().item(), "window_mean_abs_diff": difference.mean().item(),
-              "logit_scale": full.float().abs().mean().item()}  # read now: nothing later may cost them
+              "logit_scale": full.float().abs().mean().item(),  # read now: nothing later may cost them
+              "window_columns": cut[0].shape[1]}
     # Decode: the paper's rollout batch (64 prompts of 512 tokens), 53 new tokens, no early stop.
     batch = torch.randint(2, 1000, (64, context), generator=generator).to(device)
     unsampled = torch.tensor([pad_id], device=device)
@@ -428,6 +451,12 @@ def main() -> None:
                if __import__("importlib").util.find_spec(name) is None]
     if missing:
         raise SystemExit(f"missing packages {missing}: pip install -r requirements.txt (with a CUDA torch)")
+    for script in ("preprocess_tldr", "sft", "reward", "dpo", "ppo"):  # their imports, before minutes of work
+        try:
+            __import__("importlib").import_module(script)
+        except ImportError as error:
+            raise SystemExit(f"{script}.py cannot be imported here ({error}): install what it names (a device machine "
+                             "reaches no registry: bring its wheels, benchmark/gpu_wheels.sh)") from None
     import accelerate
     import deepspeed
     import transformers
@@ -447,41 +476,55 @@ def main() -> None:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
-    timings = {"preprocess": run([sys.executable, os.path.join(REPO, "preprocess_tldr.py"), "--base_model", model,
-                                  "--sft_dataset", os.path.join(args.work, "world", "tldr_3_filtered"),
-                                  "--preference_dataset", os.path.join(args.work, "world", "summarize_from_feedback"),
-                                  *LENGTHS], os.path.join(args.work, "preprocess.log"), env)}
-    launch = ([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               os.path.join(REPO, "benchmark", "accelerate", "deepspeed_zero2.yaml"), "--num_processes", "1"]
-              if args.launcher == "deepspeed" else [sys.executable])
-    model_name = os.path.basename(model) if not args.hub else model
-    memory = {}
-    # Each stage finds the last one's output at its default path; PPO runs twice, the second time with both
-    # fast paths: the sampler and the compiled training layers (its own run name and output folder).
+    timings, memory = {}, {}
     compile_failure = None
-    fast_output = os.path.join(args.work, "models", model_name, "ppo_fast")
-    stages = {"sft": ("sft.py", []), "reward": ("reward.py", []), "dpo": ("dpo.py", []),
-              "ppo": ("ppo.py", ["--run_name", "ppo"]),
-              "ppo_fast": ("ppo.py", ["--fast_sampling", "--run_name", "ppo_fast", "--output_dir", fast_output])}
-    for stage, (script, extra) in stages.items():
-        log = os.path.join(args.work, f"{stage}.log")
-        command = [*launch, os.path.join(REPO, script), "--base_model", model, *STAGE_FLAGS[script], *extra]
-        try:
-            timings[stage] = run(command + (["--compile_training"] if stage == "ppo_fast" else []), log, env)
-        except SystemExit:
-            if stage != "ppo_fast":
-                raise
-            # A compiler failure must not cost the rest of a GPU session's only check: note it, and time
-            # the fast sampler alone.
-            compile_failure = last_error(log)
-            print(f"--compile_training failed ({compile_failure}): the fast run again with --fast_sampling only",
-                  flush=True)
-            os.replace(log, os.path.join(args.work, "ppo_fast_compile_failed.log"))  # kept for a look
-            for folder in (fast_output, os.path.join(args.work, "runs", "ppo_fast")):
-                shutil.rmtree(folder, ignore_errors=True)
-            timings[stage] = run(command, log, env)
-        memory[stage] = peak_memory(log)
-        print(f"{stage}: {timings[stage]:.0f} s, peak GPU memory {memory[stage]}", flush=True)
+    # A stage that fails, or a check stopped at the device's time limit, still leaves the report of the stages that
+    # ended and their logs' tails beside --out (write_partial, keep_log): the full report replaces it at the end.
+    try:
+        world = os.path.join(args.work, "world")
+        timings["preprocess"] = run([sys.executable, os.path.join(REPO, "preprocess_tldr.py"), "--base_model", model,
+                                     "--sft_dataset", os.path.join(world, "tldr_3_filtered"),
+                                     "--preference_dataset", os.path.join(world, "summarize_from_feedback"), *LENGTHS],
+                                    os.path.join(args.work, "preprocess.log"), env)
+        launch = ([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   os.path.join(REPO, "benchmark", "accelerate", "deepspeed_zero2.yaml"), "--num_processes", "1"]
+                  if args.launcher == "deepspeed" else [sys.executable])
+        model_name = os.path.basename(model) if not args.hub else model
+        # Each stage finds the last one's output at its default path; PPO runs twice, the second time with both
+        # fast paths: the sampler and the compiled training layers (its own run name and output folder).
+        fast_output = os.path.join(args.work, "models", model_name, "ppo_fast")
+        stages = {"sft": ("sft.py", []), "reward": ("reward.py", []), "dpo": ("dpo.py", []),
+                  "ppo": ("ppo.py", ["--run_name", "ppo"]),
+                  "ppo_fast": ("ppo.py", ["--fast_sampling", "--run_name", "ppo_fast",
+                                          "--output_dir", fast_output])}
+        for stage, (script, extra) in stages.items():
+            log = os.path.join(args.work, f"{stage}.log")
+            command = [*launch, os.path.join(REPO, script), "--base_model", model, *STAGE_FLAGS[script], *extra]
+            try:
+                timings[stage] = run(command + (["--compile_training"] if stage == "ppo_fast" else []), log, env)
+            except SystemExit as failure:
+                # The sampler's own compile failing (ppo.py names --fast_sampling) would fail the retry the same way.
+                if stage != "ppo_fast" or "--fast_sampling:" in last_error(log):
+                    raise failure
+                # A compiler failure must not cost the rest of a GPU session's only check: note it, and time
+                # the fast sampler alone.
+                compile_failure = last_error(log)
+                print(f"--compile_training failed ({compile_failure}): the fast run again with --fast_sampling "
+                      "only", flush=True)
+                os.replace(log, os.path.join(args.work, "ppo_fast_compile_failed.log"))  # kept for a look
+                keep_log(os.path.join(args.work, "ppo_fast_compile_failed.log"), args.out)
+                for folder in (fast_output, os.path.join(args.work, "runs", "ppo_fast")):
+                    shutil.rmtree(folder, ignore_errors=True)
+                timings[stage] = run(command, log, env)
+            memory[stage] = peak_memory(log)
+            print(f"{stage}: {timings[stage]:.0f} s, peak GPU memory {memory[stage]}", flush=True)
+            keep_log(log, args.out)
+            write_partial(args, name, versions, timings, memory, f"{stage} done; the next steps had not ended")
+    except SystemExit as failure:
+        for log in sorted(file for file in os.listdir(args.work) if file.endswith(".log")):
+            keep_log(os.path.join(args.work, log), args.out)
+        write_partial(args, name, versions, timings, memory, f"stopped: {str(failure).splitlines()[0][:300]}")
+        raise
     stats, stats_fast = (scalars_of(os.path.join(args.work, "runs", name)) for name in ("ppo", "ppo_fast"))
     pad_id = json.load(open(os.path.join(args.work, "models", model_name, "sft_1", "args.json")))["pad_token_id"]
     checks = forward_checks(os.path.join(args.work, "models", model_name, "sft_1"), pad_id, device,
@@ -543,7 +586,7 @@ def larger_micro_batches(checks: dict) -> str:
             + ", ".join(one(rows, seconds) for rows, seconds in checks["per_16_rows"].items()) + ".")
 
 
-def length_groups_line(stats_fast: dict, checks: dict) -> str:
+def length_groups_line(stats_fast: dict, checks: dict, compile_failure: Optional[str] = None) -> str:
     """PPO's training pass and the rollout's scoring at the runs' query lengths and at TL;DR-like ones in 1, 2 and 4
     length groups; and what the fast run's update would take if its PPO epochs (and its scoring, where measured)
     scaled as the fastest setting at those lengths."""
@@ -580,7 +623,7 @@ def length_groups_line(stats_fast: dict, checks: dict) -> str:
         + (" and its scoring as the fastest scoring setting" if scored else "")
         + f", its update on TL;DR-like queries would take {split[0]:.2f} + {split[1]:.2f} x {scoring_ratio:.2f} + "
         f"{split[2]:.2f} x {grouped[best] / runs:.2f} = {projected:.2f} s (a projection: its whole training phase, "
-        f"compiled, scaled as the eager pass; generation as measured"
+        f"{'eager' if compile_failure else 'compiled'}, scaled as the eager pass; generation as measured"
         + ("" if scored else "; scoring as measured") + ").")
 
 
@@ -637,8 +680,9 @@ def report_lines(args, name: str, versions: str, timings: dict, memory: dict, st
         f"First-epoch ratio ({precision} sampling loop vs {precision} training forward): {ratio_of(stats)}. The fast run "
         f"(StaticSampler, {'eager' if compile_failure else 'compiled'} layers): {ratio_of(stats_fast)}.", "",
         training_line(stats, stats_fast, checks, compile_failure), "",
-        length_groups_line(stats_fast, checks), "",
-        f"Windowed training forward vs the plain full forward (bf16, 16 rows of 512 + 53): max |logit difference| "
+        length_groups_line(stats_fast, checks, compile_failure), "",
+        f"Windowed training forward ({checks.get('window_columns', 'n/a')} columns) vs the plain full forward (bf16, 16 "
+        f"rows of 512 + 53, every row left-padded): max |logit difference| "
         f"{checks['window_max_abs_diff']:.4f}, mean {checks['window_mean_abs_diff']:.5f} (mean |logit| "
         f"{checks['logit_scale']:.2f}).", "",
         f"Decode (bf16, 64 prompts of 512 tokens, 53 new tokens, the faster of two alternating calls each): "

@@ -4,6 +4,7 @@ sampling_split.py) and gpu_check.py's report."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -664,7 +665,12 @@ def test_gpu_check_decode_check_times_the_faster_call_and_compares_response_toke
     monkeypatch.setattr(ppo, "StaticSampler", lambda rows: sampler("fast", True))
     monkeypatch.setattr(gpu_check, "training_floor", lambda *args: {"peak_flops": 1.0})
     monkeypatch.setattr(gpu_check, "length_group_passes", lambda *args: {})
+    widths, window = [], ppo.response_window
+    monkeypatch.setattr(ppo, "response_window", lambda ids, *args: widths.append(ids.shape[1]) or window(ids, *args))
     checks = gpu_check.forward_checks(str(WORLD / "pythia-tiny"), 0, "cpu", "no/such/dataset")
+    # the window check cuts: every row has a left pad (10 ... 160 tokens), so the window is not the whole row
+    assert widths == [512 + 53] and window(torch.zeros(1, 3), 0, 2, 1)[0].shape == (1, 1)
+    assert checks["window_columns"] == 512 + 53 - 1 - 10
     assert "error" in checks["length_groups"]  # no such dataset: that check not measured, the others intact
     assert "error" in checks["scoring_groups"]
     assert checks["plain_seconds"] == pytest.approx(2.0) and checks["fast_seconds"] == pytest.approx(1.0)
@@ -718,6 +724,32 @@ def test_gpu_check_runs_every_stage_and_retries_a_failed_compile_without_it(tmp_
     assert "| plain loop (sample_rollout), eager layers (the defaults) | 3.00 | 0.50 (17%) |" in report
     assert "| StaticSampler, eager layers (--fast_sampling) | 2.95 | 0.25 (8%) |" in report
     assert "the fast run sampled with StaticSampler only: torch._inductor.exc.InductorError: boom" in report
+    logs = tmp_path / "gpu_check_logs"  # beside --out: what comes back from a device machine
+    assert sorted(path.name for path in logs.iterdir()) == ["dpo.log", "ppo.log", "ppo_fast.log",
+                                                           "ppo_fast_compile_failed.log", "reward.log", "sft.log"]
+    assert "InductorError: boom" in (logs / "ppo_fast_compile_failed.log").read_text()
+    assert "its whole training phase, eager, scaled as the eager pass" in report  # the layers were not compiled
+
+    # The sampler's own compile failing (ppo.py names --fast_sampling) is not retried: it would fail alike. The check
+    # stops, and the stages that ended are in the report it leaves, their logs beside it.
+    commands.clear()
+
+    def sampler_fails(command, log, env):
+        if os.path.basename(log) == "ppo_fast.log":
+            with open(log, "w") as file:
+                file.write("RuntimeError: --fast_sampling: torch.compile could not build its code here\n")
+            raise SystemExit("failed (1): ppo.py --fast_sampling")
+        return run(command, log, env)
+
+    shutil.rmtree(work)
+    monkeypatch.setattr(gpu_check, "run", sampler_fails)
+    with pytest.raises(SystemExit):
+        gpu_check.main()
+    assert [stage for stage, _ in commands] == ["preprocess", "sft", "reward", "dpo", "ppo"]
+    partial = (tmp_path / "out.md").read_text()
+    assert "# benchmark/gpu_check.sh (partial)" in partial and "- status: stopped: failed (1): ppo.py" in partial
+    assert "| ppo | 50 | 5.00 GiB |" in partial and "ppo_fast |" not in partial
+    assert "--fast_sampling: torch.compile could not build" in (logs / "ppo_fast.log").read_text()
 
 
 def test_gpu_check_stage_batches_are_the_papers_per_gpu_batches():
