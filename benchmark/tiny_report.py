@@ -590,15 +590,17 @@ def section_mistakes(art: dict) -> list:
 def section_lengths(art: dict) -> list:
     """Figure 8: win rate against the references by log(summary length / reference length)."""
     lines = ["", "## Figure 8: win rate against the references by log(summary length / reference length)", "",
-             "Lengths in words; a bucket's win rate is over its decided comparisons (n). The paper's finding: "
+             "Lengths in words; a bucket's win rate is over its decided comparisons (n, of the judged summaries in it, "
+             f"ties included, which the bar counts: buckets with >= {MIN_BUCKET} of each). The paper's finding: "
              "PPO above SFT at every length, so its gain is not just longer summaries.", ""]
     buckets = {m: length_buckets(rows) for m, rows in art["judged"].items() if rows is not None and m != "base"}
     if buckets:
         shown = [m for m in ("sft", "ppo", "dpo") if m in buckets]
-        lines += ["| log length ratio | " + " | ".join(f"{METHODS[m]} win rate (n)" for m in shown) + " |",
+        lines += ["| log length ratio | " + " | ".join(f"{METHODS[m]} win rate (n / judged)" for m in shown) + " |",
                   "|---|" + "---|" * len(shown)]
         for k, (lo, hi) in enumerate(zip(LENGTH_EDGES[:-1], LENGTH_EDGES[1:])):
-            cells = [f"{fmt(buckets[m][k]['win_rate'])} ({buckets[m][k]['n']})" for m in shown]
+            cells = [f"{fmt(buckets[m][k]['win_rate'])} ({buckets[m][k]['n']} / {buckets[m][k]['samples']})"
+                     for m in shown]
             lines.append(f"| [{lo:+.2f}, {hi:+.2f}) | " + " | ".join(cells) + " |")
     else:
         lines.append("not run (no judged/<run>.csv)")

@@ -187,6 +187,9 @@ def test_length_buckets_by_hand():
     assert [(b["wins"], b["n"]) for b in buckets] == [(0, 1), (1, 1), (0, 0), (1, 1), (0, 1), (1, 2), (0, 0)]
     assert [b["samples"] for b in buckets] == [1, 1, 0, 2, 1, 2, 0]
     assert [b["win_rate"] for b in buckets] == [0.0, 1.0, None, 1.0, 0.0, 0.5, None]
+    # the report's table: decided / judged (the bar counts judged summaries, ties included)
+    table = "\n".join(tiny_report.section_lengths({"judged": {"sft": rows}}))
+    assert "| [-0.15, +0.15) | 1.000 (1 / 2) |" in table and "| [-0.45, -0.15) | n/a (0 / 0) |" in table
 
 
 def test_fig8_comparison_by_hand():
@@ -404,7 +407,7 @@ def test_report_has_every_finding_and_the_figure(tmp_path):
                 # reference keeps them in 5 words
                 "| SFT | 1.000 | 0.00 | 0.00 | 1.00 | 0.00 | 0.00 | 4.0 |",
                 "| the references | 1.000 | 0.00 | 0.00 | 0.00 | 0.00 | 0.00 | 5.0 |",
-                "| [-0.15, +0.15) | 1.000 (3) | 1.000 (4) |", "| [+0.45, +0.75) | 0.000 (2) | 0.000 (1) |",
+                "| [-0.15, +0.15) | 1.000 (3 / 3) | 1.000 (4 / 4) |", "| [+0.45, +0.75) | 0.000 (2 / 2) | 0.000 (1 / 1) |",
                 # over-optimisation: update 0 = SFT's samples (all 3 key words, 1 filler: 3 - 0.4), then PPO's:
                 # a tie with the reference (3.0), then 1 of 3 key words, 2 fillers, 1 repeat: 1 - 0.8 - 0.3
                 "| 0 | n/a (n/a) | 2.600 (3.000) | 0.000 |", "| 5 | 0.500 (0.000) | 3.000 (3.000) | n/a |",
