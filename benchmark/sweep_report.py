@@ -16,7 +16,7 @@ ROUGE, the RM's and DPO's accuracy against the labels and on CNN/DM, PPO's RM sc
     python benchmark/sweep_report.py --out_root models --out runs/tiny_sweep   # the tiny run (models/tiny/*_1) too
 
 Runs still training or judging are left out of the means and listed as such, so the report can be drawn at any time
-of a sweep. Win rates of different judge models are not comparable: with more than one among the judge folders,
+of a sweep; so are a judge's verdicts on a run that is training again, or finished again after it was judged. Win rates of different judge models are not comparable: with more than one among the judge folders,
 --judge_model says which to report.
 """
 
@@ -50,7 +50,7 @@ def find_runs(out_root: str) -> dict:
     """{model: {seed: {stage: run folder}}} of every folder below out_root that holds `<stage>_<seed>` runs; the
     model is its path below out_root."""
     found: dict = {}
-    for folder, children, _ in os.walk(out_root):
+    for folder, children, _ in os.walk(out_root, followlinks=True):  # a model folder linked to scratch space too
         runs = [name for name in children if RUN.match(name)]
         for name in runs:
             stage, seed = RUN.match(name).groups()
@@ -161,8 +161,27 @@ def collect(found: dict, judge_model: Optional[str]) -> tuple:
                 for label, run in results.get("runs", {}).items():
                     if run.get("n"):  # n = wins + losses: a run without a decided pair has no win rate
                         vs = "reference" if run["vs"] == "reference" else re.sub(r"__seed.*$", "", run["vs"])
+                        stale = judged_stale(folder, stages, {run["method"], vs} - {"reference"})
+                        if stale:
+                            notes.append(f"{folder}: {label} left out: {stale}")
+                            continue
                         rows.setdefault((model, run["method"], vs), {})[seed] = float(run["win_rate"])
     return rows, metrics, notes, config
+
+
+def judged_stale(judge_folder: str, stages: dict, methods: set) -> Optional[str]:
+    """Why a judged run's verdicts no longer describe the runs of `methods` (a stage of this seed not complete now,
+    trained again after the judge wrote results.json, or of a stage this sweep does not know); None if they do."""
+    judged_at = os.path.getmtime(os.path.join(judge_folder, "results.json"))
+    for method in sorted(methods):
+        if method not in stages:
+            return f"no {method} run of this seed in the sweep" if method in ("sft", "ppo", "dpo") else None
+        metrics = os.path.join(stages[method], "eval_metrics.json")
+        if not os.path.isfile(metrics):
+            return f"{os.path.basename(stages[method])} is not complete (training again?)"
+        if os.path.getmtime(metrics) > judged_at:
+            return f"{os.path.basename(stages[method])} finished after it was judged: judge it again"
+    return None
 
 
 def safetensors_parameters(folder: str) -> Optional[int]:

@@ -100,8 +100,11 @@ def test_sweep_report_means_and_stds_by_hand(sweep, tmp_path):
     # SMALL DPO: (0.40 + 0.44 + 0.48) / 3 = 0.44, std 0.04; LARGE SFT over its two judged seeds: 0.42, std 0.028
     assert table_row(text, SMALL, "dpo", "Figure 1")[4:6] == ["0.440", "0.040"]
     assert table_row(text, LARGE, "sft", "Figure 1")[2:6] == ["sft", "2", "0.420", "0.028"]
-    # head to head against SFT: LARGE PPO (0.80 + 0.84) / 2 = 0.82
-    assert table_row(text, LARGE, "ppo", "Head to head against SFT")[3:5] == ["2", "0.820"]
+    # head to head against SFT: LARGE PPO seed 44413 alone (0.80): seed 55513's PPO is training again, so its judge's
+    # verdicts (0.84, and 0.74 against the references) describe a run that is no longer there
+    assert table_row(text, LARGE, "ppo", "Head to head against SFT")[3:5] == ["1", "0.800"]
+    assert table_row(text, LARGE, "ppo", "Figure 1")[3:5] == ["1", "0.700"]
+    assert table_row(text, LARGE, "dpo", "Figure 1")[3:5] == ["2", "0.610"]  # its DPO is complete: both seeds
     assert "| sft |" not in text.split("## Head to head against SFT")[1].split("\n## ")[0]
     assert "empty" not in text  # a run with no decided pair has no win rate
     # rows by size, methods in the paper's order
@@ -122,7 +125,8 @@ def test_sweep_report_means_and_stds_by_hand(sweep, tmp_path):
     # what is not complete, each named
     missing = text.split("## Missing or not complete")[1]
     for expected in (f"{LARGE}/reward_66613: not complete (no eval_metrics.json)",
-                     f"{LARGE} seed 66613: no judge_66613 folder", f"{LARGE}/ppo_55513: not complete"):
+                     f"{LARGE} seed 66613: no judge_66613 folder", f"{LARGE}/ppo_55513: not complete",
+                     f"{LARGE}/judge_55513: ppo__seed55513 left out: ppo_55513 is not complete (training again?)"):
         assert expected in missing, missing
     assert "checkpoints" not in missing  # a run's own folders are no runs
 
@@ -146,8 +150,28 @@ def test_incomplete_and_foreign_judges_are_left_out_and_mixed_judges_refused(swe
     result = run_report(sweep, tmp_path / "b", "--judge_model", "judge-a")
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "b.md").read_text()
-    assert table_row(text, LARGE, "ppo", "Figure 1")[3:5] == ["1", "0.740"]
+    assert table_row(text, LARGE, "sft", "Figure 1")[3:5] == ["1", "0.440"]  # seed 55513 alone
     assert f"{LARGE}/judge_44413: left out, judged by `judge-b`, not `judge-a`" in text
+
+
+def test_a_run_trained_again_after_its_judge_and_a_linked_model_folder(sweep, tmp_path):
+    """A stage that finished after its seed's judge wrote results.json (trained again) leaves that judge's verdicts on
+    it out, named; a model folder that is a symbolic link (to scratch space) is read like any other."""
+    import os
+
+    judged = (sweep / SMALL / "judge_44413" / "results.json").stat().st_mtime
+    os.utime(sweep / SMALL / "dpo_44413" / "eval_metrics.json", (judged + 60, judged + 60))
+    (tmp_path / "scratch").mkdir()
+    (sweep / LARGE).rename(tmp_path / "scratch" / "large")
+    (sweep / LARGE).symlink_to(tmp_path / "scratch" / "large", target_is_directory=True)
+    result = run_report(sweep, tmp_path / "c")
+    assert result.returncode == 0, result.stderr
+    text = (tmp_path / "c.md").read_text()
+    assert table_row(text, SMALL, "dpo", "Figure 1")[3:5] == ["2", "0.460"]  # (0.44 + 0.48) / 2, 44413 left out
+    assert table_row(text, SMALL, "ppo", "Figure 1")[3:5] == ["3", "0.530"]
+    assert (f"{SMALL}/judge_44413: dpo__seed44413 left out: dpo_44413 finished after it was judged: judge it again"
+            in text)
+    assert table_row(text, LARGE, "sft", "Figure 1")[3:5] == ["2", "0.420"]  # found through the link
 
 
 def test_bad_inputs_are_named(tmp_path):
