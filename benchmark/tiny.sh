@@ -17,6 +17,12 @@ DATA=${DATA:-data/tiny_tldr}      # preprocessed datasets (sft/, preference/, vi
 SEED=${SEED:-1}
 MODELS=${MODELS:-models/tiny}     # trained models, judge results, timings.tsv, report.md + report.png
 TIMINGS=$MODELS/timings.tsv       # one `stage<TAB>seconds` row per stage, for the report
+# One job a $MODELS: another seed's start would take over its stage records and delete its finished runs.
+if [[ -f $MODELS/.stages/seed && $(cat "$MODELS/.stages/seed") != "$SEED" ]]; then
+  echo "benchmark/tiny.sh: $MODELS holds the main job of SEED=$(cat "$MODELS/.stages/seed"); run SEED=$SEED in its own" \
+    "folder (MODELS=models/tiny_seed$SEED DATA=data/tiny_tldr_seed$SEED), or rm -rf $MODELS first. Nothing was changed." >&2
+  exit 2
+fi
 mkdir -p "$MODELS" && printf 'stage\tseconds\n' > "$TIMINGS"
 rm -f "$MODELS/report.md" "$MODELS/report.png" "$MODELS/report_tokens.png" "$MODELS/findings.json"  # this start's, or none
 unset CLEAR  # only the PPO stage sets it, for itself (stage() deletes what it names)
@@ -78,8 +84,8 @@ fi
 # running continues from its last checkpoint (--save_every, --resume: bit for bit as if never stopped),
 # while the code (the top-level scripts), the world, the environment above and the stage's command stay
 # the same; otherwise that stage and every later one run afresh. `rm -rf $MODELS` runs the whole job again.
-STAGES=$MODELS/.stages  # per stage: NAME.started (its key), NAME.done (its key and timings row)
-mkdir -p "$STAGES"
+STAGES=$MODELS/.stages  # per stage: NAME.started (its key), NAME.done (its key and timings row), NAME.output
+mkdir -p "$STAGES" && echo "$SEED" > "$STAGES/seed"
 JOB_KEY=$( { find . -maxdepth 1 -name '*.py' -print0 | sort -z | xargs -0 -r cat; cat "$MODELS/environment.json"
              (cd "$WORLD" && find . -type f -not -path './.cache/*' -print0 | sort -z | xargs -0 -r cat); } | sha256sum)
 RERUN=  # set by the first stage that runs: every later one runs too
@@ -89,7 +95,10 @@ stage() {  # [CLEAR=path] stage NAME COMMAND...: run a stage of the job (timed),
   key=$(printf '%s\n' "$JOB_KEY" "$@" | sha256sum | cut -c1-32)
   record=$STAGES/${name//[^a-z]/_}
   for arg in "$@"; do [[ $previous == --output_dir ]] && out=$arg; previous=$arg; done
-  if [[ -z $RERUN && -d $out && -f $record.done && $(cut -f1 "$record.done") == "$key" ]]; then
+  # NAME.output: its output's args.json as the stage left it; another job writing there ($DATA is shared between
+  # jobs unless DATA is set) changes it, and the stage runs again.
+  if [[ -z $RERUN && -d $out && -f $record.done && $(cut -f1 "$record.done") == "$key" \
+        && "$(output_print "$out")" == "$(cat "$record.output" 2>/dev/null)" ]]; then
     echo "=== $name: kept, finished by an earlier start of this job with the same code, world, environment and command"
     cut -f2- "$record.done" | sed 's/\t/ (an earlier start)\t/' >> "$TIMINGS"  # its timings row, marked
     return
@@ -105,7 +114,11 @@ stage() {  # [CLEAR=path] stage NAME COMMAND...: run a stage of the job (timed),
   fi  # (preprocess_tldr.py replaces its own outputs in $DATA)
   echo "$key" > "$record.started"
   timed "$name$resumed" "$@"
+  output_print "$out" > "$record.output"
   printf '%s\t%s\n' "$key" "$(tail -n 1 "$TIMINGS")" > "$record.done"
+}
+output_print() {  # output_print FOLDER: sha256 of FOLDER/args.json (the last file each stage writes), or none
+  if [[ -f $1/args.json ]]; then sha256sum < "$1/args.json" | cut -c1-32; else echo none; fi
 }
 stage "preprocess" python preprocess_tldr.py --base_model "$WORLD/pythia-tiny" \
   --sft_dataset "$WORLD/tldr_3_filtered" --preference_dataset "$WORLD/summarize_from_feedback" \

@@ -288,3 +288,35 @@ def test_a_world_whose_build_was_cut_short_is_built_again(tmp_path):
     assert status == 0, stdout
     assert [c[0] for c in called][:2] == ["tiny_world.py", "preprocess_tldr.py"] and rows[0] == "tiny world"
     assert (world / "world.json").is_file()
+
+
+def test_data_rewritten_by_another_job_runs_preprocessing_and_every_later_stage_again(tmp_path):
+    """$DATA is shared by jobs that do not set it (WORLD=/tmp/w MODELS=/tmp/m bash benchmark/tiny.sh writes the default
+    data/tiny_tldr): a start after another world's preprocessing wrote there must not keep its own preprocessing and
+    train on the other world's data; its args.json, as each stage left it, says so."""
+    make_checkout(tmp_path)
+    assert start(tmp_path)[0] == 0
+    (tmp_path / "data" / "tiny_tldr" / "args.json").write_text('{"sft_dataset": "/tmp/w/tldr_3_filtered"}')
+    status, called, rows, stdout = start(tmp_path)
+    assert status == 0, stdout
+    assert [c[0] for c in called] == ["preprocess_tldr.py", "sft.py", "sft.py", "reward.py", "dpo.py", "ppo.py",
+                                      "judge.py", "tiny_report.py"]
+    assert "(an earlier start)" not in "".join(rows)
+    assert [c[0] for c in start(tmp_path)[1]] == ["tiny_report.py"]  # and then it is kept as this job left it
+
+
+def test_another_seed_in_the_same_models_folder_is_refused_and_changes_nothing(tmp_path):
+    """SEED=2 into the models/tiny of a finished seed-1 job would take over the stage records, and the next seed-1
+    start would delete its finished runs: refused before anything is written, naming the folders to use."""
+    make_checkout(tmp_path)
+    assert start(tmp_path)[0] == 0
+    models = tmp_path / "models" / "tiny"
+    before = {path: path.read_bytes() for path in models.rglob("*") if path.is_file()}
+    result = subprocess.run(["bash", "benchmark/tiny.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+                                 "CALLS": str(tmp_path / "calls2.jsonl"), "SEED": "2"})
+    assert result.returncode == 2 and not (tmp_path / "calls2.jsonl").exists()
+    assert "models/tiny holds the main job of SEED=1" in result.stderr and "MODELS=models/tiny_seed2" in result.stderr
+    assert {path: path.read_bytes() for path in models.rglob("*") if path.is_file()} == before
+    status, called, _, _ = start(tmp_path)  # seed 1 again: every stage kept
+    assert status == 0 and [c[0] for c in called] == ["tiny_report.py"]
