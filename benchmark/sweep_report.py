@@ -16,8 +16,9 @@ ROUGE, the RM's and DPO's accuracy against the labels and on CNN/DM, PPO's RM sc
     python benchmark/sweep_report.py --out_root models --out runs/tiny_sweep   # the tiny run (models/tiny/*_1) too
 
 Runs still training or judging are left out of the means and listed as such, so the report can be drawn at any time
-of a sweep; so are a judge's verdicts on a run that is training again, or finished again after it was judged. Win rates of different judge models are not comparable: with more than one among the judge folders,
---judge_model says which to report.
+of a sweep; so are a judge's verdicts on a run that is training again, or finished again after it was judged. Win
+rates of different judge models are not comparable: with more than one among the judge folders, --judge_model says
+which to report.
 """
 
 import datetime
