@@ -107,8 +107,11 @@ stage() {  # [CLEAR=path] stage NAME COMMAND...: run a stage of the job (timed),
   RERUN=1
   rm -f "$record.done"
   if [[ -z $upstream && -f $record.started && $(cat "$record.started") == "$key" ]]; then  # its own earlier start
-    # (a checkpoint still named .partial was cut short while written: the stage starts over, not resumed)
-    if compgen -G "$out/checkpoints/update_*" | grep -qv '\.partial$'; then resumed=" (resumed)"; fi
+    # (a checkpoint still named .partial was cut short while written: the stage starts over, not resumed). A stage
+    # killed after saving its results, before its record: the script finds them finished and times seconds only.
+    if compgen -G "$out/checkpoints/update_*" | grep -qv '\.partial$' || [[ -f $out/eval_metrics.json ]]; then
+      resumed=" (resumed)"
+    fi
   elif [[ $out == "$MODELS"/* ]]; then  # another command, code or world: nothing of an earlier start is kept
     rm -rf "$out" ${CLEAR:+"$CLEAR"}
   fi  # (preprocess_tldr.py replaces its own outputs in $DATA)

@@ -44,6 +44,9 @@ if script == "tiny_world.py":  # a world built where $WORLD points
 if script == os.environ.get("DIE_IN"):  # killed after its checkpoint of update 2
     os.makedirs(checkpoint, exist_ok=True)
     sys.exit(137)
+if script == os.environ.get("DIE_AFTER_SAVE"):  # killed after writing its results, before tiny.sh's record
+    open(os.path.join(out, "eval_metrics.json"), "w").write("{{}}")
+    sys.exit(137)
 if script == "ppo.py":  # an evaluation's samples for the report's curve, in runs/<its --run_name>
     run = os.path.join("runs", flags[flags.index("--run_name") + 1])
     os.makedirs(run, exist_ok=True)
@@ -320,3 +323,16 @@ def test_another_seed_in_the_same_models_folder_is_refused_and_changes_nothing(t
     assert {path: path.read_bytes() for path in models.rglob("*") if path.is_file()} == before
     status, called, _, _ = start(tmp_path)  # seed 1 again: every stage kept
     assert status == 0 and [c[0] for c in called] == ["tiny_report.py"]
+
+
+def test_a_stage_killed_after_saving_its_results_is_marked_resumed(tmp_path):
+    """Killed between the script saving its results and tiny.sh writing the stage's record: the next start runs the
+    script again, which finds its run finished and exits in seconds. That row is marked resumed (the report then does
+    not judge the 12-minute bar on a stage timed in part), and the stages after it run."""
+    make_checkout(tmp_path)
+    status, called, _, _ = start(tmp_path, DIE_AFTER_SAVE="dpo.py")
+    assert status == 137 and called[-1][0] == "dpo.py"
+    status, called, rows, stdout = start(tmp_path)
+    assert status == 0, stdout
+    assert [c[0] for c in called] == ["dpo.py", "ppo.py", "judge.py", "tiny_report.py"]
+    assert "dpo (resumed)" in rows and "ppo" in rows
