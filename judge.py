@@ -277,7 +277,7 @@ def gold_reply(post: str, summary_a: str, summary_b: str) -> str:
     import tiny_world  # off the training path and only needed here: `import judge` stays light
 
     score_a, score_b = tiny_world.gold_score(post, summary_a), tiny_world.gold_score(post, summary_b)
-    margin = tiny_world.gold_margin(post, summary_a, summary_b)
+    margin = tiny_world.gold_difference(score_a, score_b)
     verdict = "A" if margin > 0 else "B" if margin < 0 else "tie"
     return f"Comparison: gold score of summary A {score_a:.4f}, of summary B {score_b:.4f}.\nPreferred: {verdict}"
 

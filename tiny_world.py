@@ -158,10 +158,14 @@ def gold_score(post, summary):
 GOLD_TIE = 1e-9
 
 
+def gold_difference(score_a, score_b):
+    """score_a - score_b of two gold scores, exactly 0.0 for scores equal up to float rounding (GOLD_TIE)."""
+    return 0.0 if abs(score_a - score_b) < GOLD_TIE else score_a - score_b
+
+
 def gold_margin(post, summary_a, summary_b):
-    """gold_score(post, summary_a) - gold_score(post, summary_b), exactly 0.0 for scores equal up to float rounding."""
-    margin = gold_score(post, summary_a) - gold_score(post, summary_b)
-    return 0.0 if abs(margin) < GOLD_TIE else margin
+    """gold_difference of the two summaries' gold scores: 0.0 for a tie."""
+    return gold_difference(gold_score(post, summary_a), gold_score(post, summary_b))
 
 
 def preference_probability(post, summary_a, summary_b, temperature):

@@ -502,10 +502,10 @@ def main() -> None:
             command = [*launch, os.path.join(REPO, script), "--base_model", model, *STAGE_FLAGS[script], *extra]
             try:
                 timings[stage] = run(command + (["--compile_training"] if stage == "ppo_fast" else []), log, env)
-            except SystemExit as failure:
+            except SystemExit:
                 # The sampler's own compile failing (ppo.py names --fast_sampling) would fail the retry the same way.
                 if stage != "ppo_fast" or "--fast_sampling:" in last_error(log):
-                    raise failure
+                    raise
                 # A compiler failure must not cost the rest of a GPU session's only check: note it, and time
                 # the fast sampler alone.
                 compile_failure = last_error(log)

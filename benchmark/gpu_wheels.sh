@@ -46,8 +46,7 @@ for name in sorted(wanted):
         continue  # the image's own version
     print(f"{name}=={found[name]['metadata']['version']}")
 EOF
-mkdir -p .whl
-grep -q '^/.whl/$' .git/info/exclude 2>/dev/null || grep -q '^/.whl/$' .gitignore || echo /.whl/ >> .git/info/exclude
+mkdir -p .whl  # ignored by .gitignore
 sources=$(grep -E '^(deepspeed|rouge-score)==' "$scratch/wanted.txt" || true)
 binaries=$(grep -vE '^(deepspeed|rouge-score)==' "$scratch/wanted.txt" || true)
 # shellcheck disable=SC2086  # one argument a package

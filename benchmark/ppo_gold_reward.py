@@ -166,8 +166,8 @@ def judge(rows: list, other_rows: list = None) -> dict:
         gold.append(ours)
         if others is not None and post not in others:
             continue
-        margin = tiny_world.gold_margin(post, row["response"].strip(),
-                                        (others[post] if others is not None else row["reference"]).strip())
+        theirs = tiny_world.gold_score(post, (others[post] if others is not None else row["reference"]).strip())
+        margin = tiny_world.gold_difference(ours, theirs)
         wins += margin > 0  # 0: equal up to float rounding, a tie (as judge.py's gold judge)
         judged += margin != 0
     mistakes = mistake_profile([(row["query"].strip(), row["response"].strip()) for row in rows], tiny_world)

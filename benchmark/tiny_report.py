@@ -169,8 +169,9 @@ def overoptimisation_curve(tables: dict, batch_size: int, gold: Callable[[str, s
         rows = tables[episode]
         ours = [gold(row["query"].strip(), row["response"].strip()) for row in rows]
         theirs = [gold(row["query"].strip(), row["reference"].strip()) for row in rows]
-        tie = tiny_world_module().GOLD_TIE  # scores equal up to float rounding are a tie, as judge.py counts them
-        wins, losses = sum(a - b >= tie for a, b in zip(ours, theirs)), sum(b - a >= tie for a, b in zip(ours, theirs))
+        # scores equal up to float rounding are a tie, as judge.py counts them
+        margins = [tiny_world_module().gold_difference(a, b) for a, b in zip(ours, theirs)]
+        wins, losses = sum(margin > 0 for margin in margins), sum(margin < 0 for margin in margins)
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         points.append({"update": episode // batch_size, "episode": episode,
                        "rm": mean([float(row["score"]) for row in rows]),
