@@ -286,8 +286,8 @@ def main() -> None:
     ref_policy = load_fp32(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path")
     # Detail 7: Disable dropout
     # With dropout, h would not even be 0 before the first update.
-    for model in (policy, ref_policy):
-        disable_dropout(model)
+    for network in (policy, ref_policy):
+        disable_dropout(network)
     refuse(vocabulary_problem(tokenizer, policy.get_input_embeddings().weight.size(0),
                               f"--sft_model_path {args.sft_model_path}"))
     policy.train()

@@ -149,7 +149,7 @@ FIRST provide a one-sentence comparison of the two summaries, explaining which y
 
 Comparison: <one-sentence comparison and explanation>
 Preferred: <"A" or "B">"""
-# gold-v2: scores equal up to float rounding are a tie (tiny_world.gold_margin); gold-v1 let the rounding decide
+# gold-v2: scores equal up to float rounding are a tie (tiny_world.gold_difference); gold-v1 let the rounding decide
 GOLD_MODEL, GOLD_PROMPT_VERSION = "tiny_world.gold_score", "gold-v2"
 PAPER_MODEL = "gpt-3.5-turbo-0125"  # the paper's judge (GPT-3.5 Turbo, Appendix I; this version in the reference's eval/oai.py); shut down by OpenAI on 2026-10-23
 EOS_TEXT = "<|endoftext|>"
@@ -273,7 +273,7 @@ def summarize(rows: list[dict], other_name: str) -> dict:
 
 def gold_reply(post: str, summary_a: str, summary_b: str) -> str:
     """The tiny world's gold judge as a reply in the LLM's format (`Preferred: tie` when the scores are equal, up to
-    float rounding: tiny_world.gold_margin)."""
+    float rounding: tiny_world.gold_difference)."""
     import tiny_world  # off the training path and only needed here: `import judge` stays light
 
     score_a, score_b = tiny_world.gold_score(post, summary_a), tiny_world.gold_score(post, summary_b)

@@ -245,15 +245,15 @@ def response_masks(postprocessed_responses: torch.Tensor, pad_token_id: int, sco
     Tokens: after the EOS. Values: after the token that carries the score (the EOS, or EOS + 1 with score_after_eos)."""
     # Detail 3: Leading space, EOS at the end, a distinct [PAD]
     # [PAD] is never the EOS (check_tokenizer refuses that): the first pad of a truncated response comes after its EOS.
-    sequence_lengths = first_true_indices(postprocessed_responses == pad_token_id) - 1  # (B,) EOS index, not a length
+    eos_index = first_true_indices(postprocessed_responses == pad_token_id) - 1  # (B,): the reference's sequence_lengths
     positions = torch.arange(postprocessed_responses.size(1), device=postprocessed_responses.device)  # (T,)
-    padding_mask = positions.unsqueeze(0) > sequence_lengths.unsqueeze(1)  # (B, T)
-    value_padding_mask = positions.unsqueeze(0) > (sequence_lengths + int(score_after_eos)).unsqueeze(1)
-    return sequence_lengths, padding_mask, value_padding_mask
+    padding_mask = positions.unsqueeze(0) > eos_index.unsqueeze(1)  # (B, T)
+    value_padding_mask = positions.unsqueeze(0) > (eos_index + int(score_after_eos)).unsqueeze(1)
+    return eos_index, padding_mask, value_padding_mask
 
 
 def compute_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: torch.Tensor,
-                    sequence_lengths: torch.Tensor, padding_mask: torch.Tensor, kl_coef: float,
+                    eos_index: torch.Tensor, padding_mask: torch.Tensor, kl_coef: float,
                     score_after_eos: bool) -> tuple:
     """(B, T) log-probs of policy and reference, (B,) scores -> (B, T) rewards, (B, T) kl, (B, T) -kl_coef * kl."""
     kl = (logprobs - ref_logprobs).masked_fill(padding_mask, 0.0)  # (B, T): 0 after the EOS
@@ -262,8 +262,8 @@ def compute_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: 
     # The score goes on the EOS token, as in the paper (Figure 11).
     # The reference code puts it one token later when there is room (score_after_eos).
     # A response without EOS gets it on its last token.
-    index = sequence_lengths + int(score_after_eos)  # (B,)
-    index = torch.where(index < rewards.size(1), index, sequence_lengths)
+    index = eos_index + int(score_after_eos)  # (B,)
+    index = torch.where(index < rewards.size(1), index, eos_index)
     rewards[torch.arange(rewards.size(0), device=rewards.device), index] += scores
     return rewards, kl, non_score_reward
 
@@ -364,7 +364,7 @@ def ppo_epochs(accelerator, model, optimizer, args, batch: dict, context_length:
             for micro_start in range(mini_start, mini_start + args.local_mini_batch_size, args.local_micro_batch_size):
                 mb = permutation[micro_start:micro_start + args.local_micro_batch_size]  # (micro,) rows
                 # Positions from n on are masked in every row of the micro-batch (after its EOS and value target).
-                n = trained_width(batch["sequence_lengths"][mb], responses.size(1), args.score_after_eos)
+                n = trained_width(batch["eos_index"][mb], responses.size(1), args.score_after_eos)
                 with accelerator.accumulate(model):
                     # (micro, n, V), (micro, n): the first n columns of logits[:, context_length - 1 : -1] and values
                     logits, vpred = response_logits_and_values_by_length(model, batch["query_responses"][mb],
@@ -407,7 +407,8 @@ def main() -> None:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             train_micro_batch_size_per_gpu=args.local_micro_batch_size, gradient_clipping=0.0)
-    # T + 1e-7, as in the reference code (its epsilon guards T = 0): the one divisor of every log-prob (scaled_logits).
+    # T + 1e-7, as in the reference code: its log-probs, to the bit (T <= 0 is refused at start).
+    # The one divisor of every log-prob (scaled_logits).
     temperature, eval_temperature = args.temperature + 1e-7, args.eval_temperature + 1e-7
 
     # ---- data and tokenizer: every bad input fails here, before a model is loaded or anything is written ----
@@ -438,8 +439,8 @@ def main() -> None:
     unsampled = torch.tensor(unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)), device=accelerator.device)
     # Detail 7: Disable dropout
     # With dropout on, two forwards of the same ids differ: the first PPO ratio would not be 1, the scores noisy.
-    for model in (policy, ref_policy, critic, reward_model):
-        disable_dropout(model)
+    for network in (policy, ref_policy, critic, reward_model):
+        disable_dropout(network)
     ref_policy.eval().requires_grad_(False), reward_model.eval().requires_grad_(False)
     if args.offload:  # the frozen models as ZeRO-3 inference engines, their parameters on the CPU (6.9B)
         ref_policy, reward_model = offload_frozen_models(accelerator, args, ref_policy, reward_model)
@@ -492,12 +493,11 @@ def main() -> None:
             scores = eos_trick(scores, contains_eos, args.penalty_reward_value)
 
         # 3. Masks: tokens after the EOS are not trained; values also not after the scored token.
-        sequence_lengths, padding_mask, value_padding_mask = response_masks(postprocessed_responses, pad_id,
-                                                                            args.score_after_eos)
+        eos_index, padding_mask, value_padding_mask = response_masks(postprocessed_responses, pad_id, args.score_after_eos)
         values = batch["values"].masked_fill(value_padding_mask, 0.0)
 
         # 4. Per-token rewards: -kl_coef * (logp - ref_logp) up to the EOS, plus the score on the EOS (or one later).
-        rewards, kl, non_score_reward = compute_rewards(batch["logprobs"], batch["ref_logprobs"], scores, sequence_lengths,
+        rewards, kl, non_score_reward = compute_rewards(batch["logprobs"], batch["ref_logprobs"], scores, eos_index,
                                                         padding_mask, args.kl_coef, args.score_after_eos)
         sum_over_processes = lambda tensor: accelerator.reduce(tensor, reduction="sum")  # noqa: E731
         if args.whiten_rewards:
@@ -515,7 +515,7 @@ def main() -> None:
         # 6. PPO epochs: shuffle, split into minibatches (one optimizer step each) of micro-batches.
         clock = time.time()
         batch.update(responses=responses, values=values, advantages=advantages, returns=returns, padding_mask=padding_mask,
-                     value_padding_mask=value_padding_mask, sequence_lengths=sequence_lengths)
+                     value_padding_mask=value_padding_mask, eos_index=eos_index)
         ppo_stats, losses = ppo_epochs(accelerator, model, optimizer, args, batch, context_length, pad_id,
                                        temperature, unsampled)
         training_time = time.time() - clock
@@ -762,7 +762,7 @@ def last_layer_at(backbone, input_ids: torch.Tensor, attention_mask: torch.Tenso
     """== select(backbone(input_ids, attention_mask, position_ids).last_hidden_state) for a GPT-NeoX run by SDPA,
     `select` picking k positions along dim 1 of a (B, T, ...) tensor: (B, k, d).
 
-    `layers`: what runs in place of backbone.layers[:-1], i.e. their compiled forms (ppo.py's compiled_layers)."""
+    `layers`: what runs in place of backbone.layers[:-1], i.e. their compiled forms (compiled_layers)."""
     # transformers internals, used by this fast path only
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import create_causal_mask
@@ -812,11 +812,11 @@ def response_window(query_responses: torch.Tensor, pad_token_id: int, context_le
     return torch.masked_fill(window, ~attention_mask, 0), attention_mask, position_ids
 
 
-def trained_width(sequence_lengths: torch.Tensor, response_length: int, score_after_eos: bool) -> int:
+def trained_width(eos_index: torch.Tensor, response_length: int, score_after_eos: bool) -> int:
     """(micro,) EOS indices (-1: the response starts with [PAD]) -> response positions the micro-batch trains, 1 ... T."""
     # Positions after a row's EOS (and after its value target) are masked in every loss: the
     # forward only computes the first n. Never 0: x[:, -0:] would select every position.
-    return max(1, min(response_length, int(sequence_lengths.max()) + 1 + int(score_after_eos)))
+    return max(1, min(response_length, int(eos_index.max()) + 1 + int(score_after_eos)))
 
 
 # Sampling: the plain loop (HF generate's draws) and its fast path, for rollouts and evaluations.
@@ -871,7 +871,7 @@ def sampling_distribution(logits: torch.Tensor, temperature: float, unsampled: t
 
 
 class StaticSampler:
-    """== sample_rollout(model, queries, ...), token for token, with a preallocated KV cache and a compiled one-token step.
+    """== sample_rollout(model, queries, ...), token for token in fp32, with a preallocated KV cache and a compiled one-token step.
 
     The fast path of the rollout and evaluation samplers (--fast_sampling). Every call is padded to
     `batch_size` rows and `T_q + response_length` cache columns, so the decode step has one shape

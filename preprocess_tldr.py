@@ -7,7 +7,8 @@ base model's tokenizer into fixed-length columns, so that no later stage tokeniz
 
     {output_dir}/sft                train / validation / test                 (sft.py, ppo.py)
     {output_dir}/preference         train / validation / validation_cnndm     (reward.py, dpo.py)
-    {output_dir}/args.json          these flags, the eos / pad ids and the git commit
+    {output_dir}/args.json          these flags, the eos / pad ids, the base model's name, the tokenizer's identity
+                                    and the git commit
     {output_dir}/policy_pairs.json  comparisons per policy pair and split
     {output_dir}/dropped_rows.json  the source rows --drop_bad_rows left out, and why ([] without it)
     {output_dir}/visuals/           token_len.png, confidence.png, policies.png

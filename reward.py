@@ -668,8 +668,8 @@ def rewards_at_eos(model, query_responses: torch.Tensor, pad_token_id: int, cont
     """== get_reward(model, query_responses, pad_token_id, context_length)[1]: (B,) the reward at each row's EOS,
     up to float rounding (tests/test_reward.py checks it).
 
-    Speed only: the model's last layer runs at the EOS column alone (hidden_states_at), as in training, where
-    get_reward runs it at every column to return every position's reward logit; scoring reads one."""
+    Speed only: the model's last layer runs at the EOS column alone (hidden_states_at), as pair_rewards does in
+    training. get_reward runs it at every column to return every position's reward logit; scoring reads one."""
     attention_mask = query_responses != pad_token_id  # (B, T): get_reward's mask, ids and (no) position_ids
     eos = reward_indices(query_responses, pad_token_id, context_length)  # (B,)
     return model(input_ids=torch.masked_fill(query_responses, ~attention_mask, 0), attention_mask=attention_mask,

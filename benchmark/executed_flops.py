@@ -146,7 +146,7 @@ def executed_flops(base_model: str, sft_model_path: str, reward_model_path: str,
         torch.manual_seed(seed)
         flops["trl"]["generation"] = count(lambda: [generate(policy, query, pad, generation_config) for query in chunks])
 
-    sequence_lengths = ppo.response_masks(postprocessed, pad, False)[0]
+    eos_index = ppo.response_masks(postprocessed, pad, False)[0]
     wrapper = ppo.PolicyAndValueWrapper(policy, critic)
     generator = torch.Generator().manual_seed(seed)
     permutations = [torch.randperm(batch_size, generator=generator) for _ in range(epochs)]
@@ -155,7 +155,7 @@ def executed_flops(base_model: str, sft_model_path: str, reward_model_path: str,
         for permutation in permutations:
             for start in range(0, batch_size, micro_batch_size):
                 rows = permutation[start:start + micro_batch_size]
-                width = ppo.trained_width(sequence_lengths[rows], response_length, False)
+                width = ppo.trained_width(eos_index[rows], response_length, False)
                 logits, values = ppo.response_logits_and_values_by_length(
                     wrapper, query_responses[rows], pad, context_length, width, length_groups)
                 logprobs = ppo.gather_logprobs(ppo.scaled_logits(logits, temperature, unsampled),

@@ -105,13 +105,13 @@ def best_of_n(rm_scores: list, gold_scores: list, reference_score: float, n: int
             "gold_best": win(max(gold_scores[:n]), reference_score)}
 
 
-def critic_start_td(values: torch.Tensor, scores: torch.Tensor, sequence_lengths: torch.Tensor) -> tuple:
+def critic_start_td(values: torch.Tensor, scores: torch.Tensor, eos_index: torch.Tensor) -> tuple:
     """PPO's first TD errors, before any update (KL 0: the policy is the reference), gamma 1:
     (B, T_resp) values V(s_t) before each response token, (B,) scores after the EOS trick, (B,) EOS indices
     -> ([B] score - V(s_eos) of each EOS token, [sum of EOS indices] V(s_t+1) - V(s_t) of every earlier token)."""
     rows = torch.arange(values.size(0))
-    eos = (scores - values[rows, sequence_lengths]).tolist()
-    before = torch.arange(values.size(1) - 1)[None, :] < sequence_lengths[:, None]  # (B, T_resp - 1)
+    eos = (scores - values[rows, eos_index]).tolist()
+    before = torch.arange(values.size(1) - 1)[None, :] < eos_index[:, None]  # (B, T_resp - 1)
     return eos, (values[:, 1:] - values[:, :-1])[before].tolist()
 
 

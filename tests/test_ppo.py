@@ -202,9 +202,9 @@ def test_ppo_epochs_equal_a_naive_ppo_update_from_the_definitions(tiny_tldr, sco
         query_responses, sample_scores = sample_rollout(policy, queries, PAD, EOS, 10, temperature, unsampled)
     hook.remove()
     responses = query_responses[:, context_length:]
-    sequence_lengths, padding_mask, value_padding_mask = response_masks(truncate_response(responses, EOS, PAD), PAD,
+    eos_index, padding_mask, value_padding_mask = response_masks(truncate_response(responses, EOS, PAD), PAD,
                                                                         score_after_eos)
-    assert 0 < (sequence_lengths < responses.shape[1] - 1).sum() < 8 and 0 in sequence_lengths  # early, late, at once
+    assert 0 < (eos_index < responses.shape[1] - 1).sum() < 8 and 0 in eos_index  # early, late, at once
     with torch.no_grad():
         logprobs = gather_logprobs(sample_scores, responses)
         values = get_values(critic, query_responses, PAD, context_length).masked_fill(value_padding_mask, 0)
@@ -213,7 +213,7 @@ def test_ppo_epochs_equal_a_naive_ppo_update_from_the_definitions(tiny_tldr, sco
     advantages = whiten(advantages, ~padding_mask)
     batch = dict(query_responses=query_responses, responses=responses, logprobs=logprobs, values=values,
                  advantages=advantages, returns=returns, padding_mask=padding_mask,
-                 value_padding_mask=value_padding_mask, sequence_lengths=sequence_lengths)
+                 value_padding_mask=value_padding_mask, eos_index=eos_index)
     args = types.SimpleNamespace(num_ppo_epochs=2, local_batch_size=8, local_mini_batch_size=4, local_micro_batch_size=2,
                                  score_after_eos=score_after_eos, length_groups=length_groups, cliprange=0.2,
                                  cliprange_value=0.2, vf_coef=0.1)

@@ -234,9 +234,9 @@ def test_training_window_is_never_zero_wide(pythia_like):
     queries = queries_of(tokenizer, 1)
     responses = torch.full((1, 6), pad)  # the response starts with [PAD]
     query_responses = torch.cat((queries, responses), 1)
-    sequence_lengths, _, _ = response_masks(responses, pad, score_after_eos=False)
-    assert sequence_lengths.tolist() == [-1]
-    n = trained_width(sequence_lengths, responses.size(1), score_after_eos=False)
+    eos_index, _, _ = response_masks(responses, pad, score_after_eos=False)
+    assert eos_index.tolist() == [-1]
+    n = trained_width(eos_index, responses.size(1), score_after_eos=False)
     assert n == 1
     assert trained_width(torch.tensor([2, 9]), 6, score_after_eos=True) == 6  # never past the response either
     # through the longest row's EOS (index 4: 5 columns), and the token after it with score_after_eos
