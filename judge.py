@@ -57,6 +57,7 @@ import math
 import os
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -393,8 +394,12 @@ def read_inputs(args: Args) -> tuple[dict, dict, Optional[str], list[str]]:
         endpoint = args.base_url or os.environ.get("OPENAI_BASE_URL") or None
         if args.base_url is None and endpoint is not None and not endpoint_is_valid(endpoint):
             problems.append("$OPENAI_BASE_URL (not shown: it may hold a key): want http(s)://host[:port][/path]")
-        if not os.environ.get("OPENAI_API_KEY"):  # read here and by the client only, never written anywhere
+        key = os.environ.get("OPENAI_API_KEY")  # read here and by the client only, never written anywhere
+        if not key:
             problems.append("OPENAI_API_KEY is not set: set it (any non-empty value for a local server without keys)")
+        elif key != key.strip():  # an illegal header value: every call would fail as a "connection error"
+            problems.append("OPENAI_API_KEY (not shown) begins or ends with whitespace, e.g. the newline of "
+                            "`$(cat keyfile)` from a file written on Windows: set it without")
     # Scrubbed from every text written or printed: replies, errors, tracebacks.
     secrets = url_secrets(endpoint) + url_secrets(os.environ.get("OPENAI_BASE_URL")) + \
         [os.environ.get("OPENAI_API_KEY", "")]
@@ -416,7 +421,7 @@ def read_inputs(args: Args) -> tuple[dict, dict, Optional[str], list[str]]:
 
 def input_notes(args: Args, rows: dict) -> list[str]:
     """What a start may not mean and still runs: flags the gold judge reads none of, a seed label the results
-    will not group, tables of different lengths (their win rates are over different posts)."""
+    will not group, a query in two rows of a table, tables of different lengths (win rates over different posts)."""
     notes = []
     if args.judge == "gold" and (args.model is not None or args.base_url is not None or args.temperature != 1.0):
         notes.append("--judge gold scores with tiny_world.gold_score: --model, --base_url and --temperature are unused")
@@ -424,6 +429,16 @@ def input_notes(args: Args, rows: dict) -> list[str]:
         if parse_run_label(label)[1] is None and re.search(r"(?<!_)_seed\d+$", label):
             notes.append(f"label {label}: seeds are written with two underscores ({label.replace('_seed', '__seed')}); "
                          "as it is, it is a method of its own in results.md")
+    for label, table in rows.items():
+        first_row, repeats = {}, []  # query -> the row it first appears in; (row, first row) of each repeat
+        for i, row in enumerate(table):
+            first = first_row.setdefault(row["query"].strip(), i)
+            if first != i:
+                repeats.append((i, first))
+        if repeats:
+            notes.append(f"table {label}: {len(repeats)} row(s) repeat an earlier row's query (data row {repeats[0][0]} "
+                         f"repeats row {repeats[0][1]}...): each row is a comparison against the references, and "
+                         "in a pair against this table the last row of a query is the one compared")
     lengths = {label: len(table) for label, table in rows.items()}
     if len(set(lengths.values())) > 1:
         notes.append(f"the tables hold different numbers of posts ({', '.join(f'{k} {v}' for k, v in lengths.items())}): "
@@ -450,6 +465,14 @@ def flag_problems(args: Args) -> list[str]:
         ours, sep, other = pair.partition(":")
         if not sep or ours not in labels or other not in labels:
             problems.append(f"--pairs {pair}: want OURS:OTHER, both labels of --tables {labels}")
+        elif ours == other:
+            problems.append(f"--pairs {pair}: a table against itself; want two different labels of --tables")
+    # Each comparison's results go under its name: a table's (vs the references) or OURS_vs_OTHER (a pair).
+    names = (list(dict.fromkeys(labels)) if args.reference else []) + [pair.replace(":", "_vs_", 1) for pair in args.pairs]
+    clashes = sorted({name for name in names if names.count(name) > 1})
+    if clashes:
+        problems.append(f"--tables / --pairs: two comparisons would be saved as {', '.join(clashes)} (a pair OURS:OTHER "
+                        "is saved as OURS_vs_OTHER, a table by its label): rename a label or drop the repeated pair")
     if not args.reference and not args.pairs:
         problems.append("--no_reference without --pairs: nothing to compare; keep --reference or pass --pairs")
     checks = [("n", args.n == -1 or args.n >= 1, "-1 (all rows) or >= 1"),
@@ -498,6 +521,9 @@ def read_table(path: str, n: int, columns: tuple) -> list[dict]:
         raise ValueError(f"{path}: missing columns {sorted(missing)} (want {', '.join(columns)})")
     rows = rows if n < 0 else rows[:n]
     for i, row in enumerate(rows):
+        if None in row or None in row.values():  # csv.DictReader's filler for a row longer / shorter than the header
+            raise ValueError(f"{path}: data row {i} has {'more' if None in row else 'fewer'} fields than the header "
+                             f"({len(row) - (None in row)} columns); quote cells that hold commas or newlines")
         for column in ("score", "reference_score"):
             try:
                 optional_float(row, column)
@@ -708,6 +734,8 @@ def ask_judge(args: Args, endpoint: Optional[str], todo: list[dict], cache: dict
                 await client.close()
 
     stopped = None  # why the run stopped before asking all of `todo`
+    # SLURM, `timeout` and `docker stop` send SIGTERM: stop as on Ctrl-C, recording the calls in flight.
+    on_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     with open_cache_for_append(cache_path) as cache_file:
         try:
             asyncio.run(judge_todo(cache_file))
@@ -718,6 +746,8 @@ def ask_judge(args: Args, endpoint: Optional[str], todo: list[dict], cache: dict
             stopped = scrub(describe(first), secrets)
             if not isinstance(first, RunStopped):  # not a server's answer but a bug: show where it happened
                 print(scrub("".join(traceback.format_exception(first)), secrets), file=sys.stderr)
+        finally:
+            signal.signal(signal.SIGTERM, on_sigterm)
     return stopped
 
 

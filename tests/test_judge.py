@@ -613,13 +613,19 @@ def test_input_notes_name_what_a_start_may_not_mean():
     make it a method of its own), tables of different lengths (each win rate over its own posts)."""
     from types import SimpleNamespace
 
+    def table(*queries):
+        return [{"query": query} for query in queries]
+
     gold = SimpleNamespace(judge="gold", model=None, base_url=None, temperature=1.0)
-    assert judge.input_notes(gold, {"sft": [1, 2], "ppo__seed1": [3, 4]}) == []
+    assert judge.input_notes(gold, {"sft": table("a", "b"), "ppo__seed1": table("a", "b")}) == []
     notes = judge.input_notes(SimpleNamespace(**{**vars(gold), "temperature": 0.0}),
-                              {"ppo_seed1": [1, 2], "sft": [1]})
+                              {"ppo_seed1": table("a", "b"), "sft": table("a")})
     assert notes[0].startswith("--judge gold scores with tiny_world.gold_score")
     assert "label ppo_seed1: seeds are written with two underscores (ppo__seed1)" in notes[1]
     assert notes[2] == ("the tables hold different numbers of posts (ppo_seed1 2, sft 1): each win rate is over its "
                         "own table's posts")
     llm = SimpleNamespace(judge="openai", model="m", base_url=None, temperature=0.0)
-    assert judge.input_notes(llm, {"my_seedless_run": [1]}) == []
+    assert judge.input_notes(llm, {"my_seedless_run": table("a")}) == []
+    assert judge.input_notes(llm, {"sft": table("a", "b ", " b", "a", "c")}) == [
+        "table sft: 2 row(s) repeat an earlier row's query (data row 2 repeats row 1...): each row is a comparison "
+        "against the references, and in a pair against this table the last row of a query is the one compared"]

@@ -357,7 +357,8 @@ def test_torn_last_cache_line_is_asked_again_and_nothing_else(tmp_path, server_f
     assert len(judge.load_cache(str(path))[0]) == 6 and path.read_text().endswith("\n")
 
 
-def test_interrupted_run_writes_results_and_counts_calls_in_flight(tmp_path, server_factory):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])  # Ctrl-C; SLURM, `timeout`, `docker stop`
+def test_interrupted_run_writes_results_and_counts_calls_in_flight(tmp_path, server_factory, stop):
     server = server_factory(delay=1.0)  # slow replies: calls are in flight when Ctrl-C comes
     table = write_table(tmp_path / "sft.csv", llm_rows(8))
     out = tmp_path / "out"
@@ -369,7 +370,7 @@ def test_interrupted_run_writes_results_and_counts_calls_in_flight(tmp_path, ser
     deadline = time.time() + 60
     while len(server.requests) < 4 and time.time() < deadline:  # two judged, two more in flight
         time.sleep(0.01)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(stop)
     stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == 1 and "stopped: interrupted" in stderr, stdout[-3000:] + stderr[-3000:]
     records = cached(out)
@@ -415,6 +416,35 @@ def test_unreadable_tables_and_a_bad_endpoint_are_named_without_the_secret(tmp_p
     assert (f"--tables ppo_1={no_reference}: {no_reference}: missing columns ['reference'] "
             "(want query, response, reference)") in message
     assert "hunter2" not in message + capsys.readouterr().out and not (tmp_path / "out").exists()
+
+
+def test_ragged_rows_pairs_that_clash_and_a_padded_key_stop_the_start(tmp_path, monkeypatch, capsys):
+    """read_inputs refuses a CSV row shorter or longer than its header (named), a table paired with itself, two
+    comparisons saved under one name and a key with a trailing newline (not shown); repeated queries are a note."""
+    short, long_, good = tmp_path / "short.csv", tmp_path / "long.csv", tmp_path / "good.csv"
+    short.write_text('query,response,reference\n"q1"," a",r\n"q2"\n')
+    long_.write_text('query,response,reference\n"q1"," a",r,extra\n')
+    good.write_text('query,response,reference\nq1, a,r\nq2, b,r\nq1, c,r\n')
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-not-real-key\r\n")
+    args = judge.Args(output_dir=str(tmp_path / "out"), model="judge-test",
+                      tables=(f"sft={short}", f"ppo={long_}", f"a_vs_b={good}", f"a={good}", f"b={good}"),
+                      pairs=("sft:sft", "a:b"))
+    with pytest.raises(SystemExit) as stop:
+        judge.read_inputs(args)
+    message = str(stop.value.code)
+    assert "OPENAI_API_KEY (not shown) begins or ends with whitespace" in message and "sk-not" not in message
+    assert "--pairs sft:sft: a table against itself" in message
+    assert "two comparisons would be saved as a_vs_b" in message
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-not-real-key")  # the flags are fine: the tables are read next
+    with pytest.raises(SystemExit) as stop:
+        judge.read_inputs(judge.Args(output_dir=str(tmp_path / "out"), model="judge-test",
+                                     tables=(f"sft={short}", f"ppo={long_}")))
+    message = str(stop.value.code)
+    assert f"--tables sft={short}: {short}: data row 1 has fewer fields than the header" in message
+    assert f"--tables ppo={long_}: {long_}: data row 0 has more fields than the header" in message
+    judge.read_inputs(judge.Args(output_dir=str(tmp_path / "out"), model="judge-test", tables=(f"a={good}",)))
+    assert "table a: 1 row(s) repeat an earlier row's query (data row 2 repeats row 0...)" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_output_folder_that_cannot_be_made_is_named(tmp_path):
