@@ -1494,6 +1494,11 @@ def input_problem(path: str, flag: str, make: str) -> Optional[str]:
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
     """Why `output_dir` cannot hold this run (another run's args.json, foreign files, this run finished), None if it
     can; RunFinished for a --resume of this run when it has finished."""
+    folder = os.path.abspath(output_dir)
+    while not os.path.exists(folder):  # the nearest part of the path that exists must be a folder
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"--output_dir {output_dir}: {folder} is a file, not a folder: choose a new or empty folder"
     path = os.path.join(output_dir, "args.json")
     if not os.path.isfile(path):
         if os.path.isdir(output_dir) and os.listdir(output_dir):

@@ -423,9 +423,32 @@ def preprocess_flag_problems(args: Args) -> list:
             problems.append(f"--{response} {lengths[response]} is not smaller than --{query_response} "
                             f"{lengths[query_response]}: every response comes after a query of at least one token; "
                             f"raise --{query_response} or lower --{response}")
-    if args.output_dir is not None and (not args.output_dir or os.path.isfile(args.output_dir)):  # None: the default
-        problems.append(f"--output_dir {args.output_dir!r} is not a folder name: pass a new or existing folder")
+    if args.output_dir is not None:  # None: the default
+        problems += output_dir_problems(args.output_dir)
     return problems
+
+
+def output_dir_problems(output_dir: str) -> list[str]:
+    """Why `output_dir` cannot take this script's outputs: not a folder name, inside a file, or another stage's
+    folder (its args.json would be replaced); [] when it can."""
+    if not output_dir:
+        return [f"--output_dir {output_dir!r} is not a folder name: pass a new or existing folder"]
+    folder = os.path.abspath(output_dir)
+    while not os.path.exists(folder):  # the nearest part of the path that exists must be a folder
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return [f"--output_dir {output_dir}: {folder} is a file, not a folder: pass a new or existing folder"]
+    saved = os.path.join(output_dir, "args.json")
+    if os.path.isfile(saved):
+        try:
+            with open(saved) as file:
+                ours = "preference_dataset" in json.load(file)
+        except (OSError, ValueError):
+            ours = False
+        if not ours:
+            return [f"--output_dir {output_dir} holds an args.json that this script did not write (a model's "
+                    "folder?), which it would replace: pass a new folder, or the folder of an earlier preprocessing"]
+    return []
 
 
 def model_name(base_model: str) -> str:
@@ -608,8 +631,9 @@ def row_problem(row: dict, kind: str) -> Optional[str]:
                 return f"expected summaries[{i}].text to hold a summary after its leading space, got {text!r:.80}"
             if not isinstance(policy, str):
                 return f"expected summaries[{i}].policy to be a string, got {policy!r:.80}"
-        if row.get("choice") not in (0, 1):
-            return f"expected `choice` to be 0 or 1, got {row.get('choice')!r:.80}"
+        choice = row.get("choice")
+        if isinstance(choice, bool) or not isinstance(choice, int) or choice not in (0, 1):  # 1.0 would index a list
+            return f"expected `choice` to be the integer 0 or 1, got {choice!r:.80}"
         if not isinstance(row.get("batch"), str):
             return f"expected `batch` to be a string, got {row.get('batch')!r:.80}"
     for name in needed:

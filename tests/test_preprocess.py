@@ -493,7 +493,7 @@ def test_split_surgery_cnndm(tok):
     ("tldr", lambda row: row["info"].update(post=""), "expected a non-empty info.post"),
     ("tldr", lambda row: row["summaries"][1].update(text="no space"), "summaries[1].text"),
     ("tldr", lambda row: row["summaries"].pop(), "a list of 2 summaries"),
-    ("tldr", lambda row: row.update(choice=2), "expected `choice` to be 0 or 1, got 2"),
+    ("tldr", lambda row: row.update(choice=2), "expected `choice` to be the integer 0 or 1, got 2"),
     ("tldr", lambda row: row.update(batch=None), "expected `batch` to be a string"),
     ("cnndm", lambda row: row["info"].update(article=None), "expected info.article to be a string, got None"),
 ])

@@ -2,6 +2,7 @@
 failed start leaves no folder behind and the outputs of an earlier run as they were."""
 
 import hashlib
+import json
 import sys
 from pathlib import Path
 
@@ -40,10 +41,20 @@ def test_each_bad_flag_is_named_with_its_fix(argv, expected):
     assert len(problems) >= 1 and any(expected in problem for problem in problems), problems
 
 
-def test_output_dir_that_is_a_file_is_refused(tmp_path):
+def test_output_dir_that_is_a_file_or_in_one_or_another_stages_folder_is_refused(tmp_path):
     (tmp_path / "file").write_text("x")
-    assert problems_of("--output_dir", str(tmp_path / "file")) == [
-        f"--output_dir {str(tmp_path / 'file')!r} is not a folder name: pass a new or existing folder"]
+    for inside in ("file", "file/data/tldr"):  # in a file: os.makedirs would fail only once the sources are loaded
+        assert problems_of("--output_dir", str(tmp_path / inside)) == [
+            f"--output_dir {tmp_path / inside}: {tmp_path / 'file'} is a file, not a folder: pass a new or existing "
+            "folder"]
+    model = tmp_path / "sft_model"  # a model's args.json (its flags, run name, tokenizer identity) must not be replaced
+    model.mkdir()
+    (model / "args.json").write_text(json.dumps({"sft_model_path": "x", "query_dataset": "y"}))
+    assert problems_of("--output_dir", str(model)) == [
+        f"--output_dir {model} holds an args.json that this script did not write (a model's folder?), which it would "
+        "replace: pass a new folder, or the folder of an earlier preprocessing"]
+    (model / "args.json").write_text(json.dumps({"sft_dataset": "x", "preference_dataset": "y"}))
+    assert problems_of("--output_dir", str(model)) == []  # an earlier preprocessing's folder: replaced, as documented
 
 
 def fingerprint(folder: Path) -> dict:

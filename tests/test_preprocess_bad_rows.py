@@ -59,7 +59,8 @@ def old_output(tmp_path_factory, tok):
     ("sft", lambda row: row.update(subreddit=None), "expected subreddit to be a string, got None"),
     ("tldr", lambda row: row["summaries"].append(dict(row["summaries"][0])),  # a third would be dropped silently
      "expected `summaries` to be a list of 2 summaries"),
-    ("tldr", lambda row: row.update(choice=-1), "expected `choice` to be 0 or 1, got -1"),
+    ("tldr", lambda row: row.update(choice=-1), "expected `choice` to be the integer 0 or 1, got -1"),
+    ("tldr", lambda row: row.update(choice=1.0), "expected `choice` to be the integer 0 or 1, got 1.0"),  # a float column
 ])
 def test_bad_rows_are_named_by_split_and_row(kind, change, expected):
     good = sft_row("ok") if kind == "sft" else preference_row("ok", cnndm=kind == "cnndm")

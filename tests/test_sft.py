@@ -206,6 +206,11 @@ def test_output_dir_problem(tmp_path):
     # A start that failed before any work left args.json alone: the corrected command may use the folder.
     (tmp_path / "model.safetensors").unlink()
     assert sft.output_dir_problem(str(tmp_path), {**flags, "seed": 2}, ("resume",)) is None
+    # A path inside a file is refused here, at start (makedirs failed only after the models had loaded).
+    for inside in ("args.json", "args.json/run/out"):
+        assert sft.output_dir_problem(str(tmp_path / inside), flags, ("resume",)) == (
+            f"--output_dir {tmp_path / inside}: {tmp_path / 'args.json'} is a file, not a folder: choose a new or "
+            "empty folder")
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
