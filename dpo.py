@@ -75,6 +75,7 @@ import tyro
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
 from huggingface_hub.utils import HFValidationError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
@@ -1145,6 +1146,9 @@ def load_fp32(model_class, path: str, flag: str):
     except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
         raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
                          f"(or the Hub cannot be reached): {error}") from error
+    except SafetensorError as error:  # a file cut short: a copy or a download that stopped part way
+        raise SetupError(f"{flag} {path}: its weights cannot be read ({error}): copy or train the model "
+                         "again") from error
 
 
 def rotary_problem(models: dict) -> Optional[str]:
@@ -1250,7 +1254,13 @@ def nonfinite_message(update: int, num_updates: int, checkpoints: str) -> str:
 def resume(accelerator, args, resume_from: Optional[tuple], model, optimizer, scheduler) -> int:
     """All ranks: the update to start at, after loading `resume_from` ((update, path) or None) when there is one."""
     if resume_from is not None:
-        load_checkpoint(accelerator, resume_from[1], model, optimizer, scheduler)  # also the RNG states of that update
+        try:
+            load_checkpoint(accelerator, resume_from[1], model, optimizer, scheduler)  # also the RNG states of that update
+        except SetupError:
+            raise
+        except (SafetensorError, ValueError, KeyError, EOFError, RuntimeError) as error:  # a file damaged on disk
+            raise SetupError(f"--resume: {resume_from[1]} cannot be read ({type(error).__name__}: {error}): delete "
+                             "it to resume from the checkpoint before it, or start again without --resume") from error
         accelerator.print(f"resumed from {resume_from[1]} at update {resume_from[0]}")
         return resume_from[0]
     if args.resume:

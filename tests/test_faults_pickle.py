@@ -86,6 +86,37 @@ def test_an_old_pickled_checkpoint_is_refused(tmp_path):
     assert not (tmp_path / "marker").exists()
 
 
+@pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
+def test_a_damaged_checkpoint_or_model_is_named_with_what_to_do(tmp_path, stage):
+    """A checkpoint file cut short (disk full, a copy that stopped) stops --resume naming the checkpoint and the fix
+    (it was a raw SafetensorError); so does a model folder whose weights are cut short."""
+    from safetensors.torch import save_model
+
+    module = __import__(stage)
+    folder = tmp_path / "checkpoints" / "update_2"
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"update": 2, "run_name": "r", "scaler": None}))
+    (folder / "optimizer.json").write_text(json.dumps({"param_groups": []}))
+    save_model(torch.nn.Linear(4, 4), str(folder / "model.safetensors"))
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
+    shutil.copy(folder / "model.safetensors", folder / "optimizer.safetensors")
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None), unwrap_model=lambda model: model)
+    optimizer = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())
+    extra = [None] if stage != "ppo" else []  # the scheduler (PPO's lr decays inside its loop)
+    with pytest.raises(module.SetupError) as error:
+        module.resume(accelerator, None, (2, str(folder)), torch.nn.Linear(4, 4), optimizer, *extra)
+    assert str(error.value).startswith(f"--resume: {folder} cannot be read (SafetensorError: ")
+    assert str(error.value).endswith("delete it to resume from the checkpoint before it, or start again without --resume")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}))
+    shutil.copy(folder / "model.safetensors", model / "model.safetensors")
+    from transformers import AutoModelForCausalLM
+    with pytest.raises(module.SetupError, match=rf"--sft_model_path {model}: its weights cannot be read \("):
+        module.load_fp32(AutoModelForCausalLM, str(model), "--sft_model_path")
+
+
 def test_a_deepspeed_resume_loads_through_the_weights_only_reader_and_stops_when_deepspeed_finds_nothing(tmp_path):
     """Under DeepSpeed, load_checkpoint swaps the engine's loader for load_weights_only before it loads (DeepSpeed's
     own would unpickle anything), and a checkpoint DeepSpeed reports as not found (`loaded` None, after a log line
