@@ -75,7 +75,6 @@ import tyro
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
 from huggingface_hub.utils import HFValidationError
-from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
@@ -1141,6 +1140,8 @@ def load_fp32(model_class, path: str, flag: str):
         # The stages' folders look alike (models/.../sft_1, reward_1): say which one this is, not a loader's traceback.
         raise SetupError(f"{flag} {path} holds a reward model (reward.py's output); {flag} takes sft.py's output or "
                          "a base model")
+    from safetensors import SafetensorError  # a file cut short (it names no folder)
+
     try:
         return model_class.from_pretrained(path, dtype=torch.float32)
     except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
@@ -1253,6 +1254,8 @@ def nonfinite_message(update: int, num_updates: int, checkpoints: str) -> str:
 
 def resume(accelerator, args, resume_from: Optional[tuple], model, optimizer, scheduler) -> int:
     """All ranks: the update to start at, after loading `resume_from` ((update, path) or None) when there is one."""
+    from safetensors import SafetensorError  # a file cut short (it names no folder)
+
     if resume_from is not None:
         try:
             load_checkpoint(accelerator, resume_from[1], model, optimizer, scheduler)  # also the RNG states of that update
