@@ -157,7 +157,7 @@ class Args:
     length_groups: int = 1
     """Speed only: the rows of a training micro-batch, and of the rollout's reference, critic and RM forwards (not those of --offload's engines), sorted by query length into at most this many forwards, each as wide as its longest query (1: one forward; only the float rounding changes)"""
     local_rollout_forward_batch_size: int = 64
-    """Prompts per generate call and per no-grad forward per rank (memory only)"""
+    """Prompts per generate call and per no-grad forward per rank: memory, and which random draws each prompt gets (other samples, from the same distribution)"""
     local_eval_batch_size: int = 4
     """Eval prompts per generate call per rank"""
 
@@ -323,7 +323,7 @@ def rollout(args, policy, ref_policy, critic, reward_model, queries: torch.Tenso
     context_length, groups = queries.shape[1], args.length_groups  # groups: the scoring forwards' (speed only)
     out = {key: [] for key in ("query_responses", "logprobs", "entropy", "ref_logprobs", "values", "scores")}
     generation_time = 0.0
-    for start in range(0, len(queries), args.local_rollout_forward_batch_size):  # chunks: memory only
+    for start in range(0, len(queries), args.local_rollout_forward_batch_size):  # chunks: memory, and the draws' order
         query = queries[start:start + args.local_rollout_forward_batch_size]  # (b, T_q)
         tick = time.time()
         # Always response_length columns: sampled past a row's EOS until every row has one; truncate_response cuts them.
@@ -459,7 +459,7 @@ def main() -> None:
     unwrapped = accelerator.unwrap_model(model)  # sampling and the rollout's forwards use the plain modules
     # HF generate's sampling (softmax(logits / T), [PAD] and unowned rows masked): a loop that stops once every row
     # has its EOS, or the fast path (a static cache and a compiled step, a chunk's rows), the same samples in fp32.
-    chunk = min(args.local_rollout_forward_batch_size, args.local_batch_size)  # rollout()'s chunks (memory only)
+    chunk = min(args.local_rollout_forward_batch_size, args.local_batch_size)  # rollout()'s chunks
     sample_responses = StaticSampler(chunk) if args.fast_sampling else sample_rollout
     sample_summaries = summary_sampler(args, pad_id, eos_id, eval_temperature, unsampled)  # the same, at T_eval
     evaluate = functools.partial(evaluate_and_log, accelerator, args, dataset, unwrapped.policy, reward_model,
