@@ -11,7 +11,7 @@ then it samples a summary for each SFT validation query, which judge.py compares
 references.
 
     {output_dir}/                     the policy: a causal-LM folder + tokenizer (loads with from_pretrained)
-    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, git commit
+    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, input_args_json, git commit
     {output_dir}/eval_validation.csv  columns query, response, reference: summaries of the SFT
                                       validation queries (what judge.py reads, as sft.py writes it)
     {output_dir}/eval_pairs_{split}.csv  one row per preference pair: texts, batch, split, confidence,
@@ -759,6 +759,8 @@ def plot_calibration(tables: dict, path: str) -> None:
 
 
 # Run setup: flags, inputs, tokenizer, models, logging.
+# The inputs whose args.json --resume compares (input_prints): model folders, then dataset folders.
+INPUTS = (("sft_model_path",), ("label_dataset", "query_dataset"))
 # Flags that may change between an interrupted run and its resumption (see output_dir_problem).
 # None of these changes what the run computes.
 RESUME_FLAGS = ("resume", "stop_after_updates", "stop_after_minutes", "run_name", "save_every",
@@ -942,7 +944,7 @@ def dpo_inputs(args, accelerator) -> tuple:
         raise SetupError(f"--label_dataset {args.label_dataset}: its train split ({train_pairs} pairs) x --num_train_epochs "
                          f"{args.num_train_epochs} is less than one batch of {args.batch_size}: pass --total_episodes")
     recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-                "tokenizer_identity": identity}
+                "tokenizer_identity": identity, "input_args_json": input_prints(args, *INPUTS)}
     return preference, sft, tokenizer, recorded
 
 
@@ -974,7 +976,8 @@ def resolve_paths(args, accelerator, stage: str) -> str:
     problem = (input_problem(args.sft_model_path, "--sft_model_path", make_sft)
                or input_problem(args.label_dataset, "--label_dataset", make_data)
                or input_problem(args.query_dataset, "--query_dataset", make_data)
-               or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + (
+               or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": input_prints(args, *INPUTS)},
+                                     RESUME_FLAGS + (
                    "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates")))
     refuse(problem)
     return name
@@ -1035,6 +1038,22 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
         return (f"--output_dir {output_dir} holds an unfinished run, checkpointed at update {checkpoint[0]}: "
                 "pass --resume to continue it, or choose another folder (or delete this one) to start again")
     return None
+
+def input_prints(args, model_flags: tuple, data_flags: tuple) -> dict:
+    """--flag -> the first 16 hex digits of the sha256 of the args.json that made its input (in a model folder; beside
+    a dataset's splits); None for a Hub id or a folder without one. Recorded: --resume refuses rewritten inputs."""
+    prints = {}
+    for flag in model_flags + data_flags:
+        path = getattr(args, flag)
+        folder = path if flag in model_flags else os.path.dirname(os.path.abspath(path))
+        saved = os.path.join(folder, "args.json")
+        if os.path.isfile(saved):
+            with open(saved, "rb") as file:
+                prints[f"--{flag}"] = hashlib.sha256(file.read()).hexdigest()[:16]
+        else:
+            prints[f"--{flag}"] = None
+    return prints
+
 
 
 def load_datasets(args, wanted: dict) -> list:

@@ -7,7 +7,7 @@ advantages, and takes 4 epochs of clipped PPO steps on policy and critic togethe
 updates) the RM scores the policy's summaries of validation prompts (temperature 0.01) beside the human references.
 
     {output_dir}/                   the policy: a causal-LM folder + tokenizer (loads with from_pretrained)
-    {output_dir}/args.json          these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, git commit
+    {output_dir}/args.json          these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, input_args_json, git commit
     {output_dir}/eval_{split}.csv   columns query, response, reference, score, reference_score (judge.py)
     {output_dir}/eval_metrics.json  {split: {score, reference_score, eos_fraction, response_length}}
     {output_dir}/checkpoints/       the latest --save_every checkpoint (no pickle), removed when the run ends
@@ -1224,6 +1224,9 @@ def log_update(writer, progress, episode: int, logged: dict) -> None:
 # Run setup: flags, inputs, tokenizer, models, logging.
 # The prompts, and the human references that the evaluation scores beside the samples.
 REQUIRED_COLUMNS = ("query_token", "reference_response_token")
+# The inputs whose args.json --resume compares (input_prints): model folders, then dataset folders.
+INPUTS = (("base_model", "sft_model_path", "reward_model_path"), ("query_dataset",))
+# Flags that may change between an interrupted run and its resumption (see output_dir_problem).
 # None of these changes what the run computes.
 RESUME_FLAGS = ("resume", "stop_after_updates", "stop_after_minutes", "run_name", "save_every",
                 "track", "wandb_project_name", "wandb_entity", "push_to_hub", "hf_entity")  # where it logs and publishes
@@ -1407,7 +1410,8 @@ def ppo_inputs(args, accelerator) -> tuple:
     refuse(input_problem(args.sft_model_path, "--sft_model_path", make["sft_model_path"])
            or input_problem(args.reward_model_path, "--reward_model_path", make["reward_model_path"])
            or input_problem(args.query_dataset, "--query_dataset", f"python preprocess_tldr.py --base_model {args.base_model}")
-           or output_dir_problem(args.output_dir, asdict(args), RESUME_FLAGS + SPEED_ONLY_FLAGS + (
+           or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": input_prints(args, *INPUTS)},
+                                 RESUME_FLAGS + SPEED_ONLY_FLAGS + (
                "world_size", "local_batch_size", "mini_batch_size", "local_mini_batch_size",
                "gradient_accumulation_steps", "micro_batch_size", "num_updates")))
     local_dataset = os.path.isdir(args.query_dataset)
@@ -1418,7 +1422,7 @@ def ppo_inputs(args, accelerator) -> tuple:
         raise SetupError(f"{args.query_dataset} lacks {missing}: build it with preprocess_tldr.py")
     tokenizer, identity = ppo_tokenizer(args, accelerator, dataset, local_dataset)
     recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-                "tokenizer_identity": identity}
+                "tokenizer_identity": identity, "input_args_json": input_prints(args, *INPUTS)}
     return dataset, eval_splits, tokenizer, recorded
 
 
@@ -1522,6 +1526,22 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
         return (f"--output_dir {output_dir} holds an unfinished run, checkpointed at update {checkpoint[0]}: "
                 "pass --resume to continue it, or choose another folder (or delete this one) to start again")
     return None
+
+def input_prints(args, model_flags: tuple, data_flags: tuple) -> dict:
+    """--flag -> the first 16 hex digits of the sha256 of the args.json that made its input (in a model folder; beside
+    a dataset's splits); None for a Hub id or a folder without one. Recorded: --resume refuses rewritten inputs."""
+    prints = {}
+    for flag in model_flags + data_flags:
+        path = getattr(args, flag)
+        folder = path if flag in model_flags else os.path.dirname(os.path.abspath(path))
+        saved = os.path.join(folder, "args.json")
+        if os.path.isfile(saved):
+            with open(saved, "rb") as file:
+                prints[f"--{flag}"] = hashlib.sha256(file.read()).hexdigest()[:16]
+        else:
+            prints[f"--{flag}"] = None
+    return prints
+
 
 
 def ids_in_data(dataset_dict, column: str) -> Optional[dict]:

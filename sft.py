@@ -7,7 +7,7 @@ then samples a summary for each validation (and with --eval_test, test) query at
 reward.py, dpo.py and ppo.py load with `from_pretrained`:
 
     {output_dir}/                 model + tokenizer ([PAD] included), dropout 0 in its config
-    {output_dir}/args.json        these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, git commit
+    {output_dir}/args.json        these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, input_args_json, git commit
     {output_dir}/eval_{split}.csv columns query, response, reference (what judge.py reads)
     {output_dir}/eval_metrics.json  {split: {loss, rouge1, rouge2, rougeL}}
     {output_dir}/checkpoints/     the latest --save_every checkpoint (no pickle), removed when the run ends
@@ -487,6 +487,8 @@ def write_summaries(staging: str, rows: list, csv_name: str, wandb_key: Optional
 
 
 # Run setup: flags, inputs, tokenizer, models, logging.
+# The inputs whose args.json --resume compares (input_prints): model folders, then dataset folders.
+INPUTS = (("base_model",), ("query_dataset",))
 # Flags that may change between an interrupted run and its resumption (see output_dir_problem).
 # None of these changes what the run computes.
 RESUME_FLAGS = ("resume", "stop_after_updates", "stop_after_minutes", "run_name", "save_every",
@@ -665,7 +667,7 @@ def sft_inputs(args, accelerator) -> tuple:
         tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
     accelerator.wait_for_everyone()
     refuse(input_problem(args.query_dataset, "--query_dataset", make_data) or output_dir_problem(
-        args.output_dir, asdict(args), RESUME_FLAGS + (
+        args.output_dir, {**asdict(args), "input_args_json": input_prints(args, *INPUTS)}, RESUME_FLAGS + (
             "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates")))
     local_dataset = os.path.isdir(args.query_dataset)
     dataset = datasets.load_from_disk(args.query_dataset) if local_dataset else datasets.load_dataset(args.query_dataset)
@@ -681,7 +683,7 @@ def sft_inputs(args, accelerator) -> tuple:
                          f"--num_train_epochs {args.num_train_epochs} is less than one batch of {args.batch_size}: "
                          "pass --total_episodes")
     recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-                "tokenizer_identity": identity}
+                "tokenizer_identity": identity, "input_args_json": input_prints(args, *INPUTS)}
     return dataset, eval_splits, tokenizer, recorded
 
 
@@ -753,6 +755,22 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
         return (f"--output_dir {output_dir} holds an unfinished run, checkpointed at update {checkpoint[0]}: "
                 "pass --resume to continue it, or choose another folder (or delete this one) to start again")
     return None
+
+def input_prints(args, model_flags: tuple, data_flags: tuple) -> dict:
+    """--flag -> the first 16 hex digits of the sha256 of the args.json that made its input (in a model folder; beside
+    a dataset's splits); None for a Hub id or a folder without one. Recorded: --resume refuses rewritten inputs."""
+    prints = {}
+    for flag in model_flags + data_flags:
+        path = getattr(args, flag)
+        folder = path if flag in model_flags else os.path.dirname(os.path.abspath(path))
+        saved = os.path.join(folder, "args.json")
+        if os.path.isfile(saved):
+            with open(saved, "rb") as file:
+                prints[f"--{flag}"] = hashlib.sha256(file.read()).hexdigest()[:16]
+        else:
+            prints[f"--{flag}"] = None
+    return prints
+
 
 
 def ids_in_data(dataset_dict, column: str) -> Optional[dict]:

@@ -7,6 +7,7 @@ The subprocess runs share one configuration, small enough for seconds: global ba
 validation queries with 8 sampled tokens. Each runs in its own working directory (runs/ lands there).
 """
 
+import hashlib
 import json
 import os
 import re
@@ -504,6 +505,45 @@ def test_resume_matches_uninterrupted(single_run, tiny_tldr, tmp_path):
     result = run_sft(tmp_path, *flags, "--resume", "--stop_after_updates", "99")
     assert "at update 2" in result.stdout
     assert max_difference(weights(tmp_path / "out"), weights(single_run[0])) < RESUME_TOLERANCE
+
+
+def test_resume_refuses_inputs_rewritten_since_the_run_started(tiny_tldr, tmp_path):
+    """The run records the sha256 of its inputs' args.json (preprocess_tldr.py's beside the data, a stage's in a model
+    folder): after the data is built again in place (or the SFT model PPO started from is retrained), --resume would go
+    on with other inputs than the interrupted run had; it is refused, naming the input, and nothing is written."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_tldr / "sft", data / "sft")
+    shutil.copy(tiny_tldr / "args.json", data / "args.json")
+    flags = [*TINY_RUN, "--query_dataset", data / "sft", "--output_dir", tmp_path / "out", "--save_every", "1"]
+    run_sft(tmp_path, *flags, "--stop_after_updates", "1")
+    recorded = json.loads((tmp_path / "out" / "args.json").read_text())["input_args_json"]
+    built = hashlib.sha256((data / "args.json").read_bytes()).hexdigest()[:16]
+    assert recorded == {"--base_model": None, "--query_dataset": built}  # the tiny base model has no args.json
+    (data / "args.json").write_text(json.dumps({**json.loads((data / "args.json").read_text()), "again": 1}))  # rebuilt
+    before = sorted(path.name for path in (tmp_path / "out").rglob("*"))
+    result = run_sft(tmp_path, *flags, "--resume", check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"holds a different run (input_args_json={{'--base_model': None, '--query_dataset': '{built}'}} there" \
+        in result.stderr, result.stderr[-2000:]
+    assert sorted(path.name for path in (tmp_path / "out").rglob("*")) == before
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
+def test_input_prints_read_a_models_own_args_json_and_the_one_beside_a_datasets_splits(stage, tmp_path):
+    import dataclasses
+
+    module = __import__(stage)
+    models, data = module.INPUTS
+    assert set(models + data) <= {field.name for field in dataclasses.fields(module.Args)}
+    assert "query_dataset" in data and ("sft_model_path" in models) == (stage != "sft")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "args.json").write_text("{}")
+    (tmp_path / "data" / "sft").mkdir(parents=True)
+    (tmp_path / "data" / "args.json").write_text("[]")
+    args = SimpleNamespace(base_model="org/hub-id", model=str(tmp_path / "model"), dataset=str(tmp_path / "data" / "sft"))
+    assert module.input_prints(args, ("base_model", "model"), ("dataset",)) == {
+        "--base_model": None, "--model": hashlib.sha256(b"{}").hexdigest()[:16],
+        "--dataset": hashlib.sha256(b"[]").hexdigest()[:16]}
 
 
 def test_a_run_out_of_minutes_checkpoints_and_resumes_to_the_uninterrupted_end(single_run, tiny_tldr, tmp_path):
