@@ -477,6 +477,20 @@ def tokenizer_identity(tokenizer) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
+def columns_problem(paths: list) -> Optional[str]:
+    """Which parquet file of one dataset has other columns than the first (datasets' own error names neither)."""
+    import pyarrow.parquet
+
+    parquet = [path for path in paths if path.endswith(".parquet")]
+    first = set(pyarrow.parquet.read_schema(parquet[0]).names) if parquet else set()
+    for path in parquet[1:]:
+        columns = set(pyarrow.parquet.read_schema(path).names)
+        if columns != first:
+            return (f"{parquet[0]} and {path} hold different columns: only the first has {sorted(first - columns)}, "
+                    f"only the second {sorted(columns - first)}; every file of a dataset must hold the same columns")
+    return None
+
+
 def data_file_problem(path: str) -> Optional[str]:
     """Why the local data file `path` cannot be read (empty, not UTF-8, invalid JSON), naming the line; None if ok."""
     if os.path.getsize(path) == 0:
@@ -532,6 +546,9 @@ def load_source(path: str, config: Optional[str], scratch_dir: str):
                 problems = [problem for file in files if (problem := data_file_problem(file))]
                 if problems:
                     raise DataError("; ".join(problems))
+            problem = columns_problem([file for files in builder.config.data_files.values() for file in files])
+            if problem:
+                raise DataError(problem)
         # datasets caches a local folder under its name and config, not its content: a folder written
         # again in place would be served stale from ~/.cache, features included. So a local folder
         # gets a fresh cache of its own; a Hub id is cached by its commit and is safe.

@@ -234,6 +234,25 @@ def test_load_source_names_the_bad_file_and_line(tmp_path):
         pre.load_source(str(tmp_path / "nowhere"), None, str(tmp_path / "scratch"))
 
 
+def test_a_parquet_file_with_other_columns_is_named_with_them(tmp_path):
+    """datasets' own error for files of one dataset with other columns ("An error occurred while generating the
+    dataset") names neither the file nor the column."""
+    import pyarrow
+    import pyarrow.parquet
+
+    world = Path(pre.__file__).parent / "assets" / "tiny_world" / "summarize_from_feedback"
+    folder = tmp_path / "src"
+    shutil.copytree(world, folder)
+    train = folder / "comparisons" / "train.parquet"
+    pyarrow.parquet.write_table(pyarrow.parquet.read_table(train).drop_columns(["choice"]), train)
+    with pytest.raises(pre.DataError) as error:
+        pre.load_source(str(folder), "comparisons", str(tmp_path / "scratch"))
+    assert str(error.value) == (f"{train} and {folder / 'comparisons' / 'validation.parquet'} hold different columns: "
+                                "only the first has [], only the second ['choice']; every file of a dataset must hold "
+                                "the same columns")
+    assert pre.columns_problem([str(world / "comparisons" / f"{split}.parquet") for split in ("train", "validation")]) \
+        is None
+
 
 def test_a_hub_loading_script_is_read_from_the_hubs_parquet_export(tmp_path, monkeypatch):
     """openai/summarize_from_feedback is a loading script on the Hub, which datasets 5 refuses to run: the default
