@@ -1039,6 +1039,7 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
                 "pass --resume to continue it, or choose another folder (or delete this one) to start again")
     return None
 
+
 def input_prints(args, model_flags: tuple, data_flags: tuple) -> dict:
     """--flag -> the first 16 hex digits of the sha256 of the args.json that made its input (in a model folder; beside
     a dataset's splits); None for a Hub id or a folder without one. Recorded: --resume refuses rewritten inputs."""
@@ -1053,7 +1054,6 @@ def input_prints(args, model_flags: tuple, data_flags: tuple) -> dict:
         else:
             prints[f"--{flag}"] = None
     return prints
-
 
 
 def load_datasets(args, wanted: dict) -> list:
