@@ -675,12 +675,13 @@ def card_base_model(meta):
 # The writer's habits as the card names them (fields of Policy) and the measures of its summaries.
 WRITER_HABITS = {"main": "states the main point (the title's fact)", "other": "keeps each other fact",
                  "misremember": "gets a name or a thing wrong, of summaries that keep a fact", "invent": "adds a fact the post never states",
-                 "filler": "copies an irrelevant detail", "ramble": "rambles on",
-                 "repeat": "loops: repeats a clause 1-3 more times",
+                 "filler": "copies an irrelevant detail, of posts that hold one", "ramble": "rambles on",
+                 "repeat": "loops: repeats a clause 1-3 more times, of summaries that state a clause",
                  "feeling": "mentions the feeling, of posts that state one", "question": "ends with the post's question",
                  "terse": "writes a fact telegraphically (\"landlord cancelled lease\"), per fact"}
 POLICY_COLUMNS = {"main": "main point", "other": "other facts", "misremember": "wrong name or thing (of summaries keeping a fact)",
-                  "invent": "invents", "filler": "irrelevant detail", "ramble": "rambles", "repeat": "loops",
+                  "invent": "invents", "filler": "irrelevant detail (of posts holding one)", "ramble": "rambles",
+                  "repeat": "loops (of summaries stating a clause)",
                   "feeling": "feeling (a guess but for ref)", "question": "question", "terse": "telegraphic"}
 REFERENCE_MEASURES = {"gold_score": "mean gold score", "coverage": "mean coverage of the post's key words",
                       "with_wrong_or_invented": "share with a key word the post does not contain",
