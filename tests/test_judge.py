@@ -103,14 +103,16 @@ def test_win_rate_ci_and_malformed_by_hand():
     assert judge.summarize(rows[10:], "reference")["win_rate"] is None  # nothing decided: no win rate
 
 
-def test_rm_agreement_by_hand():
+@pytest.mark.parametrize("stage", ["judge", "reward"])  # judge.py's results and reward.py's --judged_file
+def test_rm_agreement_by_hand(stage):
+    rm_agreement = __import__(stage).rm_agreement
     preferred = ["ours", "ours", "reference", "reference", "malformed", "tie", "ours", "ours"]
     ours = [2.0, 0.0, -1.0, 3.0, 5.0, 5.0, None, 1.0]
     other = [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
     # decided with both scores: rows 0 (agree), 1 (no), 2 (agree), 3 (no), 7 (RM tie: agrees with nobody)
-    assert judge.rm_agreement(preferred, ours, other) == (pytest.approx(2 / 5), 5)
-    assert judge.rm_agreement(["ours"], [None], [None]) == (None, 0)
-    assert judge.rm_agreement(["reference", "ours"], [1.0, 1.0], [1.0, 1.0]) == (0.0, 2)  # a tie agrees with no side
+    assert rm_agreement(preferred, ours, other) == (pytest.approx(2 / 5), 5)
+    assert rm_agreement(["ours"], [None], [None]) == (None, 0)
+    assert rm_agreement(["reference", "ours"], [1.0, 1.0], [1.0, 1.0]) == (0.0, 2)  # a tie agrees with no side
 
 
 def test_rm_agreement_leaves_rows_not_yet_judged_out():

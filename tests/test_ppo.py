@@ -72,6 +72,10 @@ def test_whiten_masked_shift_mean_true_and_false():
     out = whiten(values, mask, shift_mean=False)
     torch.testing.assert_close(out[mask], (valid - mean) / std + mean)
     assert (out[~mask] == 0).all()
+    # Equal values (one valid token, or every reward the same): the 1e-8 keeps the result finite, (x - mean) = 0.
+    constant = torch.full((2, 3), 5.0)
+    assert (whiten(constant, mask[:, :3], shift_mean=True) == 0).all()
+    assert whiten(constant, mask[:, :3], shift_mean=False).tolist() == [[5.0, 5.0, 5.0], [5.0, 5.0, 0.0]]
 
 
 def test_whiten_statistics_are_global_over_processes():
@@ -171,6 +175,16 @@ def test_ppo_losses_by_hand():
     out = ppo_losses(new, old, advantages, vpred, old_values, returns, torch.ones_like(token_mask), value_mask, 0.2, 0.2)
     assert out["pg_loss"].item() == pytest.approx((-1.2 - 2.0 + 0.8) / 3)
     assert out["pg_clipfrac"].item() == pytest.approx(2 / 3)
+    # Each clip range clips its own term: the ratio at 1 +- cliprange (0.2), the values at old +- cliprange_value (0.5).
+    out = ppo_losses(new, old, advantages, vpred, old_values, returns, token_mask, value_mask, 0.2, 0.5)
+    assert out["pg_loss"].item() == pytest.approx((-1.2 + -2.0) / 2)  # 1.65 clipped to 1.2, not to 1.5
+    # values: clipped to [0.0, 1.0] / [-0.4, 0.6] / [-0.5, 0.5] -> 1.0, 0.0, 0.5: squared errors 1, 0, 0.25
+    assert out["vf_loss"].item() == pytest.approx(0.5 * (1.0 + 0.0 + 16.0) / 3)
+    assert out["vf_clipfrac"].item() == 0.0
+    # The largest |ratio - 1| over valid tokens only: token 1's ratio is 1, token 0's 1.65 is masked out here.
+    only_token_1 = torch.tensor([[False, True, False]])
+    out = ppo_losses(new, old, advantages, vpred, old_values, returns, only_token_1, value_mask, 0.2, 0.2)
+    assert out["ratio_max_deviation"].item() == 0.0
 
 
 @pytest.mark.parametrize("score_after_eos, length_groups", [(False, 1), (True, 2)])

@@ -150,6 +150,16 @@ def test_log_probs_of_bf16_logits_are_read_in_fp32():
     assert (in_bf16 != scaled).float().mean() > 0.5  # what the reference's and the trained log-probs used to read
 
 
+def test_a_row_of_non_finite_logits_draws_uniformly_from_the_sampled_ids_only():
+    """Blown-up weights give nan / inf logits, on which multinomial raises: such a row draws from the ids it may
+    sample ([PAD] and unowned rows never), and a finite row from its softmax, as it is."""
+    logits = torch.tensor([[float("nan")] * 6, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
+    unsampled = torch.tensor([1, 5])
+    _, probs = sampling_distribution(logits, 1.0, unsampled)
+    assert probs[0].tolist() == [1.0, 0.0, 1.0, 1.0, 1.0, 0.0]  # unnormalised weights: multinomial takes them
+    torch.testing.assert_close(probs[1], mask_logits(logits[1:], unsampled).softmax(-1)[0])
+
+
 def test_unsampled_ids_are_pad_and_unowned_rows():
     class Tokenizer:  # Pythia's numbers: 50277 tokens, [PAD] added as 50277, 50304 embedding rows
         pad_token_id = 50277

@@ -194,6 +194,42 @@ def test_mean_rouge():
     assert scores == pytest.approx({"rouge1": 4 / 7, "rouge2": 2 / 5, "rougeL": 4 / 7})
 
 
+@pytest.mark.parametrize("length_groups", [1, 2])
+def test_sft_update_steps_on_the_mean_of_each_micro_batchs_token_mean_loss(length_groups):
+    """Detail 9: a micro-batch's loss is its next-token NLL summed over non-pad targets (query included) over their
+    number; the update is one step on the mean of its micro-batches' losses (accelerate's accumulation). Against
+    next_token_nll on the plain forward and a naive SGD step, with micro-batches of 19 and 6 targets: a loss divided by
+    rows (a per-sequence sum) passed every other test."""
+    import copy
+
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(BASE)
+    sft.disable_dropout(model)
+    naive, before = copy.deepcopy(model).train(), {name: p.detach().clone() for name, p in model.named_parameters()}
+    pad = 1  # the tiny world's [PAD]
+    ids = torch.randint(2, 200, (4, 12))
+    for row, end in enumerate([12, 9, 5, 3]):  # right-padded rows of different lengths
+        ids[row, end:] = pad
+    micro_batches = [ids[:2], ids[2:]]
+    accelerator = Accelerator(cpu=True)
+    accelerator.gradient_accumulation_steps = 2
+    model, optimizer = accelerator.prepare(model.train(), torch.optim.SGD(model.parameters(), lr=0.1))
+    losses = sft.sft_update(accelerator, model, optimizer, micro_batches, pad, length_groups)
+
+    expected = torch.stack([torch.divide(*sft.next_token_nll(sft.forward(naive, batch, pad).logits, batch, pad))
+                            for batch in micro_batches])
+    torch.testing.assert_close(losses, expected.detach())
+    expected.mean().backward()
+    with torch.no_grad():
+        for parameter in naive.parameters():
+            parameter -= 0.1 * parameter.grad
+    trained = dict(accelerator.unwrap_model(model).named_parameters())
+    assert max((trained[name] - before[name]).abs().max().item() for name in before) > 1e-2  # the step moved them
+    assert max((trained[name] - parameter).abs().max().item() for name, parameter in naive.named_parameters()) < 1e-5
+
+
 def test_output_dir_problem(tmp_path):
     flags = {"seed": 1, "lr": 1e-3, "resume": False}
     assert sft.output_dir_problem(str(tmp_path / "new"), flags, ("resume",)) is None
