@@ -522,8 +522,9 @@ def read_table(path: str, n: int, columns: tuple) -> list[dict]:
     rows = rows if n < 0 else rows[:n]
     for i, row in enumerate(rows):
         if None in row or None in row.values():  # csv.DictReader's filler for a row longer / shorter than the header
-            raise ValueError(f"{path}: data row {i} has {'more' if None in row else 'fewer'} fields than the header "
-                             f"({len(row) - (None in row)} columns); quote cells that hold commas or newlines")
+            fields = sum(value is not None for key, value in row.items() if key is not None) + len(row.get(None, []))
+            raise ValueError(f"{path}: data row {i} has {fields} field(s), the header {len(row) - (None in row)}; quote "
+                             "cells that hold commas or newlines")
         for column in ("score", "reference_score"):
             try:
                 optional_float(row, column)

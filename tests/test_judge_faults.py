@@ -440,8 +440,8 @@ def test_ragged_rows_pairs_that_clash_and_a_padded_key_stop_the_start(tmp_path, 
         judge.read_inputs(judge.Args(output_dir=str(tmp_path / "out"), model="judge-test",
                                      tables=(f"sft={short}", f"ppo={long_}")))
     message = str(stop.value.code)
-    assert f"--tables sft={short}: {short}: data row 1 has fewer fields than the header" in message
-    assert f"--tables ppo={long_}: {long_}: data row 0 has more fields than the header" in message
+    assert f"--tables sft={short}: {short}: data row 1 has 1 field(s), the header 3; quote cells" in message
+    assert f"--tables ppo={long_}: {long_}: data row 0 has 4 field(s), the header 3; quote cells" in message
     judge.read_inputs(judge.Args(output_dir=str(tmp_path / "out"), model="judge-test", tables=(f"a={good}",)))
     assert "table a: 1 row(s) repeat an earlier row's query (data row 2 repeats row 0...)" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
