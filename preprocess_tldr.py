@@ -602,6 +602,12 @@ def check_rows(args: Args, sft, preference) -> tuple:
                     problem=f"post id {row_id!r} is already in split '{first_split}' row {first_row}")
                for split, i, row_id, first_split, first_row in duplicate_rows(ids, bad_at)]
     dropped = sft_bad + preference_bad + repeats
+    for source, dataset_dict, bad in ((args.sft_dataset, sft, sft_bad), (args.preference_dataset, preference, preference_bad)):
+        for split, dataset in dataset_dict.items():  # every row with one problem: a column, not rows, to fix
+            problems = {row["problem"] for row in bad if row["split"] == split}
+            if len(dataset) > 1 and len(problems) == 1 and sum(row["split"] == split for row in bad) == len(dataset):
+                raise DataError(f"{source}: every row of split '{split}' ({len(dataset)} rows): {problems.pop()}; "
+                                "the source lacks that column or holds another schema: fix the source")
     if dropped and not args.drop_bad_rows:
         bad = sft_bad + preference_bad
         lines = [bad_row_message(row["split"], row["row"], row["id"], row["problem"]) for row in bad[:10]]

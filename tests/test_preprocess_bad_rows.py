@@ -110,6 +110,24 @@ def bad_sources():
     return sft, preference
 
 
+def test_a_problem_of_every_row_of_a_split_is_named_once_as_the_sources():
+    """A column missing from a whole split (another schema) is one problem of the source, not thousands of bad rows
+    to drop: --drop_bad_rows would only empty the split."""
+    sft, preference = smoke_sources()
+    for row in preference["train"]:
+        row["info"]["title"] = None
+    sft = datasets.DatasetDict({split: datasets.Dataset.from_list(rows) for split, rows in sft.items()})
+    preference = {split: datasets.Dataset.from_list(rows) for split, rows in preference.items()}
+    validation, cnndm = pre.split_off_cnndm(preference["validation"], pre.CNNDM_BATCHES)
+    preference = datasets.DatasetDict(train=preference["train"], validation=validation, validation_cnndm=cnndm)
+    args = pre.Args(sft_dataset="sft_src", preference_dataset="pref_src", output_dir="out", drop_bad_rows=True)
+    with pytest.raises(pre.DataError) as error:
+        pre.check_rows(args, sft, preference)
+    assert str(error.value) == (f"pref_src: every row of split 'train' ({len(preference['train'])} rows): expected "
+                                "info.title to be a string, got None; the source lacks that column or holds another "
+                                "schema: fix the source")
+
+
 def test_check_rows_lists_every_bad_row_or_drops_them_all():
     sft, preference = bad_sources()
     sft = datasets.DatasetDict({split: datasets.Dataset.from_list(rows) for split, rows in sft.items()})
