@@ -114,8 +114,7 @@ def test_a_start_past_its_timeout_is_killed_with_what_it_started(tmp_path):
         time.sleep(0.1)
     else:
         raise AssertionError(f"the start's own child {child} outlived the timeout")
-    # The server goes on serving after a timed-out start.
-    assert run_python([sys.executable, "-c", "print(1)"]).stdout == "1\n"
+    # The server goes on serving after a timed-out start (a script start: `-c` commands never reach it).
     (tmp_path / "quick.py").write_text("print('quick')\n")
     assert run_python([sys.executable, str(tmp_path / "quick.py")], cwd=tmp_path, timeout=60).stdout == "quick\n"
 

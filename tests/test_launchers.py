@@ -564,7 +564,8 @@ def test_the_judge_stage_is_submitted_with_a_model_and_one_task_at_a_time():
     result = launch("--dry-run", "ppo", "judge", env={"JUDGE_MODEL": "judge-test"})
     submits = {Path(line.split()[-1]).stem: line for line in result.stdout.splitlines() if line.startswith("sbatch ")}
     assert "--array=0-11%1 " in submits["judge"] and "--array=0-11 " in submits["ppo"]
-    assert all(one(c, "model") == "judge-test" for c in parse_dry_run(result.stdout) if c["script"] == "judge.py")
+    judged = [c for c in parse_dry_run(result.stdout) if c["script"] == "judge.py"]
+    assert len(judged) == 12 and all(one(c, "model") == "judge-test" for c in judged)
     result = launch("--dry-run", "ppo", "judge", env={"JUDGE_MODEL": "m", "ARRAY_THROTTLE": "3"})
     submits = {Path(line.split()[-1]).stem: line for line in result.stdout.splitlines() if line.startswith("sbatch ")}
     assert "--array=0-11%3 " in submits["ppo"] and "--array=0-11%1 " in submits["judge"]

@@ -185,7 +185,7 @@ def test_a_world_below_a_cache_folder_is_still_part_of_the_job_key(tmp_path):
     world = tmp_path / "store" / ".cache" / "w"
     world.mkdir(parents=True)
     (world / "world.json").write_text('{"seed": 1}')
-    start(tmp_path, WORLD=str(world))
+    assert start(tmp_path, WORLD=str(world))[0] == 0  # every stage recorded as finished: only a new key reruns them
     (world / "world.json").write_text('{"seed": 1, "rebuilt": true}')
     status, called, _, _ = start(tmp_path, WORLD=str(world))
     assert status == 0 and [c[0] for c in called][:2] == ["preprocess_tldr.py", "sft.py"]
