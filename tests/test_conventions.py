@@ -923,6 +923,12 @@ def check_fence(source: str, filename: str) -> list[str]:
     return problems
 
 
+def test_every_script_these_checks_list_exists():
+    """The checks run over the scripts that exist: a stage renamed or removed would lose them silently."""
+    listed = set(STAGE_SCRIPTS + TOOL_SCRIPTS + FENCED_STAGES + SIZED_SCRIPTS)
+    assert sorted(name for name in listed if not (REPO / name).is_file()) == []
+
+
 @pytest.mark.parametrize("script", [name for name in FENCED_STAGES if (REPO / name).is_file()])
 def test_algorithm_above_the_fence(script):
     problems = check_fence((REPO / script).read_text(), script)
