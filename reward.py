@@ -1338,15 +1338,16 @@ def start_logging(args, accelerator, resume_from: Optional[tuple], recorded: dic
         write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
             **asdict(args), "run_name": run_name, **recorded,
             "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, indent=2))
-        writer = SummaryWriter(f"runs/{run_name}")
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{key}|{value}|" for key, value in asdict(args).items()))
         if args.track:
             import wandb  # imported here: without --track nothing touches the network
 
             # One W&B run per run name: a resumed (requeued) run logs on into the run it started.
+            # Before the writer: sync_tensorboard reads only the TensorBoard writers made after wandb.init.
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
                        config=asdict(args), name=run_name, id=wandb_run_id(run_name), resume="allow", save_code=True)
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{key}|{value}|" for key, value in asdict(args).items()))
     accelerator.print(f"run {run_name}: {args.num_updates} updates of {args.batch_size} {unit} = "
                       f"{args.local_batch_size} per rank x {args.world_size} ranks, in micro-batches of "
                       f"{args.micro_batch_size} = {args.local_micro_batch_size} per rank x {args.world_size} "
@@ -1777,6 +1778,9 @@ def leave_process_group(finished: bool) -> None:
         return
     torch.distributed.destroy_process_group()
     if finished:
+        wandb = sys.modules.get("wandb")  # os._exit skips the exit handler that closes a W&B run left open
+        if wandb is not None and wandb.run is not None:  # (a run stopped early: a finished one closed it itself)
+            wandb.finish()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

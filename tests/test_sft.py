@@ -907,6 +907,26 @@ def test_length_groups_benchmark_table_by_hand_and_full_width_is_the_stored_widt
     assert widths == [6]
 
 
+@pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
+def test_a_rank_that_exits_at_once_closes_its_wandb_run_first(stage, monkeypatch):
+    """leave_process_group ends a run of several processes with os._exit, which skips the exit handler W&B closes a
+    run with: a run stopped early (--stop_after_minutes: every requeued SLURM attempt) kept only its header."""
+    from types import SimpleNamespace
+
+    module = __import__(stage)
+    events = []
+    fake = SimpleNamespace(run=object(), finish=lambda: events.append("wandb.finish"))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr(module.torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(module.torch.distributed, "destroy_process_group", lambda: events.append("left"))
+    monkeypatch.setattr(module.os, "_exit", lambda code: events.append(f"exit {code}"))
+    module.leave_process_group(True)
+    assert events == ["left", "wandb.finish", "exit 0"]
+    fake.run = None  # closed already (a finished run), or never opened (no --track, another rank)
+    module.leave_process_group(True)
+    assert events[3:] == ["left", "exit 0"]
+
+
 @pytest.mark.parametrize("stage, start", [("sft", "start_sft_logging"), ("reward", "start_logging"),
                                           ("dpo", "start_logging"), ("ppo", "start_ppo_logging")])
 def test_a_resumed_tracked_run_logs_on_into_its_own_wandb_run(stage, start, tmp_path, monkeypatch):
@@ -915,8 +935,11 @@ def test_a_resumed_tracked_run_logs_on_into_its_own_wandb_run(stage, start, tmp_
     from types import SimpleNamespace
 
     module = __import__(stage)
-    calls = []
-    monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(init=lambda **kwargs: calls.append(kwargs)))
+    calls, events = [], []
+    monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(init=lambda **kwargs: calls.append(kwargs)
+                                                              or events.append("wandb.init")))
+    real_writer = module.SummaryWriter
+    monkeypatch.setattr(module, "SummaryWriter", lambda *a, **k: events.append("writer") or real_writer(*a, **k))
     monkeypatch.chdir(tmp_path)
     args = module.Args(output_dir=str(tmp_path / "out"), track=True)
     recorded = {"base_model_name": "EleutherAI/pythia-1b-deduped"}
@@ -930,5 +953,7 @@ def test_a_resumed_tracked_run_logs_on_into_its_own_wandb_run(stage, start, tmp_
     writer.close()
     assert resumed_name == run_name and [call["id"] for call in calls] == [module.wandb_run_id(run_name)] * 2
     assert all(call["resume"] == "allow" and call["name"] == run_name for call in calls)
+    # sync_tensorboard reads only the writers made after wandb.init: the other way round, no scalar reached W&B
+    assert events == ["wandb.init", "writer"] * 2
     assert module.wandb_run_id("a/b:c d") == "a_b_c_d" and len(module.wandb_run_id("x" * 100)) == 64
     assert module.wandb_run_id("x" * 100) != module.wandb_run_id("x" * 99 + "y")  # a long name keeps its end's hash
