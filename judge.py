@@ -29,7 +29,7 @@ an unseeded and unrecorded A/B shuffle, the API's default temperature, a verdict
 for the reference), the A/B order is drawn per row from a seed and recorded, the temperature is
 fixed and recorded, a malformed verdict counts for neither side, and no paid call is repeated: the
 cache is keyed by (model, prompt version, temperature, post, summary A, summary B), so a rerun after
-a crash or Ctrl-C asks only what is missing.
+a crash, Ctrl-C or SIGTERM (SLURM, `timeout`) asks only what is missing.
 
 Faults. A row that fails for good (a 400, retries spent on 429/5xx/timeouts, an HTTP 200 whose body
 is not JSON or has no choices) is recorded as failed and the run goes on; the next
