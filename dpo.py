@@ -973,7 +973,7 @@ def resolve_paths(args, accelerator, stage: str) -> str:
     if accelerator.is_main_process:
         tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
     accelerator.wait_for_everyone()
-    problem = (input_problem(args.sft_model_path, "--sft_model_path", make_sft)
+    problem = (push_problem(args, name) or input_problem(args.sft_model_path, "--sft_model_path", make_sft)
                or input_problem(args.label_dataset, "--label_dataset", make_data)
                or input_problem(args.query_dataset, "--query_dataset", make_data)
                or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": input_prints(args, *INPUTS)},
@@ -1054,6 +1054,22 @@ def input_prints(args, model_flags: tuple, data_flags: tuple) -> dict:
         else:
             prints[f"--{flag}"] = None
     return prints
+
+def push_problem(args, base_model_name: str) -> Optional[str]:
+    """With --push_to_hub: why the Hub would refuse the repository or branch this run is pushed to, at its end, where
+    --resume cannot rename them (the repository: {base model}__{exp_name}__tldr; the branch: the run name)."""
+    if not args.push_to_hub:
+        return None
+    from huggingface_hub.utils import HFValidationError, validate_repo_id  # imported here: only with --push_to_hub
+
+    try:
+        validate_repo_id(f"{args.hf_entity or 'user'}/{base_model_name.replace('/', '_')}__{args.exp_name}__tldr")
+    except HFValidationError as error:
+        return f"--push_to_hub: --exp_name {args.exp_name!r} or --hf_entity {args.hf_entity!r} names no Hub repository: {error}"
+    if args.run_name is not None and (not re.fullmatch(r"\w[\w.-]*", args.run_name) or ".." in args.run_name):
+        return f"--push_to_hub: --run_name {args.run_name!r} names no git branch: want letters, digits, _ . - (no '..')"
+    return None
+
 
 
 def load_datasets(args, wanted: dict) -> list:

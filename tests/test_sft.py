@@ -908,6 +908,25 @@ def test_length_groups_benchmark_table_by_hand_and_full_width_is_the_stored_widt
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
+def test_a_push_the_hub_would_refuse_is_refused_at_start(stage):
+    """--push_to_hub pushes to {base model}__{exp_name}__tldr on the run name's branch once the run has ended, where
+    --resume cannot rename either (a changed --exp_name is another run): names the Hub refuses stop the start."""
+    from types import SimpleNamespace
+
+    module = __import__(stage)
+    flags = SimpleNamespace(push_to_hub=True, hf_entity=None, exp_name="sft", run_name=None)
+    assert module.push_problem(flags, "EleutherAI/pythia-6.9b-deduped") is None
+    assert module.push_problem(SimpleNamespace(**{**vars(flags), "run_name": "sft__pythia__1__1764662400"}), "m") is None
+    for bad in ({"exp_name": "my sft"}, {"exp_name": "x" * 60}, {"exp_name": "a--b"}, {"hf_entity": "a b"}):
+        problem = module.push_problem(SimpleNamespace(**{**vars(flags), **bad}), "EleutherAI/pythia-6.9b-deduped")
+        assert problem.startswith(f"--push_to_hub: --exp_name {bad.get('exp_name', 'sft')!r} or --hf_entity "), bad
+    for bad in ("a..b", "-x", "a/b", "a b"):
+        assert module.push_problem(SimpleNamespace(**{**vars(flags), "run_name": bad}), "m") == (
+            f"--push_to_hub: --run_name {bad!r} names no git branch: want letters, digits, _ . - (no '..')")
+    assert module.push_problem(SimpleNamespace(**{**vars(flags), "push_to_hub": False, "exp_name": "my sft"}), "m") is None
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
 def test_a_rank_that_exits_at_once_closes_its_wandb_run_first(stage, monkeypatch):
     """leave_process_group ends a run of several processes with os._exit, which skips the exit handler W&B closes a
     run with: a run stopped early (--stop_after_minutes: every requeued SLURM attempt) kept only its header."""
