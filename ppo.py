@@ -1389,6 +1389,7 @@ def ppo_inputs(args, accelerator) -> tuple:
     make = {}  # flag -> the command that creates its default
     for flag, stage in (("sft_model_path", "sft"), ("reward_model_path", "reward")):
         make[flag] = f"python {stage}.py --base_model {args.base_model or 'EleutherAI/pythia-1b-deduped'} --seed {args.seed}"
+        hub_id = getattr(args, flag) is not None and is_hub_id(getattr(args, flag))  # no args.json to read here
         if getattr(args, flag) is None:
             setattr(args, flag, os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"{stage}_{args.seed}"))
         else:
@@ -1399,6 +1400,9 @@ def ppo_inputs(args, accelerator) -> tuple:
         if name and recorded and name != recorded:
             raise SetupError(f"--{flag} {getattr(args, flag)} was trained from {recorded}, not from --base_model "
                              f"{args.base_model}: pass --base_model {recorded} or another --{flag}")
+        if hub_id and not name and not recorded:  # the default (1B) would name a 2.8B model's folders and repository
+            raise SetupError(f"--{flag} {getattr(args, flag)}: no args.json here says which base model it was trained "
+                             "from: pass --base_model (it names the output folder, the run and the Hub repository)")
         name = name or recorded  # the SFT model's record names the reward model's default too
     name = name or "EleutherAI/pythia-1b-deduped"
     args.base_model = args.base_model or name
@@ -1489,10 +1493,15 @@ def recorded_base_model(folder: str) -> Optional[str]:
 def input_problem(path: str, flag: str, make: str) -> Optional[str]:
     """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
     # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
-    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
-    if os.path.exists(path) or hub_id:
+    if os.path.exists(path) or is_hub_id(path):
         return None
     return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
+
+
+def is_hub_id(path: str) -> bool:
+    """Whether `path` names a Hub repository (org/name, no such local folder; not under this checkout's models/, data/)."""
+    return (not os.path.exists(path) and re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None
+            and not path.startswith(("models/", "data/")))
 
 
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:

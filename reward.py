@@ -1057,6 +1057,7 @@ def resolve_paths(args, accelerator, stage: str) -> str:
     # models/{base_model}/sft_{seed}, this script -> models/{base_model}/{stage}_{seed}.
     name = model_name(args.base_model) if args.base_model else None
     make_sft = f"python sft.py --base_model {args.base_model or 'EleutherAI/pythia-1b-deduped'} --seed {args.seed}"
+    hub_id = args.sft_model_path is not None and is_hub_id(args.sft_model_path)  # no args.json to read here
     if args.sft_model_path is None:
         args.sft_model_path = os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"sft_{args.seed}")
     else:
@@ -1067,6 +1068,9 @@ def resolve_paths(args, accelerator, stage: str) -> str:
     if name and recorded and name != recorded:
         raise SetupError(f"--sft_model_path {args.sft_model_path} was fine-tuned from {recorded}, not from --base_model "
                          f"{args.base_model}: pass --base_model {recorded} or another --sft_model_path")
+    if hub_id and not name:  # the default (1B) would name a 2.8B model's folders, run and repository
+        raise SetupError(f"--sft_model_path {args.sft_model_path}: no args.json here says which base model it was "
+                         "fine-tuned from: pass --base_model (it names the output folder, the run and the Hub repository)")
     name = name or recorded or "EleutherAI/pythia-1b-deduped"
     args.base_model = args.base_model or name
     make_data = f"python preprocess_tldr.py --base_model {args.base_model}"
@@ -1104,10 +1108,15 @@ def recorded_base_model(folder: str) -> Optional[str]:
 def input_problem(path: str, flag: str, make: str) -> Optional[str]:
     """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
     # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
-    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
-    if os.path.exists(path) or hub_id:
+    if os.path.exists(path) or is_hub_id(path):
         return None
     return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
+
+
+def is_hub_id(path: str) -> bool:
+    """Whether `path` names a Hub repository (org/name, no such local folder; not under this checkout's models/, data/)."""
+    return (not os.path.exists(path) and re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None
+            and not path.startswith(("models/", "data/")))
 
 
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:

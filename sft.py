@@ -719,10 +719,15 @@ def model_name(base_model: str) -> str:
 def input_problem(path: str, flag: str, make: str) -> Optional[str]:
     """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
     # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
-    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(("models/", "data/"))
-    if os.path.exists(path) or hub_id:
+    if os.path.exists(path) or is_hub_id(path):
         return None
     return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
+
+
+def is_hub_id(path: str) -> bool:
+    """Whether `path` names a Hub repository (org/name, no such local folder; not under this checkout's models/, data/)."""
+    return (not os.path.exists(path) and re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None
+            and not path.startswith(("models/", "data/")))
 
 
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:

@@ -513,6 +513,29 @@ def test_default_paths_follow_the_base_model_the_sft_model_records(tmp_path, mon
                                  accelerator, module.__name__)
 
 
+def test_a_hub_model_without_its_base_model_named_is_refused(tmp_path, monkeypatch):
+    """A Hub id as --sft_model_path (or PPO's --reward_model_path) has no args.json here to name its base model: the
+    default, Pythia 1B, would have named a 2.8B run's folders, run and Hub repository. --base_model is asked for;
+    given, it names them. A missing local folder is still a missing folder (with the command that makes it)."""
+    import dpo
+    import ppo
+
+    monkeypatch.chdir(tmp_path)
+    accelerator = one_process()
+    with pytest.raises(ppo.SetupError, match=r"^--sft_model_path someone/pythia-2.8b-sft: no args.json here says "):
+        ppo.ppo_inputs(ppo.Args(sft_model_path="someone/pythia-2.8b-sft"), accelerator)
+    with pytest.raises(ppo.SetupError, match=r"^--reward_model_path someone/rm: no args.json here says .* --base_model"):
+        ppo.ppo_inputs(ppo.Args(reward_model_path="someone/rm"), accelerator)
+    for module in (reward, dpo):
+        with pytest.raises(module.SetupError, match=r"^--sft_model_path someone/pythia-2.8b-sft: no args.json here"):
+            module.resolve_paths(module.Args(sft_model_path="someone/pythia-2.8b-sft"), accelerator, module.__name__)
+        args = module.Args(sft_model_path="someone/pythia-2.8b-sft", base_model="EleutherAI/pythia-2.8b-deduped")
+        with pytest.raises(module.SetupError, match=r"^--label_dataset data/EleutherAI/pythia-2.8b-deduped/tldr/"):
+            module.resolve_paths(args, accelerator, module.__name__)  # named by --base_model; on to the next input
+        with pytest.raises(module.SetupError, match=r"^--sft_model_path scratch/mine/sft_1: no such folder"):
+            module.resolve_paths(module.Args(sft_model_path="scratch/mine/sft_1"), accelerator, module.__name__)
+
+
 def test_rotary_frequencies_in_fp16_are_refused_too():
     """Any inv_freq below fp32 is named, fp16 as well as bf16 (an fp16 launch casts as a bf16 one does)."""
     model = AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny").to(torch.float16)
