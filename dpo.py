@@ -1015,6 +1015,15 @@ def is_hub_id(path: str) -> bool:
     return (not os.path.exists(path) and re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None
             and not path.startswith(("models/", "data/")))
 
+def load_data(path: str, flag: str):
+    """The DatasetDict at `path` (a folder preprocess_tldr.py saved, or a Hub id); a load that fails names `flag`."""
+    try:
+        return datasets.load_from_disk(path) if os.path.isdir(path) else datasets.load_dataset(path)
+    except (OSError, ValueError) as error:  # not on the Hub or unreachable (offline, gated), a broken folder
+        raise SetupError(f"{flag} {path}: cannot load it ({type(error).__name__}: {error}); pass a folder that "
+                         "preprocess_tldr.py wrote, or a Hub dataset id this machine can reach") from error
+
+
 
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
     """Why `output_dir` cannot hold this run (another run's args.json, foreign files, this run finished), None if it
@@ -1086,7 +1095,7 @@ def load_datasets(args, wanted: dict) -> list:
     loaded = []
     for flag, (splits, columns) in wanted.items():
         path = getattr(args, flag)
-        loaded.append(datasets.load_from_disk(path) if os.path.isdir(path) else datasets.load_dataset(path))
+        loaded.append(load_data(path, f"--{flag}"))
         missing = missing_columns(loaded[-1], splits, columns)
         if missing:
             raise SetupError(f"--{flag} {path} lacks {missing}: build it with preprocess_tldr.py")

@@ -1419,7 +1419,7 @@ def ppo_inputs(args, accelerator) -> tuple:
                "world_size", "local_batch_size", "mini_batch_size", "local_mini_batch_size",
                "gradient_accumulation_steps", "micro_batch_size", "num_updates")))
     local_dataset = os.path.isdir(args.query_dataset)
-    dataset = datasets.load_from_disk(args.query_dataset) if local_dataset else datasets.load_dataset(args.query_dataset)
+    dataset = load_data(args.query_dataset, "--query_dataset")
     eval_splits = ("validation", "test") if args.eval_test else ("validation",)
     missing = missing_columns(dataset, ("train",) + eval_splits, REQUIRED_COLUMNS)
     if missing:
@@ -1502,6 +1502,15 @@ def is_hub_id(path: str) -> bool:
     """Whether `path` names a Hub repository (org/name, no such local folder; not under this checkout's models/, data/)."""
     return (not os.path.exists(path) and re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None
             and not path.startswith(("models/", "data/")))
+
+def load_data(path: str, flag: str):
+    """The DatasetDict at `path` (a folder preprocess_tldr.py saved, or a Hub id); a load that fails names `flag`."""
+    try:
+        return datasets.load_from_disk(path) if os.path.isdir(path) else datasets.load_dataset(path)
+    except (OSError, ValueError) as error:  # not on the Hub or unreachable (offline, gated), a broken folder
+        raise SetupError(f"{flag} {path}: cannot load it ({type(error).__name__}: {error}); pass a folder that "
+                         "preprocess_tldr.py wrote, or a Hub dataset id this machine can reach") from error
+
 
 
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:

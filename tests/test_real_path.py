@@ -536,6 +536,18 @@ def test_a_hub_model_without_its_base_model_named_is_refused(tmp_path, monkeypat
             module.resolve_paths(module.Args(sft_model_path="scratch/mine/sft_1"), accelerator, module.__name__)
 
 
+@pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
+def test_a_dataset_that_cannot_load_is_named_by_its_flag(stage, tmp_path):
+    """A Hub dataset id that cannot be reached (offline here; not found, gated) or a folder that is no saved dataset
+    stops the start naming the flag; it was a raw traceback from datasets on every rank."""
+    module = __import__(stage)
+    with pytest.raises(module.SetupError, match=r"^--query_dataset someone/no-such-data: cannot load it \(Connection"):
+        module.load_data("someone/no-such-data", "--query_dataset")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(module.SetupError, match=rf"^--label_dataset {tmp_path / 'empty'}: cannot load it \("):
+        module.load_data(str(tmp_path / "empty"), "--label_dataset")
+
+
 def test_rotary_frequencies_in_fp16_are_refused_too():
     """Any inv_freq below fp32 is named, fp16 as well as bf16 (an fp16 launch casts as a bf16 one does)."""
     model = AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny").to(torch.float16)
