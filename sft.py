@@ -729,6 +729,7 @@ def is_hub_id(path: str) -> bool:
     return (not os.path.exists(path) and re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None
             and not path.startswith(("models/", "data/")))
 
+
 def load_data(path: str, flag: str):
     """The DatasetDict at `path` (a folder preprocess_tldr.py saved, or a Hub id); a load that fails names `flag`."""
     try:
@@ -736,7 +737,6 @@ def load_data(path: str, flag: str):
     except (OSError, ValueError) as error:  # not on the Hub or unreachable (offline, gated), a broken folder
         raise SetupError(f"{flag} {path}: cannot load it ({type(error).__name__}: {error}); pass a folder that "
                          "preprocess_tldr.py wrote, or a Hub dataset id this machine can reach") from error
-
 
 
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:
@@ -787,6 +787,7 @@ def input_prints(args, model_flags: tuple, data_flags: tuple) -> dict:
             prints[f"--{flag}"] = None
     return prints
 
+
 def push_problem(args, base_model_name: str) -> Optional[str]:
     """With --push_to_hub: why the Hub would refuse the repository or branch this run is pushed to, at its end, where
     --resume cannot rename them (the repository: {base model}__{exp_name}__tldr; the branch: the run name)."""
@@ -801,7 +802,6 @@ def push_problem(args, base_model_name: str) -> Optional[str]:
     if args.run_name is not None and (not re.fullmatch(r"\w[\w.-]*", args.run_name) or ".." in args.run_name):
         return f"--push_to_hub: --run_name {args.run_name!r} names no git branch: want letters, digits, _ . - (no '..')"
     return None
-
 
 
 def ids_in_data(dataset_dict, column: str) -> Optional[dict]:
