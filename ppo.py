@@ -1410,10 +1410,11 @@ def ppo_inputs(args, accelerator) -> tuple:
     if accelerator.is_main_process:
         tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
     accelerator.wait_for_everyone()
+    prints = input_prints(args, *INPUTS)  # its inputs as this start finds them: compared on --resume, recorded
     refuse(push_problem(args, name) or input_problem(args.sft_model_path, "--sft_model_path", make["sft_model_path"])
            or input_problem(args.reward_model_path, "--reward_model_path", make["reward_model_path"])
            or input_problem(args.query_dataset, "--query_dataset", f"python preprocess_tldr.py --base_model {args.base_model}")
-           or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": input_prints(args, *INPUTS)},
+           or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": prints},
                                  RESUME_FLAGS + SPEED_ONLY_FLAGS + (
                "world_size", "local_batch_size", "mini_batch_size", "local_mini_batch_size",
                "gradient_accumulation_steps", "micro_batch_size", "num_updates")))
@@ -1425,7 +1426,7 @@ def ppo_inputs(args, accelerator) -> tuple:
         raise SetupError(f"{args.query_dataset} lacks {missing}: build it with preprocess_tldr.py")
     tokenizer, identity = ppo_tokenizer(args, accelerator, dataset, local_dataset)
     recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-                "tokenizer_identity": identity, "input_args_json": input_prints(args, *INPUTS)}
+                "tokenizer_identity": identity, "input_args_json": prints}
     return dataset, eval_splits, tokenizer, recorded
 
 

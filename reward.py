@@ -1035,7 +1035,7 @@ def sharded_parameters_problem(deepspeed_plugin, script: str) -> Optional[str]:
 def rm_inputs(args, accelerator) -> tuple:
     """(preference, sft, judged or None, tokenizer, what args.json records of them), every one checked;
     fills in the default paths and num_updates of `args`."""
-    name = resolve_paths(args, accelerator, "reward")
+    name, prints = resolve_paths(args, accelerator, "reward")
     preference, sft = load_datasets(args, {"label_dataset": (("train",) + EVAL_SPLITS, TRAIN_PAIR_COLUMNS + PAIR_COLUMNS),
                                            "query_dataset": (("train",), REFERENCE_COLUMNS)})
     judged = load_judged(args.judged_file) if args.judged_file is not None else None
@@ -1047,12 +1047,13 @@ def rm_inputs(args, accelerator) -> tuple:
         raise SetupError(f"--label_dataset {args.label_dataset}: its train split ({train_pairs} pairs) x --num_train_epochs "
                          f"{args.num_train_epochs} is less than one batch of {args.batch_size}: pass --total_episodes")
     recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-                "tokenizer_identity": identity, "input_args_json": input_prints(args, *INPUTS)}
+                "tokenizer_identity": identity, "input_args_json": prints}
     return preference, sft, judged, tokenizer, recorded
 
 
-def resolve_paths(args, accelerator, stage: str) -> str:
-    """Fill in the default paths of `args`, tidy its output folder and check every input; the base model's name."""
+def resolve_paths(args, accelerator, stage: str) -> tuple:
+    """Fill in the default paths of `args`, tidy its output folder and check every input; (the base model's name,
+    input_prints of the inputs)."""
     # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, sft.py ->
     # models/{base_model}/sft_{seed}, this script -> models/{base_model}/{stage}_{seed}.
     name = model_name(args.base_model) if args.base_model else None
@@ -1080,14 +1081,15 @@ def resolve_paths(args, accelerator, stage: str) -> str:
     if accelerator.is_main_process:
         tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
     accelerator.wait_for_everyone()
+    prints = input_prints(args, *INPUTS)  # its inputs as this start finds them: compared on --resume, recorded
     problem = (push_problem(args, name) or input_problem(args.sft_model_path, "--sft_model_path", make_sft)
                or input_problem(args.label_dataset, "--label_dataset", make_data)
                or input_problem(args.query_dataset, "--query_dataset", make_data)
-               or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": input_prints(args, *INPUTS)},
+               or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": prints},
                                      RESUME_FLAGS + (
                    "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates")))
     refuse(problem)
-    return name
+    return name, prints
 
 
 def model_name(base_model: str) -> str:

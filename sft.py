@@ -666,8 +666,9 @@ def sft_inputs(args, accelerator) -> tuple:
     if accelerator.is_main_process:
         tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
     accelerator.wait_for_everyone()
+    prints = input_prints(args, *INPUTS)  # its inputs as this start finds them: compared on --resume, recorded
     refuse(push_problem(args, name) or input_problem(args.query_dataset, "--query_dataset", make_data)
-           or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": input_prints(args, *INPUTS)},
+           or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": prints},
                                  RESUME_FLAGS + ("world_size", "gradient_accumulation_steps", "local_batch_size",
                                                  "micro_batch_size", "num_updates")))
     local_dataset = os.path.isdir(args.query_dataset)
@@ -684,7 +685,7 @@ def sft_inputs(args, accelerator) -> tuple:
                          f"--num_train_epochs {args.num_train_epochs} is less than one batch of {args.batch_size}: "
                          "pass --total_episodes")
     recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-                "tokenizer_identity": identity, "input_args_json": input_prints(args, *INPUTS)}
+                "tokenizer_identity": identity, "input_args_json": prints}
     return dataset, eval_splits, tokenizer, recorded
 
 
