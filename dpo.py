@@ -42,7 +42,7 @@ bf16, the reference in the policy's dtype; 16 accuracy by batch / confidence; 19
 recipe and its implicit reward evaluated as an RM. Unlike the reference code, the loss is a mean
 over the micro-batch (the reference code is right only with micro-batch 1) and all ranks share one
 shuffle (the reference code shuffles per rank, so its ranks read overlapping pairs).
-Logged (TensorBoard, and W&B with --track; x-axis = training pairs seen):
+Logged (TensorBoard, and W&B with --track; x-axis = training pairs seen; vs the reference's runs: docs/details.md):
   train/dpo/loss                     mean DPO loss of the update's pairs, all ranks
   train/dpo/accuracy                 fraction of the update's pairs whose chosen implicit reward is higher (a tie 1/2)
   train/dpo/chosen_rewards|rejected_rewards  mean implicit reward beta * (log pi - log pi_ref) of each side

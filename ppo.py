@@ -25,7 +25,7 @@ updates) the RM scores the policy's summaries of validation prompts (temperature
     accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml ppo.py --seed 44413 --track \
         --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 16 --local_rollout_forward_batch_size 64
 
-Logged (TensorBoard, and W&B with --track; x-axis = episodes seen; t runs over a response's valid tokens):
+Logged (TensorBoard, W&B with --track; x-axis = episodes; t: a response's valid tokens; vs the reference: docs/details.md):
   objective/kl | non_score_reward  mean over responses of sum_t (logp - ref_logp) | the same x -kl_coef
   objective/entropy           mean over responses of sum_t of the sampling entropy
   objective/scores | rlhf_reward  mean RM score after the EOS trick (-1 without an EOS) | scores + non_score_reward

@@ -37,7 +37,7 @@ Details: 3 a distinct [PAD]; 6 accuracy per split (validation is out of distribu
 tech stack; 10 the paper's RM recipe; 11 the head's initialisation; 12 the reward at the EOS token; 13 per-token
 reward logits are not rewards; 14 left- vs right-padded scoring agree; 15 normalisation by the reference
 summaries' mean reward; 16 accuracy by batch / confidence; 17 agreement with a judge (--judged_file); 18 calibration.
-Logged (TensorBoard, and W&B with --track; x-axis = training pairs seen):
+Logged (TensorBoard, and W&B with --track; x-axis = training pairs seen; vs the reference's runs: docs/details.md):
   train/rm/loss                      mean Bradley-Terry loss of the update's pairs, all ranks
   train/rm/accuracy                  fraction of the update's pairs with r_chosen > r_rejected
   train/rm/chosen_rewards|rejected_rewards  mean reward of the chosen / rejected summaries

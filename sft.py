@@ -29,7 +29,7 @@ reward.py, dpo.py and ppo.py load with `from_pretrained`:
 Details: 3 the tokenizer's [PAD] must be distinct from EOS and match the dataset's ids; 7 every
 dropout is off; 8 accelerate + DeepSpeed ZeRO-2 + bf16, tracked with W&B; 9 the paper's SFT
 recipe (AdamW eps 1e-5, lr 3e-6, cosine, batch 128, 1 epoch, loss on query and response).
-Logged (TensorBoard, and W&B with --track; x-axis = training samples seen):
+Logged (TensorBoard, and W&B with --track; x-axis = training samples seen; vs the reference's runs: docs/details.md):
   train/sft/loss                 mean next-token loss of the update's micro-batches, all ranks
   train/sft/lr                   learning rate used by the update
   eval/sft/{split}/loss          token-weighted mean loss over the split's query+reference ids
