@@ -17,6 +17,8 @@ a checker that silently stopped checking would be noticed.
   i. each stage's front page runs the tiny world with the flags benchmark/tiny.sh gives it (subprocess: bash)
   j. every command that README.md, benchmark/README.md, docs/details.md and the scripts' front pages write gives
      its script flags it has: each a field of its Args, a value after each non-bool flag, none after a bool
+  k. every scalar ppo.py logs has its row in docs/details.md's table beside the paper's W&B names, and no row names
+     a scalar ppo.py no longer logs
 
 Tests about stage scripts are parametrized over the scripts that exist, so they grow as stages land.
 """
@@ -1238,3 +1240,49 @@ def test_test_order_names_existing_files():
 
     missing = sorted(name for name in FILE_SECONDS if not (REPO / "tests" / name).is_file())
     assert not missing, f"tests/conftest.py's FILE_SECONDS names test files that do not exist: {missing}"
+
+
+# ---- k. every scalar ppo.py logs is placed beside the reference's in docs/details.md ----
+
+# A researcher overlays our PPO curves on the paper's W&B runs: each name ppo.py logs needs its row in
+# docs/details.md's table (the reference's name, how the two relate), and no row may name a scalar that is gone.
+CURVES_SECTION = "## Reading our curves beside the paper's W&B runs"
+LOGGED_NAME = re.compile(r"(?:objective|policy|value|time)/[a-z_0-9]+")
+
+
+def logged_scalar_names(source: str) -> set[str]:
+    """The string constants of `source` that are whole scalar names (objective/..., policy/..., value/..., time/...)."""
+    return {node.value for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and LOGGED_NAME.fullmatch(node.value)}
+
+
+def check_curve_table(logged: set[str], doc: str) -> list[str]:
+    """Every name in `logged` in the first column of the PPO table under CURVES_SECTION of `doc`, and only those."""
+    if CURVES_SECTION not in doc:
+        return [f"docs/details.md has no section {CURVES_SECTION!r}"]
+    section = doc.split(CURVES_SECTION, 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| ours")]
+    documented = {name for row in rows for name in re.findall(r"`([^`]+)`", row.split(" | ", 1)[0])}
+    return ([f"ppo.py logs {name}, which the table does not place beside the reference's"
+             for name in sorted(logged - documented)]
+            + [f"the table's first column names {name}, which ppo.py does not log"
+               for name in sorted(documented - logged)])
+
+
+def test_every_ppo_scalar_is_placed_beside_the_references():
+    logged = logged_scalar_names((REPO / "ppo.py").read_text())
+    assert {"objective/kl", "policy/approxkl", "value/loss", "time/training"} <= logged  # the checker sees them
+    problems = check_curve_table(logged, (REPO / "docs" / "details.md").read_text())
+    assert not problems, "\n".join(problems)
+
+
+def test_curve_table_checker_catches_drift():
+    source = 'stats = {"objective/kl": 1, "policy/new": 2}\nlabel = "objective/kl is shown"\n'
+    assert logged_scalar_names(source) == {"objective/kl", "policy/new"}
+    doc = (f"{CURVES_SECTION}\n\n| ours | the reference's | how |\n|---|---|---|\n"
+           "| `objective/kl`, `value/gone` | `objective/kl` | same |\n| | `ppo/val/ratio_var` | not logged |\n"
+           "\n## Next\n| `policy/new` | | outside the section |\n")
+    assert check_curve_table(logged_scalar_names(source), doc) == [
+        "ppo.py logs policy/new, which the table does not place beside the reference's",
+        "the table's first column names value/gone, which ppo.py does not log"]
+    assert check_curve_table(set(), "no such section") == [f"docs/details.md has no section {CURVES_SECTION!r}"]
