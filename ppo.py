@@ -1682,8 +1682,9 @@ def load_fp32(model_class, path: str, flag: str):
     wants_rm = model_class.__name__ == "ScalarModel"
     if model_type is not None and (model_type == "scalar_model") != wants_rm:
         # The stages' folders look alike (models/.../sft_1, reward_1): say which one this is, not a loader's traceback.
-        found = "a reward model (reward.py's output)" if model_type == "scalar_model" else \
-            f"a causal LM ({model_type}: sft.py's output or a base model)"
+        found = ("a reward model (reward.py's output)" if model_type == "scalar_model" else
+                 f"a causal LM ({model_type}: sft.py's output or a base model)" if model_type else
+                 "a model whose config.json names no model_type (the reference code's reward models are such)")
         wanted = "reward.py's output" if wants_rm else "sft.py's output or a base model"
         raise SetupError(f"{flag} {path} holds {found}; {flag} takes {wanted}")
     from safetensors import SafetensorError  # a file cut short (it names no folder)

@@ -353,6 +353,13 @@ def test_a_model_folder_of_the_wrong_stage_is_named_before_it_loads(tmp_path, st
         with pytest.raises(module.SetupError, match=r"holds a causal LM \(gpt_neox: sft.py's output or a base model\); "
                                                     r"--reward_model_path takes reward.py's output"):
             module.load_fp32(module.ScalarModel, str(tmp_path / "lm"), "--reward_model_path")
+        # The reference code's RM (its config class names no model_type, so config.json holds ""): not ours either.
+        (tmp_path / "reference_rm").mkdir()
+        (tmp_path / "reference_rm" / "config.json").write_text(json.dumps({"model_type": "", "bias": 0.3}))
+        with pytest.raises(module.SetupError, match=r"reference_rm holds a model whose config.json names no model_type "
+                                                    r"\(the reference code's reward models are such\); "
+                                                    r"--reward_model_path takes reward.py's output"):
+            module.load_fp32(module.ScalarModel, str(tmp_path / "reference_rm"), "--reward_model_path")
     model = module.load_fp32(AutoModelForCausalLM, str(WORLD / "pythia-tiny"), "--sft_model_path")  # the right kind
     assert model.dtype == torch.float32
 
