@@ -929,3 +929,26 @@ def test_ppo_vs_trl_trl_side_is_configured_and_timed_as_ppo_py(tiny_tldr, tmp_pa
     line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("TIMINGS ")][-1]
     assert json.loads(line[len("TIMINGS "):])["updates"] == [
         {"total": 13.0, "generation": 3.0, "scoring": 4.0, "training": 6.0}] * 2
+
+
+def test_offload_stream_smoke_run_on_cpu():
+    """benchmark/offload_stream.py end to end on the tiny shape in fp32: the engine ppo.offload_frozen_models builds
+    (a ZeRO-3 engine, parameters in host memory; with --pin_memory a second one, pinned) times ppo.response_logits at
+    each row count, and a rollout's time in it by chunk size is (64 / rows) calls of the timed call."""
+    from conftest import REPO, run_python
+
+    result = run_python([sys.executable, REPO / "benchmark" / "offload_stream.py", "--size", "tiny", "--context", "32",
+                         "--rows", "2", "4", "--repeats", "1", "--allow_cpu", "--pin_memory"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tables = result.stdout.split("### ")[1:]
+    assert [table.split(",")[0] for table in tables] == ["ppo.py's engine (offload_param unpinned)", "pinned host buffers"]
+    for table in tables:
+        rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| n/a \|$", table, re.M)
+        assert [int(r) for r, *_ in rows] == [2, 4]
+        for r, per_call, per_row in rows:
+            # ms a call printed to 0.1, ms a row to 0.01: allow both roundings
+            assert float(per_row) == pytest.approx(float(per_call) / int(r), abs=0.05 / int(r) + 0.006)
+        totals = re.findall(r"chunks of (\d+): (\d+) calls, ([\d.]+) s", table)
+        assert [(int(chunk), int(calls)) for chunk, calls, _ in totals] == [(2, 32), (4, 16)]
+        for (r, per_call, _), (_, calls, total) in zip(rows, totals):
+            assert float(total) == pytest.approx(int(calls) * float(per_call) / 1e3, abs=0.006 + 0.00005 * int(calls))
