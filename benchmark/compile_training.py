@@ -33,7 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "benchmark")]
 
 import ppo  # noqa: E402
-from gpu_check import SIZES  # noqa: E402
+from gpu_check import SIZES, pythia_config  # noqa: E402
 
 PAD, ROWS, RESPONSE = 1, 16, 53
 
@@ -48,12 +48,9 @@ def padded_batch(context: int, first_pad: int, device: str) -> torch.Tensor:
 
 def build_models(size: str, device: str, dtype: torch.dtype) -> tuple:
     """A random-init policy of Pythia's settings at `size` and a ScalarModel critic on the same config."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    from transformers import GPTNeoXForCausalLM
 
-    config = GPTNeoXConfig(**SIZES[size], max_position_embeddings=2048, hidden_act="gelu", layer_norm_eps=1e-5,
-                           use_parallel_residual=True, tie_word_embeddings=False, attention_bias=True,
-                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-                           hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    config = pythia_config(SIZES[size])
     config._attn_implementation = "sdpa"  # what ppo.py's windowed last layer runs on
     torch.manual_seed(0)
     with torch.device(device):

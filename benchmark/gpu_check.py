@@ -110,16 +110,24 @@ def pythia_like_tokenizer(folder: str) -> None:
     json.dump(config, open(os.path.join(folder, "tokenizer_config.json"), "w"))
 
 
+def pythia_config(shape: dict):
+    """A GPTNeoXConfig of `shape` (hidden size, layers, heads, MLP width, vocabulary: a SIZES entry) with Pythia's other
+    settings (the benchmarks' random-init models)."""
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(**shape, max_position_embeddings=2048, hidden_act="gelu", layer_norm_eps=1e-5,
+                         use_parallel_residual=True, tie_word_embeddings=False, attention_bias=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                         hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+
+
 def build_model(folder: str, size: str) -> None:
     """A randomly initialised GPT-NeoX of `size` with Pythia's other settings, saved in fp16 as the Hub's weights."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    from transformers import GPTNeoXForCausalLM
 
     os.makedirs(folder, exist_ok=True)
     pythia_like_tokenizer(folder)
-    config = GPTNeoXConfig(**SIZES[size], max_position_embeddings=2048, hidden_act="gelu", layer_norm_eps=1e-5,
-                           use_parallel_residual=True, tie_word_embeddings=False, attention_bias=True,
-                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-                           hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    config = pythia_config(SIZES[size])
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = GPTNeoXForCausalLM(config)

@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "benchmark")]
 
 import ppo  # noqa: E402
-from gpu_check import SIZES  # noqa: E402
+from gpu_check import SIZES, pythia_config  # noqa: E402
 
 SHAPES = {**SIZES, "6.9b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                                 intermediate_size=16384, vocab_size=50432)}
@@ -40,12 +40,9 @@ PAD, RESPONSE, LOCAL_BATCH = 1, 53, 64  # 64: a rank's rollout rows in the paper
 def frozen_policy(size: str, dtype: torch.dtype):
     """A Pythia-shaped GPTNeoXForCausalLM on the CPU in `dtype`, its weights small random values, built without
     transformers' slow random init (the values do not matter here, only the shapes)."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    from transformers import GPTNeoXForCausalLM
 
-    config = GPTNeoXConfig(**SHAPES[size], max_position_embeddings=2048, hidden_act="gelu", layer_norm_eps=1e-5,
-                           use_parallel_residual=True, tie_word_embeddings=False, attention_bias=True,
-                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-                           hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    config = pythia_config(SHAPES[size])
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         policy = GPTNeoXForCausalLM(config)
@@ -80,7 +77,8 @@ def offload_engine(policy, dtype: torch.dtype, pin_memory: bool):
         config["zero_optimization"]["offload_param"]["pin_memory"] = True
         return initialize(model=model, config=config)
 
-    deepspeed.initialize = initialize_pinned if pin_memory else initialize
+    if pin_memory:  # ppo.py's config with one key added
+        deepspeed.initialize = initialize_pinned
     try:
         accelerator = types.SimpleNamespace(mixed_precision="bf16" if dtype == torch.bfloat16 else "no")
         engine, _ = ppo.offload_frozen_models(accelerator, types.SimpleNamespace(local_micro_batch_size=1), policy,
