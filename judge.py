@@ -735,12 +735,13 @@ def ask_judge(args: Args, endpoint: Optional[str], todo: list[dict], cache: dict
                 await client.close()
 
     stopped = None  # why the run stopped before asking all of `todo`
-    # SLURM, `timeout` and `docker stop` send SIGTERM: stop as on Ctrl-C, recording the calls in flight.
+    # SLURM, `timeout` and `docker stop` send SIGTERM: stop as on Ctrl-C, recording the calls in flight
+    # (a KeyboardInterrupt here; in the event loop, cancelled_by_sigterm cancels the run instead).
     on_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     with open_cache_for_append(cache_path) as cache_file:
         try:
-            asyncio.run(judge_todo(cache_file))
-        except KeyboardInterrupt:
+            asyncio.run(cancelled_by_sigterm(judge_todo(cache_file)))
+        except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM (cancelled_by_sigterm)
             stopped = "interrupted"
         except Exception as error:  # the TaskGroup wraps the first error and cancels the calls in flight
             first = error.exceptions[0] if isinstance(error, ExceptionGroup) else error
@@ -750,6 +751,23 @@ def ask_judge(args: Args, endpoint: Optional[str], todo: list[dict], cache: dict
         finally:
             signal.signal(signal.SIGTERM, on_sigterm)
     return stopped
+
+
+async def cancelled_by_sigterm(run) -> None:
+    """Await the coroutine `run`; SIGTERM cancels it as asyncio.run's own handler does on Ctrl-C.
+
+    At the event loop's next turn, so that every call in flight is recorded as abandoned: a KeyboardInterrupt raised by
+    SIGTERM inside a call's code ended the loop before the other calls in flight were recorded."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    except (NotImplementedError, RuntimeError, ValueError):  # Windows, or not the main thread: as outside the loop
+        return await run
+    try:
+        await run
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)  # which leaves SIGTERM's default: until the loop ends, ours
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 async def judge_all(todo: list[dict], ask, cache: dict, cache_file, meta: dict, max_concurrency: int,

@@ -14,13 +14,14 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
 import judge
 from conftest import run_python
-from test_judge import (FAST, SECRET, judge_cmd, judge_env, llm_rows, read_csv, run_judge,  # noqa: F401
+from test_judge import (FAST, REPO, SECRET, judge_cmd, judge_env, llm_rows, read_csv, run_judge,  # noqa: F401
                         server_factory, write_table)
 
 
@@ -391,6 +392,46 @@ def test_interrupted_run_writes_results_and_counts_calls_in_flight(tmp_path, ser
     result = results(out)
     assert result["this_run"]["possibly_billed_twice"] == len(abandoned) == result["totals"]["possibly_billed_twice"]
     assert result["runs"]["sft"]["judged"] == 8 and {row: verdicts(out)[row] for row in before} == before
+
+
+SIGTERM_INSIDE_A_CALL = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+import judge
+
+build_prompt = judge.build_prompt
+
+
+def build_prompt_then_sigterm(post, summary_a, summary_b):
+    # Row 3's call starts while row 2's is in flight; SIGTERM arrives as its code runs.
+    if "TITLE: post 3" in post:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return build_prompt(post, summary_a, summary_b)
+
+
+judge.build_prompt = build_prompt_then_sigterm
+judge.main()
+"""
+
+
+def test_sigterm_inside_a_call_still_records_every_call_in_flight(tmp_path, server_factory):
+    """SIGTERM stops the run at the event loop's next turn, never inside a call's code: a KeyboardInterrupt raised
+    there ended the loop before the other calls in flight were recorded as abandoned (1 run in 30 of the test
+    above on a loaded 2-core machine)."""
+    server = server_factory(delay=1.0)
+    table = write_table(tmp_path / "sft.csv", llm_rows(8))
+    out = tmp_path / "out"
+    driver = tmp_path / "judge_driver.py"
+    driver.write_text(SIGTERM_INSIDE_A_CALL.format(repo=str(REPO)))
+    flags = flags_for(server.url, table, out, "--max_concurrency", "2", "--timeout", "10")
+    proc = run_python([sys.executable, str(driver), "--model", "judge-test", *flags], env=judge_env(), timeout=120)
+    assert proc.returncode == 1 and "stopped: interrupted" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = cached(out)
+    status = {row: record["status"] for row, record in records.items()}
+    # Rows 0 and 1 answered; row 2's call was in flight and row 3's had begun: both may be billed.
+    assert status == {0: "judged", 1: "judged", 2: "abandoned", 3: "abandoned"}, status
+    assert set(server.rows()) <= set(status) and records[2]["attempts"] == records[3]["attempts"] == 1
+    assert results(out)["this_run"]["stopped"] == "interrupted"
 
 
 def test_unreadable_tables_and_a_bad_endpoint_are_named_without_the_secret(tmp_path, monkeypatch, capsys):
