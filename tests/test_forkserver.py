@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from conftest import run_python
+from conftest import multi_process_slot, run_python
 
 SCRIPT = '''import atexit, os, sys, threading, time
 print("out", sys.argv[1:], os.path.basename(os.getcwd()), os.environ.get("FORK_TEST_VALUE"))
@@ -197,9 +197,10 @@ def test_a_launch_forks_its_ranks_as_fresh_ones_would_run(tmp_path):
                    "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
                    str(port), str(tmp_path / "ranks.py"), arg]
             extra = {} if how == "forked" else {"capture_output": True, "text": True}
-            start = time.monotonic()
-            results[how, arg] = run(cmd, cwd=tmp_path, env=env, timeout=120, **extra)
-            assert time.monotonic() - start < 60, (how, arg)  # a rank left waiting was stopped
+            with multi_process_slot(2):  # alone: the other worker's 2-rank launch would starve its ranks
+                start = time.monotonic()
+                results[how, arg] = run(cmd, cwd=tmp_path, env=env, timeout=120, **extra)
+                assert time.monotonic() - start < 60, (how, arg)  # a rank left waiting was stopped
     for arg in ("ok", "fail"):
         forked, fresh = results["forked", arg], results["fresh", arg]
         assert forked.returncode == fresh.returncode == (0 if arg == "ok" else 1), forked.stderr[-2000:]
