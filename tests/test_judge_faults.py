@@ -623,7 +623,8 @@ def test_only_failed_rows_are_listed_as_failures():
 
 def test_a_rows_seconds_are_its_own_time_not_its_wait_for_a_slot():
     """With one slot and three rows of 0.3 s calls, the last row waits 0.6 s for the slot: its record's `seconds`
-    is its call's time (0.3 s and a little), not its wait as well (0.9 s and more)."""
+    is its call's time (0.3 s and a little), not its wait as well (0.9 s and more). The bound, 0.85 s, leaves a
+    busy machine half a second of delay."""
     import io
 
     async def ask(post, a, b):
@@ -637,5 +638,5 @@ def test_a_rows_seconds_are_its_own_time_not_its_wait_for_a_slot():
     asyncio.run(judge.judge_all(todo, ask, cache, cache_file, meta, max_concurrency=1,
                                 retry=dict(timeout=5.0, max_retries=0, base=0.0, cap=0.0), run_id=1.0, secrets=[]))
     seconds = sorted(record["seconds"] for record in cache.values())
-    assert len(seconds) == 3 and all(0.29 < value < 0.6 for value in seconds), seconds
+    assert len(seconds) == 3 and all(0.29 < value < 0.85 for value in seconds), seconds
     assert {record["preferred"] for record in cache.values()} == {"ours"}
