@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "benchmark")]
 
 import ppo  # noqa: E402
-from gpu_check import SIZES, pythia_config  # noqa: E402
+from gpu_check import SIZES, padded_rows, pythia_config  # noqa: E402
 
 SHAPES = {**SIZES, "6.9b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                                 intermediate_size=16384, vocab_size=50432)}
@@ -57,14 +57,6 @@ def frozen_policy(size: str, dtype: torch.dtype):
     return policy.eval()
 
 
-def padded_rows(rows: int, context: int, vocab: int, device) -> torch.Tensor:
-    """(rows, context + 53) random ids, row i left-padded by (7 i mod context / 2) tokens, as PPO's queries are."""
-    ids = torch.randint(2, vocab, (rows, context + RESPONSE), generator=torch.Generator().manual_seed(rows))
-    for i in range(rows):
-        ids[i, :(7 * i) % (context // 2)] = PAD
-    return ids.to(device)
-
-
 def offload_engine(policy, dtype: torch.dtype, pin_memory: bool):
     """The reference-policy engine exactly as ppo.offload_frozen_models builds it (its config, pinned if asked)."""
     import types
@@ -88,11 +80,13 @@ def offload_engine(policy, dtype: torch.dtype, pin_memory: bool):
     return engine
 
 
-def time_calls(engine, rows_list: list, context: int, vocab: int, repeats: int, device) -> list:
-    """[(rows, seconds a call, peak GPU bytes or None)] of ppo.response_logits on `engine` at each row count."""
+def time_calls(engine, rows_list: list, context: int, repeats: int, device) -> list:
+    """[(rows, seconds a call, peak GPU bytes or None)] of ppo.response_logits on `engine` at each row count, on rows
+    of random ids whose row i is left-padded by (7 i mod context / 2) tokens, as PPO's queries are."""
     out = []
     for rows in rows_list:
-        ids = padded_rows(rows, context, vocab, device)
+        query_lengths = [context - (7 * i) % (context // 2) for i in range(rows)]
+        ids = padded_rows(query_lengths, PAD, device, torch.Generator().manual_seed(rows), context, RESPONSE)
         with torch.no_grad():
             ppo.response_logits(engine, ids, PAD, context)  # warm-up: the first fetch of each layer
             if device.type == "cuda":
@@ -155,8 +149,7 @@ def main() -> None:
         parameters = sum(p.numel() for p in policy.parameters())
         engine = offload_engine(policy, dtype, pinned)
         title += f", {parameters / 1e6:,.1f} M parameters, built in {time.perf_counter() - tick:.0f} s"
-        lines += report(title, time_calls(engine, args.rows, args.context, SHAPES[args.size]["vocab_size"],
-                                          args.repeats, device))
+        lines += report(title, time_calls(engine, args.rows, args.context, args.repeats, device))
         del engine, policy
     print("\n".join(lines))
 
