@@ -235,10 +235,12 @@ class JudgeServer:
     normal reply. Faults: 429, quota (429 insufficient_quota), 500, 401, 400 (its message echoes the request's path and
     Authorization header, as some servers do), hang, and HTTP 200s: nonjson (a JSON content type
     over an HTML body), html (served as text/html), nochoices, echo (a normal verdict after the
-    path and Authorization header)."""
+    path and Authorization header). `hold_after` N: the replies to requests after the N-th wait until `released`
+    is set (a client killed meanwhile has exactly N answers)."""
 
-    def __init__(self, faults=None, delay=0.0, hang=6.0, row_faults=None):
+    def __init__(self, faults=None, delay=0.0, hang=6.0, row_faults=None, hold_after=None):
         self.faults, self.delay, self.hang = dict(faults or {}), delay, hang
+        self.hold_after, self.released = hold_after, threading.Event()
         self.row_faults = {row: list(faults) for row, faults in (row_faults or {}).items()}
         self.lock = threading.Lock()
         self.requests = []  # (request number, post row id, fault or None, request body)
@@ -279,6 +281,8 @@ class JudgeServer:
                     return self.send(200, None, raw=b"<html>upstream hiccup</html>",
                                      content_type="text/html" if fault == "html" else "application/json")
                 time.sleep(server.delay)
+                if server.hold_after is not None and number > server.hold_after:
+                    server.released.wait(60)
                 if "MALFORMED" in post:
                     content = "Comparison: both are fine.\nPreferred: A or B"
                 else:
@@ -430,7 +434,7 @@ def test_llm_judge_over_http_with_faults(tmp_path, server_factory):
 
 
 def test_killed_run_resumes_without_repeats(tmp_path, server_factory):
-    server = server_factory(delay=0.2)
+    server = server_factory(delay=0.2, hold_after=5 + 6)  # run 2's replies after its 6th wait: the kill comes then
     n = 24
     table = write_table(tmp_path / "ppo.csv", llm_rows(n, malformed={7}))
     out = tmp_path / "out"
@@ -453,16 +457,17 @@ def test_killed_run_resumes_without_repeats(tmp_path, server_factory):
     process = subprocess.Popen(judge_cmd(*flags), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env=judge_env())
     deadline = time.time() + 60
-    while len(cached_rows()) < 5 + 6 and time.time() < deadline:  # killed after 6 more were saved
-        time.sleep(0.01)
+    while (len(cached_rows()) < 5 + 6 or len(server.requests) < 5 + 6 + 2) and time.time() < deadline:
+        time.sleep(0.01)  # 6 more saved, and the next 2 asked and held
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
+    server.released.set()
     asked_2 = server.rows(5)
     assert not set(asked_2) & set(first), "run 2 asked again what run 1 had cached"
     second = cached_rows()
-    assert 11 <= len(second) < n, second
-    in_flight = set(asked_2) - set(second)  # answered or asked but not yet written when the kill came
-    assert len(in_flight) <= 2  # at most max_concurrency judgments are lost in flight, none written is
+    assert len(second) == 11, second
+    in_flight = set(asked_2) - set(second)  # asked but not answered when the kill came
+    assert len(in_flight) == 2  # max_concurrency judgments are lost in flight, none written is
 
     # 3. Started again: asks exactly what is missing, once, and completes.
     before = len(server.requests)

@@ -374,6 +374,7 @@ if [[ -n ${FAKE_PROGRESS:-} ]]; then  # a run that gets one update further: its 
   last=0
   for path in "$out"/checkpoints/update_*; do [[ -e $path ]] && ((${path##*_} > last)) && last=${path##*_}; done
   mkdir -p "$out/checkpoints/update_$((last + 1))" && echo {} > "$out/checkpoints/update_$((last + 1))/trainer_state.json"
+  echo "fake run: saved checkpoints/update_$((last + 1))"
 fi
 sleep "${FAKE_SLEEP:-0}"
 """
@@ -421,11 +422,12 @@ def test_a_task_runs_skips_when_done_and_requeues_itself(tmp_path):
                                    env={**ENV, **env, "SLURM_ARRAY_TASK_ID": "4", "FAKE_SLEEP": "5",
                                         **({"FAKE_PROGRESS": "1"} if progress else {}), **extra})
         started = []
-        for line in process.stdout:  # srun has started, so the USR1 trap is set (a fixed wait can come too early)
+        # Signalled once srun has started, so the USR1 trap is set, and, with progress, once the fake run has
+        # saved its checkpoint: a fixed wait can come too early on a loaded machine.
+        for line in process.stdout:
             started.append(line)
-            if line.startswith("srun: "):
+            if line.startswith("fake run: saved ") if progress else line.startswith("srun: "):
                 break
-        time.sleep(0.5)  # the fake run writes its checkpoint right after its first line
         process.send_signal(signal.SIGUSR1)
         signalled = time.monotonic()
         stdout, stderr = process.communicate(timeout=30)
