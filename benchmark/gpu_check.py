@@ -5,7 +5,8 @@ micro-batches of 1, RM and DPO 8 pairs in micro-batches of 1, PPO 64 episodes in
 with rollouts of 64: benchmark/knobs.sh at 1B), each through `accelerate launch` with the paper's
 DeepSpeed ZeRO-2 bf16 config on one process, each stage loading the previous one's output. PPO runs
 twice: plain, then with both fast paths (--fast_sampling --compile_training); should the compiled run
-fail, it runs again with --fast_sampling alone and the report names the error. No Hub needed: the
+fail, it runs again with --fast_sampling alone and the report names the error. DPO runs last: the report of
+everything else is written before it, so a check stopped at a device's time limit keeps PPO's numbers. No Hub needed: the
 model is Pythia-1B's architecture (hidden 2048, 16 layers, 8 heads, rotary 25%, 50304 embedding rows)
 with random weights saved in fp16 as the Hub's are, the tokenizer the tiny world's (its [PAD] appended
 after the last token, as for Pythia), the data the tiny world's posts joined into queries that fill
@@ -485,9 +486,10 @@ def main() -> None:
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     timings, memory = {}, {}
-    compile_failure = None
+    compile_failure = checks = None
     # A stage that fails, or a check stopped at the device's time limit, still leaves the report of the stages that
-    # ended and their logs' tails beside --out (write_partial, keep_log): the full report replaces it at the end.
+    # ended and their logs' tails beside --out (write_partial, keep_log); from the checks after PPO's runs on, the full
+    # report, with DPO's row to come.
     try:
         world = os.path.join(args.work, "world")
         timings["preprocess"] = run([sys.executable, os.path.join(REPO, "preprocess_tldr.py"), "--base_model", model,
@@ -501,10 +503,11 @@ def main() -> None:
         # Each stage finds the last one's output at its default path; PPO runs twice, the second time with both
         # fast paths: the sampler and the compiled training layers (its own run name and output folder).
         fast_output = os.path.join(args.work, "models", model_name, "ppo_fast")
-        stages = {"sft": ("sft.py", []), "reward": ("reward.py", []), "dpo": ("dpo.py", []),
-                  "ppo": ("ppo.py", ["--run_name", "ppo"]),
-                  "ppo_fast": ("ppo.py", ["--fast_sampling", "--run_name", "ppo_fast",
-                                          "--output_dir", fast_output])}
+        # DPO last: issue 17's numbers (the PPO runs and the checks after them) come first, and the report with them,
+        # so that a check stopped at the device's time limit during DPO's stage keeps them.
+        stages = {"sft": ("sft.py", []), "reward": ("reward.py", []), "ppo": ("ppo.py", ["--run_name", "ppo"]),
+                  "ppo_fast": ("ppo.py", ["--fast_sampling", "--run_name", "ppo_fast", "--output_dir", fast_output]),
+                  "dpo": ("dpo.py", [])}
         for stage, (script, extra) in stages.items():
             log = os.path.join(args.work, f"{stage}.log")
             command = [*launch, os.path.join(REPO, script), "--base_model", model, *STAGE_FLAGS[script], *extra]
@@ -527,22 +530,37 @@ def main() -> None:
             memory[stage] = peak_memory(log)
             print(f"{stage}: {timings[stage]:.0f} s, peak GPU memory {memory[stage]}", flush=True)
             keep_log(log, args.out)
-            write_partial(args, name, versions, timings, memory, f"{stage} done; the next steps had not ended")
+            if stage == "ppo_fast":
+                stats, stats_fast = (scalars_of(os.path.join(args.work, "runs", run)) for run in ("ppo", "ppo_fast"))
+                sft_folder = os.path.join(args.work, "models", model_name, "sft_1")
+                pad_id = json.load(open(os.path.join(sft_folder, "args.json")))["pad_token_id"]
+                sft_data = os.path.join(args.work, "data", model_name, "tldr", "sft")
+                checks = forward_checks(sft_folder, pad_id, device, sft_data)
+                measured = (stats, stats_fast, checks, compile_failure)
+                write_report(args, name, versions, timings, memory, *measured, dpo="the check stopped before it ended")
+            elif stage != "dpo":
+                write_partial(args, name, versions, timings, memory, f"{stage} done; the next steps had not ended")
     except SystemExit as failure:
         for log in sorted(file for file in os.listdir(args.work) if file.endswith(".log")):
             keep_log(os.path.join(args.work, log), args.out)
-        write_partial(args, name, versions, timings, memory, f"stopped: {str(failure).splitlines()[0][:300]}")
+        status = f"stopped: {str(failure).splitlines()[0][:300]}"
+        if checks is None:
+            write_partial(args, name, versions, timings, memory, status)
+        else:  # DPO's stage failed: the report of everything else, DPO's row saying so
+            write_report(args, name, versions, timings, memory, *measured, dpo=status)
         raise
-    stats, stats_fast = (scalars_of(os.path.join(args.work, "runs", name)) for name in ("ppo", "ppo_fast"))
-    pad_id = json.load(open(os.path.join(args.work, "models", model_name, "sft_1", "args.json")))["pad_token_id"]
-    checks = forward_checks(os.path.join(args.work, "models", model_name, "sft_1"), pad_id, device,
-                            os.path.join(args.work, "data", model_name, "tldr", "sft"))
+    lines = write_report(args, name, versions, timings, memory, *measured)
+    print("\n".join(lines))
 
-    lines = report_lines(args, name, versions, timings, memory, stats, stats_fast, checks, compile_failure)
+
+def write_report(args, name: str, versions: str, timings: dict, memory: dict, stats: dict, stats_fast: dict,
+                 checks: dict, compile_failure: Optional[str], dpo: Optional[str] = None) -> list:
+    """The full report (report_lines) at `args.out`; `dpo`: why DPO's row has no numbers (its stage comes last)."""
+    lines = report_lines(args, name, versions, timings, memory, stats, stats_fast, checks, compile_failure, dpo)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as file:
         file.write("\n".join(lines))
-    print("\n".join(lines))
+    return lines
 
 
 def ratio_of(stats: dict) -> str:
@@ -650,8 +668,9 @@ def operators_line(checks: dict) -> str:
 
 
 def report_lines(args, name: str, versions: str, timings: dict, memory: dict, stats: dict, stats_fast: dict,
-                 checks: dict, compile_failure: Optional[str] = None) -> list:
-    """The lines of gpu_check.md: device, stages, the PPO update's split, ratio, floor, window and decode checks."""
+                 checks: dict, compile_failure: Optional[str] = None, dpo: Optional[str] = None) -> list:
+    """The lines of gpu_check.md: device, stages, the PPO update's split, ratio, floor, window and decode checks;
+    `dpo`: why DPO's row has no numbers, if it has none."""
     # the second update's split: the first one includes compiling the fast paths (sampling step, training layers)
     def update_split(stats: dict, run: str) -> str:
         split = {phase: stats[f"time/{phase}"][-1] for phase in ("generation", "scoring", "training")}
@@ -673,7 +692,8 @@ def report_lines(args, name: str, versions: str, timings: dict, memory: dict, st
         "| stage | per-GPU batch | wall time (s, loading and eval included) | peak GPU memory |", "|---|---|---|---|",
         f"| SFT, 1 update | 16 x 1 | {timings['sft']:.0f} | {memory['sft']} |",
         f"| RM, 1 update | 8 pairs x 1 | {timings['reward']:.0f} | {memory['reward']} |",
-        f"| DPO, 1 update | 8 pairs x 1 | {timings['dpo']:.0f} | {memory['dpo']} |",
+        f"| DPO, 1 update | 8 pairs x 1 | {timings['dpo']:.0f} | {memory['dpo']} |" if dpo is None else
+        f"| DPO, 1 update | 8 pairs x 1 | not measured: {dpo} | n/a |",
         f"| PPO, 2 updates | 64 episodes, micro 16, rollout 64 | {timings['ppo']:.0f} | {memory['ppo']} |",
         f"| PPO, 2 updates, {fast_flags} | the same | {timings['ppo_fast']:.0f} | {memory['ppo_fast']} |", "",
         f"PPO update, the second of each run (the first one includes compiling the fast paths; ppo.py's defaults are "

@@ -682,16 +682,20 @@ def test_gpu_check_decode_check_times_the_faster_call_and_compares_response_toke
 def test_gpu_check_runs_every_stage_and_retries_a_failed_compile_without_it(tmp_path, monkeypatch, capsys):
     """gpu_check.main with the stage runs, the model, the world and the forward checks faked: the fast PPO run is
     first launched with --fast_sampling --compile_training; when it fails, once more with --fast_sampling alone (its
-    failed log kept); each run's row of the update split reads its own run's scalars."""
+    failed log kept); each run's row of the update split reads its own run's scalars. DPO's stage comes last, with the
+    full report already written before it (a check stopped at the device's time limit keeps issue 17's numbers)."""
     import gpu_check
 
     args, _, _, _, _, stats, stats_fast, checks = made_up_measurements(fast_training=2.4)
     commands = []
     work = tmp_path / "work"
+    before_dpo = []  # the report as DPO's stage starts
 
     def run(command, log, env):
         stage = os.path.basename(log)[:-len(".log")]
         commands.append((stage, command))
+        if stage == "dpo":
+            before_dpo.append((tmp_path / "out.md").read_text())
         if stage == "sft":
             folder = work / "models" / "pythia-like" / "sft_1"
             folder.mkdir(parents=True)
@@ -713,14 +717,20 @@ def test_gpu_check_runs_every_stage_and_retries_a_failed_compile_without_it(tmp_
                                       "--work", str(work), "--out", str(tmp_path / "out.md")])
     gpu_check.main()
     stages = [stage for stage, _ in commands]
-    assert stages == ["preprocess", "sft", "reward", "dpo", "ppo", "ppo_fast", "ppo_fast"]
-    ppo_run, compiled, retry = (command for stage, command in commands[4:])
+    assert stages == ["preprocess", "sft", "reward", "ppo", "ppo_fast", "ppo_fast", "dpo"]
+    ppo_run, compiled, retry = (command for stage, command in commands[3:6])
     assert "--fast_sampling" not in ppo_run and "--compile_training" not in ppo_run
     assert "--fast_sampling" in compiled and "--compile_training" in compiled
     assert "--fast_sampling" in retry and "--compile_training" not in retry
     assert "InductorError: boom" in (work / "ppo_fast_compile_failed.log").read_text()
     report = (tmp_path / "out.md").read_text()
-    assert "| PPO, 2 updates, --fast_sampling | the same | 70 | 7.00 GiB |" in report
+    assert "| PPO, 2 updates, --fast_sampling | the same | 60 | 6.00 GiB |" in report
+    assert "| DPO, 1 update | 8 pairs x 1 | 70 | 7.00 GiB |" in report
+    assert len(before_dpo) == 1 and "(partial)" not in before_dpo[0]
+    assert "| DPO, 1 update | 8 pairs x 1 | not measured: the check stopped before it ended | n/a |" in before_dpo[0]
+    assert "| StaticSampler, eager layers (--fast_sampling) | 2.95 | 0.25 (8%) |" in before_dpo[0]
+    assert before_dpo[0].replace(
+        "not measured: the check stopped before it ended | n/a", "70 | 7.00 GiB") == report  # but DPO's row, the same
     assert "| plain loop (sample_rollout), eager layers (the defaults) | 3.00 | 0.50 (17%) |" in report
     assert "| StaticSampler, eager layers (--fast_sampling) | 2.95 | 0.25 (8%) |" in report
     assert "the fast run sampled with StaticSampler only: torch._inductor.exc.InductorError: boom" in report
@@ -745,11 +755,30 @@ def test_gpu_check_runs_every_stage_and_retries_a_failed_compile_without_it(tmp_
     monkeypatch.setattr(gpu_check, "run", sampler_fails)
     with pytest.raises(SystemExit):
         gpu_check.main()
-    assert [stage for stage, _ in commands] == ["preprocess", "sft", "reward", "dpo", "ppo"]
+    assert [stage for stage, _ in commands] == ["preprocess", "sft", "reward", "ppo"]  # then ppo_fast failed
     partial = (tmp_path / "out.md").read_text()
     assert "# benchmark/gpu_check.sh (partial)" in partial and "- status: stopped: failed (1): ppo.py" in partial
-    assert "| ppo | 50 | 5.00 GiB |" in partial and "ppo_fast |" not in partial
+    assert "| ppo | 40 | 4.00 GiB |" in partial and "ppo_fast |" not in partial
     assert "--fast_sampling: torch.compile could not build" in (logs / "ppo_fast.log").read_text()
+
+    # DPO's stage failing: the full report of everything else, DPO's row saying why it has no numbers.
+    commands.clear()
+
+    def dpo_fails(command, log, env):
+        if os.path.basename(log) == "dpo.log":
+            with open(log, "w") as file:
+                file.write("RuntimeError: out of memory\n")
+            raise SystemExit("failed (1): dpo.py")
+        return run(command, log, env)
+
+    shutil.rmtree(work)
+    monkeypatch.setattr(gpu_check, "run", dpo_fails)
+    with pytest.raises(SystemExit):
+        gpu_check.main()
+    report = (tmp_path / "out.md").read_text()
+    assert "(partial)" not in report and "| StaticSampler, eager layers (--fast_sampling) | 2.95 |" in report
+    assert "| DPO, 1 update | 8 pairs x 1 | not measured: stopped: failed (1): dpo.py | n/a |" in report
+    assert "out of memory" in (logs / "dpo.log").read_text()
 
 
 def test_gpu_check_stage_batches_are_the_papers_per_gpu_batches():
