@@ -1323,6 +1323,39 @@ def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
     assert all(abs(e.value - 1) < 1e-4 for e in events.Scalars("policy/ratio_first_epoch"))
 
 
+def test_the_final_save_gathers_the_policy_alone(tmp_path, monkeypatch):
+    """save_ppo asks DeepSpeed for the fp32 master weights of the policy's parameters only (every rank, the same
+    order) and saves them: the critic, which is not saved, is never gathered (its fp32 copy: ~41 GB on rank 0 at
+    6.9B). DeepSpeed's masters are faked (DeepSpeed on a CPU trains in fp32), each one distinct from the module's."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from types import SimpleNamespace
+
+    import deepspeed.utils
+
+    policy, critic = tiny_models()
+    model = PolicyAndValueWrapper(policy, critic)
+    masters = {id(param): param.detach().float() + 1.0 for param in model.parameters()}
+    requested, gathered = [], []
+    monkeypatch.setattr(deepspeed.utils, "safe_get_full_fp32_param",
+                        lambda param: requested.append(param) or masters[id(param)].clone())
+    accelerator = SimpleNamespace(
+        wait_for_everyone=lambda: None, unwrap_model=lambda module: module, is_main_process=True,
+        get_state_dict=lambda module: gathered.append(module) or dict(module.state_dict()),
+        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2)))
+    output_dir = tmp_path / "ppo"
+    output_dir.mkdir()
+    args = SimpleNamespace(output_dir=str(output_dir), num_updates=1, batch_size=1, push_to_hub=False, track=False)
+    tokenizer = SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD, save_pretrained=lambda folder: None)
+    ppo.save_ppo(accelerator, args, "run", SimpleNamespace(close=lambda: None), model, tokenizer, {})
+    assert gathered == [policy]
+    assert [id(param) for param in requested] == [id(param) for param in policy.parameters()]
+    assert len(load_file(output_dir / "model.safetensors")) == len(policy.state_dict())  # the policy's tensors alone
+    saved = dict(AutoModelForCausalLM.from_pretrained(output_dir, dtype="auto").named_parameters())
+    for name, param in policy.named_parameters():
+        assert saved[name].dtype == torch.float32 and torch.equal(saved[name], masters[id(param)]), name
+
+
 def run_deepspeed_ppo(tiny_tldr, tmp_path, name, *extra, config=REPO / "benchmark/accelerate/deepspeed_zero2.yaml"):
     """ppo.py as the paper launches it (accelerate `config`), on 2 CPU processes of DeepSpeed ZeRO-2 (fp32), one
     update of 16 episodes from the tiny base and tmp_path/rm, into tmp_path/name (its run: tmp_path/runs/name), 5
