@@ -2045,23 +2045,21 @@ def fp32_state_dict(accelerator, model) -> dict:
     """All ranks call it; rank 0 gets the model's state dict in fp32 (under DeepSpeed its fp32 master weights, not
     the bf16 copies, on the CPU; else the model's own tensors, where they are: change none in place), the other
     ranks, which save nothing, an empty dict."""
-    plugin = accelerator.state.deepspeed_plugin
-    # A collective only under ZeRO-3 (refused at start); else each rank's own bf16 copy, cloned to the CPU: rank 0's
-    # alone (all 8: ~220 GB of host memory at 6.9B PPO's save).
-    sharded = plugin is not None and plugin.zero_stage == 3
-    state_dict = accelerator.get_state_dict(model) if accelerator.is_main_process or sharded else {}
+    plugin = accelerator.state.deepspeed_plugin  # ZeRO-2 at most: ZeRO-3, whose copy is a collective, is refused at start
+    # Each rank's own bf16 copy, cloned to the CPU: rank 0's alone (all 8: ~110 GB of host memory at 6.9B).
+    state_dict = accelerator.get_state_dict(model) if accelerator.is_main_process else {}
     if plugin is not None:
         from deepspeed.utils import safe_get_full_fp32_param
 
         for name, param in accelerator.unwrap_model(model).named_parameters():
             master = safe_get_full_fp32_param(param)  # collective: a full fp32 copy on this GPU; None if frozen
-            # To the CPU one at a time: kept on the GPU, all of them (4 bytes a trained parameter, 54 GB in 6.9B
-            # PPO) would not fit beside the training states.
+            # To the CPU one at a time: kept on the GPU, all of them (4 bytes a parameter, 27 GB at 6.9B) would not
+            # fit beside the training states.
             if master is not None and accelerator.is_main_process:
                 state_dict[name] = master.cpu()
             del master
     if not accelerator.is_main_process:
-        return {}  # ZeRO-3's gather gave them a copy too: none is kept
+        return {}
     return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state_dict.items()}
 
 
