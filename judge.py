@@ -27,7 +27,8 @@ Run labels are `<method>` or `<method>__seed<seed>` (`sft`, `ppo__seed1`); resul
 each method over its seeds. Unlike the reference judge (eval/oai.py: a blocking sleep in async code,
 an unseeded and unrecorded A/B shuffle, the API's default temperature, a verdict not exactly A or B counted
 for the reference), the A/B order is drawn per row from a seed and recorded, the temperature is
-fixed and recorded, a malformed verdict counts for neither side, and no paid call is repeated: the
+fixed and recorded, a malformed verdict counts for neither side (a tie of the gold judge counts 1/2,
+as a forced choice between equals would), and no paid call is repeated: the
 cache is keyed by (model, prompt version, temperature, post, summary A, summary B), so a rerun after
 a crash, Ctrl-C or SIGTERM (SLURM, `timeout`) asks only what is missing.
 
@@ -232,7 +233,7 @@ def preferred_side(verdict: Optional[str], ours_a: bool, other_name: str) -> str
     return "ours" if verdict == ("A" if ours_a else "B") else other_name
 
 
-def wilson_interval(wins: int, n: int, z: float = Z_95) -> tuple[float, float]:
+def wilson_interval(wins: float, n: int, z: float = Z_95) -> tuple[float, float]:
     """Wilson score interval of a binomial proportion (better than p +- z*se near 0, 1 and small n)."""
     # The plain p +- z*se interval leaves [0, 1] and undercovers at small n (a length bin, a pilot
     # run of 64 rows); Wilson's interval inverts the score test and behaves at both.
@@ -258,15 +259,18 @@ def summarize(rows: list[dict], other_name: str) -> dict:
     status: "judged" (the judge replied), "failed" (no reply: counted, asked again by a rerun) or
     "unjudged" (not asked yet); preferred: "ours", `other_name`, "tie", "malformed", or "unjudged" without a reply."""
     preferred, status = [r["preferred"] for r in rows], [r["status"] for r in rows]
-    wins, losses = preferred.count("ours"), preferred.count(other_name)
-    # Ties and malformed verdicts are reported, never counted for either side: the reference counted
-    # a verdict other than a bare A or B as a loss, which pulls every win rate down by that fraction.
-    n = wins + losses
-    low, high = wilson_interval(wins, n) if n else (None, None)
+    wins, losses, ties = preferred.count("ours"), preferred.count(other_name), preferred.count("tie")
+    # A tie (the gold judge's two equal scores) counts 1/2: the paper's judge must pick A or B, and
+    # picks either of two equal summaries about half the time. Leaving ties out would push every
+    # rate away from 0.5 and rest it on fewer posts than were judged.
+    # A malformed verdict counts for neither side: the reference counted a verdict other than a
+    # bare A or B as a loss, which pulls every win rate down by that fraction.
+    n, score = wins + losses + ties, wins + ties / 2
+    low, high = wilson_interval(score, n) if n else (None, None)
     agreement, n_agreement = rm_agreement(preferred, [r["ours_score"] for r in rows], [r["other_score"] for r in rows])
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    return dict(n=n, wins=wins, win_rate=wins / n if n else None, ci_low=low, ci_high=high,
-                judged=status.count("judged"), malformed=preferred.count("malformed"), ties=preferred.count("tie"),
+    return dict(n=n, wins=wins, win_rate=score / n if n else None, ci_low=low, ci_high=high,
+                judged=status.count("judged"), malformed=preferred.count("malformed"), ties=ties,
                 failed=status.count("failed"), unjudged=status.count("unjudged"), rows=len(rows),
                 mean_words=mean([r["ours_words"] for r in rows]), mean_other_words=mean([r["other_words"] for r in rows]),
                 rm_agreement=agreement, n_rm_agreement=n_agreement)
@@ -297,12 +301,13 @@ def log_length_ratio(ours_words: int, other_words: int) -> float:
 
 
 def length_curve(log_ratios: list[float], preferred: list[str], edges: list[float], other_name: str) -> list:
-    """[(bin center, win rate, count)] of decided judgments per bin of log length ratio (empty bins skipped)."""
-    counts = [[0, 0] for _ in range(len(edges) - 1)]  # [wins, decided] per bin
+    """[(bin center, win rate, count)] of judgments (a tie 1/2, a malformed one left out) per bin of log length ratio
+    (empty bins skipped)."""
+    counts = [[0.0, 0] for _ in range(len(edges) - 1)]  # [wins, judged] per bin
     for x, p in zip(log_ratios, preferred):
-        if p in ("ours", other_name):
+        if p in ("ours", other_name, "tie"):
             i = min(max(0, sum(x >= e for e in edges[1:-1])), len(counts) - 1)
-            counts[i][0] += p == "ours"
+            counts[i][0] += 1.0 if p == "ours" else 0.5 if p == "tie" else 0.0
             counts[i][1] += 1
     return [((edges[i] + edges[i + 1]) / 2, wins / total, total)
             for i, (wins, total) in enumerate(counts) if total]
@@ -1024,8 +1029,8 @@ def write_results(args: Args, meta: dict, runs: dict, log_ratios: dict, failures
     """results.json, results.md and length_vs_winrate.png (Figure 8), then the tables and counts on stdout."""
     totals, this_run = counts["totals"], counts["this_run"]
     header = (f"Judge `{meta['model']}`, prompt `{meta['prompt_version']}`, temperature {fmt(meta['temperature'], 2)}, "
-              f"A/B order seed {args.seed}. Win rate = wins / (wins + losses); malformed verdicts, ties, "
-              "unjudged and failed rows count for neither side. 95% CI: Wilson score interval.")
+              f"A/B order seed {args.seed}. Win rate = (wins + ties / 2) / (wins + ties + losses); malformed "
+              "verdicts, unjudged and failed rows count for neither side. 95% CI: Wilson score interval.")
     write_text_atomic(os.path.join(args.output_dir, "results.json"), json.dumps(dict(
         judge=args.judge, **{k: meta[k] for k in ("model", "prompt_version", "temperature")}, seed=args.seed,
         ci="wilson 95%", runs=runs, totals=totals, this_run=this_run, failures=failures), indent=2))

@@ -152,13 +152,13 @@ def ppo_flags(main_job: dict, updates: int, output_dir: str, run_name: str, eval
 
 def judge(rows: list, other_rows: list = None) -> dict:
     """Gold win rate of `rows` (query, response, reference) against their references, or against `other_rows`
-    matched by query: {wins, judged (ties left out, as judge.py does), win_rate, ci, gold, words, mistakes}, where
+    matched by query: {wins (a tie 1/2, as judge.py counts it), judged, win_rate, ci, gold, words, mistakes}, where
     mistakes is tiny_report.mistake_profile of the rows (the gold judge's terms per summary)."""
     import tiny_world
     from tiny_report import mistake_profile, wilson_interval
 
     others = {row["query"].strip(): row["response"] for row in other_rows} if other_rows is not None else None
-    wins = judged = 0
+    wins, judged = 0.0, 0
     gold = []
     for row in rows:
         post = row["query"].strip()
@@ -168,8 +168,8 @@ def judge(rows: list, other_rows: list = None) -> dict:
             continue
         theirs = tiny_world.gold_score(post, (others[post] if others is not None else row["reference"]).strip())
         margin = tiny_world.gold_difference(ours, theirs)
-        wins += margin > 0  # 0: equal up to float rounding, a tie (as judge.py's gold judge)
-        judged += margin != 0
+        wins += 1.0 if margin > 0 else 0.5 if margin == 0 else 0.0  # 0: equal up to float rounding, a tie
+        judged += 1
     mistakes = mistake_profile([(row["query"].strip(), row["response"].strip()) for row in rows], tiny_world)
     return {"wins": wins, "judged": judged, "win_rate": wins / judged if judged else float("nan"),
             "ci": wilson_interval(wins, judged), "gold": sum(gold) / len(gold), "words": mistakes["words"],
@@ -349,7 +349,7 @@ def main() -> None:
               f"Every run uses the main job's PPO settings (batch {main_job['batch_size']}, lr {main_job['lr']}, "
               f"KL coefficient {main_job['kl_coef']}, {main_job['response_length']} response tokens), evaluated on "
               f"the validation posts at temperature {main_job['eval_temperature']}; win rates by the gold judge "
-              f"(ties left out), Wilson 95% CIs. {torch.get_num_threads()} torch threads; "
+              f"(a tie counts 1/2), Wilson 95% CIs. {torch.get_num_threads()} torch threads; "
               f"{time.time() - started:.0f} s of PPO runs.")
     report = render(entries, curves, header)
     with open(os.path.join(out, "report.md"), "w") as file:

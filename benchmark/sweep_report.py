@@ -160,7 +160,7 @@ def collect(found: dict, judge_model: Optional[str]) -> tuple:
                     continue
                 config = config or judge_config(results)
                 for label, run in results.get("runs", {}).items():
-                    if run.get("n"):  # n = wins + losses: a run without a decided pair has no win rate
+                    if run.get("n"):  # n = wins + ties + losses: a run with nothing judged has no win rate
                         vs = "reference" if run["vs"] == "reference" else re.sub(r"__seed.*$", "", run["vs"])
                         stale = judged_stale(folder, stages, {run["method"], vs} - {"reference"})
                         if stale:
@@ -245,8 +245,8 @@ def method_order(methods) -> list:
 def report(args: Args, found: dict, sizes: dict, rows: dict, metrics: dict, notes: list, config: Optional[str]) -> str:
     models = sorted(found, key=lambda m: (sizes[m] is None, sizes[m] or 0, m))
     lines = [f"# The sweep in {args.out_root} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
-             f"Judge: {config or 'no complete judge folder yet'}. Win rate = wins / (wins + losses) over the "
-             "validation posts of one run (ties, malformed and failed verdicts count for neither side); mean and "
+             f"Judge: {config or 'no complete judge folder yet'}. Win rate = (wins + ties / 2) / (wins + ties + losses) over the "
+             "validation posts of one run (malformed and failed verdicts count for neither side); mean and "
              "sample std over the seeds whose judge folder is complete. Command: `python benchmark/sweep_report.py "
              f"--out_root {args.out_root} --out {args.out}`.", ""]
     for title, against in (("Figure 1: win rate against the references", "reference"),

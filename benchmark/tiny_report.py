@@ -52,7 +52,8 @@ TOKEN_POSTS = 3  # validation posts shown in the token view (Table 8)
 SFT_WIN_RATE_RANGE = (0.10, 0.45)  # SFT loses to the references, but not always
 PPO_MIN_WIN_RATE, PPO_MIN_GAIN = 0.50, 0.20  # PPO at least even with the references, and well above SFT
 RM_MIN_ACCURACY, CNNDM_MIN_ACCURACY = 0.70, 0.60  # against the labels; on news the RM never trained on
-MIN_BUCKET = 30  # Figure 8 compares a length bucket only where each policy has this many judged summaries (ties too)
+MIN_BUCKET = 30  # Figure 8 compares a length bucket only where each policy has this many judged summaries
+MIN_POSTS = 256  # Figure 1's win rates rest on at least this many judged posts (ties count 1/2, as judge.py counts)
 TIME_BUDGET_S = 12 * 60
 RESUMED = "(resumed)"  # tiny.sh's mark on a stage that continued from the checkpoint of an interrupted start
 WORLD_STAGE = "tiny world"  # tiny.sh's stage that builds a world that is not committed (not part of the main job)
@@ -75,7 +76,7 @@ class Args:
 # ------------------------------------------------------------------------------------------------
 # Pure helpers (tested against hand-computed values in tests/test_tiny_report.py)
 # ------------------------------------------------------------------------------------------------
-def wilson_interval(wins: int, n: int, z: float = Z_95) -> tuple:
+def wilson_interval(wins: float, n: int, z: float = Z_95) -> tuple:
     """Wilson score interval of wins / n ((nan, nan) when n is 0)."""
     if n == 0:
         return (math.nan, math.nan)
@@ -86,20 +87,19 @@ def wilson_interval(wins: int, n: int, z: float = Z_95) -> tuple:
 
 
 def length_buckets(judged: list, edges: tuple = LENGTH_EDGES) -> list:
-    """Figure 8: [{low, high, wins, n, samples, win_rate}] per bucket of log(ours / other words): `samples` judged
-    summaries, `n` of them decided (ties apart), `wins` of those.
+    """Figure 8: [{low, high, wins, n, win_rate}] per bucket of log(ours / other words): `n` judged summaries,
+    `wins` of them, a tie counting 1/2 (as judge.py counts it).
 
     `judged`: rows of judge.py's judged/<run>.csv (preferred, ours_words, other_words); malformed and
     unjudged rows count in no bucket. Bucket k holds edges[k] <= x < edges[k + 1]."""
-    buckets = [{"low": lo, "high": hi, "wins": 0, "n": 0, "samples": 0} for lo, hi in zip(edges[:-1], edges[1:])]
+    buckets = [{"low": lo, "high": hi, "wins": 0.0, "n": 0} for lo, hi in zip(edges[:-1], edges[1:])]
     for row in judged:
         if row["preferred"] not in ("ours", "reference", "other", "tie"):
             continue
         x = math.log(max(1, int(row["ours_words"])) / max(1, int(row["other_words"])))
         bucket = next(b for b in buckets if b["low"] <= x < b["high"])
-        bucket["samples"] += 1
-        bucket["n"] += row["preferred"] != "tie"
-        bucket["wins"] += row["preferred"] == "ours"
+        bucket["n"] += 1
+        bucket["wins"] += 1.0 if row["preferred"] == "ours" else 0.5 if row["preferred"] == "tie" else 0.0
     for bucket in buckets:
         bucket["win_rate"] = bucket["wins"] / bucket["n"] if bucket["n"] else None
     return buckets
@@ -171,13 +171,13 @@ def overoptimisation_curve(tables: dict, batch_size: int, gold: Callable[[str, s
         theirs = [gold(row["query"].strip(), row["reference"].strip()) for row in rows]
         # scores equal up to float rounding are a tie, as judge.py counts them
         margins = [tiny_world_module().gold_difference(a, b) for a, b in zip(ours, theirs)]
-        wins, losses = sum(margin > 0 for margin in margins), sum(margin < 0 for margin in margins)
+        wins = sum(margin > 0 for margin in margins) + sum(margin == 0 for margin in margins) / 2  # a tie 1/2
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         points.append({"update": episode // batch_size, "episode": episode,
                        "rm": mean([float(row["score"]) for row in rows]),
                        "rm_reference": mean([float(row["reference_score"]) for row in rows]),
                        "gold": mean(ours), "gold_reference": mean(theirs),
-                       "gold_win_rate": wins / (wins + losses) if wins + losses else None, "n": len(rows)})
+                       "gold_win_rate": wins / len(rows) if rows else None, "n": len(rows)})
     return points
 
 
@@ -230,6 +230,11 @@ def findings(art: dict) -> list:
     add("Fig. 1: DPO beats SFT", "DPO's win rate > SFT's",
         (f"DPO {ci(dpo, apart)}" + (f" (SFT {sft['win_rate']:.{apart}f})" if apart > 3 else ""))
         if dpo and sft else "not run", dpo["win_rate"] > sft["win_rate"] if dpo and sft else None)
+    # The issue's "at least 256 posts": a bar whose win rates rest on fewer judged posts does not hold, and says why.
+    for row, methods in zip(rows, (("sft",), ("ppo",), ("sft", "ppo"), ("sft", "ppo"), ("dpo", "sft"))):
+        short = [f"{METHODS[m]} judged on {runs[m]['n']}" for m in methods if runs.get(m) and runs[m]["n"] < MIN_POSTS]
+        if short and row["holds"] is not None:
+            row.update(measured=f"{row['measured']}; {', '.join(short)} posts, fewer than {MIN_POSTS}", holds=False)
     for method in ("ppo", "dpo"):  # the issue's bars are against the references; the direct comparison is shown
         run = art["head_to_head"].get(method)
         add(f"{method.upper()} against SFT, head to head (the gold judge)", "shown, no bar",
@@ -283,7 +288,7 @@ def findings(art: dict) -> list:
 
 def fig8_comparison(sft_judged: Optional[list], ppo_judged: Optional[list]) -> Optional[dict]:
     """Figure 8's check, buckets named "[low, high)": {"compared": buckets where SFT and PPO each have >= MIN_BUCKET
-    judged summaries (ties included; the rates are over the decided ones), "below": those where PPO's win rate is
+    judged summaries (a tie counts 1/2 in the rates), "below": those where PPO's win rate is
     not above SFT's, "one_sided_below": the same in the buckets where only one of them has that many (shown, not
     judged: the other's rate rests on few comparisons), with both rates and counts}; None when either did not run."""
     if not sft_judged or not ppo_judged:
@@ -291,7 +296,7 @@ def fig8_comparison(sft_judged: Optional[list], ppo_judged: Optional[list]) -> O
     name = lambda bucket: f"[{bucket['low']:+.2f}, {bucket['high']:+.2f})"  # noqa: E731
     out = {"compared": [], "below": [], "one_sided_below": []}
     for a, b in zip(length_buckets(sft_judged), length_buckets(ppo_judged)):
-        enough = (a["samples"] >= MIN_BUCKET) + (b["samples"] >= MIN_BUCKET)  # the issue's "30 samples"
+        enough = (a["n"] >= MIN_BUCKET) + (b["n"] >= MIN_BUCKET)  # the issue's "30 samples"
         below = a["n"] and b["n"] and not b["win_rate"] > a["win_rate"]
         if enough == 2:
             out["compared"].append(name(a))
@@ -544,6 +549,8 @@ def section_win_rates(art: dict) -> list:
     """Figure 1: win rates against the references, and head to head against SFT."""
     judge_name = art["judge_name"] or "judge"
     lines = [f"## Figure 1: win rate against the human reference summaries ({judge_name}, Wilson 95% CI)", "",
+             "Win rate = (wins + ties / 2) / judged: two summaries of equal gold score are a tie, which a judge made to "
+             "pick one (the paper's) picks either way about half the time.", "",
              "| policy | win rate | 95% CI | wins / judged | ties | mean words (reference) |", "|---|---|---|---|---|---|"]
     for method, name in METHODS.items():
         run = (art["judge"] or {}).get(method)
@@ -591,16 +598,16 @@ def section_mistakes(art: dict) -> list:
 def section_lengths(art: dict) -> list:
     """Figure 8: win rate against the references by log(summary length / reference length)."""
     lines = ["", "## Figure 8: win rate against the references by log(summary length / reference length)", "",
-             "Lengths in words; a bucket's win rate is over its decided comparisons (n, of the judged summaries in it, "
-             f"ties included, which the bar counts: buckets with >= {MIN_BUCKET} of each). The paper's finding: "
+             "Lengths in words; a bucket's win rate is over its n judged summaries, a tie counting 1/2 (the bar "
+             f"compares the buckets with >= {MIN_BUCKET} of each). The paper's finding: "
              "PPO above SFT at every length, so its gain is not just longer summaries.", ""]
     buckets = {m: length_buckets(rows) for m, rows in art["judged"].items() if rows is not None and m != "base"}
     if buckets:
         shown = [m for m in ("sft", "ppo", "dpo") if m in buckets]
-        lines += ["| log length ratio | " + " | ".join(f"{METHODS[m]} win rate (n / judged)" for m in shown) + " |",
+        lines += ["| log length ratio | " + " | ".join(f"{METHODS[m]} win rate (judged)" for m in shown) + " |",
                   "|---|" + "---|" * len(shown)]
         for k, (lo, hi) in enumerate(zip(LENGTH_EDGES[:-1], LENGTH_EDGES[1:])):
-            cells = [f"{fmt(buckets[m][k]['win_rate'])} ({buckets[m][k]['n']} / {buckets[m][k]['samples']})"
+            cells = [f"{fmt(buckets[m][k]['win_rate'])} ({buckets[m][k]['n']})"
                      for m in shown]
             lines.append(f"| [{lo:+.2f}, {hi:+.2f}) | " + " | ".join(cells) + " |")
     else:

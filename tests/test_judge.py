@@ -95,15 +95,21 @@ def test_win_rate_ci_and_malformed_by_hand():
     rows = [dict(preferred=p, status=s, ours_words=w, other_words=4, ours_score=None, other_score=None)
             for p, s, w in zip(preferred, status, [10, 2] * 7 + [6, 6])]
     stats = judge.summarize(rows, "reference")
-    assert (stats["n"], stats["wins"], stats["malformed"], stats["ties"], stats["unjudged"]) == (10, 7, 2, 1, 1)
+    # the tie counts 1/2: (7 + 1/2) / (7 + 3 + 1); malformed, unjudged and failed rows count for nobody
+    assert (stats["n"], stats["wins"], stats["malformed"], stats["ties"], stats["unjudged"]) == (11, 7, 2, 1, 1)
     assert (stats["judged"], stats["failed"], stats["rows"]) == (13, 2, 16)
-    assert stats["win_rate"] == 0.7
-    # Wilson by hand, z = 1.96: (0.7 + 1.9208/10) / 1.38415 -/+ 1.96 * sqrt(0.021 + 0.0096040) / 1.38415
-    assert stats["ci_low"] == pytest.approx(0.39678, abs=1e-4) and stats["ci_high"] == pytest.approx(0.89222, abs=1e-4)
+    assert stats["win_rate"] == pytest.approx(7.5 / 11)
+    # Wilson by hand, z = 1.96, p = 7.5/11 = 0.681818, n = 11: center (p + 3.8415/22) / (1 + 3.8415/11) =
+    # 0.856430 / 1.349224 = 0.634757; half 1.96 * sqrt(0.216942 / 11 + 3.8415/484) / 1.349224 = 0.241593
+    assert stats["ci_low"] == pytest.approx(0.39316, abs=1e-4) and stats["ci_high"] == pytest.approx(0.87635, abs=1e-4)
+    without_tie = judge.summarize(rows[:12] + rows[13:], "reference")  # 7 of 10: the rule's other half, no tie
+    assert (without_tie["n"], without_tie["win_rate"]) == (10, 0.7)
+    assert without_tie["ci_low"] == pytest.approx(0.39678, abs=1e-4) and without_tie["ci_high"] == pytest.approx(0.89222, abs=1e-4)
     assert stats["mean_words"] == 6.0 and stats["mean_other_words"] == 4.0
     low, high = judge.wilson_interval(0, 5)
     assert low == pytest.approx(0.0, abs=1e-12) and high == pytest.approx(0.43448, abs=1e-4)  # never below 0
-    assert judge.summarize(rows[10:], "reference")["win_rate"] is None  # nothing decided: no win rate
+    assert judge.summarize(rows[10:12] + rows[13:], "reference")["win_rate"] is None  # nothing judged: no win rate
+    assert judge.summarize(rows[10:], "reference")["win_rate"] == 0.5  # a lone tie
 
 
 @pytest.mark.parametrize("stage", ["judge", "reward"])  # judge.py's results and reward.py's --judged_file
@@ -130,9 +136,9 @@ def test_length_curve_by_hand():
     ps = ["ours", "reference", "ours", "ours", "malformed", "reference", "ours"]
     curve = judge.length_curve(xs, ps, [-1.0, 0.0, 1.0], "reference")
     assert curve == [(-0.5, 0.5, 2), (0.5, 0.75, 4)]  # the top edge belongs to the last bin
-    # a point on an interior edge belongs to the bin above it; a tie is not decided (counted nowhere)
+    # a point on an interior edge belongs to the bin above it; a tie counts 1/2: (3 + 1 + 1/2) / 6
     curve = judge.length_curve(xs + [0.0, 0.5], ps + ["ours", "tie"], [-1.0, 0.0, 1.0], "reference")
-    assert curve == [(-0.5, 0.5, 2), (0.5, 0.8, 5)]
+    assert curve == [(-0.5, 0.5, 2), (0.5, 0.75, 6)]
     # the edges span every run's ratios in equal steps, the largest ratio on the top edge
     assert judge.length_bin_edges([0.3, -0.6, 1.2], 3) == pytest.approx([-0.6, 0.0, 0.6, 1.2])
     assert judge.length_bin_edges([0.2, 0.2], 2) == pytest.approx([-0.3, 0.2, 0.7])  # all equal: one unit around
@@ -591,14 +597,15 @@ def test_gold_judge_tables_and_pairs(tmp_path):
     for label, rows in tables.items():
         win, loss, tie, agree = naive(rows, [r["reference"] for r in rows])
         stats = runs[label]
-        assert (stats["wins"], stats["n"], stats["ties"], stats["malformed"]) == (win, win + loss, tie, 0), label
+        assert (stats["wins"], stats["n"], stats["ties"], stats["malformed"]) == (win, win + loss + tie, tie, 0), label
+        assert stats["win_rate"] == pytest.approx((win + tie / 2) / (win + loss + tie))  # a tie counts 1/2
         assert stats["rm_agreement"] == pytest.approx(agree / (win + loss)) and stats["n_rm_agreement"] == win + loss
         words = sum(len(r["response"].split()) for r in rows) / len(rows)
         assert stats["mean_words"] == pytest.approx(words)
     assert runs["sft"]["ties"] == 4  # every third sft summary is the reference itself
     win, loss, tie, _ = naive(tables["ppo__seed1"], [r["response"].strip() for r in tables["sft"]])
     pair = runs["ppo__seed1_vs_sft"]
-    assert (pair["wins"], pair["n"], pair["ties"], pair["vs"]) == (win, win + loss, tie, "sft")
+    assert (pair["wins"], pair["n"], pair["ties"], pair["vs"]) == (win, win + loss + tie, tie, "sft")
     markdown = (out / "results.md").read_text()
     assert f"| ppo__seed2 | ppo | 2 | reference | {runs['ppo__seed2']['n']} |" in markdown
     mean = (runs["ppo__seed1"]["win_rate"] + runs["ppo__seed2"]["win_rate"]) / 2

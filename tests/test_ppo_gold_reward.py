@@ -71,19 +71,21 @@ def test_job_root_resolves_the_main_jobs_relative_paths_in_its_own_checkout(tmp_
     assert flags[flags.index("--sft_model_path") + 1] == "models/tiny/sft_1"
 
 
-def test_judge_counts_wins_and_leaves_ties_out():
+def test_judge_counts_wins_and_a_tie_as_half():
     good, worse = "landlord cancelled lease; sister borrowed car", "landlord cancelled lease"
     rows = [{"query": POST, "response": good, "reference": worse},  # win
-            {"query": POST, "response": worse, "reference": worse},  # tie: not judged
+            {"query": POST, "response": worse, "reference": worse},  # tie: 1/2
             {"query": POST + " ", "response": worse, "reference": good}]  # loss
     judged = gold_reward.judge(rows)
-    assert (judged["wins"], judged["judged"], judged["win_rate"]) == (1, 2, 0.5)
+    assert (judged["wins"], judged["judged"], judged["win_rate"]) == (1.5, 3, 0.5)
+    assert judged["ci"] == pytest.approx(tiny_report.wilson_interval(1.5, 3))
+    assert gold_reward.judge(rows[:2])["win_rate"] == 0.75  # a win and a tie
     assert judged["words"] == pytest.approx((6 + 3 + 3) / 3)
     assert judged["mistakes"] == tiny_report.mistake_profile([(r["query"].strip(), r["response"]) for r in rows],
                                                               tiny_world)
     # against another table, matched by the stripped query: `good` against `good` ties, `worse` against `good` loses
     other = [{"query": POST, "response": good}]
-    assert gold_reward.judge(rows[:1], other)["judged"] == 0
+    assert (gold_reward.judge(rows[:1], other)["wins"], gold_reward.judge(rows[:1], other)["judged"]) == (0.5, 1)
     assert (gold_reward.judge(rows[1:], other)["wins"], gold_reward.judge(rows[1:], other)["judged"]) == (0, 2)
     assert gold_reward.judge(rows, [])["judged"] == 0  # no post in common: nothing judged
 

@@ -55,12 +55,36 @@ def test_digits_apart_by_hand():
 
 
 def judged_run(wins, judged):
-    """A judged run as findings() reads it: its win rate and Wilson interval."""
+    """A judged run as findings() reads it: its posts judged, win rate and Wilson interval."""
     low, high = tiny_report.wilson_interval(wins, judged)
-    return {"win_rate": wins / judged, "ci_low": low, "ci_high": high}
+    return {"n": judged, "win_rate": wins / judged, "ci_low": low, "ci_high": high}
 
 
-def test_findings_show_the_decimals_that_decide_a_bar():
+@pytest.fixture
+def any_posts(monkeypatch):
+    """Bars judged on runs of any size (the tests of the 256-post rule itself leave it at 256)."""
+    monkeypatch.setattr(tiny_report, "MIN_POSTS", 1)
+
+
+def test_fig1_bars_need_256_judged_posts():
+    """A bar whose win rates rest on fewer than 256 judged posts does not hold, and says which run is short; one more
+    post makes it hold. Bars of other runs are not touched."""
+    art = {"judge": {"sft": judged_run(77, 256), "ppo": judged_run(150, 256), "dpo": judged_run(100, 255)},
+           "head_to_head": {}, "rm": {}, "dpo": {}, "rm_rows": {}, "judged": {}, "curve": [], "timings": []}
+    rows = {row["finding"]: (row["measured"], row["holds"]) for row in tiny_report.findings(art)}
+    assert rows["Fig. 1: SFT loses to the references"][1] is True
+    assert rows["Fig. 1: RLHF (PPO) beats SFT"] == ("PPO - SFT = +0.285", True)
+    assert rows["Fig. 1: DPO beats SFT"] == ("DPO 0.392 [0.334, 0.453]; DPO judged on 255 posts, fewer than 256", False)
+    art["judge"]["dpo"] = judged_run(100, 256)
+    assert next(r for r in tiny_report.findings(art) if r["finding"] == "Fig. 1: DPO beats SFT")["holds"] is True
+    art["judge"]["sft"] = judged_run(76, 255)  # SFT short: each of the four bars it enters fails, PPO's own holds
+    holds = {row["finding"]: row["holds"] for row in tiny_report.findings(art)}
+    assert [holds[f] for f in ("Fig. 1: SFT loses to the references", "Fig. 1: RLHF (PPO) beats SFT",
+                               "Fig. 1: ... beyond the noise", "Fig. 1: DPO beats SFT")] == [False] * 4
+    assert holds["Fig. 1: PPO is at least even with the references"] is True
+
+
+def test_findings_show_the_decimals_that_decide_a_bar(any_posts):
     """A number that would print as its bar, or as the number it is compared with, is printed with more decimals, and
     a gain of exactly the bar meets it despite float rounding."""
     art = {"judge": {"sft": judged_run(104, 231), "ppo": judged_run(6, 10), "dpo": judged_run(1040, 2309)},
@@ -82,7 +106,7 @@ def test_findings_show_the_decimals_that_decide_a_bar():
     assert rows["Fig. 1: ... beyond the noise"] == ("PPO's lower bound 0.313, SFT's upper bound 0.687", False)
 
 
-def test_findings_at_their_bars_exactly():
+def test_findings_at_their_bars_exactly(any_posts):
     """Each bar's comparison at equality: "at least" holds (SFT at 0.45, PPO at 0.50, the RM at 0.70, CNN/DM at
     0.60), "beats" and "weaker" do not (DPO at SFT's win rate, DPO's accuracy at the RM's)."""
     art = {"judge": {"sft": judged_run(45, 100), "ppo": judged_run(50, 100), "dpo": judged_run(45, 100)},
@@ -99,13 +123,13 @@ def test_findings_at_their_bars_exactly():
     art["judge"]["sft"] = judged_run(10, 100)  # the band's other end
     assert next(row for row in tiny_report.findings(art) if row["finding"].startswith("Fig. 1: SFT"))["holds"] is True
     # PPO's lower bound at SFT's upper bound exactly: the CIs touch, PPO is not beyond the noise
-    art["judge"] = {"sft": {"win_rate": 0.25, "ci_low": 0.2, "ci_high": 0.375},
-                    "ppo": {"win_rate": 0.5, "ci_low": 0.375, "ci_high": 0.625}}
+    art["judge"] = {"sft": {"n": 256, "win_rate": 0.25, "ci_low": 0.2, "ci_high": 0.375},
+                    "ppo": {"n": 256, "win_rate": 0.5, "ci_low": 0.375, "ci_high": 0.625}}
     holds = {row["finding"]: row["holds"] for row in tiny_report.findings(art)}
     assert holds["Fig. 1: ... beyond the noise"] is False and holds["Fig. 1: RLHF (PPO) beats SFT"] is True
 
 
-def test_findings_judge_the_direction_of_a_gain():
+def test_findings_judge_the_direction_of_a_gain(any_posts):
     """PPO far below SFT is no gain (PPO - SFT is negative, whatever its size); over-optimisation names the update where
     gold peaks, update 0 (SFT) included: PPO that only loses gold peaks at 0."""
     art = {"judge": {"sft": judged_run(45, 100), "ppo": judged_run(15, 100)}, "head_to_head": {}, "rm": {}, "dpo": {},
@@ -176,7 +200,7 @@ def test_length_buckets_by_hand():
         (10, 10, "ours"),  # log 1 = 0 -> [-0.15, 0.15)
         (20, 10, "reference"),  # log 2 = 0.693 -> [0.45, 0.75)
         (5, 10, "ours"),  # -0.693 -> [-0.75, -0.45)
-        (10, 10, "tie"),  # a sample of [-0.15, 0.15), decided by nobody
+        (10, 10, "tie"),  # a sample of [-0.15, 0.15), counting 1/2
         (7, 10, "malformed"), (7, 10, "unjudged"),  # judged by nobody: in no bucket
         (0, 10, "reference"),  # an empty summary counts as 1 word: log 0.1 = -2.303 -> [-inf, -0.75)
         (10, 5, "ours"),  # 0.693 -> [0.45, 0.75)
@@ -184,20 +208,20 @@ def test_length_buckets_by_hand():
     ]]
     buckets = tiny_report.length_buckets(rows)
     assert [(b["low"], b["high"]) for b in buckets] == list(zip(tiny_report.LENGTH_EDGES[:-1], tiny_report.LENGTH_EDGES[1:]))
-    assert [(b["wins"], b["n"]) for b in buckets] == [(0, 1), (1, 1), (0, 0), (1, 1), (0, 1), (1, 2), (0, 0)]
-    assert [b["samples"] for b in buckets] == [1, 1, 0, 2, 1, 2, 0]
-    assert [b["win_rate"] for b in buckets] == [0.0, 1.0, None, 1.0, 0.0, 0.5, None]
-    # the report's table: decided / judged (the bar counts judged summaries, ties included)
+    assert [(b["wins"], b["n"]) for b in buckets] == [(0, 1), (1, 1), (0, 0), (1.5, 2), (0, 1), (1, 2), (0, 0)]
+    assert [b["win_rate"] for b in buckets] == [0.0, 1.0, None, 0.75, 0.0, 0.5, None]
+    # the report's table: the win rate over the bucket's judged summaries
     table = "\n".join(tiny_report.section_lengths({"judged": {"sft": rows}}))
-    assert "| [-0.15, +0.15) | 1.000 (1 / 2) |" in table and "| [-0.45, -0.15) | n/a (0 / 0) |" in table
+    assert "| [-0.15, +0.15) | 0.750 (2) |" in table and "| [-0.45, -0.15) | n/a (0) |" in table
 
 
 def test_fig8_comparison_by_hand():
     """Figure 8's check: buckets with >= 30 judged summaries of each policy (ties included) are judged, the others
-    only shown; the rates compared are over the decided ones."""
+    only shown; in the rates compared a tie counts 1/2."""
     row = lambda preferred, ours: dict(preferred=preferred, ours_words=ours, other_words=10)  # noqa: E731
     # log(10/10) = 0: both have 40, PPO 30 wins to SFT's 20 (above); log(20/10) = 0.69: both 30, PPO 10 to SFT's 15
-    # (below); log(40/10) = 1.39: PPO 30 (12 wins), SFT 5 (4 wins: not above, one-sided); ties count nowhere
+    # (below); log(40/10) = 1.39: PPO 30 (12 wins), SFT 5 (4 wins: not above, one-sided); SFT's 50 ties at log 0
+    # make its rate there (20 + 25) / 90 = 0.5
     sft = [row("ours", 10)] * 20 + [row("reference", 10)] * 20 + [row("ours", 20)] * 15 + [row("reference", 20)] * 15 \
         + [row("ours", 40)] * 4 + [row("reference", 40)] + [row("tie", 10)] * 50
     ppo = [row("ours", 10)] * 30 + [row("reference", 10)] * 10 + [row("ours", 20)] * 10 + [row("reference", 20)] * 20 \
@@ -211,6 +235,8 @@ def test_fig8_comparison_by_hand():
     ppo = [row("ours", 10)] * 10 + [row("reference", 10)] * 25
     assert tiny_report.fig8_comparison(sft, ppo) == {"compared": ["[-0.15, +0.15)"], "below": ["[-0.15, +0.15)"],
                                                      "one_sided_below": []}
+    # PPO tying all 30 (0.5) is below SFT's 0.7 (20 wins and 2 ties of 30), though PPO lost none of them
+    assert tiny_report.fig8_comparison(sft, [row("tie", 10)] * 30)["below"] == ["[-0.15, +0.15)"]
     # equal rates (15 of 30 each) are not "above"
     even = [row("ours", 10)] * 15 + [row("reference", 10)] * 15
     assert tiny_report.fig8_comparison(even, even)["below"] == ["[-0.15, +0.15)"]
@@ -265,7 +291,7 @@ def test_overoptimisation_curve_by_hand():
     assert [p["update"] for p in points] == [1, 2] and [p["episode"] for p in points] == [64, 128]
     first, second = points
     assert (first["rm"], first["rm_reference"], first["gold"], first["gold_reference"]) == (0.5, 0.25, 1.5, 0.5)
-    assert first["gold_win_rate"] == 1.0  # one win, one tie (not counted)
+    assert first["gold_win_rate"] == 0.75  # one win, one tie (1/2)
     assert (second["rm"], second["rm_reference"], second["gold"], second["gold_reference"]) == (0.5, 0.25, 1.0, 1.5)
     assert second["gold_win_rate"] == 0.5 and second["n"] == 2
     # scores equal but for the float rounding of their sums (3 x 4/5 - 0.6 against 3 x 3/5) are a tie, as judge.py's
@@ -407,10 +433,10 @@ def test_report_has_every_finding_and_the_figure(tmp_path):
                 # reference keeps them in 5 words
                 "| SFT | 1.000 | 0.00 | 0.00 | 1.00 | 0.00 | 0.00 | 4.0 |",
                 "| the references | 1.000 | 0.00 | 0.00 | 0.00 | 0.00 | 0.00 | 5.0 |",
-                "| [-0.15, +0.15) | 1.000 (3 / 3) | 1.000 (4 / 4) |", "| [+0.45, +0.75) | 0.000 (2 / 2) | 0.000 (1 / 1) |",
+                "| [-0.15, +0.15) | 1.000 (3) | 1.000 (4) |", "| [+0.45, +0.75) | 0.000 (2) | 0.000 (1) |",
                 # over-optimisation: update 0 = SFT's samples (all 3 key words, 1 filler: 3 - 0.4), then PPO's:
                 # a tie with the reference (3.0), then 1 of 3 key words, 2 fillers, 1 repeat: 1 - 0.8 - 0.3
-                "| 0 | n/a (n/a) | 2.600 (3.000) | 0.000 |", "| 5 | 0.500 (0.000) | 3.000 (3.000) | n/a |",
+                "| 0 | n/a (n/a) | 2.600 (3.000) | 0.000 |", "| 5 | 0.500 (0.000) | 3.000 (3.000) | 0.500 |",
                 "| 10 | 1.250 (0.000) | -0.100 (3.000) | 0.000 |",
                 "| RM | TL;DR validation | 0.688 | 0.836 | 0.719 |", "| RM | CNN/DM | 0.641 | 0.843 | n/a |",
                 "| DPO (implicit reward) | TL;DR validation | 0.656 | 0.836 | n/a |",
