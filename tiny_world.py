@@ -677,7 +677,7 @@ WRITER_HABITS = {"main": "states the main point (the title's fact)", "other": "k
                  "misremember": "gets a name or a thing wrong, of summaries that keep a fact", "invent": "adds a fact the post never states",
                  "filler": "copies an irrelevant detail, of posts that hold one", "ramble": "rambles on",
                  "repeat": "loops: repeats a clause 1-3 more times, of summaries that state a clause",
-                 "feeling": "mentions the feeling, of posts that state one", "question": "ends with the post's question",
+                 "feeling": "mentions the feeling, of posts that state one", "question": "ends with a question, one of the five the posts ask drawn at random (not read from the post)",
                  "terse": "writes a fact telegraphically (\"landlord cancelled lease\"), per fact"}
 POLICY_COLUMNS = {"main": "main point", "other": "other facts", "misremember": "wrong name or thing (of summaries keeping a fact)",
                   "invent": "invents", "filler": "irrelevant detail (of posts holding one)", "ramble": "rambles",
