@@ -245,8 +245,8 @@ def method_order(methods) -> list:
 def report(args: Args, found: dict, sizes: dict, rows: dict, metrics: dict, notes: list, config: Optional[str]) -> str:
     models = sorted(found, key=lambda m: (sizes[m] is None, sizes[m] or 0, m))
     lines = [f"# The sweep in {args.out_root} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
-             f"Judge: {config or 'no complete judge folder yet'}. Win rate = (wins + ties / 2) / (wins + ties + losses) over the "
-             "validation posts of one run (malformed and failed verdicts count for neither side); mean and "
+             f"Judge: {config or 'no complete judge folder yet'}. Win rate = (wins + ties / 2) / (wins + ties + "
+             "losses) over the validation posts of one run (malformed and failed verdicts count for neither side); mean and "
              "sample std over the seeds whose judge folder is complete. Command: `python benchmark/sweep_report.py "
              f"--out_root {args.out_root} --out {args.out}`.", ""]
     for title, against in (("Figure 1: win rate against the references", "reference"),
