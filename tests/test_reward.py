@@ -74,11 +74,22 @@ class IdentityRM(torch.nn.Module):
         return (input_ids * attention_mask).float()
 
 
+class PositionRM(torch.nn.Module):
+    """A fake RM whose per-token reward logit is its position + 1: shows which index get_reward reads."""
+
+    def forward(self, input_ids, attention_mask):
+        return (torch.arange(input_ids.shape[1]) + 1.0).expand(input_ids.shape).clone()
+
+
 def test_get_reward_reads_the_eos_logit():
     ids = torch.tensor([[PAD, 3, 4, 9, 0, PAD], [2, 3, 4, 5, 8, 7]])
     logits, rewards = reward.get_reward(IdentityRM(), ids, PAD, context_length=2)
     assert logits[0, 0] == 0  # pads reach the model as id 0, masked
-    assert rewards.tolist() == [0.0, 7.0]  # row 0: EOS (id 0) at index 4; row 1: no pad, last index
+    assert rewards.tolist() == [0.0, 7.0]  # the logits at the indices below
+    # By position, so that no pad can pass for the EOS: row 0's EOS at index 4 (the pad before the context is
+    # skipped, the one after it ends the summary), row 1 has no pad (its last index, 5).
+    _, rewards = reward.get_reward(PositionRM(), ids, PAD, context_length=2)
+    assert rewards.tolist() == [5.0, 6.0]
 
 
 def tiny_scalar_model(seed=0):
@@ -244,18 +255,37 @@ def test_pair_rewards_do_not_depend_on_the_inputs_padding_width():
 
 
 def test_normalization_bias_makes_the_mean_zero():
-    """Detail 15: subtracting the references' mean reward from the head's bias centres them at 0."""
+    """Detail 15 through reward.normalise_rewards on a small RM: it scores the references right-padded (as in
+    training), takes their mean off the head's bias, in the module and in the state dict it returns for saving, and
+    the references' rewards then average 0; scored left-padded (Detail 14) they agree."""
+    import datasets
+
     model = tiny_scalar_model(seed=1)
-    ids = torch.randint(2, 1000, (6, 10))
-    ids[:, 7:] = PAD
-    ids[:, 6] = 0
+    generator = torch.Generator().manual_seed(0)
+    queries, responses, rows = [], [], []
+    for query_length, response_length in ((3, 2), (4, 3), (2, 1), (4, 2), (1, 3), (3, 3)):
+        query = torch.randint(2, 1000, (query_length,), generator=generator).tolist()
+        response = torch.randint(2, 1000, (response_length,), generator=generator).tolist() + [0]  # EOS = 0
+        queries.append([PAD] * (4 - query_length) + query)  # left-padded query, as preprocess writes it
+        responses.append(response + [PAD] * (4 - len(response)))
+        rows.append(query + response + [PAD] * (8 - query_length - len(response)))  # right-padded, as in training
+    references = datasets.Dataset.from_dict({"query_token": queries, "reference_response_token": responses,
+                                             "query_reference_response_token": rows}).with_format("torch")
+    accelerator = one_process()
+    accelerator.get_state_dict = lambda module: dict(module.state_dict())
+    bias = model.head.bias.item()
     with torch.no_grad():
-        _, before = reward.get_reward(model, ids, PAD, 0)
-        model.head.bias -= before.mean()  # what reward.py does after training
-        _, after = reward.get_reward(model, ids, PAD, 0)
+        _, before = reward.get_reward(model, torch.tensor(rows), PAD, 0)
+    state_dict, normalization = reward.normalise_rewards(accelerator, model, references, PAD, 4)
+    with torch.no_grad():
+        _, after = reward.get_reward(model.eval(), torch.tensor(rows), PAD, 0)
     assert abs(before.mean().item()) > 1e-3  # the test would pass trivially otherwise
+    assert normalization["mean"] == pytest.approx(before.mean().item(), abs=1e-5)
+    assert model.head.bias.item() == pytest.approx(bias - before.mean().item(), abs=1e-5)  # subtracted, not added
+    assert state_dict["head.bias"].item() == pytest.approx(model.head.bias.item(), abs=1e-6)  # what is saved
     assert abs(after.mean().item()) < 1e-5
     assert torch.allclose(after - before, -before.mean().expand(6), atol=1e-5)  # a shift, nothing else
+    assert abs(normalization["right_left_diff_mean"]) < 1e-4 and normalization["references"] == 6
 
 
 def test_normalise_rewards_logs_right_minus_left_as_the_reference_and_shifts_by_the_right_mean(monkeypatch):
