@@ -155,7 +155,7 @@ def judge(rows: list, other_rows: list = None) -> dict:
     matched by query: {wins (a tie 1/2, as judge.py counts it), judged, win_rate, ci, gold, words, mistakes}, where
     mistakes is tiny_report.mistake_profile of the rows (the gold judge's terms per summary)."""
     import tiny_world
-    from tiny_report import mistake_profile, wilson_interval
+    from tiny_report import mistake_profile, wilson_interval, win_credit
 
     others = {row["query"].strip(): row["response"] for row in other_rows} if other_rows is not None else None
     wins, judged = 0.0, 0
@@ -168,7 +168,7 @@ def judge(rows: list, other_rows: list = None) -> dict:
             continue
         theirs = tiny_world.gold_score(post, (others[post] if others is not None else row["reference"]).strip())
         margin = tiny_world.gold_difference(ours, theirs)
-        wins += 1.0 if margin > 0 else 0.5 if margin == 0 else 0.0  # 0: equal up to float rounding, a tie
+        wins += win_credit(margin)
         judged += 1
     mistakes = mistake_profile([(row["query"].strip(), row["response"].strip()) for row in rows], tiny_world)
     return {"wins": wins, "judged": judged, "win_rate": wins / judged if judged else float("nan"),

@@ -86,6 +86,12 @@ def wilson_interval(wins: float, n: int, z: float = Z_95) -> tuple:
     return (center - half, center + half)
 
 
+def win_credit(margin: float) -> float:
+    """A comparison's share of a win from its gold margin (ours - theirs; 0, equal up to float rounding, is a tie):
+    1, 1/2 or 0, as judge.py counts a verdict."""
+    return 1.0 if margin > 0 else 0.5 if margin == 0 else 0.0
+
+
 def length_buckets(judged: list, edges: tuple = LENGTH_EDGES) -> list:
     """Figure 8: [{low, high, wins, n, win_rate}] per bucket of log(ours / other words): `n` judged summaries,
     `wins` of them, a tie counting 1/2 (as judge.py counts it).
@@ -171,7 +177,7 @@ def overoptimisation_curve(tables: dict, batch_size: int, gold: Callable[[str, s
         theirs = [gold(row["query"].strip(), row["reference"].strip()) for row in rows]
         # scores equal up to float rounding are a tie, as judge.py counts them
         margins = [tiny_world_module().gold_difference(a, b) for a, b in zip(ours, theirs)]
-        wins = sum(margin > 0 for margin in margins) + sum(margin == 0 for margin in margins) / 2  # a tie 1/2
+        wins = sum(win_credit(margin) for margin in margins)
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         points.append({"update": episode // batch_size, "episode": episode,
                        "rm": mean([float(row["score"]) for row in rows]),
@@ -208,33 +214,35 @@ def findings(art: dict) -> list:
     def ci(run: dict, decimals: int = 3) -> str:
         return f"{run['win_rate']:.{decimals}f} [{run['ci_low']:.3f}, {run['ci_high']:.3f}]"
 
+    def add_fig1(finding, bar, measured, holds, methods: tuple) -> None:
+        # The issue's "at least 256 posts": a bar whose win rates rest on fewer judged posts does not hold, and says why.
+        short = [f"{METHODS[m]} judged on {runs[m]['n']}" for m in methods if runs.get(m) and runs[m]["n"] < MIN_POSTS]
+        if short and holds is not None:
+            measured, holds = f"{measured}; {', '.join(short)} posts, fewer than {MIN_POSTS}", False
+        add(finding, bar, measured, holds)
+
     sft, ppo, dpo = runs.get("sft"), runs.get("ppo"), runs.get("dpo")
     low, high = SFT_WIN_RATE_RANGE
-    add("Fig. 1: SFT loses to the references", f"SFT's win rate in [{low:.2f}, {high:.2f}]",
+    add_fig1("Fig. 1: SFT loses to the references", f"SFT's win rate in [{low:.2f}, {high:.2f}]",
         ci(sft, digits_apart(sft["win_rate"], low, high)) if sft else "not run",
-        low <= sft["win_rate"] <= high if sft else None)
-    add("Fig. 1: PPO is at least even with the references", f"PPO's win rate >= {PPO_MIN_WIN_RATE:.2f}",
+        low <= sft["win_rate"] <= high if sft else None, ("sft",))
+    add_fig1("Fig. 1: PPO is at least even with the references", f"PPO's win rate >= {PPO_MIN_WIN_RATE:.2f}",
         ci(ppo, digits_apart(ppo["win_rate"], PPO_MIN_WIN_RATE)) if ppo else "not run",
-        ppo["win_rate"] >= PPO_MIN_WIN_RATE if ppo else None)
+        ppo["win_rate"] >= PPO_MIN_WIN_RATE if ppo else None, ("ppo",))
     both = sft is not None and ppo is not None
     gain = ppo["win_rate"] - sft["win_rate"] if both else None
     # A gain of exactly 0.20 (0.6 against 0.4) is 0.19999999999999996 in floating point, and meets the bar.
-    add("Fig. 1: RLHF (PPO) beats SFT", f"PPO >= SFT + {PPO_MIN_GAIN:.2f}",
+    add_fig1("Fig. 1: RLHF (PPO) beats SFT", f"PPO >= SFT + {PPO_MIN_GAIN:.2f}",
         f"PPO - SFT = {gain:+.{digits_apart(gain, PPO_MIN_GAIN)}f}" if both else "not run",
-        gain >= PPO_MIN_GAIN - FLOAT_ROUNDING if both else None)
+        gain >= PPO_MIN_GAIN - FLOAT_ROUNDING if both else None, ("sft", "ppo"))
     apart = digits_apart(ppo["ci_low"], sft["ci_high"]) if both else 3
-    add("Fig. 1: ... beyond the noise", "PPO's CI above SFT's",
+    add_fig1("Fig. 1: ... beyond the noise", "PPO's CI above SFT's",
         f"PPO's lower bound {ppo['ci_low']:.{apart}f}, SFT's upper bound {sft['ci_high']:.{apart}f}" if both
-        else "not run", ppo["ci_low"] > sft["ci_high"] if both else None)
+        else "not run", ppo["ci_low"] > sft["ci_high"] if both else None, ("sft", "ppo"))
     apart = digits_apart(dpo["win_rate"], sft["win_rate"]) if dpo and sft else 3
-    add("Fig. 1: DPO beats SFT", "DPO's win rate > SFT's",
+    add_fig1("Fig. 1: DPO beats SFT", "DPO's win rate > SFT's",
         (f"DPO {ci(dpo, apart)}" + (f" (SFT {sft['win_rate']:.{apart}f})" if apart > 3 else ""))
-        if dpo and sft else "not run", dpo["win_rate"] > sft["win_rate"] if dpo and sft else None)
-    # The issue's "at least 256 posts": a bar whose win rates rest on fewer judged posts does not hold, and says why.
-    for row, methods in zip(rows, (("sft",), ("ppo",), ("sft", "ppo"), ("sft", "ppo"), ("dpo", "sft"))):
-        short = [f"{METHODS[m]} judged on {runs[m]['n']}" for m in methods if runs.get(m) and runs[m]["n"] < MIN_POSTS]
-        if short and row["holds"] is not None:
-            row.update(measured=f"{row['measured']}; {', '.join(short)} posts, fewer than {MIN_POSTS}", holds=False)
+        if dpo and sft else "not run", dpo["win_rate"] > sft["win_rate"] if dpo and sft else None, ("dpo", "sft"))
     for method in ("ppo", "dpo"):  # the issue's bars are against the references; the direct comparison is shown
         run = art["head_to_head"].get(method)
         add(f"{method.upper()} against SFT, head to head (the gold judge)", "shown, no bar",
