@@ -246,7 +246,7 @@ def sft_evaluate(accelerator, model, dataset, tokenizer, generation_config, loca
         nll, count = next_token_nll(logits[:real], query_references[:real], pad_id)
         nll_sum, num_tokens = nll_sum + nll, num_tokens + count
         queries = batch["query_token"].to(accelerator.device)  # (B, T_q), left-padded
-        query_responses, _ = generate(unwrapped, queries, pad_id, generation_config)
+        query_responses = generate(unwrapped, queries, pad_id, generation_config)
         responses = truncate_response(query_responses[:, queries.shape[1]:], eos_id, pad_id)  # (B, T_resp)
         for i, query, response, reference in list(zip(
                 indices, tokenizer.batch_decode(queries, skip_special_tokens=True),
@@ -397,8 +397,8 @@ def truncate_response(responses: torch.Tensor, eos_token_id: int, pad_token_id: 
     return torch.masked_fill(responses, positions > eos_index.unsqueeze(1), pad_token_id)
 
 
-def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config) -> tuple:
-    """(B, T_q) left-padded queries -> ((B, T_q + T_resp) queries ++ sampled ids, (B, T_resp, V) scores)."""
+def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
+    """(B, T_q) left-padded queries -> (B, T_q + T_resp) queries ++ sampled ids."""
     context_length = queries.shape[1]
     attention_mask = queries != pad_token_id  # (B, T_q)
     input_ids = torch.masked_fill(queries, ~attention_mask, 0)
@@ -409,7 +409,7 @@ def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config)
     model.generation_config.pad_token_id = None
     output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
     # (B, T_q + T_resp): the original queries (with their pads) ++ the new tokens
-    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), torch.stack(output.scores, 1)
+    return torch.cat((queries, output[:, context_length:]), dim=1)
 
 
 def sampling_config(response_length: int, temperature: float, unsampled: list) -> GenerationConfig:
@@ -418,7 +418,7 @@ def sampling_config(response_length: int, temperature: float, unsampled: list) -
     unowned rows)."""
     return GenerationConfig(max_new_tokens=response_length, min_new_tokens=response_length,
                             temperature=temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,
-                            return_dict_in_generate=True, output_scores=True, suppress_tokens=unsampled)
+                            suppress_tokens=unsampled)  # ids only: the per-step scores ((B, V) each) are not kept
 
 
 def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:

@@ -140,9 +140,25 @@ def sampler_with_junk_after_eos(tokenizer):
 
     def generate(model, queries, pad_token_id, config):
         response = torch.tensor(summary + [tokenizer.eos_token_id] + junk).expand(len(queries), -1)
-        return torch.cat((queries, response), 1), None
+        return torch.cat((queries, response), 1)
 
     return generate
+
+
+def generate_with_scores(model, queries, pad_token_id, config):
+    """HF generate as sft.py's and dpo.py's `generate` calls it -> (queries ++ sampled ids, (B, T_resp, V) per-step
+    scores): the stages keep only the ids; the tests compare the scores too. The same draws from the same seed."""
+    import copy
+
+    import torch
+
+    config = copy.deepcopy(config)
+    config.return_dict_in_generate, config.output_scores = True, True
+    attention_mask = queries != pad_token_id
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    output = model.generate(input_ids=queries.masked_fill(~attention_mask, 0), attention_mask=attention_mask,
+                            generation_config=config)
+    return torch.cat((queries, output.sequences[:, queries.shape[1]:]), 1), torch.stack(output.scores, 1)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import torch
 
 import ppo
 import reward
-from conftest import REPO, WORLD, early_exits, multi_process_slot, run_python
+from conftest import REPO, WORLD, early_exits, generate_with_scores, multi_process_slot, run_python
 from ppo import (PolicyAndValueWrapper, ScalarModel, compute_gae, compute_rewards, disable_dropout, eos_trick,
                  first_true_indices, gather_logprobs, get_reward, get_score, get_values, masked_mean,
                  ppo_batch_sizes, response_outputs,
@@ -343,12 +343,13 @@ def test_sample_rollout_draws_what_generate_draws(tiny_tldr):
     queries, length, temperature = padded_queries(tiny_tldr, 8), 30, 0.7 + 1e-7
     unsampled = unsampled_ids(policy)
     config = GenerationConfig(max_new_tokens=length, min_new_tokens=length, temperature=temperature, top_k=0,
-                              top_p=1.0, do_sample=True, return_dict_in_generate=True, output_scores=True,
-                              suppress_tokens=unsampled.tolist())
+                              top_p=1.0, do_sample=True, suppress_tokens=unsampled.tolist())
     with torch.no_grad():
         torch.manual_seed(1)
-        reference, reference_scores = generate(policy.eval(), queries, PAD, config)
+        reference, reference_scores = generate_with_scores(policy.eval(), queries, PAD, config)
         after_reference = torch.rand(4)
+        torch.manual_seed(1)
+        assert torch.equal(generate(policy, queries, PAD, config), reference)  # the evaluations' sampler: the same ids
         torch.manual_seed(1)
         fast, fast_scores = sample_rollout(policy, queries, PAD, EOS, length, temperature, unsampled)
         after_fast = torch.rand(4)

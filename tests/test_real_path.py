@@ -224,12 +224,11 @@ def test_sampling_never_emits_pad_or_unowned_ids_even_when_they_are_likeliest(py
     policy.get_output_embeddings().register_forward_hook(boost)
     queries, length = queries_of(tokenizer, 4), 12
     unsampled = torch.tensor(unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
-    config = dict(max_new_tokens=length, min_new_tokens=length, temperature=0.7, top_k=0, top_p=1.0, do_sample=True,
-                  return_dict_in_generate=True, output_scores=True)
+    config = dict(max_new_tokens=length, min_new_tokens=length, temperature=0.7, top_k=0, top_p=1.0, do_sample=True)
     with torch.no_grad():
-        plain, _ = generate(policy, queries, pad, GenerationConfig(**config))
+        plain = generate(policy, queries, pad, GenerationConfig(**config))
         assert (plain[:, queries.shape[1]:] == pad).float().mean() > 0.5  # the hook bites without the mask
-        evaluated, _ = generate(policy, queries, pad, GenerationConfig(**config, suppress_tokens=unsampled.tolist()))
+        evaluated = generate(policy, queries, pad, GenerationConfig(**config, suppress_tokens=unsampled.tolist()))
         rollout, scores = sample_rollout(policy, queries, pad, EOS, length, 0.7, unsampled)
     for sampled in (evaluated[:, queries.shape[1]:], rollout[:, queries.shape[1]:]):
         assert sampled.max() < len(tokenizer) - 1 and not (sampled == pad).any()

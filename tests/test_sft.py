@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import sft
-from conftest import REPO, WORLD, early_exits, multi_process_slot, one_process, run_python, sampler_with_junk_after_eos
+from conftest import (REPO, WORLD, early_exits, generate_with_scores, multi_process_slot, one_process, run_python,
+                      sampler_with_junk_after_eos)
 
 BASE = WORLD / "pythia-tiny"
 TINY_RUN = ["--base_model", str(BASE), "--lr", "1e-3", "--batch_size", "8", "--local_micro_batch_size", "4",
@@ -422,11 +423,14 @@ def test_generate_samples_exactly_response_length_and_eos_can_occur(tiny_tldr):
     assert model.generation_config.eos_token_id == 0
     queries = datasets.load_from_disk(str(tiny_tldr / "sft"))["validation"].with_format("torch")[:8]["query_token"]
     config = GenerationConfig(max_new_tokens=44, min_new_tokens=44, temperature=0.01 + 1e-7, top_k=0, top_p=1.0,
-                              do_sample=True, return_dict_in_generate=True, output_scores=True)
-    torch.manual_seed(1)
+                              do_sample=True)
     with torch.no_grad():
-        query_responses, scores = sft.generate(model, queries, 1, config)
+        torch.manual_seed(1)
+        query_responses = sft.generate(model, queries, 1, config)
+        torch.manual_seed(1)
+        with_scores, scores = generate_with_scores(model, queries, 1, config)
     assert query_responses.shape == (8, queries.shape[1] + 44) and scores.shape == (8, 44, 1280)
+    assert torch.equal(query_responses, with_scores)  # the ids do not depend on keeping the scores
     assert torch.equal(query_responses[:, :queries.shape[1]], queries)  # the queries come back with their pads
     responses = query_responses[:, queries.shape[1]:]
     assert (responses == 0).any(1).sum() >= 2  # the base model ends some summaries within 44 tokens
@@ -832,7 +836,7 @@ def test_evaluation_samples_at_the_eval_temperature_the_full_length():
     config = sft.sampling_config(53, 0.01, [7, 9])
     assert config.temperature == pytest.approx(0.01 + 1e-7) and config.do_sample
     assert config.max_new_tokens == config.min_new_tokens == 53 and config.top_k == 0 and config.top_p == 1.0
-    assert list(config.suppress_tokens) == [7, 9] and config.output_scores and config.return_dict_in_generate
+    assert list(config.suppress_tokens) == [7, 9] and not config.output_scores  # ids only: no (B, T, V) scores kept
 
 
 def test_sft_evaluate_cuts_each_summary_at_its_eos_and_counts_real_rows_only(tiny_tldr, monkeypatch):
