@@ -409,16 +409,18 @@ def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config)
     model.generation_config.pad_token_id = None
     output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
     # (B, T_q + T_resp): the original queries (with their pads) ++ the new tokens
-    return torch.cat((queries, output[:, context_length:]), dim=1)
+    return torch.cat((queries, output.sequences[:, context_length:]), dim=1)
 
 
 def sampling_config(response_length: int, temperature: float, unsampled: list) -> GenerationConfig:
     """The evaluation's sampler for HF generate: pure temperature sampling (T + 1e-7, as the reference code; no
     top-k, no top-p), always response_length new tokens (EOS is cut afterwards), never an id of `unsampled` ([PAD],
     unowned rows)."""
+    # return_dict_in_generate set (not left at its default, which a model's own generation_config would fill in):
+    # an output with .sequences, always. No output_scores: generate would keep a (B, V) tensor a step, unread.
     return GenerationConfig(max_new_tokens=response_length, min_new_tokens=response_length,
                             temperature=temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,
-                            suppress_tokens=unsampled)  # ids only: the per-step scores ((B, V) each) are not kept
+                            return_dict_in_generate=True, suppress_tokens=unsampled)
 
 
 def unsampled_token_ids(tokenizer, vocab_rows: int) -> list:

@@ -343,7 +343,8 @@ def test_sample_rollout_draws_what_generate_draws(tiny_tldr):
     queries, length, temperature = padded_queries(tiny_tldr, 8), 30, 0.7 + 1e-7
     unsampled = unsampled_ids(policy)
     config = GenerationConfig(max_new_tokens=length, min_new_tokens=length, temperature=temperature, top_k=0,
-                              top_p=1.0, do_sample=True, suppress_tokens=unsampled.tolist())
+                              top_p=1.0, do_sample=True, return_dict_in_generate=True,
+                              suppress_tokens=unsampled.tolist())
     with torch.no_grad():
         torch.manual_seed(1)
         reference, reference_scores = generate_with_scores(policy.eval(), queries, PAD, config)

@@ -224,7 +224,8 @@ def test_sampling_never_emits_pad_or_unowned_ids_even_when_they_are_likeliest(py
     policy.get_output_embeddings().register_forward_hook(boost)
     queries, length = queries_of(tokenizer, 4), 12
     unsampled = torch.tensor(unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
-    config = dict(max_new_tokens=length, min_new_tokens=length, temperature=0.7, top_k=0, top_p=1.0, do_sample=True)
+    config = dict(max_new_tokens=length, min_new_tokens=length, temperature=0.7, top_k=0, top_p=1.0, do_sample=True,
+                  return_dict_in_generate=True)
     with torch.no_grad():
         plain = generate(policy, queries, pad, GenerationConfig(**config))
         assert (plain[:, queries.shape[1]:] == pad).float().mean() > 0.5  # the hook bites without the mask

@@ -423,7 +423,7 @@ def test_generate_samples_exactly_response_length_and_eos_can_occur(tiny_tldr):
     assert model.generation_config.eos_token_id == 0
     queries = datasets.load_from_disk(str(tiny_tldr / "sft"))["validation"].with_format("torch")[:8]["query_token"]
     config = GenerationConfig(max_new_tokens=44, min_new_tokens=44, temperature=0.01 + 1e-7, top_k=0, top_p=1.0,
-                              do_sample=True)
+                              do_sample=True, return_dict_in_generate=True)
     with torch.no_grad():
         torch.manual_seed(1)
         query_responses = sft.generate(model, queries, 1, config)
@@ -837,6 +837,7 @@ def test_evaluation_samples_at_the_eval_temperature_the_full_length():
     assert config.temperature == pytest.approx(0.01 + 1e-7) and config.do_sample
     assert config.max_new_tokens == config.min_new_tokens == 53 and config.top_k == 0 and config.top_p == 1.0
     assert list(config.suppress_tokens) == [7, 9] and not config.output_scores  # ids only: no (B, T, V) scores kept
+    assert config.return_dict_in_generate  # set: an output with .sequences, whatever a model's generation_config says
 
 
 def test_sft_evaluate_cuts_each_summary_at_its_eos_and_counts_real_rows_only(tiny_tldr, monkeypatch):
