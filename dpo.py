@@ -523,16 +523,19 @@ def truncate_response(responses: torch.Tensor, eos_token_id: int, pad_token_id: 
 
 
 def generate(model, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
-    """(B, T_q) left-padded queries -> (B, T_q + T_resp) queries ++ sampled ids."""
+    """(B, T_q) left-padded queries -> (B, T_q + T_resp) queries ++ ids sampled as `generation_config` alone says."""
     context_length = queries.shape[1]
     attention_mask = queries != pad_token_id  # (B, T_q)
     input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    # generate() fills unset fields from the model's own generation_config: its eos id would stop
-    # early or, with min_new_tokens, forbid EOS altogether. Without eos / pad ids every row gets
-    # exactly max_new_tokens tokens and EOS is handled afterwards by truncate_response.
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = None
-    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    # generate() fills each field `generation_config` leaves unset from the model's own generation_config.
+    # Its eos id would stop early or, with min_new_tokens, forbid EOS altogether.
+    # A checkpoint's repetition_penalty or top_k (a Hub model may ship one) would change the sampler silently.
+    # So an empty one stands in during the call: every row gets exactly max_new_tokens tokens (EOS: truncate_response).
+    saved, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    finally:
+        model.generation_config = saved
     # (B, T_q + T_resp): the original queries (with their pads) ++ the new tokens
     return torch.cat((queries, output.sequences[:, context_length:]), dim=1)
 
@@ -541,8 +544,7 @@ def sampling_config(response_length: int, temperature: float, unsampled: list) -
     """The evaluation's sampler for HF generate: pure temperature sampling (T + 1e-7, as the reference code; no
     top-k, no top-p), always response_length new tokens (EOS is cut afterwards), never an id of `unsampled` ([PAD],
     unowned rows)."""
-    # return_dict_in_generate set (not left at its default, which a model's own generation_config would fill in):
-    # an output with .sequences, always. No output_scores: generate would keep a (B, V) tensor a step, unread.
+    # An output with .sequences; no output_scores: generate would keep a (B, V) tensor a step, unread.
     return GenerationConfig(max_new_tokens=response_length, min_new_tokens=response_length,
                             temperature=temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,
                             return_dict_in_generate=True, suppress_tokens=unsampled)
@@ -1501,7 +1503,7 @@ def save_dpo(accelerator, args, run_name: str, writer, model, tokenizer, staging
     for key, value in metrics.items():
         writer.add_scalar(key, value, args.num_updates * args.batch_size)
     unwrapped = accelerator.unwrap_model(model)
-    # generate() cleared these; saved, they let a plain `model.generate` elsewhere stop at EOS.
+    # Saved, they let a plain `model.generate` elsewhere stop at EOS (a base model from the Hub may lack them).
     unwrapped.generation_config.eos_token_id = tokenizer.eos_token_id
     unwrapped.generation_config.pad_token_id = tokenizer.pad_token_id
     save_fp32(unwrapped, staging, state_dict)

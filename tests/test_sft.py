@@ -418,7 +418,7 @@ def test_check_tokenizer_pad_rules():
 
 def test_generate_samples_exactly_response_length_and_eos_can_occur(tiny_tldr):
     # transformers fills eos / pad from the model's generation_config: with min_new_tokens that
-    # would forbid EOS in every sample. `generate` clears them, so EOS shows up and truncation acts.
+    # would forbid EOS in every sample. `generate` sets them aside, so EOS shows up and truncation acts.
     model = AutoModelForCausalLM.from_pretrained(BASE).eval()
     assert model.generation_config.eos_token_id == 0
     queries = datasets.load_from_disk(str(tiny_tldr / "sft"))["validation"].with_format("torch")[:8]["query_token"]
@@ -436,6 +436,23 @@ def test_generate_samples_exactly_response_length_and_eos_can_occur(tiny_tldr):
     assert (responses == 0).any(1).sum() >= 2  # the base model ends some summaries within 44 tokens
     truncated = sft.truncate_response(responses, 0, 1)
     assert ((truncated == 0).sum(1) <= 1).all()
+
+
+def test_generate_ignores_the_models_own_generation_config(tiny_tldr):
+    """A checkpoint's generation_config.json (a Hub model may ship top_k, repetition_penalty, ...) fills every field the
+    evaluation's config leaves unset: `generate` samples as the evaluation's config alone says, and leaves the model's
+    generation_config as it was (saved with the model)."""
+    model = AutoModelForCausalLM.from_pretrained(BASE).eval()
+    queries = datasets.load_from_disk(str(tiny_tldr / "sft"))["validation"].with_format("torch")[:4]["query_token"]
+    config = sft.sampling_config(20, 0.7, [1])
+    with torch.no_grad():
+        torch.manual_seed(0)
+        plain = sft.generate(model, queries, 1, config)
+        model.generation_config.no_repeat_ngram_size, model.generation_config.top_k = 1, 2
+        own = model.generation_config
+        torch.manual_seed(0)
+        assert torch.equal(sft.generate(model, queries, 1, config), plain)
+    assert model.generation_config is own and own.top_k == 2 and own.eos_token_id == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -837,7 +854,7 @@ def test_evaluation_samples_at_the_eval_temperature_the_full_length():
     assert config.temperature == pytest.approx(0.01 + 1e-7) and config.do_sample
     assert config.max_new_tokens == config.min_new_tokens == 53 and config.top_k == 0 and config.top_p == 1.0
     assert list(config.suppress_tokens) == [7, 9] and not config.output_scores  # ids only: no (B, T, V) scores kept
-    assert config.return_dict_in_generate  # set: an output with .sequences, whatever a model's generation_config says
+    assert config.return_dict_in_generate  # generate returns an output with .sequences
 
 
 def test_sft_evaluate_cuts_each_summary_at_its_eos_and_counts_real_rows_only(tiny_tldr, monkeypatch):
