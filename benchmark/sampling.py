@@ -1,7 +1,8 @@
 """Sampling speed side by side: ppo.py's fast path (StaticSampler) against HF generate and the plain KV-cache loop.
 
 Four sides: HF generate as sft.py's and dpo.py's evaluations call it (ppo.py's did until it sampled its evaluations
-with the rollout's samplers); HF generate with transformers' own fast path (a static cache and its compiled forward:
+with the rollout's samplers), here keeping its per-step scores, which a rollout needs (the evaluations keep ids only
+since f8b6db1); HF generate with transformers' own fast path (a static cache and its compiled forward:
 cache_implementation="static", a CompileConfig allowed on every device); ppo.py's plain loop (sample_rollout);
 ppo.py's fast path (StaticSampler).
 
@@ -142,8 +143,8 @@ def measure(name: str, rounds: int, response_length: int, temperature: float) ->
     fast = StaticSampler(queries.shape[0])
     no_eos = -1  # no id is -1: every side samples all response_length tokens, as generate does here
     sides = {
-        "HF generate": lambda: generate(policy, queries, pad_id, config)[0],
-        "HF generate, static cache + compile": lambda: generate(policy, queries, pad_id, static_config)[0],
+        "HF generate": lambda: generate(policy, queries, pad_id, config),
+        "HF generate, static cache + compile": lambda: generate(policy, queries, pad_id, static_config),
         "plain loop (sample_rollout)": lambda: sample_rollout(policy, queries, pad_id, no_eos, response_length,
                                                               temperature, unsampled)[0],
         "fast path (StaticSampler)": lambda: fast(policy, queries, pad_id, no_eos, response_length, temperature,
