@@ -1,5 +1,5 @@
 """The benchmarks' own arithmetic, against hand-computed values: the sampling roofline (benchmark/sampling.py and
-sampling_split.py) and gpu_check.py's report."""
+sampling_split.py) and gpu_check.py's report; and sampling.py's four sides run once, end to end."""
 
 import json
 import os
@@ -981,3 +981,24 @@ def test_offload_stream_smoke_run_on_cpu():
         assert [(int(chunk), int(calls)) for chunk, calls, _ in totals] == [(2, 32), (4, 16)]
         for (r, per_call, _), (_, calls, total) in zip(rows, totals):
             assert float(total) == pytest.approx(int(calls) * float(per_call) / 1e3, abs=0.006 + 0.00005 * int(calls))
+
+
+def test_sampling_benchmark_times_four_samplers_that_draw_the_same_tokens(tiny_tldr, monkeypatch):
+    """benchmark/sampling.py's measure() end to end on the tiny base model (4 queries, 3 tokens, 1 round): every side
+    returns the (B, T_q + T_resp) ids and they agree (the script stops otherwise), each side timed once a round."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ppo import unsampled_token_ids
+
+    base = Path(__file__).resolve().parents[1] / "assets" / "tiny_world" / "pythia-tiny"
+    policy = AutoModelForCausalLM.from_pretrained(base).eval()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    queries = datasets.load_from_disk(str(tiny_tldr / "sft"))["train"].with_format("torch")[:4]["query_token"]
+    unsampled = torch.tensor(unsampled_token_ids(tokenizer, policy.get_output_embeddings().weight.size(0)))
+    monkeypatch.setattr(sampling, "load_config", lambda name: (policy, queries, tokenizer.pad_token_id, unsampled, name))
+    result = sampling.measure("tiny", rounds=1, response_length=3, temperature=0.7)
+    assert set(result["seconds"]) == {"HF generate", "HF generate, static cache + compile", "plain loop (sample_rollout)",
+                                      "fast path (StaticSampler)"}
+    assert all(len(times) == 1 for times in result["seconds"].values()) and result["tokens"] == 4 * 3
