@@ -151,13 +151,17 @@ def generate_with_scores(model, queries, pad_token_id, config):
     import copy
 
     import torch
+    from transformers import GenerationConfig
 
     config = copy.deepcopy(config)
     config.return_dict_in_generate, config.output_scores = True, True
     attention_mask = queries != pad_token_id
-    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
-    output = model.generate(input_ids=queries.masked_fill(~attention_mask, 0), attention_mask=attention_mask,
-                            generation_config=config)
+    saved, model.generation_config = model.generation_config, GenerationConfig()  # as `generate`: no model defaults
+    try:
+        output = model.generate(input_ids=queries.masked_fill(~attention_mask, 0), attention_mask=attention_mask,
+                                generation_config=config)
+    finally:
+        model.generation_config = saved
     return torch.cat((queries, output.sequences[:, queries.shape[1]:]), 1), torch.stack(output.scores, 1)
 
 
