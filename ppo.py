@@ -1690,13 +1690,21 @@ def load_fp32(model_class, path: str, flag: str):
     from safetensors import SafetensorError  # a file cut short (it names no folder)
 
     try:
-        return model_class.from_pretrained(path, dtype=torch.float32)
+        model, loading = model_class.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
     except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
         raise SetupError(f"{flag} {path}: no model folder at {path}, and no model of that name on the Hub "
                          f"(or the Hub cannot be reached): {error}") from error
     except SafetensorError as error:  # a file cut short: a copy or a download that stopped part way
         raise SetupError(f"{flag} {path}: its weights cannot be read ({error}): copy or train the model "
                          "again") from error
+    # from_pretrained starts every weight the checkpoint lacks at random, and only prints a report: a checkpoint of
+    # another layout (the reference code's reward models: lm_backbone.*, scalar_head.*) would train or score as noise.
+    lacking = sorted(loading["missing_keys"]) + sorted(key for key, *_ in loading["mismatched_keys"])
+    refuse(lacking and f"{flag} {path}: {len(lacking)} of the model's weights are not in its checkpoint "
+           f"({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}) and would start at random; it holds "
+           f"{', '.join(sorted(loading['unexpected_keys'])[:3]) or 'no other weights'} instead. Pass a folder written "
+           "by this project's stages, or a base model such as EleutherAI/pythia-1b-deduped")
+    return model
 
 
 def rotary_problem(models: dict) -> Optional[str]:

@@ -365,6 +365,41 @@ def test_a_model_folder_of_the_wrong_stage_is_named_before_it_loads(tmp_path, st
     assert model.dtype == torch.float32
 
 
+@pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
+def test_a_checkpoint_lacking_the_models_weights_is_refused(tmp_path, stage):
+    """from_pretrained starts each weight a checkpoint lacks at random and only prints a report: a model stored under
+    other weight names (here gpt_neox.* renamed lm_backbone.*; in ppo.py also an RM in the reference code's layout,
+    lm_backbone.* and scalar_head.*) is refused, naming the flag, the missing weights and what the file holds."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    module = __import__(stage)
+
+    def renamed(source, folder, renames):
+        shutil.copytree(source, folder)
+        weights = load_file(str(folder / "model.safetensors"))
+        for old, new in renames:
+            weights = {key.replace(old, new, 1) if key.startswith(old) else key: value for key, value in weights.items()}
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return str(folder)
+
+    lm = renamed(WORLD / "pythia-tiny", tmp_path / "lm", [("gpt_neox.", "lm_backbone.")])
+    with pytest.raises(module.SetupError, match=r"--sft_model_path .*lm: 3\d of the model's weights are not in its "
+                                                r"checkpoint \(gpt_neox\..*\) and would start at random; it holds "
+                                                r"lm_backbone\."):
+        module.load_fp32(AutoModelForCausalLM, lm, "--sft_model_path")
+    if stage == "ppo":
+        base = AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny").base_model
+        config = {key: value for key, value in base.config.to_dict().items() if key != "_name_or_path"}
+        module.ScalarModel(module.ScalarModelConfig(base_config=config)).save_pretrained(tmp_path / "rm")
+        module.load_fp32(module.ScalarModel, str(tmp_path / "rm"), "--reward_model_path")  # ours: loads
+        reference = renamed(tmp_path / "rm", tmp_path / "reference_rm", [("backbone.", "lm_backbone."),
+                                                                          ("head.", "scalar_head.")])
+        with pytest.raises(module.SetupError, match=r"--reward_model_path .*reference_rm: \d+ of the model's weights "
+                                                    r"are not in its checkpoint .* it holds lm_backbone\."):
+            module.load_fp32(module.ScalarModel, reference, "--reward_model_path")
+
+
 def test_a_run_resumes_with_another_checkpoint_cadence(tmp_path):
     """--save_every only says when checkpoints are written: a run continued with another cadence (say, a SLURM
     job requeued after SAVE_EVERY_* changed) is the same run, in every training stage."""
