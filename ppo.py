@@ -1702,8 +1702,8 @@ def load_fp32(model_class, path: str, flag: str):
     lacking = sorted(loading["missing_keys"]) + sorted(key for key, *_ in loading["mismatched_keys"])
     refuse(lacking and f"{flag} {path}: {len(lacking)} of the model's weights are not in its checkpoint "
            f"({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}) and would start at random; it holds "
-           f"{', '.join(sorted(loading['unexpected_keys'])[:3]) or 'no other weights'} instead. Pass a folder written "
-           "by this project's stages, or a base model such as EleutherAI/pythia-1b-deduped")
+           f"{', '.join(sorted(loading['unexpected_keys'])[:3]) or 'no other weights'} instead: another layout. {flag} "
+           f"takes {'reward.py' if wants_rm else 'sft.py'}'s output{'' if wants_rm else ' or a base model'}")
     return model
 
 

@@ -386,7 +386,7 @@ def test_a_checkpoint_lacking_the_models_weights_is_refused(tmp_path, stage):
     lm = renamed(WORLD / "pythia-tiny", tmp_path / "lm", [("gpt_neox.", "lm_backbone.")])
     with pytest.raises(module.SetupError, match=r"--sft_model_path .*lm: 3\d of the model's weights are not in its "
                                                 r"checkpoint \(gpt_neox\..*\) and would start at random; it holds "
-                                                r"lm_backbone\."):
+                                                r"lm_backbone\..* --sft_model_path takes sft.py's output or a base model"):
         module.load_fp32(AutoModelForCausalLM, lm, "--sft_model_path")
     if stage == "ppo":
         base = AutoModelForCausalLM.from_pretrained(WORLD / "pythia-tiny").base_model
@@ -396,7 +396,8 @@ def test_a_checkpoint_lacking_the_models_weights_is_refused(tmp_path, stage):
         reference = renamed(tmp_path / "rm", tmp_path / "reference_rm", [("backbone.", "lm_backbone."),
                                                                           ("head.", "scalar_head.")])
         with pytest.raises(module.SetupError, match=r"--reward_model_path .*reference_rm: \d+ of the model's weights "
-                                                    r"are not in its checkpoint .* it holds lm_backbone\."):
+                                                    r"are not in its checkpoint .* it holds lm_backbone\..* "
+                                                    r"--reward_model_path takes reward.py's output$"):
             module.load_fp32(module.ScalarModel, reference, "--reward_model_path")
 
 
