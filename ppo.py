@@ -1764,7 +1764,12 @@ def start_ppo_logging(args, accelerator, resume_from: Optional[tuple], recorded:
         os.makedirs(args.output_dir, exist_ok=True)
         write_text_atomic(os.path.join(args.output_dir, "args.json"), json.dumps({
             **asdict(args), "run_name": run_name, **recorded,
-            "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}, indent=2))
+            "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__))),
+            # How `accelerate launch` ran it: without --config_file it takes the machine's default accelerate config,
+            # which can turn on DeepSpeed, bf16 or torch dynamo, and no flag of this script would show it.
+            "launch": {"distributed_type": str(accelerator.distributed_type.value), "processes": accelerator.num_processes,
+                       "mixed_precision": accelerator.mixed_precision,
+                       "dynamo_backend": str(accelerator.state.dynamo_plugin.backend.value)}}, indent=2))
         if args.track:
             import wandb  # imported here: without --track nothing touches the network
 

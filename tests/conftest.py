@@ -124,9 +124,13 @@ def one_process(rank=0, processes=1, deepspeed=None):
 
     import torch
 
+    kind = "DEEPSPEED" if deepspeed is not None else "MULTI_CPU" if processes > 1 else "NO"
     return SimpleNamespace(device=torch.device("cpu"), is_main_process=rank == 0, process_index=rank,
                            num_processes=processes, wait_for_everyone=lambda: None,
-                           state=SimpleNamespace(deepspeed_plugin=deepspeed), unwrap_model=lambda model: model,
+                           distributed_type=SimpleNamespace(value=kind), mixed_precision="no",
+                           state=SimpleNamespace(deepspeed_plugin=deepspeed,
+                                                 dynamo_plugin=SimpleNamespace(backend=SimpleNamespace(value="NO"))),
+                           unwrap_model=lambda model: model,
                            scaler=None, reduce=lambda tensor, reduction="sum": tensor, print=print, step=1,
                            autocast=contextlib.nullcontext)
 

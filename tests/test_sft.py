@@ -566,6 +566,8 @@ def test_smoke_run_saves_a_loadable_model(single_run):
     args = json.loads((out / "args.json").read_text())
     assert (args["num_updates"], args["gradient_accumulation_steps"], args["local_micro_batch_size"]) == (4, 2, 4)
     assert args["git_commit"] and args["pad_token_id"] == 1 and args["eos_token_id"] == 0
+    # how accelerate ran it (a default accelerate config could have turned on DeepSpeed, bf16 or dynamo unseen)
+    assert args["launch"] == {"distributed_type": "NO", "processes": 1, "mixed_precision": "no", "dynamo_backend": "NO"}
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == 1 and tokenizer.eos_token_id == 0
@@ -678,6 +680,8 @@ def test_deepspeed_zero2_matches_one_process(single_run, tiny_tldr, tmp_path):
     run_sft(tmp_path, *TINY_RUN, "--query_dataset", tiny_tldr / "sft", "--output_dir", tmp_path / "out",
             "--num_eval_samples", "0", processes=2, deepspeed=True)
     assert max_difference(weights(tmp_path / "out"), weights(single_run[0])) < PROCESS_TOLERANCE
+    launch = json.loads((tmp_path / "out" / "args.json").read_text())["launch"]  # recorded as accelerate ran it
+    assert (launch["distributed_type"], launch["processes"], launch["mixed_precision"]) == ("DEEPSPEED", 2, "no")
 
 
 def test_adamw_is_the_plain_adamw_fused_only_on_a_gpu():
