@@ -11,7 +11,7 @@ then it samples a summary for each SFT validation query, which judge.py compares
 references.
 
     {output_dir}/                     the policy: a causal-LM folder + tokenizer (loads with from_pretrained)
-    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, input_args_json, git commit
+    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, input_args_json, launch, git commit
     {output_dir}/eval_validation.csv  columns query, response, reference: summaries of the SFT
                                       validation queries (what judge.py reads, as sft.py writes it)
     {output_dir}/eval_pairs_{split}.csv  one row per preference pair: texts, batch, split, confidence,
@@ -948,7 +948,8 @@ def dpo_inputs(args, accelerator) -> tuple:
         raise SetupError(f"--label_dataset {args.label_dataset}: its train split ({train_pairs} pairs) x --num_train_epochs "
                          f"{args.num_train_epochs} is less than one batch of {args.batch_size}: pass --total_episodes")
     recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-                "tokenizer_identity": identity, "input_args_json": prints}
+                "tokenizer_identity": identity, "input_args_json": prints,
+                "mixed_precision": accelerator.mixed_precision}  # compared on --resume, as the flags are
     return preference, sft, tokenizer, recorded
 
 
@@ -986,7 +987,8 @@ def resolve_paths(args, accelerator, stage: str) -> tuple:
     problem = (push_problem(args, name) or input_problem(args.sft_model_path, "--sft_model_path", make_sft)
                or input_problem(args.label_dataset, "--label_dataset", make_data)
                or input_problem(args.query_dataset, "--query_dataset", make_data)
-               or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": prints},
+               or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": prints,
+                                                       "mixed_precision": accelerator.mixed_precision},
                                      RESUME_FLAGS + (
                    "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates")))
     refuse(problem)
@@ -1047,6 +1049,8 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
     if os.listdir(output_dir) == ["args.json"]:  # a start that failed before any work: nothing to lose
         return None
     saved = load_json(path)
+    # The mixed precision accelerate ran with is recorded since 2026-12-03: a run recorded before resumes unchecked.
+    saved.setdefault("mixed_precision", flags.get("mixed_precision"))
     changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
                if k not in ignored and saved.get(k) != v]
     if changed:
@@ -1249,8 +1253,8 @@ def start_logging(args, accelerator, resume_from: Optional[tuple], recorded: dic
             "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__))),
             # How `accelerate launch` ran it: without --config_file it takes the machine's default accelerate config,
             # which can turn on DeepSpeed, bf16 or torch dynamo, and no flag of this script would show it.
+            # Its mixed precision is in `recorded`, beside the flags: --resume compares it.
             "launch": {"distributed_type": str(accelerator.distributed_type.value), "processes": accelerator.num_processes,
-                       "mixed_precision": accelerator.mixed_precision,
                        "dynamo_backend": str(accelerator.state.dynamo_plugin.backend.value)}}, indent=2))
         if args.track:
             import wandb  # imported here: without --track nothing touches the network

@@ -41,7 +41,8 @@ rows asked with no verdict yet under these settings) stops the run. Results are 
 in every case: the cache is append-only (a line torn by a kill is skipped and that row asked again),
 every other file is written beside and renamed into place. Keys come from OPENAI_API_KEY only;
 credentials inside --base_url (user:password@, query values) are redacted wherever text is written.
-Exit status: 0 every row answered; 1 bad flags or a stopped run; 3 finished with failed rows.
+Exit status: 0 every row answered (or the --max_new_judgments budget spent: results.md counts the rows left);
+1 bad flags or a stopped run; 3 finished with failed rows.
 
 Details: 17 (agreement of the reward model's ordering with the judge, when scores are present).
 Printed: a progress bar, then the results tables (results.md) and the call counts.
@@ -1089,12 +1090,15 @@ def markdown_tables(runs: dict, header: str) -> str:
         if r["vs"] == "reference" and r["n"]:
             methods.setdefault(r["method"], []).append(r)
     if methods:
-        lines += ["", "| method | runs | mean win rate | std over runs | mean words |", "|---|---|---|---|---|"]
+        # n and the rows left say whether a mean is over every post (a --max_new_judgments stop leaves some unjudged).
+        lines += ["", "| method | runs | mean win rate | std over runs | mean words | n | left (unjudged, failed) |",
+                  "|---|---|---|---|---|---|---|"]
         for method, rs in methods.items():
             rates = [r["win_rate"] for r in rs]
             std = statistics.stdev(rates) if len(rates) > 1 else None  # sample std over seeds
             lines.append(f"| {method} | {len(rs)} | {fmt(statistics.mean(rates))} | {fmt(std)} "
-                         f"| {fmt(statistics.mean(r['mean_words'] for r in rs), 1)} |")
+                         f"| {fmt(statistics.mean(r['mean_words'] for r in rs), 1)} | {sum(r['n'] for r in rs)} "
+                         f"| {sum(r['unjudged'] for r in rs)}, {sum(r['failed'] for r in rs)} |")
     return "\n".join(lines) + "\n"
 
 

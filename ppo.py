@@ -7,7 +7,7 @@ advantages, and takes 4 epochs of clipped PPO steps on policy and critic togethe
 updates) the RM scores the policy's summaries of validation prompts (temperature 0.01) beside the human references.
 
     {output_dir}/                   the policy: a causal-LM folder + tokenizer (loads with from_pretrained)
-    {output_dir}/args.json          these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, input_args_json, git commit
+    {output_dir}/args.json          these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, input_args_json, launch, git commit
     {output_dir}/eval_{split}.csv   columns query, response, reference, score, reference_score (judge.py)
     {output_dir}/eval_metrics.json  {split: {score, reference_score, eos_fraction, response_length}}
     {output_dir}/checkpoints/       the latest --save_every checkpoint (no pickle), removed when the run ends
@@ -1414,7 +1414,8 @@ def ppo_inputs(args, accelerator) -> tuple:
     refuse(push_problem(args, name) or input_problem(args.sft_model_path, "--sft_model_path", make["sft_model_path"])
            or input_problem(args.reward_model_path, "--reward_model_path", make["reward_model_path"])
            or input_problem(args.query_dataset, "--query_dataset", f"python preprocess_tldr.py --base_model {args.base_model}")
-           or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": prints},
+           or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": prints,
+                                                   "mixed_precision": accelerator.mixed_precision},
                                  RESUME_FLAGS + SPEED_ONLY_FLAGS + (
                "world_size", "local_batch_size", "mini_batch_size", "local_mini_batch_size",
                "gradient_accumulation_steps", "micro_batch_size", "num_updates")))
@@ -1426,7 +1427,8 @@ def ppo_inputs(args, accelerator) -> tuple:
         raise SetupError(f"{args.query_dataset} lacks {missing}: build it with preprocess_tldr.py")
     tokenizer, identity = ppo_tokenizer(args, accelerator, dataset, local_dataset)
     recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-                "tokenizer_identity": identity, "input_args_json": prints}
+                "tokenizer_identity": identity, "input_args_json": prints,
+                "mixed_precision": accelerator.mixed_precision}  # compared on --resume, as the flags are
     return dataset, eval_splits, tokenizer, recorded
 
 
@@ -1529,6 +1531,8 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
     if os.listdir(output_dir) == ["args.json"]:  # a start that failed before any work: nothing to lose
         return None
     saved = load_json(path)
+    # The mixed precision accelerate ran with is recorded since 2026-12-03: a run recorded before resumes unchecked.
+    saved.setdefault("mixed_precision", flags.get("mixed_precision"))
     changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
                if k not in ignored and saved.get(k) != v]
     if changed:
@@ -1767,8 +1771,8 @@ def start_ppo_logging(args, accelerator, resume_from: Optional[tuple], recorded:
             "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__))),
             # How `accelerate launch` ran it: without --config_file it takes the machine's default accelerate config,
             # which can turn on DeepSpeed, bf16 or torch dynamo, and no flag of this script would show it.
+            # Its mixed precision is in `recorded`, beside the flags: --resume compares it.
             "launch": {"distributed_type": str(accelerator.distributed_type.value), "processes": accelerator.num_processes,
-                       "mixed_precision": accelerator.mixed_precision,
                        "dynamo_backend": str(accelerator.state.dynamo_plugin.backend.value)}}, indent=2))
         if args.track:
             import wandb  # imported here: without --track nothing touches the network

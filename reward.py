@@ -8,7 +8,7 @@ mean reward of 0; then the RM is evaluated on `validation` (TL;DR) and `validati
 
     {output_dir}/                     ScalarModel (safetensors) + tokenizer; loads anywhere with
                                       `from reward import ScalarModel; ScalarModel.from_pretrained(path)`
-    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, input_args_json, git commit
+    {output_dir}/args.json            these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, input_args_json, launch, git commit
     {output_dir}/eval_{split}.csv     one row per pair: texts, batch, split, confidence, policies,
                                       chosen/rejected reward, accuracy (+ gold_prefers_chosen)
     {output_dir}/accuracy_{split}.md  accuracy overall and by split / batch / confidence
@@ -1047,7 +1047,8 @@ def rm_inputs(args, accelerator) -> tuple:
         raise SetupError(f"--label_dataset {args.label_dataset}: its train split ({train_pairs} pairs) x --num_train_epochs "
                          f"{args.num_train_epochs} is less than one batch of {args.batch_size}: pass --total_episodes")
     recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-                "tokenizer_identity": identity, "input_args_json": prints}
+                "tokenizer_identity": identity, "input_args_json": prints,
+                "mixed_precision": accelerator.mixed_precision}  # compared on --resume, as the flags are
     return preference, sft, judged, tokenizer, recorded
 
 
@@ -1085,7 +1086,8 @@ def resolve_paths(args, accelerator, stage: str) -> tuple:
     problem = (push_problem(args, name) or input_problem(args.sft_model_path, "--sft_model_path", make_sft)
                or input_problem(args.label_dataset, "--label_dataset", make_data)
                or input_problem(args.query_dataset, "--query_dataset", make_data)
-               or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": prints},
+               or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": prints,
+                                                       "mixed_precision": accelerator.mixed_precision},
                                      RESUME_FLAGS + (
                    "world_size", "gradient_accumulation_steps", "local_batch_size", "micro_batch_size", "num_updates")))
     refuse(problem)
@@ -1146,6 +1148,8 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
     if os.listdir(output_dir) == ["args.json"]:  # a start that failed before any work: nothing to lose
         return None
     saved = load_json(path)
+    # The mixed precision accelerate ran with is recorded since 2026-12-03: a run recorded before resumes unchecked.
+    saved.setdefault("mixed_precision", flags.get("mixed_precision"))
     changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
                if k not in ignored and saved.get(k) != v]
     if changed:
@@ -1384,8 +1388,8 @@ def start_logging(args, accelerator, resume_from: Optional[tuple], recorded: dic
             "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__))),
             # How `accelerate launch` ran it: without --config_file it takes the machine's default accelerate config,
             # which can turn on DeepSpeed, bf16 or torch dynamo, and no flag of this script would show it.
+            # Its mixed precision is in `recorded`, beside the flags: --resume compares it.
             "launch": {"distributed_type": str(accelerator.distributed_type.value), "processes": accelerator.num_processes,
-                       "mixed_precision": accelerator.mixed_precision,
                        "dynamo_backend": str(accelerator.state.dynamo_plugin.backend.value)}}, indent=2))
         if args.track:
             import wandb  # imported here: without --track nothing touches the network

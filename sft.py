@@ -7,7 +7,7 @@ then samples a summary for each validation (and with --eval_test, test) query at
 reward.py, dpo.py and ppo.py load with `from_pretrained`:
 
     {output_dir}/                 model + tokenizer ([PAD] included), dropout 0 in its config
-    {output_dir}/args.json        these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, input_args_json, git commit
+    {output_dir}/args.json        these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, input_args_json, launch, git commit
     {output_dir}/eval_{split}.csv columns query, response, reference (what judge.py reads)
     {output_dir}/eval_metrics.json  {split: {loss, rouge1, rouge2, rougeL}}
     {output_dir}/checkpoints/     the latest --save_every checkpoint (no pickle), removed when the run ends
@@ -672,7 +672,8 @@ def sft_inputs(args, accelerator) -> tuple:
     accelerator.wait_for_everyone()
     prints = input_prints(args, *INPUTS)  # its inputs as this start finds them: compared on --resume, recorded
     refuse(push_problem(args, name) or input_problem(args.query_dataset, "--query_dataset", make_data)
-           or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": prints},
+           or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": prints,
+                                                   "mixed_precision": accelerator.mixed_precision},
                                  RESUME_FLAGS + ("world_size", "gradient_accumulation_steps", "local_batch_size",
                                                  "micro_batch_size", "num_updates")))
     local_dataset = os.path.isdir(args.query_dataset)
@@ -689,7 +690,8 @@ def sft_inputs(args, accelerator) -> tuple:
                          f"--num_train_epochs {args.num_train_epochs} is less than one batch of {args.batch_size}: "
                          "pass --total_episodes")
     recorded = {"base_model_name": name, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-                "tokenizer_identity": identity, "input_args_json": prints}
+                "tokenizer_identity": identity, "input_args_json": prints,
+                "mixed_precision": accelerator.mixed_precision}  # compared on --resume, as the flags are
     return dataset, eval_splits, tokenizer, recorded
 
 
@@ -760,6 +762,8 @@ def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional
     if os.listdir(output_dir) == ["args.json"]:  # a start that failed before any work: nothing to lose
         return None
     saved = load_json(path)
+    # The mixed precision accelerate ran with is recorded since 2026-12-03: a run recorded before resumes unchecked.
+    saved.setdefault("mixed_precision", flags.get("mixed_precision"))
     changed = [f"{k}={saved.get(k)!r} there, {v!r} now" for k, v in flags.items()
                if k not in ignored and saved.get(k) != v]
     if changed:
@@ -949,8 +953,8 @@ def start_sft_logging(args, accelerator, resume_from: Optional[tuple], recorded:
             "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__))),
             # How `accelerate launch` ran it: without --config_file it takes the machine's default accelerate config,
             # which can turn on DeepSpeed, bf16 or torch dynamo, and no flag of this script would show it.
+            # Its mixed precision is in `recorded`, beside the flags: --resume compares it.
             "launch": {"distributed_type": str(accelerator.distributed_type.value), "processes": accelerator.num_processes,
-                       "mixed_precision": accelerator.mixed_precision,
                        "dynamo_backend": str(accelerator.state.dynamo_plugin.backend.value)}}, indent=2))
         if args.track:
             import wandb  # imported here: without --track nothing touches the network

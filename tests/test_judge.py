@@ -154,7 +154,10 @@ def test_method_table_std_is_over_seeds_sample_std():
                                   mean_other_words=10.0, rm_agreement=None, n_rm_agreement=0, calls=10,
                                   possibly_billed_twice=0)
     markdown = judge.markdown_tables({"ppo__seed1": run(0.6, 1), "ppo__seed2": run(0.7, 2)}, "# results")
-    assert "| ppo | 2 | 0.650 | 0.071 | 12.0 |" in markdown
+    assert "| ppo | 2 | 0.650 | 0.071 | 12.0 | 20 | 0, 0 |" in markdown
+    # A mean over part of the posts says so: the rows left beside it.
+    partial = judge.markdown_tables({"ppo__seed1": {**run(0.6, 1), "n": 3, "unjudged": 6, "failed": 1}}, "# results")
+    assert "| ppo | 1 | 0.600 | - | 12.0 | 3 | 6, 1 |" in partial
 
 
 def test_backoff_and_retry_classification():

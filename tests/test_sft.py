@@ -421,6 +421,26 @@ def test_a_run_resumes_with_another_checkpoint_cadence(tmp_path):
     assert "holds a different run (seed=1 there, 2 now)" in problem
 
 
+def test_a_resume_under_another_mixed_precision_is_refused(tmp_path):
+    """accelerate's --mixed_precision (or a default accelerate config) is no flag of the stage, yet it changes every
+    number of the run: a resume must launch as the run was launched. Runs recorded before it was saved resume."""
+    import dpo
+    import ppo
+    import reward
+
+    flags = {"seed": 1, "resume": False}
+    (tmp_path / "checkpoints" / "update_100").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "update_100" / "trainer_state.json").write_text("{}")
+    for module in (sft, reward, dpo, ppo):
+        (tmp_path / "args.json").write_text(json.dumps({**flags, "mixed_precision": "bf16"}))
+        resume = {**flags, "resume": True}
+        assert module.output_dir_problem(str(tmp_path), {**resume, "mixed_precision": "bf16"}, module.RESUME_FLAGS) is None
+        problem = module.output_dir_problem(str(tmp_path), {**resume, "mixed_precision": "no"}, module.RESUME_FLAGS)
+        assert "holds a different run (mixed_precision='bf16' there, 'no' now)" in problem, module.__name__
+        (tmp_path / "args.json").write_text(json.dumps(flags))  # written before the record existed
+        assert module.output_dir_problem(str(tmp_path), {**resume, "mixed_precision": "no"}, module.RESUME_FLAGS) is None
+
+
 def test_missing_columns():
     table = datasets.Dataset.from_dict({"query_token": [[1]], "reference_response_token": [[1]]})
     data = datasets.DatasetDict(train=table, validation=table)
@@ -567,7 +587,8 @@ def test_smoke_run_saves_a_loadable_model(single_run):
     assert (args["num_updates"], args["gradient_accumulation_steps"], args["local_micro_batch_size"]) == (4, 2, 4)
     assert args["git_commit"] and args["pad_token_id"] == 1 and args["eos_token_id"] == 0
     # how accelerate ran it (a default accelerate config could have turned on DeepSpeed, bf16 or dynamo unseen)
-    assert args["launch"] == {"distributed_type": "NO", "processes": 1, "mixed_precision": "no", "dynamo_backend": "NO"}
+    assert args["launch"] == {"distributed_type": "NO", "processes": 1, "dynamo_backend": "NO"}
+    assert args["mixed_precision"] == "no"  # beside the flags: --resume compares it
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == 1 and tokenizer.eos_token_id == 0
@@ -673,6 +694,21 @@ def test_resume_on_another_number_of_processes_matches_uninterrupted(single_run,
     assert max_difference(weights(tmp_path / "out"), weights(single_run[0])) < PROCESS_TOLERANCE
 
 
+def test_a_finished_run_resumed_in_bf16_is_refused_as_another_run(single_run, tiny_tldr):
+    """The mixed precision comes from accelerate (its flag, env or default config), not from sft.py's flags: a
+    requeued start of a finished fp32 run under bf16 is another run, refused before anything loads."""
+    out = single_run[0]  # its own folder (the flags compare --output_dir): neither start may write a byte there
+    before = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()}
+    command = [sys.executable, str(REPO / "sft.py"), *map(str, TINY_RUN), "--query_dataset", str(tiny_tldr / "sft"),
+               "--output_dir", str(out), "--resume"]
+    bf16 = {**os.environ, "ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_USE_CPU": "1"}  # a CPU rehearsal
+    refused = run_python(command, cwd=single_run[1], env=bf16, timeout=300)
+    assert refused.returncode != 0 and "mixed_precision='no' there, 'bf16' now" in refused.stderr, refused.stderr[-2000:]
+    same = run_python(command, cwd=single_run[1], env=dict(os.environ), timeout=300)
+    assert same.returncode == 0 and "nothing to do" in same.stdout, same.stdout[-2000:] + same.stderr[-2000:]
+    assert {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()} == before
+
+
 def test_deepspeed_zero2_matches_one_process(single_run, tiny_tldr, tmp_path):
     # The paper's launcher config on 2 CPU processes (fp32: bf16 is for GPUs). DeepSpeed reads the
     # micro-batch and the accumulation from the script and must not clip gradients (accelerate
@@ -680,8 +716,9 @@ def test_deepspeed_zero2_matches_one_process(single_run, tiny_tldr, tmp_path):
     run_sft(tmp_path, *TINY_RUN, "--query_dataset", tiny_tldr / "sft", "--output_dir", tmp_path / "out",
             "--num_eval_samples", "0", processes=2, deepspeed=True)
     assert max_difference(weights(tmp_path / "out"), weights(single_run[0])) < PROCESS_TOLERANCE
-    launch = json.loads((tmp_path / "out" / "args.json").read_text())["launch"]  # recorded as accelerate ran it
-    assert (launch["distributed_type"], launch["processes"], launch["mixed_precision"]) == ("DEEPSPEED", 2, "no")
+    saved = json.loads((tmp_path / "out" / "args.json").read_text())  # recorded as accelerate ran it
+    assert (saved["launch"]["distributed_type"], saved["launch"]["processes"], saved["mixed_precision"]) == (
+        "DEEPSPEED", 2, "no")
 
 
 def test_adamw_is_the_plain_adamw_fused_only_on_a_gpu():
