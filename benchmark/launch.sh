@@ -184,6 +184,18 @@ for stage in "${ALL_STAGES[@]}"; do
     STATE[$stage $i]=$state OUT_OF[$stage $i]=$(realpath -m "$out")
   done <<< "$list"
 done
+stale=()  # complete runs whose inputs were rebuilt since (a retrained SFT under a finished RM, say): not built upon
+for key in "${!STATE[@]}"; do
+  if [[ ${STATE[$key]} == stale ]]; then stale+=("${OUT_OF[$key]}"); fi
+done
+if ((${#stale[@]})); then
+  echo "benchmark/launch.sh: these complete runs were made from inputs that were rebuilt or removed since, and the" \
+    "sweep would build on them (or report them) as they are:" >&2
+  printf '%s\n' "${stale[@]}" | sort | sed 's/^/  /' >&2
+  echo "Delete them to train them again on the new inputs (rm -r each), then submit again;" \
+    "bash benchmark/slurm/<stage>.sbatch --pending lists each stage's. Nothing was submitted." >&2
+  exit 1
+fi
 SUBMITTED=  # the jobs this call submitted
 n_tasks=$((${#MODEL_LIST[@]} * ${#SEED_LIST[@]}))
 for stage in "${ALL_STAGES[@]}"; do

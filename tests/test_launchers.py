@@ -661,6 +661,61 @@ def test_each_launcher_lists_only_its_tasks_with_work_left(tmp_path):
     assert "results.json unreadable" in result.stderr and "Traceback" not in result.stderr
 
 
+def sha16(path: Path) -> str:
+    """The first 16 hex digits of the sha256 of a file: what a stage records of its inputs' args.json."""
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def test_a_complete_run_on_inputs_rebuilt_since_is_stale_and_stops_the_sweep(tmp_path):
+    """A finished run records the sha256 of its inputs' args.json (input_args_json). Once an input is rebuilt or gone
+    (SFT deleted and trained again under a finished RM, the data preprocessed again), the run is `stale`: its task
+    refuses to start (neither skipped as complete nor trained over), launch.sh submits nothing and names it. A judge
+    whose policies finished again after it judged them judges again."""
+    models, data = tmp_path / "models", tmp_path / "data"
+    data.mkdir()
+    (data / "args.json").write_text('{"seed": 1}')
+    sft, reward = models / PAPER_MODELS[0] / "sft_44413", models / PAPER_MODELS[0] / "reward_44413"
+    for run in ("sft_44413", "reward_44413"):
+        finish(models, PAPER_MODELS[0], run)
+    (sft / "args.json").write_text(json.dumps({"base_model": PAPER_MODELS[0], "query_dataset": str(data / "sft"),
+                                               "input_args_json": {"--base_model": None,
+                                                                   "--query_dataset": sha16(data / "args.json")}}))
+    (reward / "args.json").write_text(json.dumps({"sft_model_path": str(sft), "label_dataset": str(data / "preference"),
+                                                  "input_args_json": {"--sft_model_path": sha16(sft / "args.json"),
+                                                                      "--label_dataset": sha16(data / "args.json")}}))
+    env = {**fake_slurm(tmp_path), "OUT_ROOT": str(models), "DATA": str(data), "MODELS": PAPER_MODELS[0],
+           "SEEDS": PAPER_SEEDS[0]}
+
+    def state(stage: str) -> str:
+        result = bash(str(SLURM / f"{stage}.sbatch"), "--pending", env=env)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.split("\t")[1]
+    assert (state("sft"), state("reward")) == ("done", "done")
+    (sft / "args.json").write_text((sft / "args.json").read_text() + "\n")  # SFT trained again
+    assert (state("sft"), state("reward")) == ("done", "stale")
+    task = bash(str(SLURM / "reward.sbatch"), env={**env, "SLURM_ARRAY_TASK_ID": "0"})
+    assert task.returncode == 1 and "Nothing was started" in task.stderr, task.stdout + task.stderr
+    assert f"--sft_model_path {sft} was rebuilt since this run used it" in task.stderr
+    assert f"rm -r {reward}" in task.stderr
+    result = launch("sft", "reward", "ppo", env=env)
+    assert result.returncode == 1 and f"\n  {reward}\n" in result.stderr, result.stdout + result.stderr
+    assert "Nothing was submitted" in result.stderr and not (tmp_path / "sbatch.log").exists()
+    (data / "args.json").unlink()  # the data gone: SFT's run is stale too
+    assert (state("sft"), state("reward")) == ("stale", "stale")
+    # The judge of PPO, SFT and DPO of that seed: their runs finished again after it judged them.
+    judged = models / PAPER_MODELS[0] / "judge_44413"
+    judged.mkdir()
+    (judged / "results.json").write_text(json.dumps({"model": "judge-a", "this_run": {}, "failures": []}))
+    env["JUDGE_MODEL"] = "judge-a"
+    assert state("judge") == "done"
+    finish(models, PAPER_MODELS[0], "ppo_44413")
+    os.utime(models / PAPER_MODELS[0] / "ppo_44413" / "eval_metrics.json",
+             (time.time() + 5, time.time() + 5))  # after results.json, whatever the file system's clock resolution
+    assert state("judge") == "work"
+
+
 FAKE_SBATCH = r"""#!/usr/bin/env bash
 n=$(( $(cat "$FAKE_SBATCH_LOG" 2>/dev/null | wc -l) + 101 ))
 if [[ $n == "${FAKE_SBATCH_REFUSES:-}" ]]; then echo "sbatch: error: QOSMaxSubmitJobPerUserLimit" >&2; exit 1; fi

@@ -7,13 +7,14 @@
 # Then `run_stage "$@"`:
 #
 #   bash benchmark/slurm/<stage>.sbatch --dry-run   print every task's command; needs no SLURM
-#   bash benchmark/slurm/<stage>.sbatch --pending   each task's index, state (work, push, done) and folder
+#   bash benchmark/slurm/<stage>.sbatch --pending   each task's index, state (work, push, done, stale) and folder
 #   sbatch benchmark/slurm/<stage>.sbatch           SLURM runs task $SLURM_ARRAY_TASK_ID with srun (the header's
 #                                                   array 0-11; another MODELS x SEEDS: --array=0-<tasks - 1>)
 #   SLURM_ARRAY_TASK_ID=3 bash benchmark/slurm/<stage>.sbatch   run task 3 here, without SLURM
 #
 # Task i runs MODEL = MODELS[i / #SEEDS], SEED = SEEDS[i % #SEEDS] (the reference's indexing), so
 # task i of every stage is the same (model, seed) and `--dependency=aftercorr` chains them.
+# A task whose DONE file exists on inputs rebuilt since it ran (inputs_rebuilt) is `stale` and refuses to start.
 # Requeue: a task whose DONE file exists exits at once (with PUSH=1 its script starts, trains nothing and pushes the
 # finished run again, in case the push that ended it failed); otherwise its command carries --resume
 # and --save_every, so a job requeued after a preemption, a node failure or its time limit continues
@@ -89,6 +90,34 @@ task_done() {  # whether $OUT holds a finished run: the launcher's stage_done, e
   if declare -F stage_done >/dev/null; then stage_done; else [[ -f $OUT/$DONE ]]; fi
 }
 
+inputs_rebuilt() {  # prints each input of the finished run in $OUT that was rebuilt or removed since it ran; nothing
+  # if none was (or it recorded none: a Hub id, preprocessing, the judge). Each training stage records the sha256 of
+  # its inputs' args.json (input_args_json); an upstream stage trained again since (say an SFT run deleted and redone
+  # after its downstream runs finished) would otherwise leave those runs "complete" on the old model, silently.
+  [[ -f $OUT/args.json ]] || return 0
+  python - "$OUT/args.json" <<'PY'
+import hashlib, json, os, sys
+
+try:
+    saved = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as error:
+    sys.exit(print(f"{sys.argv[1]}: unreadable ({error})") or 0)
+for flag, recorded in (saved.get("input_args_json") or {}).items():
+    path = saved.get(flag[2:])
+    if recorded is None or not isinstance(path, str):  # a Hub id: nothing on disk to compare
+        continue
+    # As the stages' input_prints: a dataset's args.json sits beside its split folders, a model's inside its folder.
+    folder = os.path.dirname(os.path.abspath(path)) if flag.endswith("_dataset") else path
+    try:
+        with open(os.path.join(folder, "args.json"), "rb") as file:
+            now = hashlib.sha256(file.read()).hexdigest()[:16]
+    except OSError:
+        now = None
+    if now != recorded:
+        print(f"{flag} {path} " + ("is gone" if now is None else "was rebuilt") + " since this run used it")
+PY
+}
+
 pushes_again() {  # whether a finished run of this task starts anyway: a training stage's run pushed again (PUSH=1)
   [[ $GPU == yes && " ${CMD[*]} " == *" --push_to_hub "* ]]
 }
@@ -105,10 +134,12 @@ run_stage() {  # run_stage [--dry-run | --pending]
   local n i
   n=$(num_tasks)
   if [[ ${1:-} == --pending ]]; then  # a line a task: index, state, output folder, tab-separated; the state is
-    local state                       # work (left to do), push (complete; PUSH=1 starts it to push again) or done
+    local state                       # work (left to do), push (complete; PUSH=1 starts it to push again), done,
+                                      # or stale (complete, on an input rebuilt since: inputs_rebuilt)
     for ((i = 0; i < n; i++)); do
       task_command "$i"
-      if ! task_done; then state=work; elif pushes_again; then state=push; else state=done; fi
+      if ! task_done; then state=work; elif [[ -n $(inputs_rebuilt) ]]; then state=stale
+      elif pushes_again; then state=push; else state=done; fi
       printf '%s\t%s\t%s\n' "$i" "$state" "$OUT"
     done
     return 0
@@ -144,6 +175,13 @@ run_stage() {  # run_stage [--dry-run | --pending]
   fi
   task_command "$i"
   if task_done; then
+    local rebuilt
+    rebuilt=$(inputs_rebuilt)
+    if [[ -n $rebuilt ]]; then  # complete, but on inputs that are no longer there: neither skipped nor trained over
+      echo "$STAGE [$i]: $OUT is complete, but on inputs that changed since: ${rebuilt//$'\n'/; }. Delete it to" \
+        "train it again on them (rm -r $(printf '%q' "$OUT")), with the runs built on it. Nothing was started." >&2
+      return 1
+    fi
     if ! pushes_again; then  # only the training stages push again
       echo "$STAGE [$i]: $OUT/$DONE says the run is complete, nothing to do"
       return 0
