@@ -37,7 +37,8 @@ class Args:
 
 
 def load_runs(folders: tuple) -> list:
-    """[(column name, findings.json)] of each folder; exits naming the folder and the command when one has none."""
+    """[(column name, findings.json)] of each folder, one per seed (a later one replaces an earlier); exits naming the
+    folder and the command when one has none."""
     if not folders:
         sys.exit("name the folders of the runs to compare, e.g. `python benchmark/compare_worlds.py models/tiny /tmp/m2`")
     runs = []
@@ -54,7 +55,14 @@ def load_runs(folders: tuple) -> list:
         with open(path) as file:
             card = json.load(file)
         runs.append((f"seed {card['seed']} ({folder})", card))
-    return runs
+    # One column per world: a seed named twice (a folder and a table holding it, say) would count its bars twice.
+    by_seed = {}
+    for name, card in runs:
+        if card["seed"] in by_seed:
+            print(f"seed {card['seed']}: {name} replaces {by_seed[card['seed']][0]} (a later run of a seed replaces "
+                  "an earlier one)", file=sys.stderr)
+        by_seed[card["seed"]] = (name, card)
+    return list(by_seed.values())
 
 
 def read_markdown(path: str) -> list:

@@ -57,6 +57,7 @@ MIN_POSTS = 256  # Figure 1's win rates rest on at least this many judged posts 
 TIME_BUDGET_S = 12 * 60
 RESUMED = "(resumed)"  # tiny.sh's mark on a stage that continued from the checkpoint of an interrupted start
 WORLD_STAGE = "tiny world"  # tiny.sh's stage that builds a world that is not committed (not part of the main job)
+JOB_STAGES = ("preprocess", "sft: base model", "sft", "reward", "dpo", "ppo", "judge (gold)")  # tiny.sh's, in order
 
 
 @dataclass
@@ -286,11 +287,16 @@ def findings(art: dict) -> list:
     total = sum(stages)
     # A stage resumed from a checkpoint (tiny.sh after an interruption) timed only what was left of it.
     resumed = [name for name, _ in art["timings"] if RESUMED in name]
+    # A report of a partial run (stopped after the RM, say) times only the stages that ran: no verdict on the job.
+    missing = [stage for stage in JOB_STAGES
+               if not any(name == stage or name.startswith(stage + " (") for name, _ in art["timings"])]
     measured = f"{total // 60:.0f} min {total % 60:.0f} s" if stages else "no timings.tsv"
     if resumed:
         measured += f" (not judged: {'; '.join(resumed)}: continued from a checkpoint, so timed only in part)"
+    elif stages and missing:
+        measured += f" (not judged: no time for {', '.join(missing)}: the job did not run whole)"
     add("Time: the main job on 2 CPU cores", f"<= {TIME_BUDGET_S // 60} min of stages (a world's build apart)",
-        measured, total <= TIME_BUDGET_S if stages and not resumed else None)
+        measured, total <= TIME_BUDGET_S if stages and not resumed and not missing else None)
     return rows
 
 
@@ -860,9 +866,14 @@ def panel_rm_accuracy(ax, art: dict) -> None:
     if not bars:
         ax.text(0.5, 0.5, "not run", transform=ax.transAxes, ha="center")
     ax.axhline(0.5, color="grey", linewidth=0.8, linestyle=":", label="chance")
-    if art["noise_ceiling"] and "validation" in art["noise_ceiling"]:
-        ax.axhline(art["noise_ceiling"]["validation"], color="black", linewidth=0.8, linestyle="--",
-                       label=f"noise ceiling of the labels ({art['noise_ceiling']['validation']:.2f})")
+    # Each split's own ceiling, over its bar against the labels (the gold judge's verdicts carry no label noise).
+    ceilings = art["noise_ceiling"] or {}
+    label_bars = [x for x, (label, _) in enumerate(bars) if label.endswith("\nlabels")]  # one a split, in order
+    for n, (x, split) in enumerate((x, split) for x, split in zip(label_bars, PREF_SPLITS) if split in ceilings):
+        ceiling = ceilings[split]
+        ax.hlines(ceiling, x - 0.45, x + 0.45, color="black", linewidth=0.8, linestyle="--",
+                  label="noise ceiling of the labels" if n == 0 else None)
+        ax.text(x - 0.45, ceiling + 0.01, f"{ceiling:.2f}", ha="left", va="bottom", fontsize=7)
     ax.set(ylim=(0, 1.05), ylabel="accuracy on preference pairs", title="Fig. 4: RM accuracy\n(TL;DR; CNN/DM, never trained on)")
     ax.legend(loc="lower right", fontsize=7)
 

@@ -5,6 +5,7 @@ import csv
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -163,8 +164,9 @@ def test_fig8_finding_holds_only_where_ppo_is_above_sft_in_every_compared_bucket
 def test_time_is_judged_unless_a_stage_was_resumed():
     """tiny.sh's rows: a stage kept from an earlier start was timed whole and counts; one resumed from a checkpoint
     timed only its rest, so the total is shown but not judged against the budget."""
+    others = [(stage, 0.0) for stage in tiny_report.JOB_STAGES if stage not in ("preprocess", "sft")]
     art = {"judge": {}, "head_to_head": {}, "rm": {}, "dpo": {}, "rm_rows": {}, "judged": {}, "curve": [],
-           "timings": [("tiny world", 900.0), ("preprocess (an earlier start)", 30.0), ("sft", 100.0)]}
+           "timings": [("tiny world", 900.0), ("preprocess (an earlier start)", 30.0), *others, ("sft", 100.0)]}
     time = lambda: next(row for row in tiny_report.findings(art) if row["finding"].startswith("Time"))  # noqa: E731
     assert (time()["measured"], time()["holds"]) == ("2 min 10 s", True)  # the world's build apart
     art["timings"][-1] = ("sft", 690.0)  # 12 min exactly: at the bar, which holds
@@ -177,6 +179,16 @@ def test_time_is_judged_unless_a_stage_was_resumed():
                                                      "checkpoint, so timed only in part)", None)
     art["timings"] = [("reward (resumed) (an earlier start)", 10.0)]  # kept later: still resumed
     assert time()["holds"] is None
+    # A report of a run that stopped after the RM: its stages' time is no verdict on the whole job.
+    art["timings"] = [("preprocess", 15.0), ("sft: base model", 9.0), ("sft", 68.0), ("reward", 243.0)]
+    assert (time()["measured"], time()["holds"]) == (
+        "5 min 35 s (not judged: no time for dpo, ppo, judge (gold): the job did not run whole)", None)
+
+
+def test_the_report_knows_every_stage_tiny_sh_runs():
+    """The time bar holds only when every stage of the job has its row: the names are tiny.sh's own."""
+    script = (REPO / "benchmark" / "tiny.sh").read_text()
+    assert tuple(re.findall(r'\bstage "([^"]+)"', script)) == tiny_report.JOB_STAGES
 
 
 def test_ppo_sample_tables_refuse_another_runs_folder(tmp_path, capsys):
@@ -382,7 +394,8 @@ def make_run(models: Path, runs: Path, with_dpo: bool) -> None:
         runs_json["dpo__seed3"] = judge_run("dpo", 48, 256, 0.14, 0.24)
         runs_json["dpo__seed3_vs_sft__seed3"] = judge_run("dpo", 96, 256, 0.32, 0.43, vs="sft__seed3")
     write(models / "judge_3" / "results.json", {"model": "tiny_world.gold_score", "runs": runs_json})
-    write(models / "timings.tsv", "stage\tseconds\ntiny world\t1800\npreprocess\t29\nsft\t97\nreward\t110\nppo\t64\n")
+    write(models / "timings.tsv", "stage\tseconds\ntiny world\t1800\npreprocess\t29\nsft: base model\t0\nsft\t97\n"
+          "reward\t110\ndpo\t0\nppo\t64\njudge (gold)\t0\n")
 
 
 def test_environment_line_names_the_cpu_when_recorded():
@@ -498,6 +511,10 @@ def test_compare_worlds_puts_the_findings_side_by_side(tmp_path):
     assert "| Fig. 6: DPO weaker | below the RM | **no**: DPO 0.71 | yes: DPO 0.72 | 1 of 2 |" in table
     assert ("| where it ran (threads; CPU) | shown, no bar | 2 threads; AMD EPYC (family 25, model 17), AVX512 "
             "| not recorded | n/a |") in table
+    # A world named twice (its folder again, or a table holding it) is one world: its bars count once, the later wins.
+    twice = run_python(command + [str(tmp_path / "m1"), "--out", str(out)], timeout=120)
+    assert twice.returncode == 0 and f"seed 1: seed 1 ({tmp_path / 'm1'}) replaces" in twice.stderr, twice.stderr
+    assert "| Fig. 1: SFT loses | in [0.10, 0.45] | yes: 0.31 | yes: 0.32 | 2 of 2 |" in out.read_text()
     missing = run_python(command + [str(tmp_path / "m3")], timeout=120)
     assert missing.returncode == 1 and "m3/findings.json: not found" in missing.stderr
     assert "python benchmark/tiny_report.py --models" in missing.stderr
