@@ -1325,6 +1325,76 @@ def test_two_processes_run_and_gather_in_order(tiny_tldr, tmp_path):
     assert all(abs(e.value - 1) < 1e-4 for e in events.Scalars("policy/ratio_first_epoch"))
 
 
+ROW_SEEDED_SAMPLING = """
+import hashlib, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import ppo
+
+plain = ppo.sample_rollout
+def sample_rollout(model, queries, *rest):  # each row from a generator seeded by its tokens: any rank draws alike
+    state = torch.get_rng_state()
+    rows = []
+    for row in queries.split(1):
+        torch.manual_seed(int(hashlib.sha256(row.numpy().tobytes()).hexdigest()[:8], 16))
+        rows.append(plain(model, row, *rest))
+    torch.set_rng_state(state)
+    return tuple(torch.cat(parts) for parts in zip(*rows))
+
+ppo.sample_rollout = sample_rollout
+sys.argv = ["ppo.py"] + sys.argv[2:]
+ppo.main()
+ppo.leave_process_group(True)
+"""
+
+
+def test_two_processes_train_what_one_process_trains(tiny_tldr, tmp_path):
+    """DDP on 2 CPU processes makes the update one process makes, given the same samples (each row drawn from a
+    generator seeded by its own tokens, as the ranks' generators differ): whitening, the loss and its accumulation,
+    the gradient average, the lr schedule and the logged means are global, so the weights agree to float rounding and
+    the logs to print precision. One sequence a micro-batch: a token mean over the same rows on every launch."""
+    import socket
+
+    from safetensors.torch import load_file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    make_reward_model(tmp_path / "rm")
+    (tmp_path / "row_seeded.py").write_text(ROW_SEEDED_SAMPLING)
+    flags = ["--base_model", str(WORLD / "pythia-tiny"), "--query_dataset", str(tiny_tldr / "sft"),
+             "--sft_model_path", str(WORLD / "pythia-tiny"), "--reward_model_path", str(tmp_path / "rm"),
+             "--total_episodes", "32", "--batch_size", "8", "--local_micro_batch_size", "1", "--lr", "1e-3",
+             "--response_length", "12", "--num_eval_samples", "0", "--whiten_rewards",
+             "--no_non_eos_penalty"]  # the RM's scores, not the penalty every response without an EOS gets
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = run_python([sys.executable, str(tmp_path / "row_seeded.py"), str(REPO), *flags, "--output_dir",
+                      str(tmp_path / "one"), "--run_name", "one"], cwd=tmp_path, env=env, timeout=600)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-5000:]
+    with socket.socket() as sock:  # a free port: other test sessions may launch at the same time
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port)]
+    with multi_process_slot(2):
+        two = run_python([*launch, str(tmp_path / "row_seeded.py"), str(REPO), *flags, "--output_dir",
+                          str(tmp_path / "two"), "--run_name", "two"], cwd=tmp_path,
+                         env={**env, "ACCELERATE_USE_CPU": "1"}, timeout=600)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
+    start = load_file(str(WORLD / "pythia-tiny" / "model.safetensors"))
+    ours, theirs = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("one", "two"))
+    moved = max((ours[k] - start[k]).abs().max().item() for k in ours)
+    apart = max((ours[k] - theirs[k]).abs().max().item() for k in ours)
+    assert moved > 1e-3 and apart < 1e-3 * moved, (moved, apart)  # 4 updates of 4 PPO epochs each moved it
+    logs = {}
+    for run in ("one", "two"):
+        events = EventAccumulator(str(tmp_path / "runs" / run))
+        events.Reload()
+        logs[run] = {tag: [event.value for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert logs["one"].keys() == logs["two"].keys() and len(set(logs["one"]["objective/scores"])) == 4
+    for tag, values in logs["one"].items():
+        if not tag.startswith("time/") and not tag.endswith("max_deviation"):  # clocks; the float rounding itself
+            assert values == pytest.approx(logs["two"][tag], rel=1e-4, abs=1e-5), tag
+
+
 def test_the_final_save_gathers_the_policy_alone(tmp_path, monkeypatch):
     """save_ppo asks DeepSpeed for the fp32 master weights of the policy's parameters only (every rank, the same
     order) and saves them: the critic, which is not saved, is never gathered (its fp32 copy: ~41 GB on rank 0 at
