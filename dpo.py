@@ -31,10 +31,10 @@ references.
     # one GPU, Pythia 1B, bf16 autocast (global batch 64 = 8 x 8 accumulation steps): reads
     # models/EleutherAI/pythia-1b-deduped/sft_1 and data/EleutherAI/pythia-1b-deduped/tldr, writes .../dpo_1
     accelerate launch --num_processes 1 --mixed_precision bf16 dpo.py \
-        --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 8
+        --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 8 --save_every 100
     # the paper's run: 8xH100, DeepSpeed ZeRO-2, bf16 (global batch 64 = 1 x 8 x 8 processes, the reference's; knobs.sh)
     accelerate launch --config_file benchmark/accelerate/deepspeed_zero2.yaml dpo.py \
-        --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_micro_batch_size 1 --track
+        --base_model EleutherAI/pythia-1b-deduped --seed 44413 --local_micro_batch_size 1 --track --save_every 100
 
 Details: 3 distinct [PAD], ids checked against both datasets; 6 accuracy per split (validation is
 out of distribution); 7 dropout off in policy and reference; 8 accelerate / DeepSpeed ZeRO-2 /
@@ -1089,7 +1089,8 @@ def push_problem(args, base_model_name: str) -> Optional[str]:
     --resume cannot rename them (the repository: {base model}__{exp_name}__tldr; the branch: the run name)."""
     if not args.push_to_hub:
         return None
-    from huggingface_hub.utils import HFValidationError, validate_repo_id  # imported here: only with --push_to_hub
+    from huggingface_hub import constants, get_token  # imported here: only with --push_to_hub
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
         validate_repo_id(f"{args.hf_entity or 'user'}/{base_model_name.replace('/', '_')}__{args.exp_name}__tldr")
@@ -1097,6 +1098,13 @@ def push_problem(args, base_model_name: str) -> Optional[str]:
         return f"--push_to_hub: --exp_name {args.exp_name!r} or --hf_entity {args.hf_entity!r} names no Hub repository: {error}"
     if args.run_name is not None and (not re.fullmatch(r"\w[\w.-]*", args.run_name) or ".." in args.run_name):
         return f"--push_to_hub: --run_name {args.run_name!r} names no git branch: want letters, digits, _ . - (no '..')"
+    # The push comes after hours of training: what would stop it is found now (the run would be kept, unpushed).
+    if constants.HF_HUB_OFFLINE:
+        return ("--push_to_hub: HF_HUB_OFFLINE is set in this shell, so the push at the end would fail: unset it, or "
+                "train without --push_to_hub and push later (the same command with --resume --push_to_hub)")
+    if get_token() is None:
+        return ("--push_to_hub: no Hub token on this machine, so the push at the end would fail: log in first "
+                "(`hf auth login`, or HF_TOKEN in the environment)")
     return None
 
 
@@ -1725,5 +1733,9 @@ if __name__ == "__main__":
         else:
             print(f"nothing to do: {done}")
         finished = True
+    except KeyboardInterrupt:  # Ctrl-C: what to do next, not a traceback of wherever it landed
+        print("interrupted: each --save_every checkpoint is written whole, so the same command with --resume continues "
+              "from the latest one (with none, it starts again at update 0)", file=sys.stderr)
+        sys.exit(130)  # the shell's status for Ctrl-C
     finally:
         leave_process_group(finished)

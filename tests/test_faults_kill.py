@@ -68,6 +68,7 @@ def previous_model_intact(out, reference):
 
 STAND_IN_HUB = """import json, os
 import huggingface_hub
+import huggingface_hub.constants
 
 
 class HfApi:  # records each call as [method, keyword arguments] in $HUB_CALLS
@@ -83,6 +84,7 @@ class HfApi:  # records each call as [method, keyword arguments] in $HUB_CALLS
 
 
 huggingface_hub.HfApi = HfApi
+huggingface_hub.constants.HF_HUB_OFFLINE = False  # the stand-in Hub is reachable (the tests' shell is offline)
 """
 
 
@@ -96,12 +98,53 @@ def push_with_a_stand_in_hub(tmp_path, flags: list, again: bool = True) -> list:
     calls = tmp_path / "hub" / "calls.jsonl"
     calls.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'hub'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "HUB_CALLS": str(calls)}
+           "HUB_CALLS": str(calls), "HF_TOKEN": "hf_stand_in"}  # a token: the stand-in Hub checks none
     result = run_python([sys.executable, str(REPO / "sft.py"), *flags], cwd=tmp_path, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     pushed_again = "nothing to train" in result.stdout and "pushing it again (--push_to_hub)" in result.stdout
     assert pushed_again == again, result.stdout[-2000:]
     return [json.loads(line) for line in calls.read_text().splitlines()]
+
+
+CTRL_C_AT_CALL = """import os, runpy, signal, sys
+name, count = sys.argv[1], int(sys.argv[2])
+calls = 0
+
+
+def profile(frame, event, arg):  # Ctrl-C (SIGINT to this process) at the start of the count-th call of `name`
+    global calls
+    if event == "call" and frame.f_code.co_name == name:
+        calls += 1
+        if calls == count:
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in an interactive shell's python
+sys.argv = sys.argv[3:]
+sys.setprofile(profile)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_ctrl_c_says_how_to_continue_and_resume_finishes_the_run(tiny_tldr, tmp_path):
+    """Ctrl-C in a training stage (all four share their __main__ block: test_conventions.py) prints what to do next,
+    not a traceback of wherever it landed, and exits 130 as the shell does; the checkpoint before it stays whole, and
+    --resume ends the run with the weights of a run never stopped."""
+    (tmp_path / "ctrl_c.py").write_text(CTRL_C_AT_CALL)
+    run = [*map(str, TINY_RUN), "--query_dataset", str(tiny_tldr / "sft"), "--num_eval_samples", "0"]
+    flags = [*run, "--output_dir", str(tmp_path / "out"), "--save_every", "1"]
+    stopped = run_python([sys.executable, str(tmp_path / "ctrl_c.py"), "save_checkpoint", "2", str(REPO / "sft.py"),
+                          *flags], cwd=tmp_path, timeout=300)
+    assert stopped.returncode == 130, stopped.stdout[-2000:] + stopped.stderr[-3000:]
+    assert "interrupted: each --save_every checkpoint is written whole" in stopped.stderr
+    assert "Traceback" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr, stopped.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "out" / "checkpoints")) == ["update_1"]
+    resumed = run_sft(tmp_path, *flags, "--resume")
+    assert "resumed from" in resumed.stdout and "update_1" in resumed.stdout
+    run_sft(tmp_path, *run, "--output_dir", tmp_path / "plain")  # never stopped
+    ours, plain = weights(tmp_path / "out"), weights(tmp_path / "plain")
+    assert ours.keys() == plain.keys() and all(torch.equal(tensor, plain[name]) for name, tensor in ours.items())
 
 
 def test_kills_during_saves_lose_nothing_and_the_run_resumes_bit_identical(tiny_tldr, tmp_path):

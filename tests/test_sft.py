@@ -1014,12 +1014,17 @@ def test_length_groups_benchmark_table_by_hand_and_full_width_is_the_stored_widt
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
-def test_a_push_the_hub_would_refuse_is_refused_at_start(stage):
+def test_a_push_the_hub_would_refuse_is_refused_at_start(stage, monkeypatch, tmp_path):
     """--push_to_hub pushes to {base model}__{exp_name}__tldr on the run name's branch once the run has ended, where
-    --resume cannot rename either (a changed --exp_name is another run): names the Hub refuses stop the start."""
+    --resume cannot rename either (a changed --exp_name is another run): names the Hub refuses stop the start, and so
+    do an offline shell and a machine without a Hub token, which would fail the push after the whole run."""
     from types import SimpleNamespace
 
+    import huggingface_hub.constants
+
     module = __import__(stage)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the tests' shell is offline
+    monkeypatch.setenv("HF_TOKEN", "hf_stand_in")
     flags = SimpleNamespace(push_to_hub=True, hf_entity=None, exp_name="sft", run_name=None)
     assert module.push_problem(flags, "EleutherAI/pythia-6.9b-deduped") is None
     assert module.push_problem(SimpleNamespace(**{**vars(flags), "run_name": "sft__pythia__1__1764662400"}), "m") is None
@@ -1030,6 +1035,13 @@ def test_a_push_the_hub_would_refuse_is_refused_at_start(stage):
         assert module.push_problem(SimpleNamespace(**{**vars(flags), "run_name": bad}), "m") == (
             f"--push_to_hub: --run_name {bad!r} names no git branch: want letters, digits, _ . - (no '..')")
     assert module.push_problem(SimpleNamespace(**{**vars(flags), "push_to_hub": False, "exp_name": "my sft"}), "m") is None
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))  # `hf auth login`'s
+    assert "no Hub token on this machine" in module.push_problem(flags, "m")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert "HF_HUB_OFFLINE is set in this shell" in module.push_problem(flags, "m")
+    assert module.push_problem(SimpleNamespace(**{**vars(flags), "push_to_hub": False}), "m") is None
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
