@@ -1067,6 +1067,9 @@ def resolve_paths(args, accelerator, stage: str) -> tuple:
     if args.query_dataset is not None:  # the SFT data this command was given: the one to fine-tune on
         make_sft += f" --query_dataset {args.query_dataset}"
     recorded = recorded_base_model(args.sft_model_path)
+    warning = policy_writer_warning(args.sft_model_path, "--sft_model_path")
+    if warning:
+        accelerator.print(warning)
     if name and recorded and name != recorded:
         raise SetupError(f"--sft_model_path {args.sft_model_path} was fine-tuned from {recorded}, not from --base_model "
                          f"{args.base_model}: pass --base_model {recorded} or another --sft_model_path")
@@ -1099,6 +1102,17 @@ def model_name(base_model: str) -> str:
     # Every base model gets its own folders (data/{name}/tldr, models/{name}/sft_{seed}, ...), so a
     # 1B SFT model is never picked up by a 2.8B run; each stage records the name in its args.json.
     return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
+
+
+def policy_writer_warning(folder: str, flag: str) -> Optional[str]:
+    """A warning when the model folder `folder` given as `flag` was written by dpo.py or ppo.py (its args.json says),
+    not by sft.py: the run would start from a tuned policy where the paper starts from the SFT model; None if not."""
+    # Allowed (PPO on top of DPO is an experiment), but never silent: the stages' folders sit side by side.
+    path = os.path.join(folder, "args.json")
+    saved = load_json(path) if os.path.isfile(path) else {}
+    writer = "ppo.py" if "kl_coef" in saved else "dpo.py" if "beta" in saved else None
+    return writer and (f"warning: {flag} {folder} was written by {writer}, not by sft.py (its args.json says so): "
+                       "this run starts from that policy, not from an SFT model as the paper's does")
 
 
 def recorded_base_model(folder: str) -> Optional[str]:

@@ -365,6 +365,34 @@ def test_a_model_folder_of_the_wrong_stage_is_named_before_it_loads(tmp_path, st
     assert model.dtype == torch.float32
 
 
+@pytest.mark.parametrize("stage", ["reward", "dpo", "ppo"])
+def test_a_tuned_policy_given_as_the_sft_model_is_said_at_start(tmp_path, stage, tiny_tldr):
+    """dpo.py's and ppo.py's folders sit beside sft.py's (models/tiny/dpo_1, sft_1): one given as --sft_model_path
+    starts the run from a tuned policy, which is allowed (PPO on top of DPO is an experiment) but said at the start,
+    before anything loads (here the start is then refused for another reason: an output folder of foreign files)."""
+    module = __import__(stage)
+    for writer, record in (("dpo.py", {"beta": 0.05}), ("ppo.py", {"kl_coef": 0.05})):
+        folder = tmp_path / writer
+        folder.mkdir()
+        (folder / "args.json").write_text(json.dumps({**record, "base_model_name": "pythia-tiny"}))
+        assert module.policy_writer_warning(str(folder), "--sft_model_path") == (
+            f"warning: --sft_model_path {folder} was written by {writer}, not by sft.py (its args.json says so): this "
+            "run starts from that policy, not from an SFT model as the paper's does")
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "args.json").write_text(json.dumps({"exp_name": "sft", "base_model_name": "pythia-tiny"}))
+    for quiet in (tmp_path / "sft", WORLD / "pythia-tiny"):  # sft.py's output; a base model (no args.json)
+        assert module.policy_writer_warning(str(quiet), "--sft_model_path") is None
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("not a run")
+    inputs = (["--reward_model_path", str(tmp_path / "sft")] if stage == "ppo" else
+              ["--label_dataset", str(tiny_tldr / "preference")])
+    start = run_python([sys.executable, str(REPO / f"{stage}.py"), "--sft_model_path", str(tmp_path / "dpo.py"),
+                        "--base_model", str(WORLD / "pythia-tiny"), "--query_dataset", str(tiny_tldr / "sft"), *inputs,
+                        "--output_dir", str(tmp_path / "foreign")], cwd=tmp_path, timeout=300)
+    assert start.returncode == 1 and "not empty and has no args.json" in start.stderr, start.stderr[-2000:]
+    assert f"warning: --sft_model_path {tmp_path / 'dpo.py'} was written by dpo.py" in start.stdout
+
+
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
 def test_a_checkpoint_lacking_the_models_weights_is_refused(tmp_path, stage):
     """from_pretrained starts each weight a checkpoint lacks at random and only prints a report: a model stored under
