@@ -1403,8 +1403,9 @@ def ppo_inputs(args, accelerator) -> tuple:
             raise SetupError(f"--{flag} {getattr(args, flag)} was trained from {recorded}, not from --base_model "
                              f"{args.base_model}: pass --base_model {recorded} or another --{flag}")
         if hub_id and not name and not recorded:  # the default (1B) would name a 2.8B model's folders and repository
-            raise SetupError(f"--{flag} {getattr(args, flag)}: no args.json here says which base model it was trained "
-                             "from: pass --base_model (it names the output folder, the run and the Hub repository)")
+            raise SetupError(f"--{flag} {getattr(args, flag)}: no such folder here, so a Hub id, and no args.json here "
+                             "says which base model it was trained from: check the path, or pass --base_model (it "
+                             "names the output folder, the run and the Hub repository)")
         name = name or recorded  # the SFT model's record names the reward model's default too
     name = name or "EleutherAI/pythia-1b-deduped"
     args.base_model = args.base_model or name

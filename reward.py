@@ -1074,8 +1074,9 @@ def resolve_paths(args, accelerator, stage: str) -> tuple:
         raise SetupError(f"--sft_model_path {args.sft_model_path} was fine-tuned from {recorded}, not from --base_model "
                          f"{args.base_model}: pass --base_model {recorded} or another --sft_model_path")
     if hub_id and not name:  # the default (1B) would name a 2.8B model's folders, run and repository
-        raise SetupError(f"--sft_model_path {args.sft_model_path}: no args.json here says which base model it was "
-                         "fine-tuned from: pass --base_model (it names the output folder, the run and the Hub repository)")
+        raise SetupError(f"--sft_model_path {args.sft_model_path}: no such folder here, so a Hub id, and no args.json "
+                         "here says which base model it was fine-tuned from: check the path, or pass --base_model (it "
+                         "names the output folder, the run and the Hub repository)")
     name = name or recorded or "EleutherAI/pythia-1b-deduped"
     args.base_model = args.base_model or name
     make_data = f"python preprocess_tldr.py --base_model {args.base_model}"

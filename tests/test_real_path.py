@@ -522,12 +522,15 @@ def test_a_hub_model_without_its_base_model_named_is_refused(tmp_path, monkeypat
 
     monkeypatch.chdir(tmp_path)
     accelerator = one_process()
-    with pytest.raises(ppo.SetupError, match=r"^--sft_model_path someone/pythia-2.8b-sft: no args.json here says "):
+    with pytest.raises(ppo.SetupError, match=r"^--sft_model_path someone/pythia-2.8b-sft: no such folder here, so a "
+                                                 r"Hub id, and no args.json here says .*: check the path, or pass"):
         ppo.ppo_inputs(ppo.Args(sft_model_path="someone/pythia-2.8b-sft"), accelerator)
-    with pytest.raises(ppo.SetupError, match=r"^--reward_model_path someone/rm: no args.json here says .* --base_model"):
+    with pytest.raises(ppo.SetupError, match=r"^--reward_model_path someone/rm: no such folder here, so a Hub id, "
+                                                 r"and no args.json here says .* --base_model"):
         ppo.ppo_inputs(ppo.Args(reward_model_path="someone/rm"), accelerator)
     for module in (reward, dpo):
-        with pytest.raises(module.SetupError, match=r"^--sft_model_path someone/pythia-2.8b-sft: no args.json here"):
+        with pytest.raises(module.SetupError, match=r"^--sft_model_path someone/pythia-2.8b-sft: no such folder here, "
+                                                            r"so a Hub id, and no args.json here"):
             module.resolve_paths(module.Args(sft_model_path="someone/pythia-2.8b-sft"), accelerator, module.__name__)
         args = module.Args(sft_model_path="someone/pythia-2.8b-sft", base_model="EleutherAI/pythia-2.8b-deduped")
         with pytest.raises(module.SetupError, match=r"^--label_dataset data/EleutherAI/pythia-2.8b-deduped/tldr/"):
