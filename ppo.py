@@ -1417,6 +1417,9 @@ def ppo_inputs(args, accelerator) -> tuple:
     prints = input_prints(args, *INPUTS)  # its inputs as this start finds them: compared on --resume, recorded
     refuse(push_problem(args, name) or input_problem(args.sft_model_path, "--sft_model_path", make["sft_model_path"])
            or input_problem(args.reward_model_path, "--reward_model_path", make["reward_model_path"])
+           # Both kinds now, before either loads (swapped folders cost minutes of loading at 6.9B otherwise).
+           or kind_problem(args.sft_model_path, "--sft_model_path", wants_rm=False)
+           or kind_problem(args.reward_model_path, "--reward_model_path", wants_rm=True)
            or input_problem(args.query_dataset, "--query_dataset", f"python preprocess_tldr.py --base_model {args.base_model}")
            or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": prints,
                                                    "mixed_precision": accelerator.mixed_precision},
@@ -1704,16 +1707,8 @@ def load_fp32(model_class, path: str, flag: str):
     # transformers 5 loads a checkpoint in its saved dtype: fp16 weights trained with plain AdamW get
     # no fp32 master copy and no loss scaling. Training keeps fp32 weights; bf16 comes only as mixed
     # precision from accelerate (autocast) or DeepSpeed (bf16 compute copies, fp32 masters).
-    config = os.path.join(path, "config.json")
-    model_type = load_json(config).get("model_type") if os.path.isfile(config) else None  # None: a Hub id
     wants_rm = model_class.__name__ == "ScalarModel"
-    if model_type is not None and (model_type == "scalar_model") != wants_rm:
-        # The stages' folders look alike (models/.../sft_1, reward_1): say which one this is, not a loader's traceback.
-        found = ("a reward model (reward.py's output)" if model_type == "scalar_model" else
-                 f"a causal LM ({model_type}: sft.py's output or a base model)" if model_type else
-                 "a model whose config.json names no model_type (the reference code's reward models are such)")
-        wanted = "reward.py's output" if wants_rm else "sft.py's output or a base model"
-        raise SetupError(f"{flag} {path} holds {found}; {flag} takes {wanted}")
+    refuse(kind_problem(path, flag, wants_rm))
     from safetensors import SafetensorError  # a file cut short (it names no folder)
 
     try:
@@ -1733,6 +1728,20 @@ def load_fp32(model_class, path: str, flag: str):
            f"takes {'reward.py' if wants_rm else 'sft.py'}'s output{'' if wants_rm else ' or a base model'}")
     return model
 
+
+def kind_problem(path: str, flag: str, wants_rm: bool) -> Optional[str]:
+    """Why the model folder `path` is not of the kind `flag` takes (a reward model or not, by its config.json's
+    model_type); None when it is, or when there is no config.json here to read (a Hub id)."""
+    config = os.path.join(path, "config.json")
+    model_type = load_json(config).get("model_type") if os.path.isfile(config) else None  # None: a Hub id
+    if model_type is None or (model_type == "scalar_model") == wants_rm:
+        return None
+    # The stages' folders look alike (models/.../sft_1, reward_1): say which one this is, not a loader's traceback.
+    found = ("a reward model (reward.py's output)" if model_type == "scalar_model" else
+             f"a causal LM ({model_type}: sft.py's output or a base model)" if model_type else
+             "a model whose config.json names no model_type (the reference code's reward models are such)")
+    wanted = "reward.py's output" if wants_rm else "sft.py's output or a base model"
+    return f"{flag} {path} holds {found}; {flag} takes {wanted}"
 
 def rotary_problem(models: dict) -> Optional[str]:
     """{name: model} -> the rotary `inv_freq` buffers stored below fp32 (None if there are none)."""

@@ -13,7 +13,7 @@ import torch
 
 import ppo
 import reward
-from conftest import REPO, WORLD, early_exits, generate_with_scores, multi_process_slot, run_python
+from conftest import REPO, WORLD, early_exits, generate_with_scores, multi_process_slot, one_process, run_python
 from ppo import (PolicyAndValueWrapper, ScalarModel, compute_gae, compute_rewards, disable_dropout, eos_trick,
                  first_true_indices, gather_logprobs, get_reward, get_score, get_values, masked_mean,
                  ppo_batch_sizes, response_outputs,
@@ -1393,6 +1393,20 @@ def test_two_processes_train_what_one_process_trains(tiny_tldr, tmp_path):
     for tag, values in logs["one"].items():
         if not tag.startswith("time/") and not tag.endswith("max_deviation"):  # clocks; the float rounding itself
             assert values == pytest.approx(logs["two"][tag], rel=1e-4, abs=1e-5), tag
+
+
+def test_swapped_model_folders_are_refused_before_any_model_loads(tiny_tldr, tmp_path, monkeypatch):
+    """The SFT model as --reward_model_path (or an RM as --sft_model_path) is refused at the start, with what each
+    folder holds: main loaded the policy and its reference (minutes at 6.9B) before the critic's load refused it."""
+    make_reward_model(tmp_path / "rm")
+    monkeypatch.setattr(ppo, "load_fp32", lambda *args: pytest.fail("a model was loaded"))
+    common = dict(base_model=str(WORLD / "pythia-tiny"), query_dataset=str(tiny_tldr / "sft"))
+    for sft, rm, message in ((WORLD / "pythia-tiny", WORLD / "pythia-tiny", r"--reward_model_path .* holds a causal LM"),
+                             (tmp_path / "rm", tmp_path / "rm", r"--sft_model_path .* holds a reward model")):
+        args = ppo.Args(**common, sft_model_path=str(sft), reward_model_path=str(rm), output_dir=str(tmp_path / "out"))
+        with pytest.raises(ppo.SetupError, match=message):
+            ppo.ppo_inputs(args, one_process())
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_final_save_gathers_the_policy_alone(tmp_path, monkeypatch):
