@@ -1529,8 +1529,11 @@ def load_data(path: str, flag: str):
     try:
         return datasets.load_from_disk(path) if os.path.isdir(path) else datasets.load_dataset(path)
     except (OSError, ValueError) as error:  # not on the Hub or unreachable (offline, gated), a broken folder
-        raise SetupError(f"{flag} {path}: cannot load it ({type(error).__name__}: {error}); pass a folder that "
-                         "preprocess_tldr.py wrote, or a Hub dataset id this machine can reach") from error
+        # preprocess_tldr.py's output folder itself holds the two datasets: the flag wants one of them.
+        inside = os.path.join(path, "preference" if flag == "--label_dataset" else "sft")
+        which = f"pass {inside} (the folder holds preprocess_tldr.py's datasets)" if os.path.isdir(inside) else (
+            "pass a folder that preprocess_tldr.py wrote, or a Hub dataset id this machine can reach")
+        raise SetupError(f"{flag} {path}: cannot load it ({type(error).__name__}: {error}); {which}") from error
 
 
 def output_dir_problem(output_dir: str, flags: dict, ignored: tuple) -> Optional[str]:

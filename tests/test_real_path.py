@@ -549,6 +549,11 @@ def test_a_dataset_that_cannot_load_is_named_by_its_flag(stage, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(module.SetupError, match=rf"^--label_dataset {tmp_path / 'empty'}: cannot load it \("):
         module.load_data(str(tmp_path / "empty"), "--label_dataset")
+    # preprocess_tldr.py's output folder itself (data/tiny_tldr): the flag's own dataset inside it is named
+    for flag, inside in (("--label_dataset", "preference"), ("--query_dataset", "sft")):
+        (tmp_path / "empty" / inside).mkdir(exist_ok=True)
+        with pytest.raises(module.SetupError, match=rf"; pass {tmp_path / 'empty' / inside} \(the folder holds "):
+            module.load_data(str(tmp_path / "empty"), flag)
 
 
 def test_rotary_frequencies_in_fp16_are_refused_too():
