@@ -520,6 +520,7 @@ def test_run_level_faults_stop_the_run_row_faults_do_not(tmp_path, server_factor
     proc = run_judge("--base_url", closed.url, "--tables", f"t={table}", "--output_dir", str(tmp_path / "d"),
                      "--max_retries", "1", *FAST)
     assert proc.returncode == 1 and "APIConnectionError" in proc.stderr
+    assert "cannot reach 127.0.0.1 (is this machine offline? another server: --base_url;" in proc.stderr, proc.stderr
     assert json.loads((tmp_path / "d" / "results.json").read_text())["runs"]["t"]["unjudged"] == 3
     # No key, no call, and nothing written.
     env = {k: v for k, v in judge_env().items() if k != "OPENAI_API_KEY"}
