@@ -1387,7 +1387,9 @@ def ppo_inputs(args, accelerator) -> tuple:
     name = model_name(args.base_model) if args.base_model else None
     make = {}  # flag -> the command that creates its default
     for flag, stage in (("sft_model_path", "sft"), ("reward_model_path", "reward")):
-        make[flag] = f"python {stage}.py --base_model {args.base_model or 'EleutherAI/pythia-1b-deduped'} --seed {args.seed}"
+        # The base model: as given, else as the SFT model's args.json records it (for the reward model's command).
+        base = args.base_model or name or "EleutherAI/pythia-1b-deduped"
+        make[flag] = f"python {stage}.py --base_model {base} --seed {args.seed}"
         hub_id = getattr(args, flag) is not None and is_hub_id(getattr(args, flag))  # no args.json to read here
         if getattr(args, flag) is None:
             setattr(args, flag, os.path.join("models", name or "EleutherAI/pythia-1b-deduped", f"{stage}_{args.seed}"))

@@ -432,7 +432,8 @@ def test_missing_inputs_stop_before_anything_is_written(chained, pythia_like, tm
     shutil.copytree(chained / "models" / NAME / "sft_1", with_sft / "models" / NAME / "sft_1")
     starts = [(tmp_path / "empty" if script == "sft.py" else tmp_path, REPO / script, ["--base_model", pythia_like])
               for script in expected] + [(with_sft, REPO / "ppo.py", ["--base_model", pythia_like])] + [
-        (tmp_path, REPO / "dpo.py", ["--base_model", pythia_like, "--query_dataset", f"data/{NAME}/tldr/sft"])]
+        (tmp_path, REPO / "dpo.py", ["--base_model", pythia_like, "--query_dataset", f"data/{NAME}/tldr/sft"]),
+        (with_sft, REPO / "ppo.py", ["--sft_model_path", f"models/{NAME}/sft_1"])]  # the base model from its record
     # one interpreter for the five starts (conftest.early_exits), each in its folder
     results = early_exits(starts, env={**os.environ, "OMP_NUM_THREADS": "1"})
     for (flag, path, command), result in zip(expected.values(), results):
@@ -442,10 +443,14 @@ def test_missing_inputs_stop_before_anything_is_written(chained, pythia_like, tm
     assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "empty", "with_sft"]
     # PPO with the SFT model there but not the reward model: the reward model is named.
-    assert f"--reward_model_path models/{NAME}/reward_1: no such folder" in results[-2].stderr
-    assert f"`python reward.py --base_model {pythia_like} --seed 1`" in results[-2].stderr
+    assert f"--reward_model_path models/{NAME}/reward_1: no such folder" in results[-3].stderr
+    assert f"`python reward.py --base_model {pythia_like} --seed 1`" in results[-3].stderr
     # A data folder given on the command line is carried into the command that creates the missing model.
-    assert f"`python sft.py --base_model {pythia_like} --seed 1 --query_dataset data/{NAME}/tldr/sft`" in results[-1].stderr
+    assert f"`python sft.py --base_model {pythia_like} --seed 1 --query_dataset data/{NAME}/tldr/sft`" in results[-2].stderr
+    # No --base_model: the reward model's command names the one the SFT model records (the 1B default did), as the
+    # default paths do (reward.py reads no weights from --base_model: it names folders).
+    assert f"--reward_model_path models/{NAME}/reward_1: no such folder" in results[-1].stderr
+    assert f"`python reward.py --base_model {NAME} --seed 1`" in results[-1].stderr, results[-1].stderr[-1000:]
     assert sorted(p.name for p in (with_sft / "models" / NAME).iterdir()) == ["sft_1"]
     assert sorted(p.name for p in with_sft.iterdir()) == ["data", "models"]
 
