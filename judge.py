@@ -417,6 +417,9 @@ def read_inputs(args: Args) -> tuple[dict, dict, Optional[str], list[str]]:
             rows[label] = read_table(path, args.n, columns)
         except (OSError, ValueError, csv.Error) as error:  # UnicodeDecodeError is a ValueError
             problems.append(f"--tables {label}={path}: {error}")
+    if args.judge == "gold":  # its score means something for the tiny world's posts only
+        problems += [f"--tables {label}={tables[label]}: {problem}" for label in rows
+                     for problem in [not_the_tiny_world(rows[label])] if problem]
     if problems:
         sys.exit("judge.py: cannot start (nothing was written):\n  " +
                  "\n  ".join(scrub(p, secrets) for p in problems))
@@ -424,6 +427,24 @@ def read_inputs(args: Args) -> tuple[dict, dict, Optional[str], list[str]]:
         print(f"note: {note}")
     return tables, rows, endpoint, secrets
 
+
+def not_the_tiny_world(rows: list[dict]) -> Optional[str]:
+    """Why these rows' posts are not the tiny world's (the first holding words none of its queries can hold), for
+    the gold judge, which would score a real post's summary as confidently as a world's; None if they all are."""
+    import tiny_world  # off the training path and only needed here: `import judge` stays light
+
+    # Every word a world query can hold: its templates', its word lists', the query format's (seeds change none).
+    texts = [*tiny_world.SUBREDDITS, *tiny_world.KEY_WORDS, *tiny_world.FILLER_WORDS, *tiny_world.FACT_SENTENCES,
+             *tiny_world.FILLER_SENTENCES, *tiny_world.FEELING_SENTENCES, *tiny_world.QUESTIONS, *tiny_world.OPENERS,
+             tiny_world.RECAP_OPENER, "and", "SUBREDDIT: r/ TITLE: POST: TL;DR:"]
+    vocabulary = {word for text in texts for word in tiny_world.words(text)}
+    for i, row in enumerate(rows):
+        foreign = sorted({word for word in tiny_world.words(row["query"]) if word not in vocabulary})
+        if foreign:
+            return (f"data row {i}'s post is not the tiny world's (it holds {', '.join(map(repr, foreign[:4]))}"
+                    f"{', ...' if len(foreign) > 4 else ''}, words no world post holds): --judge gold scores the tiny "
+                    "world's summaries only; judge these with --judge openai")
+    return None
 
 def input_notes(args: Args, rows: dict) -> list[str]:
     """What a start may not mean and still runs: flags the gold judge reads none of, a seed label the results

@@ -25,7 +25,7 @@ import pytest
 
 import judge
 import tiny_world
-from conftest import run_python
+from conftest import WORLD, run_python
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET = "sk-test-DO-NOT-WRITE-ME-0123456789"
@@ -565,7 +565,7 @@ def gold_rows(variant, n=12):
         actor, verb, obj = tiny_world.ACTORS[i % 7], tiny_world.VERBS[i % 5], tiny_world.OBJECTS[i % 9]
         feeling, food = tiny_world.FEELINGS[i % 4], tiny_world.FOODS[i % 5]
         query = (f"SUBREDDIT: r/relationships\n\nTITLE: my {actor} {verb} my {obj}\n\nPOST: My {actor} {verb} my "
-                 f"{obj} yesterday. It was rainy and I ate {food}. I am so {feeling}.\n\nTL;DR:")
+                 f"{obj} yesterday. It was rainy and I was eating {food}. I am so {feeling}.\n\nTL;DR:")
         reference = f"my {actor} {verb} my {obj}"
         response = {"sft": [f" my {actor} {verb} my {obj} and i feel {feeling}", f" my {actor} {verb} my {obj}",
                             f" i ate {food}"][i % 3],
@@ -574,6 +574,27 @@ def gold_rows(variant, n=12):
         rows.append(dict(query=query, response=response, reference=reference,
                          score=f"{(i % 5) - 2.0}", reference_score="0.0"))
     return rows
+
+
+def test_the_gold_judge_refuses_posts_that_are_not_the_tiny_worlds(tmp_path):
+    """The gold judge scores any text, a real post's summary as confidently as a world's (a win rate of 1.000 on a
+    Reddit post): tables whose posts hold words no world post can hold are refused, named, before anything is written;
+    every post of the committed world passes."""
+    import datasets
+
+    world = datasets.load_dataset(str(WORLD / "tldr_3_filtered"))  # the world's posts, as preprocess formats them
+    queries = [f"SUBREDDIT: r/{row['subreddit']}\n\nTITLE: {row['title']}\n\nPOST: {row['post']}\n\nTL;DR:"
+               for split in world.values() for row in split]
+    assert judge.not_the_tiny_world([{"query": query} for query in queries]) is None
+    real = dict(query="SUBREDDIT: r/relationships\n\nTITLE: My boyfriend forgot my birthday\n\nPOST: We have been "
+                      "together for two years and he completely forgot it.\n\nTL;DR:",
+                response=" boyfriend forgot my birthday", reference="my boyfriend forgot my birthday")
+    table = write_table(tmp_path / "real.csv", [*gold_rows("sft", 2), real])
+    result = run_python(judge_cmd("--judge", "gold", "--tables", f"real={table}", "--output_dir", str(tmp_path / "out")),
+                        timeout=60, env=judge_env())
+    assert result.returncode == 1 and "data row 2's post is not the tiny world's (it holds 'completely', 'have', " \
+        "'he', 'together', ..., words no world post holds)" in result.stderr, result.stderr[-2000:]
+    assert "judge these with --judge openai" in result.stderr and not (tmp_path / "out").exists()
 
 
 def test_gold_judge_tables_and_pairs(tmp_path):
