@@ -1173,7 +1173,8 @@ def test_data_without_a_column_or_a_foreign_output_folder_is_refused_before_load
     data.save_to_disk(tmp_path / "data" / "sft")
     (tmp_path / "occupied").mkdir()
     (tmp_path / "occupied" / "notes.txt").write_text("not a run")
-    base = ["--sft_model_path", WORLD / "pythia-tiny", "--reward_model_path", WORLD / "pythia-tiny"]
+    make_reward_model(tmp_path / "rm")  # the right kinds of model: ppo.py checks both before anything else loads
+    base = ["--sft_model_path", WORLD / "pythia-tiny", "--reward_model_path", tmp_path / "rm"]
     cases = {f"{tmp_path / 'data' / 'sft'} lacks ['validation.reference_response_token']: build it with "
              "preprocess_tldr.py": ["--query_dataset", tmp_path / "data" / "sft", "--output_dir", tmp_path / "out"],
              f"--output_dir {tmp_path / 'occupied'} is not empty and has no args.json: choose an empty or new folder":
@@ -1183,7 +1184,7 @@ def test_data_without_a_column_or_a_foreign_output_folder_is_refused_before_load
     for message, result in zip(cases, results):
         assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
         assert "Loading weights" not in result.stdout + result.stderr
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "occupied"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "occupied", "rm"]
 
 
 ZERO_HEAD_PROBE = """
