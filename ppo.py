@@ -1417,12 +1417,7 @@ def ppo_inputs(args, accelerator) -> tuple:
         tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
     accelerator.wait_for_everyone()
     prints = input_prints(args, *INPUTS)  # its inputs as this start finds them: compared on --resume, recorded
-    refuse(push_problem(args, name) or input_problem(args.sft_model_path, "--sft_model_path", make["sft_model_path"])
-           or input_problem(args.reward_model_path, "--reward_model_path", make["reward_model_path"])
-           # Both kinds now, before either loads (swapped folders cost minutes of loading at 6.9B otherwise).
-           or kind_problem(args.sft_model_path, "--sft_model_path", wants_rm=False)
-           or kind_problem(args.reward_model_path, "--reward_model_path", wants_rm=True)
-           or input_problem(args.query_dataset, "--query_dataset", f"python preprocess_tldr.py --base_model {args.base_model}")
+    refuse("\n  ".join(ppo_input_problems(args, name, make))  # the output folder once every input is right
            or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": prints,
                                                    "mixed_precision": accelerator.mixed_precision},
                                  RESUME_FLAGS + SPEED_ONLY_FLAGS + (
@@ -1485,6 +1480,17 @@ def check_tokenizer(tokenizer, data_ids: Optional[dict], data_source: str) -> bo
                          "preprocess the data with the same base model")
     return added
 
+
+def ppo_input_problems(args, name: str, make: dict) -> list:
+    """Every missing or swapped input at once ([] if none), before any model loads: a start each was a start too many,
+    and swapped model folders cost minutes of loading at 6.9B before the load refused them."""
+    problems = (push_problem(args, name), input_problem(args.sft_model_path, "--sft_model_path", make["sft_model_path"]),
+                input_problem(args.reward_model_path, "--reward_model_path", make["reward_model_path"]),
+                kind_problem(args.sft_model_path, "--sft_model_path", wants_rm=False),
+                kind_problem(args.reward_model_path, "--reward_model_path", wants_rm=True),
+                input_problem(args.query_dataset, "--query_dataset",
+                              f"python preprocess_tldr.py --base_model {args.base_model}"))
+    return [problem for problem in problems if problem]
 
 def model_name(base_model: str) -> str:
     """The name of a base model in default paths: a Hub id as it is (org/name), a local model folder its own name."""

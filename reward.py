@@ -1087,9 +1087,12 @@ def resolve_paths(args, accelerator, stage: str) -> tuple:
         tidy_output_dir(args.output_dir)  # finish or drop what a killed save left beside or inside it
     accelerator.wait_for_everyone()
     prints = input_prints(args, *INPUTS)  # its inputs as this start finds them: compared on --resume, recorded
-    problem = (push_problem(args, name) or input_problem(args.sft_model_path, "--sft_model_path", make_sft)
-               or input_problem(args.label_dataset, "--label_dataset", make_data)
-               or input_problem(args.query_dataset, "--query_dataset", make_data)
+    # Every missing input at once (a start each was a start too many); the output folder once they are all there.
+    problems = [problem for problem in (push_problem(args, name),
+                                        input_problem(args.sft_model_path, "--sft_model_path", make_sft),
+                                        input_problem(args.label_dataset, "--label_dataset", make_data),
+                                        input_problem(args.query_dataset, "--query_dataset", make_data)) if problem]
+    problem = ("\n  ".join(problems)
                or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": prints,
                                                        "mixed_precision": accelerator.mixed_precision},
                                      RESUME_FLAGS + (

@@ -438,8 +438,8 @@ def test_missing_inputs_stop_before_anything_is_written(chained, pythia_like, tm
     results = early_exits(starts, env={**os.environ, "OMP_NUM_THREADS": "1"})
     for (flag, path, command), result in zip(expected.values(), results):
         assert result.returncode != 0 and "SetupError" in result.stderr, result.stderr[-2000:]
-        message = result.stderr.strip().splitlines()[-1]
-        assert f"{flag} {path}: no such folder" in message and f"`{command}`" in message and f"pass {flag}" in message
+        message = next(line for line in result.stderr.splitlines() if f"{flag} {path}: no such folder" in line)
+        assert f"`{command}`" in message and f"pass {flag}" in message
     assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "empty", "with_sft"]
     # PPO with the SFT model there but not the reward model: the reward model is named.
@@ -542,6 +542,31 @@ def test_a_hub_model_without_its_base_model_named_is_refused(tmp_path, monkeypat
             module.resolve_paths(args, accelerator, module.__name__)  # named by --base_model; on to the next input
         with pytest.raises(module.SetupError, match=r"^--sft_model_path scratch/mine/sft_1: no such folder"):
             module.resolve_paths(module.Args(sft_model_path="scratch/mine/sft_1"), accelerator, module.__name__)
+
+
+def test_every_missing_input_is_named_in_one_start(tmp_path, monkeypatch):
+    """A start with several inputs missing names them all, each with the command that makes it (one start each was a
+    start too many), and only then looks at the output folder."""
+    import dpo
+    import ppo
+
+    monkeypatch.chdir(tmp_path)  # nothing here: every default input is missing
+    accelerator = one_process()
+    for module in (reward, dpo):
+        with pytest.raises(module.SetupError) as refused:
+            module.resolve_paths(module.Args(), accelerator, module.__name__)
+        lines = str(refused.value).splitlines()
+        assert [line.split(":")[0].strip() for line in lines] == [
+            "--sft_model_path models/EleutherAI/pythia-1b-deduped/sft_1",
+            "--label_dataset data/EleutherAI/pythia-1b-deduped/tldr/preference",
+            "--query_dataset data/EleutherAI/pythia-1b-deduped/tldr/sft"], lines
+    with pytest.raises(ppo.SetupError) as refused:
+        ppo.ppo_inputs(ppo.Args(), accelerator)
+    assert [line.split(":")[0].strip() for line in str(refused.value).splitlines()] == [
+        "--sft_model_path models/EleutherAI/pythia-1b-deduped/sft_1",
+        "--reward_model_path models/EleutherAI/pythia-1b-deduped/reward_1",
+        "--query_dataset data/EleutherAI/pythia-1b-deduped/tldr/sft"]
+    assert sorted(os.listdir(tmp_path)) == []
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
