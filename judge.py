@@ -446,6 +446,7 @@ def not_the_tiny_world(rows: list[dict]) -> Optional[str]:
                     "world's summaries only; judge these with --judge openai")
     return None
 
+
 def input_notes(args: Args, rows: dict) -> list[str]:
     """What a start may not mean and still runs: flags the gold judge reads none of, a seed label the results
     will not group, a query in two rows of a table, tables of different lengths (win rates over different posts)."""
@@ -973,11 +974,11 @@ def judged_under(record: dict, meta: dict) -> bool:
 def why_run_stops(error: BaseException, rejected: collections.Counter, judged: bool, stopping: list) -> Optional[str]:
     """Why a row's `error` stops the run (stops_run, or SAME_400_STOPS rows with the same 400 and no verdict yet under
     these settings), None if the other rows go on. Counts that 400 in `rejected`; `stopping`: non-empty once stopped."""
-    if isinstance(error, openai.APIConnectionError) and not isinstance(error, openai.APITimeoutError):
-        host = getattr(getattr(getattr(error, "request", None), "url", None), "host", None) or "the server"
-        return (f"cannot reach {host} (is this machine offline? another server: --base_url; the tiny world's "
-                "summaries need none: --judge gold); " + describe(error))
     if stops_run(error):
+        if isinstance(error, openai.APIConnectionError):  # (stops_run: not a timeout) no server answered
+            host = getattr(getattr(getattr(error, "request", None), "url", None), "host", None) or "the server"
+            return (f"cannot reach {host} (is this machine offline? another server: --base_url; the tiny world's "
+                    "summaries need none: --judge gold); " + describe(error))
         return ("no quota left (429 insufficient_quota or x-should-retry: false), which waiting does not clear: add "
                 "credit or raise the spend limit; " if out_of_quota(error) else "") + describe(error)
     kind = bad_request_kind(error) if isinstance(error, openai.BadRequestError) else None

@@ -869,8 +869,8 @@ def panel_rm_accuracy(ax, art: dict) -> None:
     # Each split's own ceiling, over its bar against the labels (the gold judge's verdicts carry no label noise).
     ceilings = art["noise_ceiling"] or {}
     label_bars = [x for x, (label, _) in enumerate(bars) if label.endswith("\nlabels")]  # one a split, in order
-    for n, (x, split) in enumerate((x, split) for x, split in zip(label_bars, PREF_SPLITS) if split in ceilings):
-        ceiling = ceilings[split]
+    drawn = [(x, ceilings[split]) for x, split in zip(label_bars, PREF_SPLITS) if split in ceilings]
+    for n, (x, ceiling) in enumerate(drawn):
         ax.hlines(ceiling, x - 0.45, x + 0.45, color="black", linewidth=0.8, linestyle="--",
                   label="noise ceiling of the labels" if n == 0 else None)
         ax.text(x - 0.45, ceiling + 0.01, f"{ceiling:.2f}", ha="left", va="bottom", fontsize=7)
