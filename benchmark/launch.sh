@@ -184,16 +184,16 @@ for stage in "${ALL_STAGES[@]}"; do
     STATE[$stage $i]=$state OUT_OF[$stage $i]=$(realpath -m "$out")
   done <<< "$list"
 done
-stale=()  # complete runs whose inputs were rebuilt since (a retrained SFT under a finished RM, say): not built upon
-for key in "${!STATE[@]}"; do
-  if [[ ${STATE[$key]} == stale ]]; then stale+=("${OUT_OF[$key]}"); fi
+stale=()  # complete runs that are not what their tasks now ask for (a retrained SFT under a finished RM, another
+for key in "${!STATE[@]}"; do  # DATA): not built upon
+  if [[ ${STATE[$key]} == stale ]]; then stale+=("${OUT_OF[$key]} ($key)"); fi
 done
 if ((${#stale[@]})); then
-  echo "benchmark/launch.sh: these complete runs were made from inputs that were rebuilt or removed since, and the" \
-    "sweep would build on them (or report them) as they are:" >&2
+  echo "benchmark/launch.sh: these complete runs were made from inputs that were rebuilt or removed since, or with" \
+    "flags other than their tasks' commands now give, and the sweep would build on them (or report them) as they are:" >&2
   printf '%s\n' "${stale[@]}" | sort | sed 's/^/  /' >&2
-  echo "Delete them to train them again on the new inputs (rm -r each), then submit again;" \
-    "bash benchmark/slurm/<stage>.sbatch --pending lists each stage's. Nothing was submitted." >&2
+  echo "SLURM_ARRAY_TASK_ID=<task> bash benchmark/slurm/<stage>.sbatch says why (and starts nothing). Delete them" \
+    "(rm -r each) to run them again as the sweep asks, then submit again. Nothing was submitted." >&2
   exit 1
 fi
 SUBMITTED=  # the jobs this call submitted

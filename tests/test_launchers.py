@@ -700,7 +700,7 @@ def test_a_complete_run_on_inputs_rebuilt_since_is_stale_and_stops_the_sweep(tmp
     assert f"--sft_model_path {sft} was rebuilt since this run used it" in task.stderr
     assert f"rm -r {reward}" in task.stderr
     result = launch("sft", "reward", "ppo", env=env)
-    assert result.returncode == 1 and f"\n  {reward}\n" in result.stderr, result.stdout + result.stderr
+    assert result.returncode == 1 and f"\n  {reward} (reward 0)\n" in result.stderr, result.stdout + result.stderr
     assert "Nothing was submitted" in result.stderr and not (tmp_path / "sbatch.log").exists()
     (data / "args.json").unlink()  # the data gone: SFT's run is stale too
     assert (state("sft"), state("reward")) == ("stale", "stale")
@@ -714,6 +714,50 @@ def test_a_complete_run_on_inputs_rebuilt_since_is_stale_and_stops_the_sweep(tmp
     os.utime(models / PAPER_MODELS[0] / "ppo_44413" / "eval_metrics.json",
              (time.time() + 5, time.time() + 5))  # after results.json, whatever the file system's clock resolution
     assert state("judge") == "work"
+
+
+def test_a_complete_run_made_with_other_flags_is_stale(tmp_path):
+    """A finished run whose args.json records a flag of its task's command otherwise (DATA or PREPROCESS_FLAGS
+    changed, OUT_ROOT kept) is another run than the sweep asks for: `stale`, and its task refuses to start. The run
+    that exactly this command made (its args.json as the script records it) is `done`, and so it stays when only
+    flags that change nothing it computes differ (tracking, checkpoints, the fast paths, preprocessing's workers)."""
+    import importlib
+    from dataclasses import asdict
+
+    import tyro
+
+    env = {"OUT_ROOT": str(tmp_path / "models"), "DATA": str(tmp_path / "data"), "MODELS": PAPER_MODELS[0],
+           "SEEDS": PAPER_SEEDS[0]}
+    stages = ("preprocess",) + TRAINING
+    for stage in stages:  # each run made by its task's command, its args.json written as the script writes it
+        (command,) = parse_dry_run(bash(str(SLURM / f"{stage}.sbatch"), "--dry-run", env=env).stdout)
+        words = shlex.split(command["line"])
+        words = words[next(i for i, word in enumerate(words) if word.endswith(".py")) + 1:]
+        args = tyro.cli(importlib.import_module(SCRIPTS[stage][:-3]).Args, args=words, use_underscores=True)
+        out = Path(args.output_dir)
+        out.mkdir(parents=True)
+        (out / "args.json").write_text(json.dumps({**asdict(args), "input_args_json": {}, "git_commit": "abc"}))
+        (out / ("args.json" if stage == "preprocess" else "eval_metrics.json")).touch()
+
+    def states(**extra) -> dict:
+        def state(stage):
+            result = bash(str(SLURM / f"{stage}.sbatch"), "--pending", env={**env, **extra})
+            assert result.returncode == 0, result.stderr
+            return result.stdout.split("\t")[1]
+        return {stage: state(stage) for stage in stages}
+    assert set(states().values()) == {"done"}
+    assert set(states(TRACK="0", SAVE_EVERY_PPO="7", SAVE_EVERY_SFT="3", FAST_SAMPLING="0", COMPILE_TRAINING="0",
+                      PREPROCESS_FLAGS="--num_proc 4").values()) == {"done"}
+    assert states(PREPROCESS_FLAGS="--no_check_length_correctness")["preprocess"] == "stale"
+    assert states(PREPROCESS_FLAGS="--max_sft_query_response_length 563")["preprocess"] == "stale"
+    # The data built again elsewhere, the models' folder kept: every training run was made from the old data.
+    (tmp_path / "data2").mkdir()
+    moved = states(DATA=str(tmp_path / "data2"))
+    assert moved == {"preprocess": "work", "sft": "stale", "reward": "stale", "dpo": "stale", "ppo": "stale"}
+    task = bash(str(SLURM / "sft.sbatch"), env={**env, "DATA": str(tmp_path / "data2"), "SLURM_ARRAY_TASK_ID": "0"})
+    assert task.returncode == 1 and "Nothing was started" in task.stderr, task.stdout + task.stderr
+    assert (f"--query_dataset was '{tmp_path}/data/sft' in this run, the sweep now gives {tmp_path}/data2/sft"
+            in task.stderr), task.stderr
 
 
 FAKE_SBATCH = r"""#!/usr/bin/env bash

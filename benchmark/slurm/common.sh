@@ -14,7 +14,8 @@
 #
 # Task i runs MODEL = MODELS[i / #SEEDS], SEED = SEEDS[i % #SEEDS] (the reference's indexing), so
 # task i of every stage is the same (model, seed) and `--dependency=aftercorr` chains them.
-# A task whose DONE file exists on inputs rebuilt since it ran (inputs_rebuilt) is `stale` and refuses to start.
+# A task whose DONE file exists on inputs rebuilt since it ran, or made with flags other than its command's
+# (stale_reasons), is `stale` and refuses to start.
 # Requeue: a task whose DONE file exists exits at once (with PUSH=1 its script starts, trains nothing and pushes the
 # finished run again, in case the push that ended it failed); otherwise its command carries --resume
 # and --save_every, so a job requeued after a preemption, a node failure or its time limit continues
@@ -90,12 +91,16 @@ task_done() {  # whether $OUT holds a finished run: the launcher's stage_done, e
   if declare -F stage_done >/dev/null; then stage_done; else [[ -f $OUT/$DONE ]]; fi
 }
 
-inputs_rebuilt() {  # prints each input of the finished run in $OUT that was rebuilt or removed since it ran; nothing
-  # if none was (or it recorded none: a Hub id, preprocessing, the judge). Each training stage records the sha256 of
-  # its inputs' args.json (input_args_json); an upstream stage trained again since (say an SFT run deleted and redone
-  # after its downstream runs finished) would otherwise leave those runs "complete" on the old model, silently.
-  [[ -f $OUT/args.json ]] || return 0
-  python - "$OUT/args.json" <<'PY'
+stale_reasons() {  # prints why the finished run in $OUT no longer stands for this task (one reason a line); nothing
+  # if it does. Two ways it may not, both silent otherwise:
+  # - an input rebuilt or removed since it ran: each training stage records the sha256 of its inputs' args.json
+  #   (input_args_json), and an upstream run trained again (say an SFT run deleted and redone after its downstream
+  #   runs finished) would leave those runs "complete" on the old model;
+  # - a flag of this task's command that its args.json records otherwise (DATA or a knob changed, or PREPROCESS_FLAGS,
+  #   with OUT_ROOT kept): the run is another run than the sweep now asks for. As the scripts' own --resume, flags
+  #   that change nothing it computes (where it logs and pushes, checkpoints, the fast paths) are not compared.
+  [[ -f $OUT/args.json ]] || return 0  # none recorded: a Hub id, the judge
+  python - "$OUT/args.json" "${CMD[@]}" <<'PY'
 import hashlib, json, os, sys
 
 try:
@@ -115,6 +120,45 @@ for flag, recorded in (saved.get("input_args_json") or {}).items():
         now = None
     if now != recorded:
         print(f"{flag} {path} " + ("is gone" if now is None else "was rebuilt") + " since this run used it")
+
+# The scripts' RESUME_FLAGS and ppo.py's SPEED_ONLY_FLAGS, and preprocess_tldr.py's worker count.
+FREE = {"resume", "stop_after_updates", "stop_after_minutes", "run_name", "save_every", "track", "wandb_project_name",
+        "wandb_entity", "push_to_hub", "hf_entity", "fast_sampling", "compile_training", "num_proc"}
+words = sys.argv[2:]
+words = words[next((i + 1 for i, word in enumerate(words) if word.endswith(".py")), len(words)):]  # the script's
+given, name = {}, None
+for word in words:
+    if word.startswith("--"):
+        name, _, value = word[2:].replace("-", "_").partition("=")
+        given[name] = [value] if value else []
+    elif name is not None:
+        given[name].append(word)
+
+
+def same(was, now: list) -> bool:
+    """Whether the recorded value `was` is what the words `now` give (as tyro reads them)."""
+    if isinstance(was, bool) or not now:
+        return was is (not now or now[0].lower() in ("true", "1", "yes"))
+    if isinstance(was, list):
+        return len(was) == len(now) and all(same(one, [word]) for one, word in zip(was, now))
+    try:
+        if isinstance(was, (int, float)):
+            return was == type(was)(now[0])
+    except ValueError:
+        return False
+    if isinstance(was, str) and was != now[0]:  # one folder by two names (./data/tldr, data/tldr) is the same
+        return os.path.exists(was) and os.path.exists(now[0]) and os.path.samefile(was, now[0])
+    return was == now[0]
+
+
+for name, words in given.items():
+    key = name[3:] if name.startswith("no_") and isinstance(saved.get(name[3:]), bool) else name
+    if key in FREE or key not in saved:  # a flag added to the script after this run: nothing recorded
+        continue
+    if key != name:  # --no_<flag>
+        words = ["false"]
+    if not same(saved[key], words):
+        print(f"--{key} was {saved[key]!r} in this run, the sweep now gives {' '.join(words) or 'the flag'}")
 PY
 }
 
@@ -135,10 +179,10 @@ run_stage() {  # run_stage [--dry-run | --pending]
   n=$(num_tasks)
   if [[ ${1:-} == --pending ]]; then  # a line a task: index, state, output folder, tab-separated; the state is
     local state                       # work (left to do), push (complete; PUSH=1 starts it to push again), done,
-                                      # or stale (complete, on an input rebuilt since: inputs_rebuilt)
+                                      # or stale (complete, but not the run the task now asks for: stale_reasons)
     for ((i = 0; i < n; i++)); do
       task_command "$i"
-      if ! task_done; then state=work; elif [[ -n $(inputs_rebuilt) ]]; then state=stale
+      if ! task_done; then state=work; elif [[ -n $(stale_reasons) ]]; then state=stale
       elif pushes_again; then state=push; else state=done; fi
       printf '%s\t%s\t%s\n' "$i" "$state" "$OUT"
     done
@@ -176,10 +220,10 @@ run_stage() {  # run_stage [--dry-run | --pending]
   task_command "$i"
   if task_done; then
     local rebuilt
-    rebuilt=$(inputs_rebuilt)
-    if [[ -n $rebuilt ]]; then  # complete, but on inputs that are no longer there: neither skipped nor trained over
-      echo "$STAGE [$i]: $OUT is complete, but on inputs that changed since: ${rebuilt//$'\n'/; }. Delete it to" \
-        "train it again on them (rm -r $(printf '%q' "$OUT")), with the runs built on it. Nothing was started." >&2
+    rebuilt=$(stale_reasons)
+    if [[ -n $rebuilt ]]; then  # complete, but not the run this task asks for: neither skipped nor trained over
+      echo "$STAGE [$i]: $OUT is complete, but not the run this task asks for: ${rebuilt//$'\n'/; }. Delete it to" \
+        "run it again as asked (rm -r $(printf '%q' "$OUT")), with the runs built on it. Nothing was started." >&2
       return 1
     fi
     if ! pushes_again; then  # only the training stages push again
