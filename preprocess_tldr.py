@@ -1144,8 +1144,33 @@ def install_output(scratch: str, output_dir: str, name: str) -> None:
         os.rename(staged, target)
 
 
+def stop_on_ctrl_c(main_pid: int) -> list:
+    """Let Ctrl-C stop this process alone; [] that gets an entry once it has.
+
+    A terminal's Ctrl-C reaches every process of the run, `map`'s workers too; a worker stopped mid-row dies, and
+    its pool then waits for it, hanging or ending in a TimeoutError. Forked workers keep this handler: they ignore
+    the signal, and the pool stops them as it unwinds."""
+    pressed = []
+
+    def handler(signum, frame):
+        if os.getpid() == main_pid:
+            pressed.append(signum)
+            raise KeyboardInterrupt
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not in a job started with it ignored
+        signal.signal(signal.SIGINT, handler)
+    return pressed
+
+
 if __name__ == "__main__":
+    ctrl_c = stop_on_ctrl_c(os.getpid())
     try:
         main()  # here, at the end, so that every helper below the fence is defined when it runs
     except (SetupError, DataError) as error:  # the message, not a traceback, says what to fix
         sys.exit(f"{type(error).__name__}: {error}")
+    except BaseException:
+        if not ctrl_c:
+            raise
+        # Whatever it surfaced as (datasets' pool turns it into a TimeoutError): what to do next, not a traceback.
+        print("interrupted: nothing was written, and the output folder keeps what it held; the same command starts "
+              "preprocessing again from the start", file=sys.stderr)
+        sys.exit(130)  # the shell's status for Ctrl-C

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import datasets
 import pytest
-from conftest import REPO, run_python
+from conftest import REPO, WORLD, run_python, tiny_lengths
 
 import preprocess_tldr as pre
 from test_preprocess import flag_args, make_tokenizer, reference_flags, smoke_sources, write_world
@@ -162,6 +162,46 @@ def test_killed_as_a_worker_starts_leaves_no_process_behind(tmp_path, runs):
             time.sleep(0.1)
         assert not processes_with(str(out))  # no worker, no watcher
         assert fingerprint(out) == fingerprints["old"]
+    finally:
+        for pid in processes_with(str(out)):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_while_workers_map_says_so_and_leaves_the_old_outputs(tmp_path, runs):
+    """A terminal's Ctrl-C (SIGINT to the whole process group, `map`'s workers too) while 2 workers tokenize the
+    tiny world's preference rows: exit 130 and a line saying what to do, not a traceback (it had surfaced as
+    datasets' TimeoutError, exit 1, and could hang); the old outputs whole, no scratch and no process left."""
+    _, fingerprints, outputs = runs
+    out = tmp_path / "out"
+    shutil.copytree(outputs["old"], out)
+    command = [sys.executable, str(REPO / "preprocess_tldr.py"), "--sft_dataset", str(WORLD / "tldr_3_filtered"),
+               "--preference_dataset", str(WORLD / "summarize_from_feedback"), "--base_model",
+               str(WORLD / "pythia-tiny"), *tiny_lengths(), "--num_proc", "2", "--output_dir", str(out)]
+    log = tmp_path / "log"
+    try:  # a plain start in a session of its own: SIGINT to its group reaches the workers, as a terminal's does
+        with open(log, "w") as file:
+            # (SIGINT restored: a job started in the background of a script, as CI's pytest is, inherits it ignored)
+            process = subprocess.Popen(command, stdout=file, stderr=file, start_new_session=True,
+                                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            deadline = time.time() + 300
+            # A progress bar reaches the file at its end (its line's newline): the SFT splits' last is done, and the
+            # preference rows' map starts (6.6 s of 2 workers on CI's CPU).
+            while "sft/test (num_proc=2): 100%" not in log.read_text():
+                assert time.time() < deadline and process.poll() is None, log.read_text()[-2000:]
+                time.sleep(0.05)
+            time.sleep(1)
+            os.killpg(process.pid, signal.SIGINT)
+            returncode = process.wait(timeout=120)
+        text = log.read_text()
+        assert returncode == 130, text[-3000:]
+        assert text.rstrip().endswith("the same command starts preprocessing again from the start"), text[-3000:]
+        assert "Traceback" not in text and "Error" not in text, text[-3000:]
+        wait_for_clean_up(out)
+        assert fingerprint(out) == fingerprints["old"]
+        deadline = time.time() + 30
+        while processes_with(str(out)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not processes_with(str(out))  # no worker, no watcher
     finally:
         for pid in processes_with(str(out)):
             os.kill(pid, signal.SIGKILL)
