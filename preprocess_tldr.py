@@ -877,9 +877,16 @@ def save_outputs(args: Args, scratch: str, tokenizer, sft, preference, checks: l
                    "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
                    "tokenizer_identity": tokenizer_identity(tokenizer),
                    "git_commit": commit}, file, indent=2)
-    # A failed run never reaches this point, so it leaves the old outputs as they were.
-    for name in ("sft", "preference", "visuals", "policy_pairs.json", "dropped_rows.json", "args.json"):
-        install_output(scratch, args.output_dir, name)
+    # A failed run never reaches this point, so it leaves the old outputs as they were. Ctrl-C waits until the
+    # moves are done: the outputs are then all old or all new (a kill can still land between two of them).
+    CTRL_C["held"] = True
+    try:
+        for name in ("sft", "preference", "visuals", "policy_pairs.json", "dropped_rows.json", "args.json"):
+            install_output(scratch, args.output_dir, name)
+    finally:
+        CTRL_C["held"] = False
+    if CTRL_C["pressed"]:
+        raise KeyboardInterrupt
     print(f"saved {args.output_dir}/sft, {args.output_dir}/preference, args.json, policy_pairs.json, "
           "dropped_rows.json, "
           f"{[os.path.join(args.output_dir, 'visuals', os.path.basename(path)) for path in visuals]}")
@@ -1144,33 +1151,36 @@ def install_output(scratch: str, output_dir: str, name: str) -> None:
         os.rename(staged, target)
 
 
-def stop_on_ctrl_c(main_pid: int) -> list:
-    """Let Ctrl-C stop this process alone; [] that gets an entry once it has.
+# Ctrl-C (on_ctrl_c): the main process's, held while the outputs move into place.
+CTRL_C = {"main_pid": None, "pressed": False, "held": False}
 
-    A terminal's Ctrl-C reaches every process of the run, `map`'s workers too; a worker stopped mid-row dies, and
-    its pool then waits for it, hanging or ending in a TimeoutError. Forked workers keep this handler: they ignore
-    the signal, and the pool stops them as it unwinds."""
-    pressed = []
 
-    def handler(signum, frame):
-        if os.getpid() == main_pid:
-            pressed.append(signum)
-            raise KeyboardInterrupt
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not in a job started with it ignored
-        signal.signal(signal.SIGINT, handler)
-    return pressed
+def on_ctrl_c(signum, frame) -> None:
+    """SIGINT: a KeyboardInterrupt in the main process (once the outputs have moved, if they are moving); nothing in
+    `map`'s workers.
+
+    A terminal's Ctrl-C reaches every process of the run, the workers too; a worker stopped mid-row dies, and its
+    pool then waits for it, hanging or ending in a TimeoutError. Forked, they keep this handler and ignore the
+    signal; the pool stops them as it unwinds."""
+    if os.getpid() != CTRL_C["main_pid"]:
+        return
+    CTRL_C["pressed"] = True
+    if not CTRL_C["held"]:
+        raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
-    ctrl_c = stop_on_ctrl_c(os.getpid())
+    CTRL_C["main_pid"] = os.getpid()
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not in a job started with it ignored
+        signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         main()  # here, at the end, so that every helper below the fence is defined when it runs
     except (SetupError, DataError) as error:  # the message, not a traceback, says what to fix
         sys.exit(f"{type(error).__name__}: {error}")
     except BaseException:
-        if not ctrl_c:
+        if not CTRL_C["pressed"]:
             raise
         # Whatever it surfaced as (datasets' pool turns it into a TimeoutError): what to do next, not a traceback.
-        print("interrupted: nothing was written, and the output folder keeps what it held; the same command starts "
-              "preprocessing again from the start", file=sys.stderr)
+        print("interrupted: the outputs are all as they were, or all new if it came as they were moved into place "
+              "(or during --push_to_hub); the same command starts preprocessing again from the start", file=sys.stderr)
         sys.exit(130)  # the shell's status for Ctrl-C

@@ -59,7 +59,7 @@ RANK = os.path.join(REPO, "tests", "rank.py")
 # (an Accelerator run in pytest sets ACCELERATE_USE_CPU in os.environ) started 15 of them. Any other
 # variable (TORCH_LOGS, PYTHONPATH, OMP_NUM_THREADS, which OpenBLAS reads on import, ...) gets servers of its own.
 RUN_TIME_VARIABLES = ("COLUMNS", "NO_COLOR", "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION", "OPENAI_API_KEY",
-                      "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR",
+                      "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR", "KILL_AT_CALL_SIGNAL",
                       "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 # Importing these (they import nothing of each other's and run nothing on import: test_conventions checks) brings
 # in every library the stage scripts and benchmark scripts use at the top of the file.

@@ -1,5 +1,7 @@
 """`python tests/kill_at_call.py NAME N SCRIPT ARGS...`: run SCRIPT ARGS as __main__ and SIGKILL this process at the start
 of the N-th call of a function named NAME (test_preprocess_kill.py; run like a script by conftest.run_python).
+With KILL_AT_CALL_SIGNAL=SIGINT it sends a Ctrl-C instead (this process alone), its handler Python's own as in a
+terminal, and the run goes on to handle it.
 
 NAME `fork`: the N-th fork's child SIGKILLs this process before any fork hook of the script has run in the child, and
 only then goes on: a run killed between a fork and the child's first steps."""
@@ -13,6 +15,11 @@ import time
 
 for library in ("datasets", "transformers", "tyro"):  # imported before the profiler is on: not under test
     importlib.import_module(library)
+
+
+SIGNAL = getattr(signal, os.environ.get("KILL_AT_CALL_SIGNAL", "SIGKILL"))
+if SIGNAL == signal.SIGINT:  # a test started in the background (CI's) inherits Ctrl-C ignored: as in a terminal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def kill_at_fork(count: int) -> None:
@@ -40,7 +47,8 @@ def kill_at_call(name: str, count: int) -> None:
         if event == "call" and frame.f_code.co_name == name:
             calls += 1
             if calls == count:
-                os.kill(os.getpid(), signal.SIGKILL)
+                sys.setprofile(None)
+                os.kill(os.getpid(), SIGNAL)
 
     sys.setprofile(profile)
 

@@ -207,6 +207,20 @@ def test_ctrl_c_while_workers_map_says_so_and_leaves_the_old_outputs(tmp_path, r
             os.kill(pid, signal.SIGKILL)
 
 
+def test_ctrl_c_as_the_outputs_are_moved_into_place_waits_until_all_are_new(tmp_path, runs):
+    """Ctrl-C between two moves into place (sft moved, preference not yet) takes effect once all are moved: exit 130,
+    and every output new, where a kill there leaves sft new beside an old args.json (test above)."""
+    commands, fingerprints, outputs = runs
+    out = tmp_path / "out"
+    shutil.copytree(outputs["old"], out)
+    command = [sys.executable, KILLER, "install_output", "2"] + commands["new"][1:] + ["--output_dir", str(out)]
+    result = run_python(command, env={**os.environ, "KILL_AT_CALL_SIGNAL": "SIGINT"}, timeout=300)
+    assert result.returncode == 130, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "interrupted: the outputs are all as they were, or all new" in result.stderr
+    wait_for_clean_up(out)
+    assert fingerprint(out) == fingerprints["new"]
+
+
 def test_kill_during_a_first_run_leaves_no_folder(tmp_path, runs):
     commands, _, _ = runs
     out = tmp_path / "data" / "tldr"
