@@ -13,7 +13,7 @@ updates) the RM scores the policy's summaries of validation prompts (temperature
     {output_dir}/checkpoints/       the latest --save_every checkpoint (no pickle), removed when the run ends
     runs/{run_name}/                TensorBoard; samples_{split}_{episode}.csv of every evaluation
 
-    # tiny world, offline, 1.1-2.7 min on 2 CPU cores, by CPU (as benchmark/tiny.sh): win rate vs the references 0.508 (SFT 0.338)
+    # tiny world, offline, 1.1-3 min on 2 CPU cores, by CPU and hour (as benchmark/tiny.sh): win rate vs the references 0.508 (SFT 0.338)
     python ppo.py --base_model assets/tiny_world/pythia-tiny --query_dataset data/tiny_tldr/sft \
         --sft_model_path models/tiny/sft_1 --reward_model_path models/tiny/reward_1 \
         --output_dir models/tiny/ppo_1 --seed 1 --total_episodes 1280 --batch_size 64 --local_micro_batch_size 16 \

@@ -20,7 +20,7 @@ mean reward of 0; then the RM is evaluated on `validation` (TL;DR) and `validati
     {output_dir}/checkpoints/         the latest --save_every checkpoint (no pickle), removed when the run ends
     runs/{run_name}/                  TensorBoard
 
-    # tiny world, offline, 2 CPU cores, 3.5-7 min by CPU, 10.5 on a Xeon (as benchmark/tiny.sh, after sft.py): accuracy 0.701-0.705, CNN/DM 0.555
+    # tiny world, offline, 2 CPU cores, 3.5-7 min by CPU and hour, up to 10.5 (as benchmark/tiny.sh, after sft.py): accuracy 0.701-0.705, CNN/DM 0.555
     python reward.py --sft_model_path models/tiny/sft_1 --label_dataset data/tiny_tldr/preference \
         --query_dataset data/tiny_tldr/sft --output_dir models/tiny/reward_1 --seed 1 --lr 3e-4 \
         --batch_size 32 --local_micro_batch_size 32 --length_groups 4 --num_train_epochs 3 \
