@@ -19,7 +19,7 @@ references.
     {output_dir}/accuracy_{split}.md  accuracy overall and by split / batch / confidence (as reward.py's)
     {output_dir}/calibration.png      accuracy vs |implicit reward margin| beside the ideal sigmoid
     {output_dir}/eval_metrics.json    every eval/dpo/* scalar below
-    {output_dir}/checkpoints/         the latest --save_every checkpoint (no pickle), removed when the run ends
+    {output_dir}/checkpoints/         the latest --save_every checkpoint (no pickle; DeepSpeed's own files read weights-only), removed at the end
     runs/{run_name}/                  TensorBoard
 
     # tiny world, offline, 2 CPU cores, ~40 s (benchmark/tiny.sh runs this after sft.py; 20 updates of 64:
@@ -333,7 +333,7 @@ def main() -> None:
             stop_at = update + 1  # --stop_after_minutes have passed: checkpointed, stop here
             break
     if stop_at < args.num_updates:  # a time-limited job: the checkpoint is written, continue with --resume
-        return stop_early(accelerator, writer, stop_at, args.num_updates)
+        return stop_early(accelerator, writer, max(stop_at, start_update), args.num_updates)
     staging = staging_folder(args.output_dir) if accelerator.is_main_process else None  # swapped in once complete
 
     # ---- evaluation: the implicit reward as a reward model, reported as reward.py reports the RM ----

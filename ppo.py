@@ -10,7 +10,7 @@ updates) the RM scores the policy's summaries of validation prompts (temperature
     {output_dir}/args.json          these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, input_args_json, launch, git commit
     {output_dir}/eval_{split}.csv   columns query, response, reference, score, reference_score (judge.py)
     {output_dir}/eval_metrics.json  {split: {score, reference_score, eos_fraction, response_length}}
-    {output_dir}/checkpoints/       the latest --save_every checkpoint (no pickle), removed when the run ends
+    {output_dir}/checkpoints/       the latest --save_every checkpoint (no pickle; DeepSpeed's own files read weights-only), removed at the end
     runs/{run_name}/                TensorBoard; samples_{split}_{episode}.csv of every evaluation
 
     # tiny world, offline, 1.1-3 min on 2 CPU cores, by CPU and hour (as benchmark/tiny.sh): win rate vs the references 0.508 (SFT 0.338)
@@ -539,7 +539,7 @@ def main() -> None:
             stop_at = update + 1  # --stop_after_minutes have passed: checkpointed, stop here (a nan / inf raises)
             break
     if stop_at < args.num_updates:  # a time-limited job: the checkpoint is written, continue with --resume
-        return stop_early(accelerator, writer, stop_at, args.num_updates)
+        return stop_early(accelerator, writer, max(stop_at, start_update), args.num_updates)
 
     # ---- evaluation: summaries sampled at eval_temperature, scored by the RM beside the references ----
     all_metrics = evaluate(eval_splits, args.num_updates * args.batch_size)

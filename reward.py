@@ -17,7 +17,7 @@ mean reward of 0; then the RM is evaluated on `validation` (TL;DR) and `validati
     {output_dir}/normalization.json   reference rewards before normalisation (mean/std/min/max)
                                       and the left- vs right-padding difference
     {output_dir}/eval_metrics.json    every eval/rm/* scalar below
-    {output_dir}/checkpoints/         the latest --save_every checkpoint (no pickle), removed when the run ends
+    {output_dir}/checkpoints/         the latest --save_every checkpoint (no pickle; DeepSpeed's own files read weights-only), removed at the end
     runs/{run_name}/                  TensorBoard
 
     # tiny world, offline, 2 CPU cores, 3.5-7 min by CPU and hour, up to 10.5 (as benchmark/tiny.sh, after sft.py): accuracy 0.701-0.705, CNN/DM 0.555
@@ -400,7 +400,7 @@ def main() -> None:
             stop_at = update + 1  # --stop_after_minutes have passed: checkpointed, stop here
             break
     if stop_at < args.num_updates:  # a time-limited job: the checkpoint is written, continue with --resume
-        return stop_early(accelerator, writer, stop_at, args.num_updates)
+        return stop_early(accelerator, writer, max(stop_at, start_update), args.num_updates)
     staging = staging_folder(args.output_dir) if accelerator.is_main_process else None  # swapped in once complete
 
     # ---- normalisation ----

@@ -10,7 +10,7 @@ reward.py, dpo.py and ppo.py load with `from_pretrained`:
     {output_dir}/args.json        these flags, derived sizes, run name, eos / pad ids, tokenizer_identity, input_args_json, launch, git commit
     {output_dir}/eval_{split}.csv columns query, response, reference (what judge.py reads)
     {output_dir}/eval_metrics.json  {split: {loss, rouge1, rouge2, rougeL}}
-    {output_dir}/checkpoints/     the latest --save_every checkpoint (no pickle), removed when the run ends
+    {output_dir}/checkpoints/     the latest --save_every checkpoint (no pickle; DeepSpeed's own files read weights-only), removed at the end
     runs/{run_name}/              TensorBoard
 
     # tiny world, offline, 2 CPU cores, ~2 min (benchmark/tiny.sh runs this)
@@ -326,7 +326,7 @@ def main() -> None:
             stop_at = update + 1  # --stop_after_minutes have passed: checkpointed, stop here
             break
     if stop_at < args.num_updates:  # a time-limited job: the checkpoint is written, continue with --resume
-        return stop_early(accelerator, writer, stop_at, args.num_updates)
+        return stop_early(accelerator, writer, max(stop_at, start_update), args.num_updates)
 
     # ---- evaluation ----
     staging = staging_folder(args.output_dir) if accelerator.is_main_process else None  # swapped in once complete
@@ -706,6 +706,12 @@ def sft_tokenizer(args, accelerator, dataset, local_dataset: bool) -> tuple:
     else:  # a Hub dataset: the ids its rows end with
         data_ids = ids_in_data(dataset, "reference_response_token")
         accelerator.print(f"note: no args.json beside {args.query_dataset}; its rows end with the ids {data_ids}")
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        # check_tokenizer refuses such a pad in a tuned model (reward.py, dpo.py, ppo.py): EOS may have been masked
+        # out of its training. A base model's pretraining masked no pad; [PAD] replaces it, as in preprocess_tldr.py.
+        accelerator.print(f"note: {args.base_model}'s tokenizer pads with its EOS {tokenizer.eos_token!r}: [PAD] "
+                          "replaces it, as in preprocess_tldr.py")
+        tokenizer.pad_token = None
     if check_tokenizer(tokenizer, data_ids, f"{args.query_dataset} ({built_with} or its rows)"):
         accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.base_model}")
     identity = tokenizer_identity(tokenizer)

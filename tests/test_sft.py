@@ -500,6 +500,24 @@ def test_check_tokenizer_pad_rules():
         sft.check_tokenizer(tokenizer, None, "data")
 
 
+def test_a_base_model_that_pads_with_its_eos_gets_the_pad_its_data_was_built_with(tiny_tldr, tmp_path):
+    """A base model whose tokenizer pads with EOS (Qwen2.5's base models do) is taken, as preprocess_tldr.py takes it:
+    [PAD] replaces that pad, so the ids and the tokenizer's identity are the data's. (check_tokenizer still refuses
+    such a pad in the tuned models the later stages load: test_check_tokenizer_pad_rules.)"""
+    from types import SimpleNamespace
+
+    shutil.copytree(BASE, tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
+    (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<|endoftext|>"}))
+    assert AutoTokenizer.from_pretrained(tmp_path / "model").pad_token_id == 0  # the EOS
+    printed = []
+    args = SimpleNamespace(base_model=str(tmp_path / "model"), query_dataset=str(tiny_tldr / "sft"))
+    tokenizer, identity = sft.sft_tokenizer(args, SimpleNamespace(print=printed.append), None, True)
+    assert (tokenizer.pad_token, tokenizer.pad_token_id, tokenizer.eos_token_id) == ("[PAD]", 1, 0)
+    assert identity == json.loads((tiny_tldr / "args.json").read_text())["tokenizer_identity"]
+    assert any("pads with its EOS" in line for line in printed), printed
+
+
 def test_generate_samples_exactly_response_length_and_eos_can_occur(tiny_tldr):
     # transformers fills eos / pad from the model's generation_config: with min_new_tokens that
     # would forbid EOS in every sample. `generate` sets them aside, so EOS shows up and truncation acts.
@@ -558,11 +576,6 @@ def bad_input(case, tiny_tldr, single_run, tmp_path):
         (tmp_path / "out" / "args.json").write_text(json.dumps({**saved, "output_dir": str(tmp_path / "out")}))
         (tmp_path / "out" / "eval_metrics.json").write_text("{}")  # its work (an args.json alone is a failed start)
         return flags + ["--seed", "2"], "holds a different run (seed=1 there, 2 now)"
-    if case == "pad is eos":
-        shutil.copytree(BASE, tmp_path / "model")
-        config = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
-        (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<|endoftext|>"}))
-        return flags + ["--base_model", tmp_path / "model"], "pad token '<|endoftext|>' is its EOS token"
     if case == "rows padded otherwise":  # no args.json beside it, as a Hub dataset: its rows say which ids it holds
         data = datasets.load_from_disk(str(tiny_tldr / "sft"))
         columns = ["query_token", "reference_response_token", "query_reference_response_token"]
@@ -578,7 +591,7 @@ def bad_input(case, tiny_tldr, single_run, tmp_path):
     return flags + ["--batch_size", "10"], "--batch_size 10 is not a positive multiple of --local_micro_batch_size 4"
 
 
-BAD_INPUTS = ["missing column", "different run", "pad is eos", "rows padded otherwise", "batch above the split",
+BAD_INPUTS = ["missing column", "different run", "rows padded otherwise", "batch above the split",
               "batch does not divide"]
 
 
@@ -652,6 +665,10 @@ def test_resume_matches_uninterrupted(single_run, tiny_tldr, tmp_path):
     assert "stopped after update 2 of 4" in result.stdout
     assert [p.name for p in (tmp_path / "out" / "checkpoints").iterdir()] == ["update_2"]  # only the latest
     assert not (tmp_path / "out" / "model.safetensors").exists()
+    # Resumed with a --stop_after_updates it has passed: nothing is trained, and it says where the run stands.
+    result = run_sft(tmp_path, *flags, "--resume", "--stop_after_updates", "1")
+    assert "stopped after update 2 of 4" in result.stdout, result.stdout[-2000:]
+    assert [p.name for p in (tmp_path / "out" / "checkpoints").iterdir()] == ["update_2"]
     # Resumed with a --stop_after_updates beyond the run's end (a job's share of updates): it ends at update 4.
     result = run_sft(tmp_path, *flags, "--resume", "--stop_after_updates", "99")
     assert "at update 2" in result.stdout
