@@ -978,9 +978,10 @@ def resolve_paths(args, accelerator, stage: str) -> tuple:
         raise SetupError(f"--sft_model_path {args.sft_model_path}: no such folder here, so a Hub id, and no args.json "
                          "here says which base model it was fine-tuned from: check the path, or pass --base_model (it "
                          "names the output folder, the run and the Hub repository)")
+    make_data = preprocess_hint(args.base_model, args.sft_model_path, {"--label_dataset": "preference",
+                                                                      "--query_dataset": "sft"})
     name = name or recorded or "EleutherAI/pythia-1b-deduped"
     args.base_model = args.base_model or name
-    make_data = f"python preprocess_tldr.py --base_model {args.base_model}"
     args.label_dataset = args.label_dataset or os.path.join("data", name, "tldr", "preference")
     args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
     args.output_dir = args.output_dir or os.path.join("models", name, f"{stage}_{args.seed}")
@@ -1026,6 +1027,20 @@ def recorded_base_model(folder: str) -> Optional[str]:
     if not os.path.isfile(path):
         return None
     return load_json(path).get("base_model_name")
+
+
+def preprocess_hint(base_model: Optional[str], sft_model_path: str, splits: dict) -> str:
+    """The command that builds the default data, from `base_model` (else the one the SFT model's args.json records),
+    and, where that args.json names preprocess_tldr.py's output here, the flags {flag: split} that pass it instead."""
+    path = os.path.join(sft_model_path, "args.json")
+    saved = load_json(path) if os.path.isfile(path) else {}
+    make = f"python preprocess_tldr.py --base_model {base_model or saved.get('base_model') or 'EleutherAI/pythia-1b-deduped'}"
+    data = saved.get("query_dataset")
+    folder = os.path.dirname(os.path.normpath(data)) if isinstance(data, str) else ""
+    if not folder or not os.path.isfile(os.path.join(folder, "args.json")):
+        return make
+    flags = " ".join(f"{flag} {os.path.join(folder, split)}" for flag, split in splits.items())
+    return f"{make}`, or pass the data {sft_model_path} was fine-tuned on: `{flags}"
 
 
 def input_problem(path: str, flag: str, make: str) -> Optional[str]:

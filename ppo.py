@@ -1409,6 +1409,7 @@ def ppo_inputs(args, accelerator) -> tuple:
                              "says which base model it was trained from: check the path, or pass --base_model (it "
                              "names the output folder, the run and the Hub repository)")
         name = name or recorded  # the SFT model's record names the reward model's default too
+    make["query_dataset"] = preprocess_hint(args.base_model, args.sft_model_path, {"--query_dataset": "sft"})
     name = name or "EleutherAI/pythia-1b-deduped"
     args.base_model = args.base_model or name
     args.query_dataset = args.query_dataset or os.path.join("data", name, "tldr", "sft")
@@ -1488,8 +1489,7 @@ def ppo_input_problems(args, name: str, make: dict) -> list:
                 input_problem(args.reward_model_path, "--reward_model_path", make["reward_model_path"]),
                 kind_problem(args.sft_model_path, "--sft_model_path", wants_rm=False),
                 kind_problem(args.reward_model_path, "--reward_model_path", wants_rm=True),
-                input_problem(args.query_dataset, "--query_dataset",
-                              f"python preprocess_tldr.py --base_model {args.base_model}"))
+                input_problem(args.query_dataset, "--query_dataset", make["query_dataset"]))
     return [problem for problem in problems if problem]
 
 def model_name(base_model: str) -> str:
@@ -1516,6 +1516,20 @@ def recorded_base_model(folder: str) -> Optional[str]:
     if not os.path.isfile(path):
         return None
     return load_json(path).get("base_model_name")
+
+
+def preprocess_hint(base_model: Optional[str], sft_model_path: str, splits: dict) -> str:
+    """The command that builds the default data, from `base_model` (else the one the SFT model's args.json records),
+    and, where that args.json names preprocess_tldr.py's output here, the flags {flag: split} that pass it instead."""
+    path = os.path.join(sft_model_path, "args.json")
+    saved = load_json(path) if os.path.isfile(path) else {}
+    make = f"python preprocess_tldr.py --base_model {base_model or saved.get('base_model') or 'EleutherAI/pythia-1b-deduped'}"
+    data = saved.get("query_dataset")
+    folder = os.path.dirname(os.path.normpath(data)) if isinstance(data, str) else ""
+    if not folder or not os.path.isfile(os.path.join(folder, "args.json")):
+        return make
+    flags = " ".join(f"{flag} {os.path.join(folder, split)}" for flag, split in splits.items())
+    return f"{make}`, or pass the data {sft_model_path} was fine-tuned on: `{flags}"
 
 
 def input_problem(path: str, flag: str, make: str) -> Optional[str]:

@@ -455,6 +455,28 @@ def test_missing_inputs_stop_before_anything_is_written(chained, pythia_like, tm
     assert sorted(p.name for p in with_sft.iterdir()) == ["data", "models"]
 
 
+def test_missing_data_names_the_data_the_sft_model_was_fine_tuned_on(chained, pythia_like, tmp_path):
+    """No --base_model and no data at the default path, but the SFT model's args.json names preprocess_tldr.py's output
+    elsewhere (the tiny world's data/tiny_tldr, say): the message gives the base model the SFT model records, not its
+    bare name, and the flags that pass that data."""
+    shutil.copytree(chained / "data" / NAME / "tldr", tmp_path / "mydata")
+    sft_model = tmp_path / "models" / NAME / "sft_1"
+    shutil.copytree(chained / "models" / NAME / "sft_1", sft_model)
+    saved = json.loads((sft_model / "args.json").read_text())
+    (sft_model / "args.json").write_text(json.dumps({**saved, "query_dataset": "mydata/sft"}))
+    starts = [(tmp_path, REPO / script, ["--sft_model_path", f"models/{NAME}/sft_1"]) for script in
+              ("reward.py", "dpo.py", "ppo.py")]
+    results = early_exits(starts, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    make = f"`python preprocess_tldr.py --base_model {pythia_like}`, or pass the data models/{NAME}/sft_1 was fine-tuned on: "
+    for result in results[:2]:
+        assert result.returncode != 0, result.stderr[-2000:]
+        assert (f"--label_dataset data/{NAME}/tldr/preference: no such folder. Create it with {make}"
+                "`--label_dataset mydata/preference --query_dataset mydata/sft`") in result.stderr, result.stderr[-2000:]
+    assert (f"--query_dataset data/{NAME}/tldr/sft: no such folder. Create it with {make}`--query_dataset mydata/sft`"
+            in results[2].stderr), results[2].stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models", "mydata"]  # nothing written
+
+
 def test_a_model_of_another_base_is_never_picked_up(chained, tmp_path):
     """A run for another base model looks in its own folders, and refuses an SFT model trained from another base."""
     other = ["--base_model", "EleutherAI/pythia-2.8b-deduped"]
