@@ -96,6 +96,37 @@ def args_defaults(path: Path) -> dict:
     return defaults
 
 
+# The paper's settings that the sweep takes from the scripts' defaults (its launchers pass only scale knobs), as
+# ../shared/DETAILS.md gives them (Details 4, 9, 10, 19, 20, 24; evaluation at temperature 0.01) and the reference's
+# torch AdamW (weight decay 0.01): a default changed by mistake would change every run of the sweep, silently.
+PAPER_DEFAULTS = {
+    "preprocess": {"query_length": 512, "max_sft_response_length": 53, "max_sft_query_response_length": 562,
+                   "max_rm_response_length": 169, "max_rm_query_response_length": 638,
+                   "cnndm_max_rm_response_length": 155, "cnndm_max_rm_query_response_length": 2021},
+    "sft": {"lr": 3e-6, "eps": 1e-5, "weight_decay": 0.01, "scheduler": "cosine", "batch_size": 128,
+            "num_train_epochs": 1, "response_length": 53, "temperature": 0.01},
+    "reward": {"lr": 3e-6, "eps": 1e-5, "weight_decay": 0.01, "scheduler": "cosine", "batch_size": 64,
+               "num_train_epochs": 1},
+    "dpo": {"beta": 0.05, "ipo": False, "label_smoothing": 0.0, "lr": 3e-6, "eps": 1e-5, "weight_decay": 0.01,
+            "scheduler": "cosine", "batch_size": 64, "num_train_epochs": 1, "response_length": 53,
+            "temperature": 0.01},
+    "ppo": {"total_episodes": 1_000_000, "lr": 3e-6, "eps": 1e-5, "weight_decay": 0.01, "batch_size": 512,
+            "num_minibatches": 1, "num_ppo_epochs": 4, "kl_coef": 0.05, "gamma": 1.0, "lam": 0.95, "cliprange": 0.2,
+            "cliprange_value": 0.2, "vf_coef": 0.1, "temperature": 0.7, "eval_temperature": 0.01,
+            "response_length": 53, "whiten_rewards": False, "non_eos_penalty": True, "penalty_reward_value": -1.0,
+            "score_after_eos": False, "zero_critic_head": False},
+}
+
+
+def test_every_setting_the_sweep_leaves_to_a_script_is_the_papers(dry_runs):
+    """The sweep's commands pass none of these flags, and each script's default is the paper's value."""
+    for stage, expected in PAPER_DEFAULTS.items():
+        defaults = args_defaults(REPO / SCRIPTS[stage])
+        assert {flag: defaults.get(flag, "missing") for flag in expected} == expected, stage
+        given = {flag for command in dry_runs[stage] for flag in command["flags"]}
+        assert not given & set(expected), f"{stage}: the sweep passes {sorted(given & set(expected))}"
+
+
 @pytest.fixture(scope="module")
 def helps(script_help):
     """{stage: flags of its script's --help, or None when the script does not exist} (conftest's `script_help`:

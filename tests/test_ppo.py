@@ -244,7 +244,8 @@ def test_ppo_epochs_equal_a_naive_ppo_update_from_the_definitions(tiny_tldr, sco
     naive_parameters = list(naive_policy.parameters()) + list(naive_critic.parameters())
     naive_optimizer = torch.optim.SGD(naive_parameters, lr=0.05)
     torch.manual_seed(7)
-    pg_losses = []
+    naive_stats = {key: [] for key in ("policy/loss", "value/loss", "policy/clipfrac", "value/clipfrac",
+                                       "policy/approxkl", "policy/ratio")}
     for epoch in range(2):
         permutation = torch.randperm(8)
         for minibatch in permutation.view(2, 4):
@@ -264,7 +265,16 @@ def test_ppo_epochs_equal_a_naive_ppo_update_from_the_definitions(tiny_tldr, sco
                 vclipped = values[mb] + (vpred - values[mb]).clamp(-0.2, 0.2)
                 vf = 0.5 * torch.max((vpred - returns[mb]) ** 2, (vclipped - returns[mb]) ** 2)
                 vf_loss = (vf * value_mask).sum() / value_mask.sum()
-                pg_losses.append(pg_loss.item())
+                log_ratio = new_logprobs - logprobs[mb]
+                token_mean = lambda x: ((x * token_mask).sum() / token_mask.sum()).item()  # noqa: E731
+                clipped = (-advantages[mb] * ratio.clamp(0.8, 1.2) > -advantages[mb] * ratio).float()
+                value_clipped = ((vclipped - returns[mb]) ** 2 > (vpred - returns[mb]) ** 2).float()
+                for key, value in (("policy/loss", pg_loss.item()), ("value/loss", vf_loss.item()),
+                                   ("policy/clipfrac", token_mean(clipped)),
+                                   ("value/clipfrac", ((value_clipped * value_mask).sum() / value_mask.sum()).item()),
+                                   ("policy/approxkl", token_mean(0.5 * log_ratio ** 2)),
+                                   ("policy/ratio", token_mean(ratio))):
+                    naive_stats[key].append(value)
                 loss = loss + (pg_loss + 0.1 * vf_loss) / 2  # the mean over the minibatch's 2 micro-batches
             loss.backward()
             naive_optimizer.step()
@@ -274,7 +284,10 @@ def test_ppo_epochs_equal_a_naive_ppo_update_from_the_definitions(tiny_tldr, sco
     moved = max((a - b).abs().max().item() for a, b in zip(naive_parameters, start))
     difference = max((a - b).abs().max().item() for a, b in zip(naive_parameters, trained_parameters))
     assert moved > 0.1 and difference < 1e-5 * moved, (moved, difference)
-    assert stats["policy/loss"].item() == pytest.approx(sum(pg_losses) / len(pg_losses), abs=1e-5)
+    # Each logged statistic: the mean over every micro-batch of all epochs of its masked mean.
+    assert {key: stats[key].item() for key in naive_stats} == pytest.approx(
+        {key: sum(values) / len(values) for key, values in naive_stats.items()}, rel=1e-5, abs=1e-5)
+    assert 0 < stats["policy/clipfrac"] < 1 and 0 < stats["value/clipfrac"] < 1  # both clips act in some tokens
 
 
 def test_batch_sizes_and_exact_division():

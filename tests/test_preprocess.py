@@ -788,7 +788,13 @@ def test_length_checks_see_every_split_and_both_summaries():
                                             "max_rm_response_length", "max_rm_query_response_length",
                                             "cnndm_query_length", "cnndm_max_rm_response_length",
                                             "cnndm_max_rm_query_response_length"), 0))
-    longest = {flag: max(maxima.values()) for flag, _, maxima, _ in pre.length_checks(args, sft, preference)}
+    checks = pre.length_checks(args, sft, preference)
+    longest = {flag: max(maxima.values()) for flag, _, maxima, _ in checks}
     assert longest == {"query_length": 5, "max_sft_response_length": 9, "max_sft_query_response_length": 14,
                        "max_rm_response_length": 11, "max_rm_query_response_length": 16, "cnndm_query_length": 20,
                        "cnndm_max_rm_response_length": 8, "cnndm_max_rm_query_response_length": 28}
+    # The query lengths are budgets the data need not reach; every response width must equal the data's maximum.
+    assert {flag: exact for flag, _, _, exact in checks} == {
+        "query_length": False, "max_sft_response_length": True, "max_sft_query_response_length": True,
+        "max_rm_response_length": True, "max_rm_query_response_length": True, "cnndm_query_length": False,
+        "cnndm_max_rm_response_length": True, "cnndm_max_rm_query_response_length": True}

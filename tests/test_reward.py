@@ -334,6 +334,16 @@ def test_grouped_accuracy_hand_made_table():
                    ("confidence", "1"): (1.0, 1), ("confidence", "9"): (0.3333, 3),
                    ("confidence", "nan"): (1.0, 1)}
     assert out.iloc[0].group == "all"
+    # What the run publishes of it: eval_metrics.json's (and W&B's) keys, and accuracy_<split>.md's rows.
+    key = "eval/rm/validation/accuracy"
+    assert reward.accuracy_metrics(out, key) == pytest.approx({
+        key: 0.6, f"{key}/split/valid1": 0.5, f"{key}/split/valid2": 2 / 3, f"{key}/batch/b6": 0.5,
+        f"{key}/batch/b7": 2 / 3, f"{key}/confidence/1": 1.0, f"{key}/confidence/9": 1 / 3, f"{key}/confidence/nan": 1.0})
+    assert reward.markdown_table(out).splitlines() == [
+        "| group | value | accuracy | pairs |", "|---|---|---|---|", "| all | all | 0.600 | 5 |",
+        "| split | valid1 | 0.500 | 2 |", "| split | valid2 | 0.667 | 3 |", "| batch | b6 | 0.500 | 2 |",
+        "| batch | b7 | 0.667 | 3 |", "| confidence | 1 | 1.000 | 1 |", "| confidence | 9 | 0.333 | 3 |",
+        "| confidence | nan | 1.000 | 1 |"]
 
 
 def test_pair_accuracy_by_hand():
@@ -605,6 +615,11 @@ def test_rm_update_descends_the_bradley_terry_loss(tiny_tldr):
     stats = reward.rm_update(Accumulating(), model, optimizer, parts, PAD, 1)
     by_hand = [-torch.nn.functional.logsigmoid(chosen[rows] - rejected[rows]).mean() for rows in (slice(0, 2), slice(2, 4))]
     torch.testing.assert_close(stats["loss"], torch.stack(by_hand))  # each micro-step's, before the step
+    # The logged training accuracy and reward means (train/rm/*), each micro-step's, before the step.
+    halves = (slice(0, 2), slice(2, 4))
+    assert stats["accuracy"].tolist() == [(chosen[rows] > rejected[rows]).float().mean().item() for rows in halves]
+    torch.testing.assert_close(stats["chosen_rewards"], torch.stack([chosen[rows].mean() for rows in halves]))
+    torch.testing.assert_close(stats["rejected_rewards"], torch.stack([rejected[rows].mean() for rows in halves]))
     with torch.no_grad():
         new_chosen, new_rejected = reward.pair_rewards(model, *(batch[c] for c in reward.TRAIN_PAIR_COLUMNS), PAD)
     assert ((new_chosen - new_rejected) > (chosen - rejected)).all()
