@@ -37,6 +37,12 @@ def test_head_init_statistics():
     assert abs(head.weight.std().item() * math.sqrt(16384) - 1) < 0.03
     assert abs(head.weight.mean().item()) < 4 / math.sqrt(16384) / math.sqrt(16383)  # 4 standard errors
     assert torch.equal(head.bias, torch.zeros(1))
+    # Seeded, exact: the same standard normal draws times 1/sqrt(d + 1), 1/2 at d = 3 (1/sqrt(d) would give 0.577).
+    small = torch.nn.Linear(3, 1)
+    torch.manual_seed(1)
+    reward.init_reward_head(small)
+    torch.manual_seed(1)
+    torch.testing.assert_close(small.weight.detach(), torch.empty(1, 3).normal_() / 2, rtol=1e-6, atol=0)
     base = dict(model_type="gpt_neox", hidden_size=1024, num_attention_heads=4, num_hidden_layers=1,
                 intermediate_size=32, vocab_size=16)
     model = reward.ScalarModel(reward.ScalarModelConfig(base_config=base))
