@@ -789,6 +789,16 @@ def test_a_complete_run_made_with_other_flags_is_stale(tmp_path):
     assert task.returncode == 1 and "Nothing was started" in task.stderr, task.stdout + task.stderr
     assert (f"--query_dataset was '{tmp_path}/data/sft' in this run, the sweep now gives {tmp_path}/data2/sft"
             in task.stderr), task.stderr
+    # The mixed precision it ran in (args.json records accelerate's) against the one the sweep's launch asks for.
+    sft_args = tmp_path / "models" / PAPER_MODELS[0] / f"sft_{PAPER_SEEDS[0]}" / "args.json"
+    sft_args.write_text(json.dumps({**json.loads(sft_args.read_text()), "mixed_precision": "bf16"}))
+    assert states()["sft"] == "done"  # the paper's config: bf16
+    fp32 = tmp_path / "fp32.yaml"
+    fp32.write_text((REPO / "benchmark" / "accelerate" / "deepspeed_zero2.yaml").read_text().replace(
+        "mixed_precision: bf16", "mixed_precision: 'no'"))
+    assert states(ACCELERATE_CONFIG=str(fp32))["sft"] == "stale"
+    task = bash(str(SLURM / "sft.sbatch"), env={**env, "ACCELERATE_CONFIG": str(fp32), "SLURM_ARRAY_TASK_ID": "0"})
+    assert task.returncode == 1 and "it ran in mixed precision 'bf16', the sweep's launch now asks for 'no'" in task.stderr
 
 
 FAKE_SBATCH = r"""#!/usr/bin/env bash

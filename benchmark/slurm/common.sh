@@ -97,8 +97,9 @@ stale_reasons() {  # prints why the finished run in $OUT no longer stands for th
   #   (input_args_json), and an upstream run trained again (say an SFT run deleted and redone after its downstream
   #   runs finished) would leave those runs "complete" on the old model;
   # - a flag of this task's command that its args.json records otherwise (DATA or a knob changed, or PREPROCESS_FLAGS,
-  #   with OUT_ROOT kept): the run is another run than the sweep now asks for. As the scripts' own --resume, flags
-  #   that change nothing it computes (where it logs and pushes, checkpoints, the fast paths) are not compared.
+  #   with OUT_ROOT kept), or another mixed precision (ACCELERATE_CONFIG): the run is another run than the sweep now
+  #   asks for. As the scripts' own --resume, flags that change nothing it computes (where it logs and pushes,
+  #   checkpoints, the fast paths) are not compared.
   [[ -f $OUT/args.json ]] || return 0  # none recorded: a Hub id, the judge
   python - "$OUT/args.json" "${CMD[@]}" <<'PY'
 import hashlib, json, os, sys
@@ -124,8 +125,9 @@ for flag, recorded in (saved.get("input_args_json") or {}).items():
 # The scripts' RESUME_FLAGS and ppo.py's SPEED_ONLY_FLAGS, and preprocess_tldr.py's worker count.
 FREE = {"resume", "stop_after_updates", "stop_after_minutes", "run_name", "save_every", "track", "wandb_project_name",
         "wandb_entity", "push_to_hub", "hf_entity", "fast_sampling", "compile_training", "num_proc"}
-words = sys.argv[2:]
-words = words[next((i + 1 for i, word in enumerate(words) if word.endswith(".py")), len(words)):]  # the script's
+command = sys.argv[2:]
+at = next((i for i, word in enumerate(command) if word.endswith(".py")), len(command))
+launcher, words = command[:at], command[at + 1:]  # `accelerate launch ...`, and the script's flags
 given, name = {}, None
 for word in words:
     if word.startswith("--"):
@@ -159,6 +161,19 @@ for name, words in given.items():
         words = ["false"]
     if not same(saved[key], words):
         print(f"--{key} was {saved[key]!r} in this run, the sweep now gives {' '.join(words) or 'the flag'}")
+
+# The mixed precision the launch asks for (its --mixed_precision, else its --config_file's), as args.json records it.
+asked = None
+if "--mixed_precision" in launcher[:-1]:
+    asked = launcher[launcher.index("--mixed_precision") + 1]
+elif "--config_file" in launcher[:-1]:
+    import yaml
+    try:
+        asked = (yaml.safe_load(open(launcher[launcher.index("--config_file") + 1])) or {}).get("mixed_precision", "no")
+    except OSError:
+        pass
+if asked is not None and saved.get("mixed_precision", asked) != asked:
+    print(f"it ran in mixed precision {saved['mixed_precision']!r}, the sweep's launch now asks for {asked!r}")
 PY
 }
 
