@@ -143,6 +143,8 @@ def same(was, now: list) -> bool:
         return was is (not now or now[0].lower() in ("true", "1", "yes"))
     if isinstance(was, list):
         return len(was) == len(now) and all(same(one, [word]) for one, word in zip(was, now))
+    if was is None or now[0] == "None":  # tyro reads the word None as None
+        return was is None and now[0] == "None"
     try:
         if isinstance(was, (int, float)):
             return was == type(was)(now[0])
