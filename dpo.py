@@ -978,8 +978,8 @@ def resolve_paths(args, accelerator, stage: str) -> tuple:
         raise SetupError(f"--sft_model_path {args.sft_model_path}: no such folder here, so a Hub id, and no args.json "
                          "here says which base model it was fine-tuned from: check the path, or pass --base_model (it "
                          "names the output folder, the run and the Hub repository)")
-    make_data = preprocess_hint(args.base_model, args.sft_model_path, {"--label_dataset": "preference",
-                                                                      "--query_dataset": "sft"})
+    make_data, instead = preprocess_hint(args.base_model, args.sft_model_path,
+                                         {"--label_dataset": "preference", "--query_dataset": "sft"})
     name = name or recorded or "EleutherAI/pythia-1b-deduped"
     args.base_model = args.base_model or name
     args.label_dataset = args.label_dataset or os.path.join("data", name, "tldr", "preference")
@@ -992,8 +992,9 @@ def resolve_paths(args, accelerator, stage: str) -> tuple:
     # Every missing input at once (a start each was a start too many); the output folder once they are all there.
     problems = [problem for problem in (push_problem(args, name),
                                         input_problem(args.sft_model_path, "--sft_model_path", make_sft),
-                                        input_problem(args.label_dataset, "--label_dataset", make_data),
-                                        input_problem(args.query_dataset, "--query_dataset", make_data)) if problem]
+                                        input_problem(args.label_dataset, "--label_dataset", make_data, instead),
+                                        input_problem(args.query_dataset, "--query_dataset", make_data, instead))
+                if problem]
     problem = ("\n  ".join(problems)
                or output_dir_problem(args.output_dir, {**asdict(args), "input_args_json": prints,
                                                        "mixed_precision": accelerator.mixed_precision},
@@ -1029,26 +1030,28 @@ def recorded_base_model(folder: str) -> Optional[str]:
     return load_json(path).get("base_model_name")
 
 
-def preprocess_hint(base_model: Optional[str], sft_model_path: str, splits: dict) -> str:
-    """The command that builds the default data, from `base_model` (else the one the SFT model's args.json records),
-    and, where that args.json names preprocess_tldr.py's output here, the flags {flag: split} that pass it instead."""
+def preprocess_hint(base_model: Optional[str], sft_model_path: str, splits: dict) -> tuple:
+    """(the command that builds the default data, from `base_model`, else the one the SFT model's args.json records;
+    where that args.json names preprocess_tldr.py's output here, the flags {flag: split} passing it instead, or "")."""
     path = os.path.join(sft_model_path, "args.json")
     saved = load_json(path) if os.path.isfile(path) else {}
     make = f"python preprocess_tldr.py --base_model {base_model or saved.get('base_model') or 'EleutherAI/pythia-1b-deduped'}"
     data = saved.get("query_dataset")
     folder = os.path.dirname(os.path.normpath(data)) if isinstance(data, str) else ""
     if not folder or not os.path.isfile(os.path.join(folder, "args.json")):
-        return make
+        return make, ""
     flags = " ".join(f"{flag} {os.path.join(folder, split)}" for flag, split in splits.items())
-    return f"{make}`, or pass the data {sft_model_path} was fine-tuned on: `{flags}"
+    return make, f", or pass the data {sft_model_path} was fine-tuned on: `{flags}`"
 
 
-def input_problem(path: str, flag: str, make: str) -> Optional[str]:
-    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
+def input_problem(path: str, flag: str, make: str, instead: str = "") -> Optional[str]:
+    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it (and
+    `instead`, another way, if any); None if present."""
     # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
     if os.path.exists(path) or is_hub_id(path):
         return None
-    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
+    return (f"{flag} {path}: no such folder. Create it with `{make}`{instead}, "
+            f"or pass {flag} PATH (a folder or a Hub id)")
 
 
 def is_hub_id(path: str) -> bool:

@@ -1385,7 +1385,7 @@ def ppo_inputs(args, accelerator) -> tuple:
     # The stages chain by convention: preprocess_tldr.py -> data/{base_model}/tldr, then
     # models/{base_model}/{sft,reward}_{seed}, and this script -> models/{base_model}/ppo_{seed}.
     name = model_name(args.base_model) if args.base_model else None
-    make = {}  # flag -> the command that creates its default
+    make = {}  # flag -> the command that creates its default (the data's: that and another way, preprocess_hint)
     for flag, stage in (("sft_model_path", "sft"), ("reward_model_path", "reward")):
         # The base model: as given, else as the SFT model's args.json records it (for the reward model's command).
         base = args.base_model or name or "EleutherAI/pythia-1b-deduped"
@@ -1489,7 +1489,7 @@ def ppo_input_problems(args, name: str, make: dict) -> list:
                 input_problem(args.reward_model_path, "--reward_model_path", make["reward_model_path"]),
                 kind_problem(args.sft_model_path, "--sft_model_path", wants_rm=False),
                 kind_problem(args.reward_model_path, "--reward_model_path", wants_rm=True),
-                input_problem(args.query_dataset, "--query_dataset", make["query_dataset"]))
+                input_problem(args.query_dataset, "--query_dataset", *make["query_dataset"]))
     return [problem for problem in problems if problem]
 
 def model_name(base_model: str) -> str:
@@ -1518,26 +1518,28 @@ def recorded_base_model(folder: str) -> Optional[str]:
     return load_json(path).get("base_model_name")
 
 
-def preprocess_hint(base_model: Optional[str], sft_model_path: str, splits: dict) -> str:
-    """The command that builds the default data, from `base_model` (else the one the SFT model's args.json records),
-    and, where that args.json names preprocess_tldr.py's output here, the flags {flag: split} that pass it instead."""
+def preprocess_hint(base_model: Optional[str], sft_model_path: str, splits: dict) -> tuple:
+    """(the command that builds the default data, from `base_model`, else the one the SFT model's args.json records;
+    where that args.json names preprocess_tldr.py's output here, the flags {flag: split} passing it instead, or "")."""
     path = os.path.join(sft_model_path, "args.json")
     saved = load_json(path) if os.path.isfile(path) else {}
     make = f"python preprocess_tldr.py --base_model {base_model or saved.get('base_model') or 'EleutherAI/pythia-1b-deduped'}"
     data = saved.get("query_dataset")
     folder = os.path.dirname(os.path.normpath(data)) if isinstance(data, str) else ""
     if not folder or not os.path.isfile(os.path.join(folder, "args.json")):
-        return make
+        return make, ""
     flags = " ".join(f"{flag} {os.path.join(folder, split)}" for flag, split in splits.items())
-    return f"{make}`, or pass the data {sft_model_path} was fine-tuned on: `{flags}"
+    return make, f", or pass the data {sft_model_path} was fine-tuned on: `{flags}`"
 
 
-def input_problem(path: str, flag: str, make: str) -> Optional[str]:
-    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
+def input_problem(path: str, flag: str, make: str, instead: str = "") -> Optional[str]:
+    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it (and
+    `instead`, another way, if any); None if present."""
     # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
     if os.path.exists(path) or is_hub_id(path):
         return None
-    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
+    return (f"{flag} {path}: no such folder. Create it with `{make}`{instead}, "
+            f"or pass {flag} PATH (a folder or a Hub id)")
 
 
 def is_hub_id(path: str) -> bool:

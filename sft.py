@@ -729,12 +729,14 @@ def model_name(base_model: str) -> str:
     return os.path.basename(os.path.normpath(base_model)) if os.path.isdir(base_model) else base_model
 
 
-def input_problem(path: str, flag: str, make: str) -> Optional[str]:
-    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it; None if present."""
+def input_problem(path: str, flag: str, make: str, instead: str = "") -> Optional[str]:
+    """Why the input `path` (given or defaulted by `flag`) is missing, with the command `make` that creates it (and
+    `instead`, another way, if any); None if present."""
     # A Hub id (org/name, no such local folder) is left to from_pretrained / load_dataset to fetch.
     if os.path.exists(path) or is_hub_id(path):
         return None
-    return f"{flag} {path}: no such folder. Create it with `{make}`, or pass {flag} PATH (a folder or a Hub id)"
+    return (f"{flag} {path}: no such folder. Create it with `{make}`{instead}, "
+            f"or pass {flag} PATH (a folder or a Hub id)")
 
 
 def is_hub_id(path: str) -> bool:
