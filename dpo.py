@@ -245,8 +245,9 @@ def dpo_update(accelerator, model, ref_policy, optimizer, micro_batches: list, p
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-        # A tie counts 1/2, as in the evaluation: at the first update the policy is the reference policy, every
-        # implicit reward is 0, and the reference code's strict > logged an accuracy of 0.
+        # A tie counts 1/2, as in the evaluation: at the first update the policy is the reference policy and every
+        # implicit reward is exactly 0 here, where a strict > would log an accuracy of 0. (The reference code's were
+        # not exactly 0: its fp32 reference policy beside a bf16 policy.)
         accuracy = ((chosen_rewards - rejected_rewards).sign().float() + 1).mean() / 2
         stats.append({"loss": loss.detach().float(), "accuracy": accuracy,
                       "chosen_rewards": chosen_rewards.float().mean(), "rejected_rewards": rejected_rewards.float().mean()})
@@ -1734,7 +1735,7 @@ def seed_everything(seed: int) -> None:
 
 
 def stop_early(accelerator, writer, stop_at: int, num_updates: int) -> None:
-    """--stop_after_updates: the checkpoint is written; close the log (rank 0's writer) and say how to continue."""
+    """--stop_after_updates or --stop_after_minutes: the checkpoint is written; close the log (rank 0's writer) and say how to continue."""
     accelerator.print(f"stopped after update {stop_at} of {num_updates}; continue with --resume")
     if writer is not None:
         writer.close()

@@ -18,7 +18,7 @@ updates) the RM scores the policy's summaries of validation prompts (temperature
         --sft_model_path models/tiny/sft_1 --reward_model_path models/tiny/reward_1 \
         --output_dir models/tiny/ppo_1 --seed 1 --total_episodes 1280 --batch_size 64 --local_micro_batch_size 16 \
         --lr 1e-4 --response_length 44 --local_eval_batch_size 128 --eval_every 5 --zero_critic_head
-    # one GPU, Pythia 1B, bf16 (512 = 16 x 32 accumulation steps, the paper's micro-batch; ~53 GiB: gpu_check.md)
+    # one GPU, Pythia 1B, bf16 autocast (512 = 16 x 32 accumulation steps, the paper's micro-batch; memory unmeasured)
     accelerate launch --num_processes 1 --mixed_precision bf16 ppo.py \
         --base_model EleutherAI/pythia-1b-deduped --local_micro_batch_size 16 --save_every 50
     # the paper's run at 1B: 8xH100, ZeRO-2, bf16 (512 = 16 x 4 x 8 processes; every size: knobs.sh); 6.9B: --offload
@@ -135,7 +135,7 @@ class Args:
     fast_sampling: bool = False
     """Sample rollouts and evaluations with StaticSampler (a static KV cache and a compiled one-token step): the same tokens as the plain loop in fp32 (in bf16 on a GPU rounding moves ~1-2% of draws), 1.35-1.98x faster than HF generate on CPU, 1.8-2.5x the plain loop at 1B on one H100 / H200; its compile (25-60 s per process and rank, cold) pays off only after ~20-200 updates on a CPU, hence off by default (the SLURM launchers turn it on; benchmark/README.md); not with ZeRO-3"""
     compile_training: bool = False
-    """Compile each GPT-NeoX layer of policy and critic but the last (torch.compile, one region a layer) for the PPO epochs' forwards and backwards only: the same outputs up to float rounding; inside ppo.py at 1B on one H200, the training phase took 0.936x the eager one's time, as close to fp32 as eager (benchmark/results/gpu_check.md), for ~13-20 s of compiling per process; on a CPU 0.95-0.99x, and never with bf16, hence off by default (the SLURM launchers turn it on); not with ZeRO-3"""
+    """Compile each GPT-NeoX layer of policy and critic but the last (torch.compile, one region a layer) for the PPO epochs' forwards and backwards only: the same outputs up to float rounding; inside ppo.py at 1B on one H200, the training phase took 0.936x the eager one's time, as close to fp32 as eager (benchmark/results/gpu_check.md), for ~12-17 s of compiling per process; on a CPU 0.95-1.02x, and never with bf16, hence off by default (the SLURM launchers turn it on); not with ZeRO-3"""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of policy and critic (memory for compute), in every layer but the last (run on the response window only)"""
     offload: bool = False
@@ -157,9 +157,9 @@ class Args:
     length_groups: int = 1
     """Speed only: the rows of a training micro-batch, and of the rollout's reference, critic and RM forwards (not those of --offload's engines), sorted by query length into at most this many forwards, each as wide as its longest query (1: one forward; only the float rounding changes)"""
     local_rollout_forward_batch_size: int = 64
-    """Prompts per generate call and per no-grad forward per rank: memory, and which random draws each prompt gets (other samples, from the same distribution)"""
+    """Prompts per sampling call and per no-grad forward per rank: memory, and which random draws each prompt gets (other samples, from the same distribution)"""
     local_eval_batch_size: int = 4
-    """Eval prompts per generate call per rank"""
+    """Eval prompts per sampling call per rank"""
 
     # algorithm
     num_ppo_epochs: int = 4
@@ -477,7 +477,7 @@ def main() -> None:
 
         # 1. Rollout: sample responses, then score them with the frozen models and the critic.
         clock = time.time()
-        unwrapped.eval()  # no dropout either way; eval() lets generate keep its KV cache under checkpointing
+        unwrapped.eval()  # no dropout either way; eval() lets the sampler keep its KV cache under checkpointing
         with torch.no_grad(), accelerator.autocast():
             batch, generation_time = rollout(args, unwrapped.policy, ref_policy, unwrapped.critic, reward_model,
                                              queries, sample_responses, pad_id, eos_id, temperature, unsampled)
@@ -885,7 +885,7 @@ class StaticSampler:
     def __init__(self, batch_size: int, backend: Optional[str] = "inductor"):
         self.batch_size = batch_size  # rows of every decode step: a smaller batch is padded to it
         # torch.compile's backend; None runs the same step eagerly. (Tests use None and "aot_eager": the same
-        # traced graph without inductor's 20-40 s of C++ code generation.)
+        # traced graph without inductor's C++ code generation, most of the 25-60 s a cold compile takes.)
         self.backend = backend
         self.cache, self.step = None, None
         self.shapes = set()  # (T_q, T_resp) of the calls so far: a new one compiles the step for its shape
@@ -922,7 +922,7 @@ class StaticSampler:
         tokens, scores = [], []
         has_eos = torch.zeros(rows, dtype=torch.bool, device=queries.device)
         # One query per row: attention as plain matmuls and a softmax ("eager"), which the compiler
-        # fuses; SDPA's CPU kernel is made for many queries and takes 1.2-1.8x as long here (benchmark/results/sampling_split.md).
+        # fuses; SDPA's CPU kernel is made for many queries: 1.2-1.7x as long on an EPYC, ~1x on a Xeon (benchmark/results/sampling_split.md).
         attention = model.config._attn_implementation
         model.set_attn_implementation("eager")
         try:
@@ -1355,7 +1355,7 @@ def start_ppo_accelerator(args) -> Accelerator:
     if args.compile_training and accelerator.device.type == "cpu" and accelerator.mixed_precision == "bf16":
         # Inductor's C++ code for the layers' bf16 backward fails to build (torch 2.13, dynamic shapes).
         problems.append("--compile_training with bf16 on a CPU: torch's compiler cannot build the layers' bf16 "
-                        "backward for a CPU, and on a CPU the flag gains little (0.95-0.99x): drop --compile_training")
+                        "backward for a CPU, and on a CPU the flag gains little or nothing (0.95-1.02x): drop --compile_training")
     if problems:
         raise SetupError("ppo.py cannot start (nothing was loaded or written):\n  " + "\n  ".join(problems))
     args.world_size = accelerator.num_processes
@@ -2263,7 +2263,7 @@ def seed_everything(seed: int) -> None:
 
 
 def stop_early(accelerator, writer, stop_at: int, num_updates: int) -> None:
-    """--stop_after_updates: the checkpoint is written; close the log (rank 0's writer) and say how to continue."""
+    """--stop_after_updates or --stop_after_minutes: the checkpoint is written; close the log (rank 0's writer) and say how to continue."""
     accelerator.print(f"stopped after update {stop_at} of {num_updates}; continue with --resume")
     if writer is not None:
         writer.close()

@@ -1402,7 +1402,7 @@ def seed_everything(seed: int) -> None:
 
 
 def stop_early(accelerator, writer, stop_at: int, num_updates: int) -> None:
-    """--stop_after_updates: the checkpoint is written; close the log (rank 0's writer) and say how to continue."""
+    """--stop_after_updates or --stop_after_minutes: the checkpoint is written; close the log (rank 0's writer) and say how to continue."""
     accelerator.print(f"stopped after update {stop_at} of {num_updates}; continue with --resume")
     if writer is not None:
         writer.close()

@@ -76,7 +76,7 @@ export PREPROCESS_FLAGS=${PREPROCESS_FLAGS:-}
 # tokens as HF generate in fp32, 98-99% of them in bf16). On one H100 at 1B it took a PPO update
 # from 5.82 to 5.08 s (generation 1.22 -> 0.51 s; 5.26 -> 4.80 s on one H200) for ~30 s of compiling per process
 # (benchmark/results/gpu_check.md): 1953 updates repay that many times over. Measured at 1B only.
-# FAST_SAMPLING=0 samples with HF generate.
+# FAST_SAMPLING=0 samples with the plain loop (sample_rollout: HF generate's draws, token for token).
 export FAST_SAMPLING=${FAST_SAMPLING:-1}
 
 # PPO's training forward and backward with each transformer layer compiled (ppo.py --compile_training).
