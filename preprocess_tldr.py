@@ -25,7 +25,8 @@ or is killed leaves the previous outputs whole (and a watcher process deletes th
         --max_sft_query_response_length 222 --max_rm_response_length 70 \
         --max_rm_query_response_length 259 --cnndm_query_length 192 \
         --cnndm_max_rm_response_length 62 --cnndm_max_rm_query_response_length 206
-    # the paper's datasets with the Pythia tokenizer (every length flag at its paper value), into
+    # the paper's datasets with the Pythia tokenizer (every length flag at its paper value; a maximum that
+    # transformers 5 computes otherwise fails the check, naming the flag to pass), into
     # data/EleutherAI/pythia-1b-deduped/tldr, where sft.py / reward.py / dpo.py / ppo.py look by default
     python preprocess_tldr.py --base_model EleutherAI/pythia-1b-deduped
     # the same into data/tldr, then publish both datasets with their cards on the Hub
@@ -112,13 +113,14 @@ class Args:
     check_length_correctness: bool = True
     """Fail unless every computed maximum equals its flag (a larger maximum always fails; reference: True)"""
     drop_bad_rows: bool = False
-    """Leave out the source rows this script cannot use (a summary without its leading space, an empty post, an SFT
+    """Leave out the source rows this script cannot use (a TL;DR summary without its leading space, an empty post, an SFT
     post id repeated), each listed with its reason in dropped_rows.json; off: fail, listing them (the reference code
     tokenized such rows as they were)"""
 
 
 # The query templates of OpenAI's summarize-from-feedback code. No space after "TL;DR:": the
 # response brings its own leading space, so " word" tokenizes as it does in the human summaries.
+# A CNN/DM summary follows "TL;DR:\n" with none (OpenAI's "{reference}"); the reference strips that newline.
 TLDR_FORMAT = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
 CNNDM_FORMAT = "Article:\n{article}\n\nTL;DR:\n"
 # The `batch` names of the CNN/DM news comparisons hidden in the preference validation split.
@@ -213,9 +215,13 @@ def response_columns(tokenizer, prompt: str, prompt_ids: list, name: str, text: 
     eos_id = tokenizer.eos_token_id
     response_ids = encode_text(tokenizer, text) + [eos_id]
     query_response_ids = encode_text(tokenizer, prompt + text) + [eos_id]
-    # The label mask covers exactly the prompt's ids, so they must open the joined ids (the response
-    # starts with a space, where a byte-level BPE never merges across).
-    if query_response_ids[:len(prompt_ids)] != prompt_ids:
+    # The label mask covers the prompt's ids, so they must open the joined ids: a response that starts
+    # with a space starts a new token (a byte-level BPE never merges across a space). A CNN/DM summary has
+    # no leading space, and one that opens with punctuation ('"Four ...') may merge with the prompt's
+    # closing ":" into one id, which is then the first label (the reference masked it with the query).
+    shared = next((i for i, (a, b) in enumerate(zip(query_response_ids, prompt_ids)) if a != b),
+                  min(len(query_response_ids), len(prompt_ids)))
+    if shared < len(prompt_ids) - (not (text[:1].isspace() or text[:1].isalnum())):
         raise DataError(f"{where}: the ids of the query + {name} do not start with the ids of the query alone "
                         f"(the tokenizer merges across {prompt[-20:]!r} + {text[:20]!r}); expected the response "
                         "to start a new token (a leading space): fix the row or use a byte-level BPE tokenizer")
@@ -228,8 +234,8 @@ def response_columns(tokenizer, prompt: str, prompt_ids: list, name: str, text: 
         f"query_{name}_token": query_response_token,
         f"query_{name}_token_len": len(query_response_ids),
         # The reference masks query_token_len ids. A CNN/DM query ends in "\n", which strip() drops, so
-        # there it also masked the first response id; here exactly the prompt's ids are masked.
-        f"query_{name}_token_response_label": response_label(query_response_token, len(prompt_ids), pad_id),
+        # there it also masked the first response id; here exactly the prompt's ids that open the row.
+        f"query_{name}_token_response_label": response_label(query_response_token, shared, pad_id),
     }
 
 
@@ -257,7 +263,7 @@ def process_preference_row(row: dict, tokenizer, eos_text: str, pad_id: int, cnn
     chosen, rejected = row["summaries"][row["choice"]], row["summaries"][1 - row["choice"]]
     columns = {**query, "chosen_policy": chosen["policy"], "rejected_policy": rejected["policy"],
                "policies": "--".join(sorted([chosen["policy"], rejected["policy"]]))}
-    for name, summary in (("chosen", chosen), ("rejected", rejected)):  # the text has its leading space
+    for name, summary in (("chosen", chosen), ("rejected", rejected)):  # TL;DR: the text has its leading space
         columns.update(response_columns(tokenizer, prompt, prompt_ids, name, summary["text"], eos_text,
                                         response_length, query_response_length, pad_id, where))
     return columns
@@ -390,7 +396,7 @@ def main() -> None:
 
     # ---- save: datasets with cards, visuals, counts, args; each replaces its old version in one step ----
     save_outputs(args, scratch, tokenizer, sft, preference, checks, pair_counts, dropped)
-    if args.push_to_hub:  # opt-in: the only networked code of this script
+    if args.push_to_hub:  # opt-in: the only uploads of this script
         publish_datasets(args, sft, preference)
 
 
@@ -425,7 +431,27 @@ def preprocess_flag_problems(args: Args) -> list:
                             f"raise --{query_response} or lower --{response}")
     if args.output_dir is not None:  # None: the default
         problems += output_dir_problems(args.output_dir)
-    return problems
+    return problems + push_problems(args)
+
+
+def push_problems(args: Args) -> list[str]:
+    """With --push_to_hub: what would stop the push at the end, after all the tokenizing; [] if nothing seen now."""
+    if not args.push_to_hub:
+        return []
+    from huggingface_hub import constants, get_token  # imported here: only with --push_to_hub
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(f"{args.hf_entity or 'user'}/summarize_from_feedback_oai_preprocessing_0")
+    except HFValidationError as error:
+        return [f"--push_to_hub: --hf_entity {args.hf_entity!r} names no Hub user or organisation: {error}"]
+    if constants.HF_HUB_OFFLINE:
+        return ["--push_to_hub: HF_HUB_OFFLINE is set in this shell, so the push at the end would fail: unset it, "
+                "or preprocess without --push_to_hub"]
+    if get_token() is None:
+        return ["--push_to_hub: no Hub token on this machine, so the push at the end would fail: log in first "
+                "(`hf auth login`, or HF_TOKEN in the environment)"]
+    return []
 
 
 def output_dir_problems(output_dir: str) -> list[str]:
@@ -617,9 +643,14 @@ def check_rows(args: Args, sft, preference) -> tuple:
         raise DataError(f"{len(dropped)} row(s) this script cannot use:\n  " + "\n  ".join(lines)
                         + "\nfix the source, or pass --drop_bad_rows to leave them out (each is then listed "
                         f"with its reason in {args.output_dir}/dropped_rows.json)")
-    if dropped:
+    if dropped:  # how many of each split: a split left empty (all of CNN/DM, say) must not pass unseen
+        lost = [f"{name}/{split} {n} of {len(dataset_dict[split])}" + (" (all: the split is empty now)"
+                                                                       if n == len(dataset_dict[split]) else "")
+                for name, dataset_dict, bad in (("sft", sft, sft_bad + repeats), ("preference", preference, preference_bad))
+                for split, n in ((split, sum(row["split"] == split for row in bad)) for split in dataset_dict) if n]
         sft, preference = without_rows(sft, sft_bad + repeats), without_rows(preference, preference_bad)
-        print(f"--drop_bad_rows: left out {len(dropped)} row(s), listed with their reasons in dropped_rows.json")
+        print(f"--drop_bad_rows: left out {len(dropped)} row(s) ({', '.join(lost)}), listed with their reasons in "
+              "dropped_rows.json")
         require_splits(sft, SFT_SPLITS, f"{args.sft_dataset} without the dropped rows")
         require_splits(preference, PREFERENCE_SPLITS, f"{args.preference_dataset} without the dropped rows")
     print(f"rows: sft {dict(sft.num_rows)}, preference {dict(preference.num_rows)}")
@@ -647,11 +678,13 @@ def row_problem(row: dict, kind: str) -> Optional[str]:
             return f"expected `summaries` to be a list of 2 summaries, got {summaries!r:.80}"
         for i, summary in enumerate(summaries):
             text, policy = (summary.get("text"), summary.get("policy")) if isinstance(summary, dict) else (None, None)
-            # Responses are built as text + EOS only, so each text must bring its own leading space.
-            if not isinstance(text, str) or not text.startswith(" "):
-                return f"expected summaries[{i}].text to be a string starting with a space, got {text!r:.80}"
-            if not text.strip():  # the response would be a lone space and the EOS
-                return f"expected summaries[{i}].text to hold a summary after its leading space, got {text!r:.80}"
+            # Responses are built as text + EOS only, so a TL;DR text must bring its own leading space (it was
+            # written after "TL;DR:"). A CNN/DM text was written after "TL;DR:\n" and has none (OpenAI's format).
+            if not isinstance(text, str) or (kind == "tldr" and not text.startswith(" ")):
+                wanted = "a string starting with a space" if kind == "tldr" else "a string"
+                return f"expected summaries[{i}].text to be {wanted}, got {text!r:.80}"
+            if not text.strip():  # the response would be spaces and the EOS
+                return f"expected summaries[{i}].text to hold a summary, not only spaces, got {text!r:.80}"
             if not isinstance(policy, str):
                 return f"expected summaries[{i}].policy to be a string, got {policy!r:.80}"
         choice = row.get("choice")
@@ -896,7 +929,12 @@ def publish_datasets(args: Args, sft, preference) -> None:
     """Publish both datasets, their cards and the visuals on the Hub under --hf_entity (or the logged-in user)."""
     import huggingface_hub  # imported here: without --push_to_hub nothing touches the network
 
-    entity = args.hf_entity or huggingface_hub.whoami()["name"]
+    try:
+        entity = args.hf_entity or huggingface_hub.whoami()["name"]
+    except Exception as error:  # a token the Hub refuses: the outputs are saved, nothing is pushed
+        raise SetupError(f"--push_to_hub: the Hub does not say who is logged in ({type(error).__name__}: {error}); "
+                         f"the outputs are saved in {args.output_dir}, nothing was pushed: log in again "
+                         "(`hf auth login`) and rerun with --push_to_hub, or pass --hf_entity") from error
     timestamp = int(time.time())
     repos = {"sft": f"{entity}/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_{timestamp}",
              "preference": f"{entity}/summarize_from_feedback_oai_preprocessing_{timestamp}"}
@@ -913,7 +951,7 @@ def publish_datasets(args: Args, sft, preference) -> None:
 def response_descriptions(name: str, what: str, flag: str) -> dict:
     """One-line card descriptions of the seven columns `response_columns` makes for `name`."""
     return {
-        name: f"{what}: text with a leading space and the EOS text at the end",
+        name: f"{what}: text (TL;DR: with a leading space) and the EOS text at the end",
         f"{name}_token": f"ids of the text (a special-token string typed in it stays text) + the EOS id, "
                          f"RIGHT-padded with [PAD] to {flag}_response_length",
         f"{name}_token_len": f"number of ids of `{name}` (EOS included, pads excluded)",
@@ -947,7 +985,7 @@ SFT_DESCRIPTIONS = {
 
 PREFERENCE_DESCRIPTIONS = {
     "info": "the summarized item: id, post, title, subreddit, site (TL;DR) or article (CNN/DM) (source)",
-    "summaries": "the two compared summaries: text (leading space), policy, note (source)",
+    "summaries": "the two compared summaries: text (TL;DR: leading space; CNN/DM: none), policy, note (source)",
     "choice": "index (0 or 1) of the summary the labeler preferred (source)",
     "worker": "labeler id (source)",
     "batch": "labeling batch name; CNN/DM batches form `validation_cnndm` (source)",

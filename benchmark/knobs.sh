@@ -65,7 +65,7 @@ export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 export ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-benchmark/accelerate/deepspeed_zero2.yaml}
 
 # More flags for preprocess_tldr.py (every length and filter is otherwise its default, the paper's). It has never
-# run on the Hub's data here, and it fails, saying which flag to pass, on source rows it cannot use (a summary
+# run on the Hub's data here, and it fails, saying which flag to pass, on source rows it cannot use (a TL;DR summary
 # without its leading space, an empty post, an SFT post id in two splits: PREPROCESS_FLAGS=--drop_bad_rows leaves
 # them out, listed in $DATA/dropped_rows.json) or on a computed maximum length that differs from its flag (the
 # paper's were computed under transformers 4.33, whose decode cleaned up spaces before re-tokenizing: e.g.

@@ -230,6 +230,9 @@ def test_token_layout_equals_reference(any_tok):
         ("tldr", preference_row("p2", post=long_post)["info"], " a dog" + EOS, 5),
         ("cnndm", preference_row("c1", cnndm=True)["info"], " a dog" + EOS, 0),
         ("cnndm", {**preference_row("c2", cnndm=True)["info"], "article": long_article}, " the cat  sat" + EOS, 2),
+        # OpenAI's CNN/DM summaries follow "TL;DR:\n" and have no leading space; the reference strips the "\n"
+        ("cnndm", preference_row("c3", cnndm=True)["info"], "a dog" + EOS, 0),
+        ("cnndm", {**preference_row("c4", cnndm=True)["info"], "article": long_article}, "the cat  sat" + EOS, 2),
     ]
     for kind, fields, response, cut in cases:
         format_str, field = (pre.CNNDM_FORMAT, "article") if kind == "cnndm" else (pre.TLDR_FORMAT, "post")
@@ -263,6 +266,29 @@ def test_token_layout_equals_reference(any_tok):
             assert ref_label[n_q - 1] == pad and label[:n_q - 1] + label[n_q:] == ref_label[:n_q - 1] + ref_label[n_q:]
         response_ids = out[f"{name}_token"][:out[f"{name}_token_len"]]
         assert [token for token in label if token != pad] == response_ids  # unmasked: exactly the response
+
+
+def test_a_cnndm_summary_that_merges_with_the_prompts_colon_is_labelled_from_the_merged_id():
+    """'TL;DR:' + '"the cat': a BPE that learned ':"' joins the prompt's last id and the summary's first; the label
+    keeps that joined id and everything after it, as tokenize(query.strip() + text) gives them."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS + ['TL;DR:"the cat"'] * 50, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS)
+    pre.add_pad_token(tok)
+    pad, prompt, text = tok.pad_token_id, "Article:\nthe dog sat.\n\nTL;DR:", '"the cat'
+    prompt_ids, joined = encode(tok, prompt), encode(tok, prompt + text)
+    assert joined[:len(prompt_ids) - 1] == prompt_ids[:-1] and joined[len(prompt_ids) - 1] != prompt_ids[-1]  # merged
+    out = pre.response_columns(tok, prompt, prompt_ids, "chosen", text, EOS, 10, 30, pad, "row c1")
+    label = out["query_chosen_token_response_label"]
+    assert out["query_chosen_token"][:out["query_chosen_token_len"]] == joined + [tok.eos_token_id]
+    assert label[:len(prompt_ids) - 1] == [pad] * (len(prompt_ids) - 1)
+    assert label[len(prompt_ids) - 1:out["query_chosen_token_len"]] == joined[len(prompt_ids) - 1:] + [tok.eos_token_id]
+    # only a summary that opens with punctuation may merge so; a word may not ("my ca" + "t sat", below)
+    with pytest.raises(pre.DataError, match="do not start with the ids of the query alone"):
+        pre.response_columns(tok, "my ca", encode(tok, "my ca"), "chosen", "t sat", EOS, 10, 30, pad, "row r1")
 
 
 def test_label_mask_needs_the_query_ids_to_open_the_row(tok):
@@ -669,7 +695,8 @@ def smoke_sources():
         "train": [preference_row("p1", confidence=3), preference_row("p2", choice=1, policies=("sup1", "sup2"))],
         "validation": [preference_row("v1", confidence=8, policies=("ref", "ppo")),
                        preference_row("c1", batch="cnndm0", cnndm=True),
-                       preference_row("c2", batch="batch0_cnndm", cnndm=True, texts=(" a dog sat", " the cat"))],
+                       # CNN/DM summaries as OpenAI wrote them, after "TL;DR:\n": no leading space
+                       preference_row("c2", batch="batch0_cnndm", cnndm=True, texts=("a dog sat", '"the cat'))],
     }
     return sft, preference
 

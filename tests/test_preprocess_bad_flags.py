@@ -87,3 +87,37 @@ def test_failed_start_leaves_nothing_behind(tmp_path, case):
         assert not (tmp_path / "data").exists()  # not even the parent folder was made
     else:
         assert fingerprint(out) == before and datasets.load_from_disk(str(out / "sft"))["train"]["id"] == ["a"]
+
+
+def test_a_push_that_would_fail_at_the_end_is_refused_at_start(monkeypatch, tmp_path):
+    """--push_to_hub pushes after all the tokenizing: an offline shell, a machine without a Hub token or an --hf_entity
+    the Hub refuses stop the start, as in the training stages, not the end with a traceback."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the tests' shell is offline
+    monkeypatch.setenv("HF_TOKEN", "hf_stand_in")
+    assert problems_of("--push_to_hub") == [] and problems_of("--push_to_hub", "--hf_entity", "my-org") == []
+    assert problems_of("--push_to_hub", "--hf_entity", "my org")[0].startswith(
+        "--push_to_hub: --hf_entity 'my org' names no Hub user or organisation")
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))  # `hf auth login`'s
+    assert problems_of("--push_to_hub") == [
+        "--push_to_hub: no Hub token on this machine, so the push at the end would fail: log in first "
+        "(`hf auth login`, or HF_TOKEN in the environment)"]
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert "HF_HUB_OFFLINE is set in this shell" in problems_of("--push_to_hub")[0]
+    assert problems_of() == []  # without --push_to_hub nothing of the Hub is asked
+
+
+def test_a_hub_that_refuses_the_token_at_the_end_says_the_outputs_are_saved(monkeypatch):
+    import huggingface_hub
+
+    def refused():
+        raise OSError("401 Unauthorized")
+
+    monkeypatch.setattr(huggingface_hub, "whoami", refused)
+    args = tyro.cli(pre.Args, args=["--push_to_hub", "--output_dir", "data/x"])
+    with pytest.raises(pre.SetupError, match=r"the Hub does not say who is logged in \(OSError: 401 Unauthorized\); "
+                                             r"the outputs are saved in data/x, nothing was pushed"):
+        pre.publish_datasets(args, None, None)

@@ -188,6 +188,22 @@ def test_check_rows_lists_every_bad_row_or_drops_them_all():
         pre.check_rows(args, sft, preference)
 
 
+def test_dropping_every_cnndm_row_says_that_split_is_empty_now(capsys):
+    """validation_cnndm may be empty (a source without news rows), so dropping all of it is allowed, and said."""
+    sft, preference = smoke_sources()
+    preference["validation"][1]["summaries"][0]["text"] = " "  # the two CNN/DM rows: an empty summary,
+    preference["validation"][2]["info"]["article"] = "\n"  # an empty article (one problem in all would be the source's)
+    sft = datasets.DatasetDict({split: datasets.Dataset.from_list(rows) for split, rows in sft.items()})
+    validation, cnndm = pre.split_off_cnndm(datasets.Dataset.from_list(preference["validation"]), pre.CNNDM_BATCHES)
+    preference = datasets.DatasetDict(train=datasets.Dataset.from_list(preference["train"]), validation=validation,
+                                      validation_cnndm=cnndm)
+    args = pre.Args(sft_dataset="sft_src", preference_dataset="pref_src", output_dir="out", drop_bad_rows=True)
+    kept_sft, kept_preference, dropped = pre.check_rows(args, sft, preference)
+    assert kept_preference["validation_cnndm"].num_rows == 0 and len(dropped) == 2
+    assert ("--drop_bad_rows: left out 2 row(s) (preference/validation_cnndm 2 of 2 (all: the split is empty now))"
+            in capsys.readouterr().out)
+
+
 def test_drop_bad_rows_end_to_end(tmp_path, tok):
     """The script fails on the three bad rows, naming them and the flag; with the flag it leaves them out, lists them
     in dropped_rows.json and tokenizes the rest as a clean source would be."""
@@ -201,7 +217,8 @@ def test_drop_bad_rows_end_to_end(tmp_path, tok):
     assert "--drop_bad_rows" in result.stderr and not out.exists()  # a failed first run writes nothing
     result = run(command + ["--output_dir", str(out), "--drop_bad_rows"], tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "--drop_bad_rows: left out 3 row(s)" in result.stdout
+    assert ("--drop_bad_rows: left out 3 row(s) (sft/validation 1 of 2, sft/test 1 of 2, preference/train 1 of 3)"
+            in result.stdout), result.stdout
     dropped = json.loads((out / "dropped_rows.json").read_text())
     assert [(row["split"], row["row"], row["id"]) for row in dropped] == [
         ("validation", 1, "b2"), ("train", 2, "p3"), ("test", 1, "a2")]
