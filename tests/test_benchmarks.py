@@ -1002,3 +1002,27 @@ def test_sampling_benchmark_times_four_samplers_that_draw_the_same_tokens(tiny_t
     assert set(result["seconds"]) == {"HF generate", "HF generate, static cache + compile", "plain loop (sample_rollout)",
                                       "fast path (StaticSampler)"}
     assert all(len(times) == 1 for times in result["seconds"].values()) and result["tokens"] == 4 * 3
+
+
+def test_gpu_check_smoke_run_on_cpu(tmp_path):
+    """benchmark/gpu_check.py end to end on the tiny shape (--allow_cpu --launcher plain): every stage's command still
+    runs, and the report has each stage's row, both PPO runs' update split and the decode line. The GPU check runs on
+    scarce device time; a flag renamed in a stage would otherwise surface only there."""
+    from conftest import REPO, run_python
+
+    out = tmp_path / "gpu_check.md"
+    result = run_python([sys.executable, REPO / "benchmark" / "gpu_check.py", "--allow_cpu", "--size", "tiny",
+                         "--launcher", "plain", "--work", tmp_path / "work", "--out", out], timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = out.read_text()
+    assert "- device: **CPU (smoke run, not a measurement)**" in report
+    for stage in ("SFT, 1 update", "RM, 1 update", "DPO, 1 update", "PPO, 2 updates",
+                  "PPO, 2 updates, --fast_sampling --compile_training"):
+        assert re.search(rf"^\| {re.escape(stage)} \| [^|]+ \| \d+ \| n/a \|$", report, re.M), (stage, report[:3000])
+    runs = re.findall(r"^\| (plain loop \(sample_rollout\), eager layers|StaticSampler, compiled layers)[^|]* \| "
+                      r"([\d.]+) \| ([\d.]+) \(\d+%\) \| ([\d.]+) \(\d+%\) \| ([\d.]+) \(\d+%\) \|$", report, re.M)
+    assert [name for name, *_ in runs] == ["plain loop (sample_rollout), eager layers", "StaticSampler, compiled layers"]
+    for _, update, *phases in runs:  # the three phases make up most of the update (the rest: logging, bookkeeping)
+        assert 0.5 * float(update) < sum(map(float, phases)) <= float(update) + 0.02
+    assert re.search(r"^Decode \(.*\): fast path .* tokens/s .* plain loop .* tokens/s .*: [\d.]+x; the same tokens at "
+                     r"[\d.]+% of positions", report, re.M)
