@@ -113,9 +113,9 @@ class Args:
     check_length_correctness: bool = True
     """Fail unless every computed maximum equals its flag (a larger maximum always fails; reference: True)"""
     drop_bad_rows: bool = False
-    """Leave out the source rows this script cannot use (a TL;DR summary without its leading space, an empty post, an SFT
-    post id repeated), each listed with its reason in dropped_rows.json; off: fail, listing them (the reference code
-    tokenized such rows as they were)"""
+    """Leave out the source rows this script cannot use (a TL;DR summary without its leading space, an empty post, an
+    SFT post id repeated), each listed with its reason in dropped_rows.json; off: fail, listing them (the reference
+    code tokenized such rows as they were)"""
 
 
 # The query templates of OpenAI's summarize-from-feedback code. No space after "TL;DR:": the
@@ -644,9 +644,10 @@ def check_rows(args: Args, sft, preference) -> tuple:
                         + "\nfix the source, or pass --drop_bad_rows to leave them out (each is then listed "
                         f"with its reason in {args.output_dir}/dropped_rows.json)")
     if dropped:  # how many of each split: a split left empty (all of CNN/DM, say) must not pass unseen
+        sources = (("sft", sft, sft_bad + repeats), ("preference", preference, preference_bad))
         lost = [f"{name}/{split} {n} of {len(dataset_dict[split])}" + (" (all: the split is empty now)"
                                                                        if n == len(dataset_dict[split]) else "")
-                for name, dataset_dict, bad in (("sft", sft, sft_bad + repeats), ("preference", preference, preference_bad))
+                for name, dataset_dict, bad in sources
                 for split, n in ((split, sum(row["split"] == split for row in bad)) for split in dataset_dict) if n]
         sft, preference = without_rows(sft, sft_bad + repeats), without_rows(preference, preference_bad)
         print(f"--drop_bad_rows: left out {len(dropped)} row(s) ({', '.join(lost)}), listed with their reasons in "
