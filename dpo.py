@@ -720,7 +720,7 @@ def write_split_results(staging: str, split: str, table: pd.DataFrame, report: s
                         csv_name: str, wandb_key: Optional[str]) -> None:
     """Rank 0: `csv_name` and accuracy_{split}.md into `staging`, the table to W&B as `wandb_key` (--track: not None);
     report and calibration printed."""
-    table.to_csv(os.path.join(staging, csv_name), index=False)
+    table.to_csv(os.path.join(staging, csv_name), index=False, lineterminator="\r\n")  # a bare "\r" quoted (write_summaries)
     with open(os.path.join(staging, f"accuracy_{split}.md"), "w") as file:
         file.write(report)
     if wandb_key is not None:
@@ -735,7 +735,9 @@ def write_summaries(staging: str, rows: list, csv_name: str, wandb_key: Optional
     """Rank 0: the sampled summaries (query, response, reference) as `csv_name` into `staging` (judge.py reads it), to
     W&B as `wandb_key` (--track: not None); the first three printed."""
     table = pd.DataFrame(rows, columns=["query", "response", "reference"])
-    table.to_csv(os.path.join(staging, csv_name), index=False)
+    # Rows end in "\r\n" (RFC 4180, as csv's own writer): a cell holding a bare "\r" (a sampled token) is then
+    # quoted, where pandas' "\n" would leave it bare and a CSV reader would end the row there.
+    table.to_csv(os.path.join(staging, csv_name), index=False, lineterminator="\r\n")
     if wandb_key is not None:
         import wandb
 

@@ -1188,8 +1188,8 @@ def evaluate_and_log(accelerator, args, dataset, policy, reward_model, tokenizer
             if split == "validation":
                 writer.add_scalar("objective/validation_score", metrics["score"], episode)
             table = pd.DataFrame(rows, columns=["query", "response", "reference", "score", "reference_score"])
-            write_atomic(os.path.join(f"runs/{run_name}", f"samples_{split}_{episode}.csv"),
-                         lambda partial: table.to_csv(partial, index=False))
+            write_atomic(os.path.join(f"runs/{run_name}", f"samples_{split}_{episode}.csv"),  # "\r\n": a bare "\r" quoted
+                         lambda partial: table.to_csv(partial, index=False, lineterminator="\r\n"))
             if args.track:
                 import wandb
 

@@ -821,7 +821,7 @@ def write_split_results(staging: str, split: str, table: pd.DataFrame, report: s
                         csv_name: str, wandb_key: Optional[str]) -> None:
     """Rank 0: `csv_name` and accuracy_{split}.md into `staging`, the table to W&B as `wandb_key` (--track: not None);
     report and calibration printed."""
-    table.to_csv(os.path.join(staging, csv_name), index=False)
+    table.to_csv(os.path.join(staging, csv_name), index=False, lineterminator="\r\n")  # a bare "\r" quoted (write_summaries)
     with open(os.path.join(staging, f"accuracy_{split}.md"), "w") as file:
         file.write(report)
     if wandb_key is not None:

@@ -672,3 +672,21 @@ def test_input_notes_name_what_a_start_may_not_mean():
     assert judge.input_notes(llm, {"sft": table("a", "b ", " b", "a", "c")}) == [
         "table sft: 2 row(s) repeat an earlier row's query (data row 2 repeats row 1...): each row is a comparison "
         "against the references, and in a pair against this table the last row of a query is the one compared"]
+
+
+def test_a_sample_table_with_a_bare_carriage_return_reads_back_whole(tmp_path):
+    """A sampled token can be a bare "\r" (Pythia's vocabulary has it). The stages write their tables with "\r\n" row
+    ends, so csv quotes such a cell; with pandas' "\n" it stayed bare, and judge.py's reader ended the row there and
+    refused the whole table after the run."""
+    import dpo
+    import sft
+
+    rows = [{"query": "SUBREDDIT: r/a\n\nTL;DR:", "response": " first\rsecond", "reference": " a ref, a comma"},
+            {"query": "x", "response": "\r", "reference": " \r\n"}]
+    for module in (sft, dpo):
+        module.write_summaries(str(tmp_path), rows, f"{module.__name__}.csv", None)
+        assert judge.read_table(str(tmp_path / f"{module.__name__}.csv"), -1, ("query", "response", "reference")) == rows
+    # every table a stage writes with pandas ends its rows so (reward.py's and dpo.py's eval tables, ppo.py's samples)
+    for script in ("sft.py", "reward.py", "dpo.py", "ppo.py"):
+        calls = re.findall(r"\.to_csv\((.*)$", (REPO / script).read_text(), re.M)  # each call fits on its line
+        assert calls and all('lineterminator="\\r\\n"' in call for call in calls), (script, calls)
