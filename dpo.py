@@ -630,6 +630,10 @@ def first_rows(dataset, num_rows: Optional[int]):
     return dataset if num_rows is None else dataset.select(range(min(num_rows, len(dataset))))
 
 
+# What the evaluation after training reads besides the token columns (pair_table).
+TABLE_COLUMNS = ("query", "chosen", "rejected", "batch", "split", "extra", "chosen_policy", "rejected_policy")
+
+
 def pair_table(eval_set, rewards: dict) -> pd.DataFrame:
     """One row per preference pair: texts, labeling batch, split, confidence, policies, both rewards."""
     table = pd.DataFrame({
@@ -926,6 +930,7 @@ def dpo_inputs(args, accelerator) -> tuple:
     name, prints = resolve_paths(args, accelerator, "dpo")
     preference, sft = load_datasets(args, {"label_dataset": (("train",) + EVAL_SPLITS, PAIR_COLUMNS),
                                            "query_dataset": (("validation",), QUERY_COLUMNS)})
+    refuse(table_columns_problem(args.label_dataset, preference, EVAL_SPLITS))
     tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path")
     for path, data, column in ((args.label_dataset, preference, "query_chosen_token"),
                                (args.query_dataset, sft, "reference_response_token")):  # must be this tokenizer's ids
@@ -1176,6 +1181,14 @@ def ids_in_data(dataset_dict, column: str) -> Optional[dict]:
     if 2 * lasts.count(pad) <= len(rows) or eos is None or 10 * ends.count(eos) < 9 * len(ends):
         return None
     return {"eos_token_id": eos, "pad_token_id": pad}
+
+
+def table_columns_problem(path: str, preference, splits: tuple) -> Optional[str]:
+    """Why the evaluation after training could not read the eval `splits` of --label_dataset `path` (a column of
+    TABLE_COLUMNS missing), found at the start and not after the last update; None if nothing."""
+    missing = missing_columns(preference, splits, TABLE_COLUMNS)
+    return (f"--label_dataset {path} lacks {missing}, which the evaluation after training reads: build it with "
+            "preprocess_tldr.py") if missing else None
 
 
 def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:

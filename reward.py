@@ -693,6 +693,11 @@ def first_rows(dataset, num_rows: Optional[int]):
     return dataset if num_rows is None else dataset.select(range(min(num_rows, len(dataset))))
 
 
+# What the evaluation after training reads besides the token columns (pair_table, token_reward_samples).
+TABLE_COLUMNS = ("query", "chosen", "rejected", "batch", "split", "extra", "chosen_policy", "rejected_policy",
+                 "query_token_len")
+
+
 def pair_table(eval_set, rewards: dict) -> pd.DataFrame:
     """One row per preference pair: texts, labeling batch, split, confidence, policies, both rewards."""
     table = pd.DataFrame({
@@ -1038,6 +1043,7 @@ def rm_inputs(args, accelerator) -> tuple:
     name, prints = resolve_paths(args, accelerator, "reward")
     preference, sft = load_datasets(args, {"label_dataset": (("train",) + EVAL_SPLITS, TRAIN_PAIR_COLUMNS + PAIR_COLUMNS),
                                            "query_dataset": (("train",), REFERENCE_COLUMNS)})
+    refuse(table_columns_problem(args.label_dataset, preference, EVAL_SPLITS))
     judged = load_judged(args.judged_file) if args.judged_file is not None else None
     tokenizer, identity = rm_tokenizer(args, accelerator, preference, sft)
     train_pairs = len(preference["train"])
@@ -1272,6 +1278,14 @@ def ids_in_data(dataset_dict, column: str) -> Optional[dict]:
     if 2 * lasts.count(pad) <= len(rows) or eos is None or 10 * ends.count(eos) < 9 * len(ends):
         return None
     return {"eos_token_id": eos, "pad_token_id": pad}
+
+
+def table_columns_problem(path: str, preference, splits: tuple) -> Optional[str]:
+    """Why the evaluation after training could not read the eval `splits` of --label_dataset `path` (a column of
+    TABLE_COLUMNS missing), found at the start and not after the last update; None if nothing."""
+    missing = missing_columns(preference, splits, TABLE_COLUMNS)
+    return (f"--label_dataset {path} lacks {missing}, which the evaluation after training reads: build it with "
+            "preprocess_tldr.py") if missing else None
 
 
 def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:

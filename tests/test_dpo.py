@@ -485,11 +485,18 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
                    "--num_train_epochs", "1", "--batch_size", str(8 * pairs)],  # the last --batch_size counts
                   f"its train split ({pairs} pairs) x --num_train_epochs 1 is less than one batch of {8 * pairs}: "
                   "pass --total_episodes"))
+    # A column only the evaluation after the last update reads: refused at the start, not after training
+    no_policy = datasets.load_from_disk(str(small_world / "preference"))
+    no_policy["validation"] = no_policy["validation"].remove_columns("chosen_policy")
+    no_policy.save_to_disk(str(tmp_path / "no_policy"))
+    cases.append((["--label_dataset", str(tmp_path / "no_policy"), "--output_dir", str(tmp_path / "f")],
+                  f"--label_dataset {tmp_path / 'no_policy'} lacks ['validation.chosen_policy'], which the evaluation "
+                  "after training reads"))
     results = early_exits([(tmp_path, REPO / "dpo.py", base + flags) for flags, _ in cases], env=ENV)
     for (_, message), result in zip(cases, results):
         assert result.returncode != 0 and "SetupError" in result.stderr and message in result.stderr, result.stderr[-2000:]
         assert "Loading weights" not in result.stdout + result.stderr
-    assert not any((tmp_path / name).exists() for name in "acde")
+    assert not any((tmp_path / name).exists() for name in "acdef")
     assert sorted(os.listdir(tmp_path / "b")) == ["args.json", "eval_metrics.json"] and not (tmp_path / "runs").exists()
 
 

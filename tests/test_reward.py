@@ -541,12 +541,19 @@ def test_bad_inputs_fail_before_any_model_is_loaded(small_world, tmp_path):
     (other_ids / "args.json").write_text(json.dumps({"pad_token_id": 5, "eos_token_id": 0}))
     pairs = len(datasets.load_from_disk(str(small_world / "preference"))["train"])
     too_few = ["--num_train_epochs", "1", "--batch_size", str(8 * pairs)]  # one pass, no whole batch: no update
+    no_policy = datasets.load_from_disk(str(small_world / "preference"))  # read only by the evaluation after training
+    no_policy["validation"] = no_policy["validation"].remove_columns("chosen_policy")
+    no_policy.save_to_disk(str(tmp_path / "no_policy"))
     starts = [(small_world / "sft", "a", []), (small_world / "preference", "b", []),
-              (other_ids / "preference", "c", []), (small_world / "preference", "d", too_few)]
-    wrong, taken, mismatch, short = early_exits([  # one interpreter for the four starts (conftest.early_exits)
+              (other_ids / "preference", "c", []), (small_world / "preference", "d", too_few),
+              (tmp_path / "no_policy", "e", [])]
+    wrong, taken, mismatch, short, late = early_exits([  # one interpreter for the four starts (conftest.early_exits)
         (tmp_path, REPO / "reward.py", base + ["--label_dataset", labels, "--output_dir", tmp_path / out, *extra])
         for labels, out, extra in starts], env=ENV)
     assert wrong.returncode != 0 and "SetupError" in wrong.stderr and "lacks ['validation'" in wrong.stderr
+    assert late.returncode != 0 and (f"--label_dataset {tmp_path / 'no_policy'} lacks ['validation.chosen_policy'], "
+                                     "which the evaluation after training reads") in late.stderr, late.stderr[-2000:]
+    assert not (tmp_path / "e").exists()
     assert taken.returncode != 0 and "holds a different run" in taken.stderr
     assert mismatch.returncode != 0 and "was tokenized with {'pad_token_id': 5, 'eos_token_id': 0}" in mismatch.stderr
     assert short.returncode != 0 and (f"its train split ({pairs} pairs) x --num_train_epochs 1 is less than one batch "
