@@ -115,7 +115,7 @@ class Args:
 
     # data
     label_dataset: Optional[str] = None
-    """Preference dataset: a preprocess_tldr.py folder or a Hub id, e.g. the reference's vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144 (None: data/{base_model}/tldr/preference)"""
+    """Preference dataset: a preprocess_tldr.py folder or a Hub id, e.g. the reference's vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144, some of whose rows were tokenized from a cleaned-up query (a warning counts them; docs/details.md) (None: data/{base_model}/tldr/preference)"""
     query_dataset: Optional[str] = None
     """SFT dataset whose validation queries the policy summarises at the end (None: data/{base_model}/tldr/sft)"""
     total_episodes: Optional[int] = None
@@ -942,6 +942,9 @@ def dpo_inputs(args, accelerator) -> tuple:
             data_ids = ids_in_data(data, column)
         if check_tokenizer(tokenizer, data_ids, f"{path} ({built_with} or its rows)"):
             accelerator.print(f"added the pad token [PAD] (id {tokenizer.pad_token_id}) to {args.sft_model_path}")
+    warning = cleaned_query_warning(args.label_dataset, preference["train"], tokenizer.pad_token_id)
+    if warning:
+        accelerator.print(warning)
     identity = tokenizer_identity(tokenizer)
     refuse(identity_problem({
         f"--sft_model_path {args.sft_model_path} (its tokenizer)": identity,
@@ -1189,6 +1192,25 @@ def table_columns_problem(path: str, preference, splits: tuple) -> Optional[str]
     missing = missing_columns(preference, splits, TABLE_COLUMNS)
     return (f"--label_dataset {path} lacks {missing}, which the evaluation after training reads: build it with "
             "preprocess_tldr.py") if missing else None
+
+
+def cleaned_query_warning(path: str, train, pad_id: int, rows: int = 1000) -> Optional[str]:
+    """A warning when --label_dataset `path` has no preprocess_tldr.py args.json beside it (a Hub dataset) and some of
+    its first `rows` train rows do not open their query+chosen ids with their query's ids; None otherwise."""
+    # The reference built its datasets under transformers 4.33, whose decode cleaned up the query (" ," to ",", " 's"
+    # to "'s") before it was tokenized again with the summary: on such posts the row holds other query ids than
+    # query_token, and its label mask (query_token's length) also hides the summary's first ids.
+    built_with = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json")
+    if (os.path.isdir(path) and os.path.isfile(built_with)) or "query_token" not in train.column_names:
+        return None
+    head = train.select(range(min(rows, len(train))))
+    queries = ([token for token in query if token != pad_id] for query in head["query_token"])
+    apart = sum(list(row[:len(query)]) != query for query, row in zip(queries, head["query_chosen_token"]))
+    return (f"warning: in {apart} of the first {len(head)} train rows of --label_dataset {path} (no preprocess_tldr.py "
+            "args.json beside it), the query's ids do not open the query+chosen row: its query text was cleaned up "
+            "before the row was tokenized (the reference's datasets: transformers 4.33 rewrote \" ,\" as \",\"). On those "
+            "rows reward.py trains on the query's own ids, not the row's, and dpo.py's label masks hide the summary's "
+            "first ids too (docs/details.md); preprocess_tldr.py builds rows without this") if apart else None
 
 
 def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:

@@ -112,7 +112,7 @@ class Args:
 
     # data
     label_dataset: Optional[str] = None
-    """Preference dataset: a preprocess_tldr.py folder or a Hub id, e.g. the reference's vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144 (None: data/{base_model}/tldr/preference)"""
+    """Preference dataset: a preprocess_tldr.py folder or a Hub id, e.g. the reference's vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144, some of whose rows were tokenized from a cleaned-up query (a warning counts them; docs/details.md) (None: data/{base_model}/tldr/preference)"""
     query_dataset: Optional[str] = None
     """SFT dataset whose train references set the normalisation (Detail 15) (None: data/{base_model}/tldr/sft)"""
     total_episodes: Optional[int] = None
@@ -1046,6 +1046,9 @@ def rm_inputs(args, accelerator) -> tuple:
     refuse(table_columns_problem(args.label_dataset, preference, EVAL_SPLITS))
     judged = load_judged(args.judged_file) if args.judged_file is not None else None
     tokenizer, identity = rm_tokenizer(args, accelerator, preference, sft)
+    warning = cleaned_query_warning(args.label_dataset, preference["train"], tokenizer.pad_token_id)
+    if warning:
+        accelerator.print(warning)
     train_pairs = len(preference["train"])
     total_episodes = train_pairs * args.num_train_epochs if args.total_episodes is None else args.total_episodes
     args.num_updates = total_episodes // args.batch_size
@@ -1286,6 +1289,25 @@ def table_columns_problem(path: str, preference, splits: tuple) -> Optional[str]
     missing = missing_columns(preference, splits, TABLE_COLUMNS)
     return (f"--label_dataset {path} lacks {missing}, which the evaluation after training reads: build it with "
             "preprocess_tldr.py") if missing else None
+
+
+def cleaned_query_warning(path: str, train, pad_id: int, rows: int = 1000) -> Optional[str]:
+    """A warning when --label_dataset `path` has no preprocess_tldr.py args.json beside it (a Hub dataset) and some of
+    its first `rows` train rows do not open their query+chosen ids with their query's ids; None otherwise."""
+    # The reference built its datasets under transformers 4.33, whose decode cleaned up the query (" ," to ",", " 's"
+    # to "'s") before it was tokenized again with the summary: on such posts the row holds other query ids than
+    # query_token, and its label mask (query_token's length) also hides the summary's first ids.
+    built_with = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json")
+    if (os.path.isdir(path) and os.path.isfile(built_with)) or "query_token" not in train.column_names:
+        return None
+    head = train.select(range(min(rows, len(train))))
+    queries = ([token for token in query if token != pad_id] for query in head["query_token"])
+    apart = sum(list(row[:len(query)]) != query for query, row in zip(queries, head["query_chosen_token"]))
+    return (f"warning: in {apart} of the first {len(head)} train rows of --label_dataset {path} (no preprocess_tldr.py "
+            "args.json beside it), the query's ids do not open the query+chosen row: its query text was cleaned up "
+            "before the row was tokenized (the reference's datasets: transformers 4.33 rewrote \" ,\" as \",\"). On those "
+            "rows reward.py trains on the query's own ids, not the row's, and dpo.py's label masks hide the summary's "
+            "first ids too (docs/details.md); preprocess_tldr.py builds rows without this") if apart else None
 
 
 def missing_columns(dataset_dict, splits: tuple, columns: tuple) -> list:

@@ -778,3 +778,32 @@ def test_token_reward_samples_are_each_rows_reward_logits_up_to_a_few_pads_past_
         assert query_length == validation[pair]["query_token_len"]
         np.testing.assert_allclose(logits, row_logits[0, :eos + 6].tolist(), atol=1e-5)
     assert samples[0][2] != samples[1][2]  # the two pairs' queries differ in length: each row gets its own
+
+
+def test_a_hub_dataset_whose_query_ids_do_not_open_the_row_is_named(small_world, tmp_path):
+    """The reference's datasets tokenized each row from a cleaned-up query text (transformers 4.33: " ," as ","):
+    on such posts the row's query ids are not query_token. A dataset without preprocess_tldr.py's args.json beside it
+    (a Hub dataset) is checked on its first train rows and the count is printed; ours (args.json beside) is not."""
+    import dpo
+
+    train = datasets.load_from_disk(str(small_world / "preference"))["train"].select(range(10))
+    pad = json.loads((small_world / "args.json").read_text())["pad_token_id"]
+    hub_like = tmp_path / "hub" / "preference"  # no args.json in tmp_path / "hub"
+
+    def cleaned(row, i):  # rows 2 and 5: the first query id rewritten in the query+chosen row only
+        if i in (2, 5):
+            first = next(j for j, token in enumerate(row["query_token"]) if token != pad)
+            ids = list(row["query_chosen_token"])
+            ids[0] = row["query_token"][first] + 1
+            row["query_chosen_token"] = ids
+        return row
+
+    for module in (reward, dpo):
+        assert module.cleaned_query_warning(str(hub_like), train, pad) is None  # every row opens with its query
+        warning = module.cleaned_query_warning(str(hub_like), train.map(cleaned, with_indices=True), pad)
+        assert warning.startswith(f"warning: in 2 of the first 10 train rows of --label_dataset {hub_like} (no "
+                                  "preprocess_tldr.py args.json beside it), the query's ids do not open"), warning
+        assert module.cleaned_query_warning(str(hub_like), train.map(cleaned, with_indices=True), pad, rows=2) is None
+        # preprocess_tldr.py's own folder: its args.json says how it was built, nothing to check
+        assert module.cleaned_query_warning(str(small_world / "preference"),
+                                            train.map(cleaned, with_indices=True), pad) is None
