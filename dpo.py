@@ -1225,8 +1225,10 @@ def load_tokenizer(path: str, flag: str):
     try:
         return AutoTokenizer.from_pretrained(path, padding_side="right")
     except (OSError, HFValidationError) as error:  # the latter: a path that is no folder and no Hub id
-        raise SetupError(f"{flag} {path}: no tokenizer at {path}, and none of that name on the Hub "
-                         f"(or the Hub cannot be reached): {error}") from error
+        raise SetupError(f"{flag} {path}: no tokenizer at {path}, and none of that name on the Hub's main branch "
+                         f"(or the Hub cannot be reached): {error}. A repository that keeps each run on a branch (the "
+                         f"reference's and this project's pushes do) is read from a download: `hf download {path} "
+                         "--revision RUN_NAME --local-dir DIR`, then pass DIR") from error
 
 
 def add_pad_token(tokenizer) -> bool:

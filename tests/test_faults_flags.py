@@ -71,6 +71,10 @@ def test_a_missing_model_folder_is_named():
             module.load_fp32(AutoModelForCausalLM, "/no/such/folder", "--sft_model_path")
         with pytest.raises(module.SetupError, match="no tokenizer at /no/such/folder"):
             module.load_tokenizer("/no/such/folder", "--sft_model_path")
+        # a Hub id that is not here (offline here; on the Hub, a repository with its runs on branches, main empty)
+        with pytest.raises(module.SetupError, match=r"reads? from a download: `hf download someone/sft-runs --revision "
+                                                    r"RUN_NAME --local-dir DIR`, then pass DIR"):
+            module.load_tokenizer("someone/sft-runs", "--sft_model_path")
 
 
 @pytest.fixture(scope="module")
