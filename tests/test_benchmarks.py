@@ -1011,8 +1011,10 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path):
     from conftest import REPO, run_python
 
     out = tmp_path / "gpu_check.md"
+    # One thread: its stages are subprocesses beside the other pytest worker's tests on CI's 2 cores.
     result = run_python([sys.executable, REPO / "benchmark" / "gpu_check.py", "--allow_cpu", "--size", "tiny",
-                         "--launcher", "plain", "--work", tmp_path / "work", "--out", out], timeout=900)
+                         "--launcher", "plain", "--work", tmp_path / "work", "--out", out], timeout=900,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = out.read_text()
     assert "- device: **CPU (smoke run, not a measurement)**" in report
