@@ -660,7 +660,11 @@ def grouped_accuracy(table: pd.DataFrame, groups: tuple) -> pd.DataFrame:
     """Rows (group, value, accuracy, pairs): 'all' first, then each value of each `groups` column of `table`."""
     out = [("all", "all", table["accuracy"].mean(), len(table))]
     for group in groups:
-        for value, part in table.groupby(group, dropna=False, sort=True):
+        parts = list(table.groupby(group, dropna=False, sort=True))
+        if all(isinstance(value, str) for value, _ in parts):  # batch3 before batch10, as a reader counts
+            parts.sort(key=lambda item: [int(piece) if piece.isdigit() else piece
+                                         for piece in re.split(r"(\d+)", item[0])])
+        for value, part in parts:
             # A column with missing values is float in pandas: show confidence 9.0 as "9"
             value = int(value) if isinstance(value, float) and value.is_integer() else value
             out.append((group, str(value), part["accuracy"].mean(), len(part)))

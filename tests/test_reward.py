@@ -340,6 +340,9 @@ def test_grouped_accuracy_hand_made_table():
                    ("confidence", "1"): (1.0, 1), ("confidence", "9"): (0.3333, 3),
                    ("confidence", "nan"): (1.0, 1)}
     assert out.iloc[0].group == "all"
+    # The real data's batches run batch3 ... batch22: in the order a reader counts, not as strings sort
+    batches = pd.DataFrame({"accuracy": [1.0] * 4, "batch": ["batch10", "batch3", "cnndm0", "batch22"]})
+    assert list(reward.grouped_accuracy(batches, ("batch",)).value) == ["all", "batch3", "batch10", "batch22", "cnndm0"]
     # What the run publishes of it: eval_metrics.json's (and W&B's) keys, and accuracy_<split>.md's rows.
     key = "eval/rm/validation/accuracy"
     assert reward.accuracy_metrics(out, key) == pytest.approx({
