@@ -644,11 +644,13 @@ def check_rows(args: Args, sft, preference) -> tuple:
                         + "\nfix the source, or pass --drop_bad_rows to leave them out (each is then listed "
                         f"with its reason in {args.output_dir}/dropped_rows.json)")
     if dropped:  # how many of each split: a split left empty (all of CNN/DM, say) must not pass unseen
-        sources = (("sft", sft, sft_bad + repeats), ("preference", preference, preference_bad))
-        lost = [f"{name}/{split} {n} of {len(dataset_dict[split])}" + (" (all: the split is empty now)"
-                                                                       if n == len(dataset_dict[split]) else "")
-                for name, dataset_dict, bad in sources
-                for split, n in ((split, sum(row["split"] == split for row in bad)) for split in dataset_dict) if n]
+        lost = []
+        for name, dataset_dict, bad in (("sft", sft, sft_bad + repeats), ("preference", preference, preference_bad)):
+            for split, dataset in dataset_dict.items():
+                n = sum(row["split"] == split for row in bad)
+                if n:
+                    lost.append(f"{name}/{split} {n} of {len(dataset)}" + (" (all: the split is empty now)"
+                                                                           if n == len(dataset) else ""))
         sft, preference = without_rows(sft, sft_bad + repeats), without_rows(preference, preference_bad)
         print(f"--drop_bad_rows: left out {len(dropped)} row(s) ({', '.join(lost)}), listed with their reasons in "
               "dropped_rows.json")

@@ -57,9 +57,9 @@ import pytest  # noqa: E402
 # nearly balanced already. Seconds per file: `pytest tests -n 2 --dist loadfile --durations=0`, setup and
 # calls summed (2026-12-02, ac560a0, an Intel Xeon). A stale table only costs balance, never a test; a file not
 # in it counts 10 s.
-FILE_SECONDS = {"test_ppo.py": 206, "test_benchmarks.py": 25, "test_real_path.py": 56, "test_forkserver.py": 52,
-                "test_preprocess_kill.py": 42, "test_launchers.py": 36, "test_judge_faults.py": 34,
-                "test_tiny_world.py": 28, "test_faults_pickle.py": 24, "test_faults_kill.py": 22, "test_dpo.py": 20,
+FILE_SECONDS = {"test_ppo.py": 206, "test_real_path.py": 56, "test_forkserver.py": 52, "test_preprocess_kill.py": 42,
+                "test_launchers.py": 36, "test_judge_faults.py": 34, "test_tiny_world.py": 28,
+                "test_benchmarks.py": 25, "test_faults_pickle.py": 24, "test_faults_kill.py": 22, "test_dpo.py": 20,
                 "test_sft.py": 18, "test_reward.py": 17, "test_tiny_resume.py": 16, "test_judge.py": 13,
                 "test_tiny_report.py": 13, "test_rm_diagnostics.py": 12, "test_preprocess_bad_rows.py": 11,
                 "test_preprocess.py": 11, "test_ppo_gold_reward.py": 10, "test_sweep_report.py": 8,
